@@ -1,0 +1,103 @@
+"""Plain decoding throughput: tltlib's RolloutEngine vs transformers ``generate`` (and vLLM when importable).
+
+Same model, same prompts, greedy, every row decodes exactly ``--new-tokens`` tokens (EOS ignored on all sides), so
+the token streams must be identical and the comparison is pure engine speed. Warm-up first, then ``--repeats``
+timed runs per engine and batch size; medians and the tltlib/transformers ratio.
+
+    python -m tltlib bench decode                       # CPU, fp32, the tiny reasoner
+    python -m tltlib bench decode --device cuda --dtype bfloat16 --model /path/to/Qwen2.5-7B
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import ensure_malloc_env, machine_info, markdown_table, median_time, write_results  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="data/tiny-reasoner")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=None, help="results folder (default bench/results)")
+    args = ap.parse_args()
+    ensure_malloc_env()
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tltlib.model import load_model
+    from tltlib.notebook import pick_device, resolve
+    from tltlib.rollout import RolloutConfig, RolloutEngine
+    from tltlib.sampling import SamplingConfig
+    from tltlib.tasks import ChainTaskConfig, encode_prompts, generate_problems
+    from tltlib.tokenizer import load_tokenizer
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    device, dtype = pick_device(args.device), getattr(torch, args.dtype)
+    path = resolve(args.model)
+    tok = load_tokenizer(path)
+    ours = load_model(path, dtype=dtype, device=device)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    hf.generation_config.eos_token_id = None          # decode exactly N tokens, like ignore_eos
+    hf.generation_config.pad_token_id = tok.pad_token_id
+    n = args.new_tokens
+    engine = RolloutEngine(ours, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=n), ignore_eos=True))
+    vllm = _maybe_vllm(path, args.dtype, n)
+
+    rows, results = [], []
+    for b in [int(x) for x in args.batches.split(",")]:
+        prompts = encode_prompts(generate_problems(ChainTaskConfig(), b, seed=b), tok)
+        width = max(map(len, prompts))
+        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts], device=device)  # left pad
+        mask = (ids != tok.pad_token_id).long()
+        out = {}
+        with torch.no_grad():
+            run_ours = lambda: out.__setitem__("ours", engine.generate(prompts).tokens)
+            run_hf = lambda: out.__setitem__("hf", hf.generate(ids, attention_mask=mask, do_sample=False,
+                                                               max_new_tokens=n, min_new_tokens=n)[:, width:])
+            t_ours, all_ours = median_time(run_ours, device, args.repeats)
+            t_hf, all_hf = median_time(run_hf, device, args.repeats)
+        identical = bool(torch.equal(out["ours"].cpu(), out["hf"].cpu()))
+        rec = {"batch": b, "new_tokens": n, "tltlib_s": t_ours, "transformers_s": t_hf, "tltlib_runs": all_ours,
+               "transformers_runs": all_hf, "tltlib_tok_s": b * n / t_ours, "transformers_tok_s": b * n / t_hf,
+               "ratio": t_hf / t_ours, "identical_tokens": identical}
+        row = [b, rec["tltlib_tok_s"], rec["transformers_tok_s"], f"{rec['ratio']:.2f}x", identical]
+        if vllm is not None:
+            t_v, _ = median_time(lambda: vllm(prompts), device, args.repeats)
+            rec["vllm_tok_s"] = b * n / t_v
+            row.insert(3, rec["vllm_tok_s"])
+        results.append(rec), rows.append(row)
+
+    header = ["batch", "tltlib tok/s", "transformers tok/s", "tltlib / transformers", "identical tokens"]
+    if vllm is not None:
+        header.insert(3, "vLLM tok/s")
+    payload = {"bench": "decode", "machine": machine_info(device), "model": str(args.model), "dtype": args.dtype,
+               "settings": vars(args), "results": results}
+    write_results(f"decode-{device.split(':')[0]}-{args.dtype}", payload,
+                  f"Plain greedy decoding, {n} new tokens per row, {args.dtype} on {device} (median of "
+                  f"{args.repeats} after a warm-up)\n\n" + markdown_table(header, rows), args.out)
+
+
+def _maybe_vllm(path: Path, dtype: str, n: int):
+    """A callable running vLLM on token prompts, or None when vLLM is not importable."""
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+    except ImportError:
+        return None
+    llm = LLM(model=str(path), dtype=dtype, skip_tokenizer_init=True, enforce_eager=True, max_model_len=1024)
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    return lambda prompts: llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                        use_tqdm=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Shared fixtures: small random transformers checkpoints of both supported families, and the GPU marker."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+HF_VARIANTS = {
+    # Llama with every optional feature on: biases, llama3 rope scaling, untied head
+    "llama-full": ("llama", dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+                                 rope_theta=500000.0,
+                                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    "llama-tied": ("llama", dict(tie_word_embeddings=True)),
+    "qwen2": ("qwen2", dict(tie_word_embeddings=False, rope_theta=1e6)),
+    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
+}
+
+
+def make_hf_model(family: str, vocab: int = 97, **kw):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    cls = LlamaConfig if family == "llama" else Qwen2Config
+    cfg = cls(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, eos_token_id=2, bos_token_id=1, **kw)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():                       # HF inits biases to 0 and norms to 1: randomise everything
+        for p in model.parameters():
+            p.normal_(0.0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="session", params=sorted(HF_VARIANTS))
+def hf_checkpoint(request, tmp_path_factory):
+    """(transformers model, folder it is saved in) for each supported family/variant."""
+    family, kw = HF_VARIANTS[request.param]
+    model = make_hf_model(family, **kw)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return model, path
+
+
+def chi2_pvalue(counts, probs, min_expected: float = 5.0) -> float:
+    """Chi-square goodness-of-fit p-value of observed ``counts`` against ``probs`` (same length).
+
+    Bins whose expected count is below ``min_expected`` are pooled into one; a count in a zero-probability bin
+    returns 0.0 (impossible outcome observed)."""
+    import numpy as np
+    from scipy.stats import chisquare
+    counts = np.asarray(counts, dtype=np.float64)
+    p = np.asarray(probs, dtype=np.float64)
+    if counts[p <= 0].sum() > 0:
+        return 0.0
+    p = p / p.sum()
+    exp = p * counts.sum()
+    big = exp >= min_expected
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(exp[big], exp[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)

@@ -1,0 +1,112 @@
+"""Ragged KV cache: prefill of different prompt lengths, per-step append, rollback, compaction, tree masks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tltlib.kvcache import KVCache
+from tltlib.model import ModelConfig, Transformer
+
+CFG = ModelConfig(vocab_size=61, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  max_position_embeddings=128)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return Transformer(CFG, init_std=0.2).eval()
+
+
+def _full_logits(model, seq):
+    with torch.no_grad():
+        return model(torch.tensor([seq]))[0]
+
+
+def _pad(rows, value=0):
+    out = torch.full((len(rows), max(map(len, rows))), value, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r)
+    return out
+
+
+def test_ragged_incremental_decoding_equals_full_forward_per_row(model):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 61, (n,), generator=g).tolist() for n in (5, 11, 1, 8)]
+    cont = torch.randint(0, 61, (4, 9), generator=g)
+    cache = model.new_cache(4, 32)
+    lens = torch.tensor([len(p) for p in prompts])
+    with torch.no_grad():
+        first, _ = model.forward_cached(_pad(prompts), cache, logits_at=lens - 1)
+        cache.advance(lens)
+        steps = []
+        for t in range(cont.shape[1]):
+            logits, _ = model.forward_cached(cont[:, t:t + 1], cache)
+            cache.advance(1)
+            steps.append(logits[:, 0])
+    for r, p in enumerate(prompts):
+        ref = _full_logits(model, p + cont[r].tolist())
+        torch.testing.assert_close(first[r], ref[len(p) - 1], atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.stack([s[r] for s in steps]), ref[len(p):], atol=1e-5, rtol=0)
+
+
+def test_uncommitted_and_rolled_back_entries_are_replaced(model):
+    seq = list(range(3, 13))
+    cache = model.new_cache(2, 32)
+    with torch.no_grad():
+        model.forward_cached(torch.tensor([seq, seq]), cache)
+        cache.advance(10)
+        # row 0: write 3 speculative tokens but commit only 1; row 1: commit 3 then roll 2 back
+        model.forward_cached(torch.tensor([[40, 41, 42], [50, 51, 52]]), cache)
+        cache.advance(torch.tensor([1, 3]), max_n=3)
+        cache.rollback(torch.tensor([0, 2]))
+        assert cache.lengths[:2].tolist() == [11, 11]
+        logits, _ = model.forward_cached(torch.tensor([[7], [8]]), cache)
+    torch.testing.assert_close(logits[0, 0], _full_logits(model, seq + [40, 7])[-1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits[1, 0], _full_logits(model, seq + [50, 8])[-1], atol=1e-5, rtol=0)
+
+
+def test_select_rows_compacts_and_duplicates(model):
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
+    cache = model.new_cache(6, 32)
+    lens = torch.tensor([3, 5, 2])
+    with torch.no_grad():
+        model.forward_cached(_pad(prompts), cache.view(0, 3), logits_at=lens - 1)
+        cache.view(0, 3).advance(lens)
+        cache.rows = 3
+        cache.sync_from_views()
+        cache.select_rows(torch.tensor([0, 0, 2, 2, 2]))          # drop row 1, duplicate the others
+        assert cache.rows == 5 and cache.lengths[:5].tolist() == [3, 3, 2, 2, 2]
+        nxt = torch.tensor([[11], [12], [13], [14], [15]])
+        logits, _ = model.forward_cached(nxt, cache)
+        cache.advance(1)
+        cache.select_rows(torch.tensor([1, 4]))
+        logits2, _ = model.forward_cached(torch.tensor([[20], [21]]), cache)
+    expect = [[1, 2, 3, 11], [1, 2, 3, 12], [9, 10, 13], [9, 10, 14], [9, 10, 15]]
+    for r, s in enumerate(expect):
+        torch.testing.assert_close(logits[r, 0], _full_logits(model, s)[-1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits2[0, 0], _full_logits(model, [1, 2, 3, 12, 20])[-1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits2[1, 0], _full_logits(model, [9, 10, 15, 21])[-1], atol=1e-5, rtol=0)
+
+
+def test_tree_mask_gives_each_branch_its_own_context(model):
+    # tree over 3 new tokens: 0 is the root, 1 and 2 are both its children (siblings must not see each other)
+    prefix = [5, 6, 7]
+    cache = model.new_cache(1, 16)
+    tree = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)
+    with torch.no_grad():
+        model.forward_cached(torch.tensor([prefix]), cache)
+        cache.advance(3)
+        positions = torch.tensor([[3, 4, 4]])
+        logits, _ = model.forward_cached(torch.tensor([[8, 9, 10]]), cache, positions=positions, tree_mask=tree)
+    torch.testing.assert_close(logits[0, 1], _full_logits(model, prefix + [8, 9])[-1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits[0, 2], _full_logits(model, prefix + [8, 10])[-1], atol=1e-5, rtol=0)
+
+
+def test_cache_errors():
+    with pytest.raises(ValueError, match="max_rows >= 1"):
+        KVCache(1, 0, 1, 4, 2)
+    cache = KVCache(1, 2, 1, 4, 2)
+    with pytest.raises(ValueError, match="overflow.*larger max_len"):
+        cache.step_mask(5)
+    with pytest.raises(ValueError, match="cannot remove more"):
+        cache.rollback(1)

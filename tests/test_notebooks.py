@@ -1,0 +1,39 @@
+"""Notebook smoke tier: every notebook runs headless with params/smoke.yaml and writes metrics.json."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tltlib.notebook import notebook_paths, read_metrics, run_notebooks
+
+EXPECTED = {
+    "01_profile_long_tail": ["rollout/len_p50", "rollout/len_p99", "rollout/tail_time_frac_10",
+                             "rollout/tail_time_frac_25", "sched/idle_frac", "rl/accuracy"],
+}
+
+
+def test_every_notebook_has_expectations_and_a_parameters_cell():
+    for nb in notebook_paths():
+        assert nb.stem in EXPECTED, f"add {nb.stem} to EXPECTED"
+        cells = json.loads(nb.read_text())["cells"]
+        tagged = [c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+        assert len(tagged) == 1, f"{nb.name} needs exactly one cell tagged 'parameters'"
+        source = "".join(tagged[0]["source"])
+        assigned = [l.split("=")[0].strip() for l in source.splitlines() if l and not l.startswith("#")]
+        from papermill.translators import PythonTranslator
+        parsed = [p.name for p in PythonTranslator.inspect({"source": source})]
+        assert parsed == assigned, f"{nb.name}: papermill cannot parse every parameter line (no '=' in comments)"
+        assert all(not c.get("outputs") and not c.get("execution_count") for c in cells if c["cell_type"] == "code"),\
+            f"{nb.name} is committed with outputs: strip them"
+
+
+@pytest.mark.notebooks
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_notebook_smoke(name, tmp_path):
+    (executed,) = run_notebooks("params/smoke.yaml", out_root=tmp_path, only=[name[:2]], progress=False)
+    assert executed.is_file()
+    metrics = read_metrics(executed.parent)
+    for key in EXPECTED[name]:
+        assert key in metrics, key
+    assert list(executed.parent.glob("*.png")), "the notebook wrote no figure"

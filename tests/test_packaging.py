@@ -1,0 +1,54 @@
+"""Packaging and hygiene: environment.yml agrees with pyproject; importing tltlib changes no global state; CLI."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_environment_yml_matches_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = set(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        wanted |= set(extra)
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    assert {p for p in pip if not p.startswith("-e")} == wanted
+    assert "python=3.11" in env["dependencies"]
+
+
+def test_import_changes_no_global_state():
+    code = """
+import sys, random
+import tltlib
+assert "torch" not in sys.modules, "import tltlib must stay light (setup runs before torch exists)"
+import torch
+state = lambda: (torch.get_num_threads(), torch.get_default_dtype(), torch.is_grad_enabled(),
+                 torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision(),
+                 torch.random.get_rng_state().sum().item(), random.getstate()[1][:5])
+before = state()
+import importlib, pkgutil
+for m in pkgutil.iter_modules(tltlib.__path__):
+    if m.name != "__main__":
+        importlib.import_module("tltlib." + m.name)
+assert state() == before, (before, state())
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_cli_help_and_unknown_params(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "tltlib", "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and "run-notebooks" in out.stdout
+    from tltlib.notebook import load_params
+    with pytest.raises(FileNotFoundError, match="params file 'nope.yaml' not found; available"):
+        load_params("nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match="expected a mapping"):
+        load_params(bad)

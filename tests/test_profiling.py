@@ -1,0 +1,47 @@
+"""Long-tail statistics on hand-computed cases."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tltlib.profiling import (METRICS, active_over_time, empty_slot_fraction, length_stats, long_tail_report,
+                              rollout_stats, split_idle_fraction, tail_time_share)
+
+
+def test_length_stats():
+    s = length_stats([10] * 98 + [100, 200])
+    assert s["rollout/len_p50"] == 10 and s["rollout/len_max"] == 200
+    assert s["rollout/max_over_p50"] == 20
+    assert s["rollout/p99_over_p50"] == pytest.approx(np.percentile([10] * 98 + [100, 200], 99) / 10)
+    assert set(s) <= set(METRICS)
+    with pytest.raises(ValueError):
+        length_stats([])
+
+
+def test_tail_time_share():
+    # 4 steps of 1 s with 10, 5, 2, 1 of 10 rows running: <=10% -> last step, <=25% -> last two
+    assert tail_time_share([1, 1, 1, 1], [10, 5, 2, 1], 10, 0.10) == 0.25
+    assert tail_time_share([1, 1, 1, 1], [10, 5, 2, 1], 10, 0.25) == 0.5
+    assert tail_time_share([], [], 10, 0.1) == 0.0
+
+
+def test_split_idle_fraction():
+    # 2 workers: lengths [1, 1 | 1, 9] -> busy 1 and 9 -> idle = 1 - 5/9
+    assert split_idle_fraction([1, 1, 1, 9], 2) == pytest.approx(1 - 5 / 9)
+    assert split_idle_fraction([4, 4, 4, 4], 4) == 0.0
+    with pytest.raises(ValueError, match="cannot split"):
+        split_idle_fraction([1, 2], 3)
+
+
+def test_active_over_time_and_rollout_stats_keys():
+    t, a = active_over_time([1.0, 2.0, 3.0], 3.0, points=4)
+    assert a.tolist() == [3, 2, 1, 0]
+    s = rollout_stats(np.array([3, 5]), [0.1] * 5, [2, 2, 2, 1, 1], 2, np.array([False, True]), 0.6, 0.1)
+    assert set(s) <= set(METRICS) and s["rollout/truncated_frac"] == 0.5
+
+
+def test_empty_slots_and_report():
+    assert empty_slot_fraction([1, 1, 1, 9]) == pytest.approx(1 - 3 / 9)
+    rep = long_tail_report({"rollout/len_p50": 1.0}, [1, 1, 1, 9], 2, rewards=[1.0, 0.0, 0.5, 1.0])
+    assert rep["sched/idle_frac"] == pytest.approx(1 - 5 / 9) and rep["rl/accuracy"] == 0.5
+    assert rep["rl/reward_mean"] == 0.625 and set(rep) <= set(METRICS)

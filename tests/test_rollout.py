@@ -1,0 +1,117 @@
+"""RolloutEngine: greedy equals transformers generate, sampling follows the model, batches shrink, traces add up."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import chi2_pvalue
+
+from tltlib.model import ModelConfig, Transformer, save_model
+from tltlib.rollout import RolloutConfig, RolloutEngine
+from tltlib.sampling import SamplingConfig, probs_from_logits
+
+CFG = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  eos_token_ids=(2,), pad_token_id=0, bos_token_id=1, max_position_embeddings=96)
+PROMPTS = [[1, 5, 6], [1, 7], [1, 3, 4, 5, 6, 8, 9], [1, 10, 11, 12]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = Transformer(CFG, init_std=0.4).eval()
+    with torch.no_grad():                      # make EOS likely enough that lengths vary
+        m.embed.weight[2] *= 3
+    return m
+
+
+def _engine(model, **kw):
+    sampling = {k: kw.pop(k) for k in ("temperature", "top_k", "top_p", "max_new_tokens") if k in kw}
+    return RolloutEngine(model, RolloutConfig(SamplingConfig(**sampling), **kw))
+
+
+def test_greedy_matches_transformers_generate(model, tmp_path):
+    from transformers import AutoModelForCausalLM
+    save_model(model, tmp_path / "m")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    res = _engine(model, temperature=0, max_new_tokens=30).generate(PROMPTS)
+    for i, p in enumerate(PROMPTS):
+        out = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=30, eos_token_id=2, pad_token_id=0)
+        assert res.response_ids(i) == out[0, len(p):].tolist()
+
+
+def test_rows_leave_the_batch_and_traces_add_up(model):
+    res = _engine(model, temperature=1.0, max_new_tokens=40, group_size=4, compact_fraction=0.0).generate(PROMPTS)
+    tl = res.timeline
+    assert res.num_sequences == 16
+    assert tl["rows"][0] == 16 and np.all(np.diff(tl["rows"]) <= 0)
+    assert tl["rows"][-1] < 16 and np.array_equal(tl["rows"][1:], tl["active"][1:])   # compacted every finish
+    lengths = res.lengths.numpy()
+    assert len(tl["step_time"]) == lengths.max() and res.stats["rollout/tokens"] == lengths.sum()
+    assert np.array_equal(res.finish_step, lengths - 1)
+    assert np.all(np.diff(tl["time"]) >= 0) and res.finish_time.max() <= res.stats["rollout/time_s"]
+    # rows still generating at step s = responses longer than s
+    assert np.array_equal(tl["active"], [(lengths > s).sum() for s in range(len(tl["active"]))])
+    ended = res.tokens[torch.arange(16), res.lengths - 1]
+    assert torch.equal(ended == 2, torch.from_numpy(~res.truncated))
+    assert np.all(lengths[res.truncated] == 40)
+
+
+def test_logprobs_and_hidden_states_match_a_full_forward(model):
+    res = _engine(model, temperature=0.8, top_k=10, max_new_tokens=25, group_size=2, keep_hidden=True).generate(
+        PROMPTS, torch.Generator().manual_seed(5))
+    for i in range(res.num_sequences):
+        p, r = PROMPTS[i // 2], res.response_ids(i)
+        with torch.no_grad():
+            logits, hidden = model(torch.tensor([p + r]), return_hidden=True)
+        probs = probs_from_logits(logits[0, len(p) - 1:-1], 0.8, 10)
+        torch.testing.assert_close(res.logprobs[i, : len(r)], probs.gather(-1, torch.tensor(r)[:, None])[:, 0].log(),
+                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(res.hidden[i, : len(r)], hidden[0, len(p) - 1:-1], atol=1e-5, rtol=0)
+
+
+def test_first_two_tokens_follow_the_model_chi_square(model):
+    g = torch.Generator().manual_seed(11)
+    res = _engine(model, temperature=1.0, max_new_tokens=2, group_size=3000).generate([[1, 5]], g)
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([[1, 5]]))[0, -1], -1)
+    counts = np.bincount(res.tokens[:, 0].numpy(), minlength=CFG.vocab_size)
+    assert chi2_pvalue(counts, p1.numpy()) > 1e-3
+
+
+def test_seeded_reproducible_and_groups_differ(model):
+    eng = _engine(model, temperature=1.0, max_new_tokens=20, group_size=3)
+    a = eng.generate(PROMPTS, torch.Generator().manual_seed(1))
+    b = eng.generate(PROMPTS, torch.Generator().manual_seed(1))
+    c = eng.generate(PROMPTS, torch.Generator().manual_seed(2))
+    assert torch.equal(a.tokens, b.tokens) and not torch.equal(a.tokens, c.tokens)
+    assert len({tuple(a.response_ids(i)) for i in range(3)}) > 1        # samples of one prompt differ
+
+
+def test_max_new_tokens_and_context_budget(model):
+    res = _engine(model, temperature=0, max_new_tokens=5).generate(PROMPTS)
+    assert res.lengths.max() <= 5
+    long_prompt = [1] + [5] * 90                                         # context 96: room for 5 tokens only
+    res = _engine(model, temperature=1.0, max_new_tokens=50).generate([long_prompt])
+    assert res.lengths[0] <= 5
+
+
+def test_bad_prompts_are_clear_errors(model):
+    eng = _engine(model, temperature=0, max_new_tokens=5)
+    with pytest.raises(ValueError, match="prompt 1 has 96 tokens but the model's context is 96"):
+        eng.generate([[1, 2], [1] * 96])
+    with pytest.raises(ValueError, match="no prompts"):
+        eng.generate([])
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        eng.generate([[]])
+    with pytest.raises(ValueError, match="token ids outside"):
+        eng.generate([[1, 99]])
+    with pytest.raises(ValueError, match="group_size must be >= 1"):
+        RolloutConfig(group_size=0)
+
+
+@pytest.mark.gpu
+def test_cuda_greedy_matches_cpu(model):
+    cpu = _engine(model, temperature=0, max_new_tokens=30).generate(PROMPTS)
+    gpu = _engine(model.to("cuda"), temperature=0, max_new_tokens=30).generate(PROMPTS)
+    model.to("cpu")
+    assert torch.equal(cpu.tokens, gpu.tokens.cpu())

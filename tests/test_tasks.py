@@ -1,0 +1,123 @@
+"""The chain task (generator, verifier, reward, long tail) and dataset IO with its errors."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tltlib.tasks import (ChainTaskConfig, Problem, extract_answer, generate_problems, load_problems, prompt_text,
+                          reward, save_problems, solve)
+
+
+def test_generator_is_seeded_and_solutions_are_correct():
+    a = generate_problems(ChainTaskConfig(), 50, seed=7)
+    assert a == generate_problems(ChainTaskConfig(), 50, seed=7)
+    assert a != generate_problems(ChainTaskConfig(), 50, seed=8)
+    for p in a:
+        x, z = (int(v) for v in p.prompt.split()[:2])
+        digits = lambda v: [v // 10, v % 10]
+        for _ in range(p.meta["steps"]):
+            x, z = z, int("".join(str((i + j) % 10) for i, j in zip(digits(x), digits(z))))
+        assert p.answer == f"{z:02d}"
+        assert reward(solve(p.prompt), p.answer) == 1.0
+        assert len(solve(p.prompt)) == 11 * p.meta["steps"] + 3
+
+
+def test_solve_example_from_the_docs():
+    assert solve("47 18 c?") == "a:47+18=55 b:18+55=63 c:55+63=18 #18"
+
+
+def test_reference_lengths_are_long_tailed():
+    lengths = np.array([len(solve(p.prompt)) + 1 for p in generate_problems(ChainTaskConfig(), 512, seed=0)])
+    med = np.median(lengths)
+    assert np.percentile(lengths, 99) / med >= 4
+    assert lengths.max() / med >= 8
+
+
+@pytest.mark.parametrize("text,ans", [("a:01+02=03 #03", "03"), ("blah #### 1,234.", "1234"),
+                                      ("so \\boxed{\\frac{1}{2}} and #7", "\\frac{1}{2}"), ("no answer", None),
+                                      ("#12 then #13", "13")])
+def test_extract_answer(text, ans):
+    assert extract_answer(text) == ans
+
+
+def test_reward_is_binary_and_in_range():
+    assert reward("a:00+00=00 #00", "00") == 1.0
+    assert reward("a:00+00=00 #01", "00") == 0.0
+    assert reward("", "00") == 0.0
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="max_steps <= 52"):
+        ChainTaskConfig(max_steps=60)
+    with pytest.raises(ValueError, match="zipf_exponent"):
+        ChainTaskConfig(zipf_exponent=-1)
+    with pytest.raises(ValueError, match="not a chain-task prompt"):
+        solve("what is 2+2?")
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_roundtrip(tmp_path, suffix):
+    probs = generate_problems(ChainTaskConfig(), 20, seed=1)
+    path = save_problems(probs, tmp_path / f"d{suffix}")
+    back = load_problems(path)
+    assert [prompt_text(p) for p in back] == [p.prompt for p in probs]
+    assert [p.answer for p in back] == [p.answer for p in probs]
+    assert [f.name for f in tmp_path.iterdir()] == [f"d{suffix}"]        # no temporary file left behind
+
+
+def test_user_formats_gsm8k_math_and_verl_chat(tmp_path):
+    rows = [{"question": "Tom has 3 apples...", "answer": "He has 3+4=7 #### 7"},
+            {"problem": "Compute 1/2.", "solution": "It is \\boxed{\\frac{1}{2}}."},
+            {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+             "reward_model": {"style": "rule", "ground_truth": "4"}, "data_source": "x"}]
+    path = tmp_path / "user.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    probs = load_problems(path)
+    assert [p.answer for p in probs] == ["7", "\\frac{1}{2}", "4"]
+    assert prompt_text(probs[2]) == "Be brief.\n2+2?"
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist([rows[2]]), tmp_path / "verl.parquet")
+    (p,) = load_problems(tmp_path / "verl.parquet")
+    assert p.answer == "4" and p.prompt[1]["content"] == "2+2?"
+
+
+def test_chat_template_is_used_when_the_tokenizer_has_one():
+    class Tok:
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return "|".join(m["content"] for m in messages) + ("<gen>" if add_generation_prompt else "")
+
+    p = Problem(({"role": "user", "content": "hi"},), "1")
+    assert prompt_text(p, Tok()) == "hi<gen>"
+
+
+def test_dataset_errors_name_file_row_and_field(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_problems(tmp_path / "missing.jsonl")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        load_problems(empty)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": \n')
+    with pytest.raises(ValueError, match=r"bad.jsonl, row 2: not valid JSON"):
+        load_problems(bad)
+    nofield = tmp_path / "nofield.jsonl"
+    nofield.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n')
+    with pytest.raises(ValueError, match=r"nofield.jsonl, row 2: no ground truth"):
+        load_problems(nofield)
+    noprompt = tmp_path / "noprompt.jsonl"
+    noprompt.write_text('{"text": "a", "answer": "1"}\n')
+    with pytest.raises(ValueError, match=r"row 1: no prompt field"):
+        load_problems(noprompt)
+    badchat = tmp_path / "badchat.jsonl"
+    badchat.write_text('{"prompt": [{"role": "user"}], "answer": "1"}\n')
+    with pytest.raises(ValueError, match=r"row 1: field 'prompt' is a list but not chat messages"):
+        load_problems(badchat)
+    with pytest.raises(ValueError, match="unsupported dataset format"):
+        (tmp_path / "d.csv").write_text("a,b\n")
+        load_problems(tmp_path / "d.csv")

@@ -1,0 +1,161 @@
+"""``python -m tltlib …``: set-up, the main job (notebooks), tests, benchmarks and training of the tiny reasoner.
+
+The commands ``setup``, ``run`` and ``test`` work from a bare Python 3.11 (standard library only): they create
+``.venv`` in the project, install PyTorch and the project into it, and re-run themselves inside it. On a machine
+without an NVIDIA GPU the set-up installs the CPU build of torch 2.13.0 first and constrains every later install to
+it, so a multi-GB CUDA torch is never downloaded (see shared/reference/dependencies.md).
+
+Departures: none (tooling).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = ROOT / ".venv"
+CPU_TORCH = "torch==2.13.0+cpu"
+CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+NOTEBOOK_ORDER_GLOB = "notebooks/[0-9][0-9]_*.ipynb"
+
+
+def _venv_python() -> Path:
+    return VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def _in_venv() -> bool:
+    return Path(sys.prefix).resolve() == VENV.resolve()
+
+
+def has_nvidia_gpu() -> bool:
+    """True when an NVIDIA driver answers (then the CUDA build of torch is wanted)."""
+    if Path("/proc/driver/nvidia/version").exists():
+        return True
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    return subprocess.run([smi, "-L"], capture_output=True).returncode == 0
+
+
+def _pip(*args: str) -> None:
+    cmd = [str(_venv_python()), "-m", "pip", "install", "--disable-pip-version-check", *args]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, stdin=subprocess.DEVNULL)
+
+
+def setup(force: bool = False) -> None:
+    """Create ``.venv`` and install torch + ``tltlib[notebooks,dev]`` into it; a no-op when already done."""
+    gpu = has_nvidia_gpu()
+    stamp_text = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest() + ("-gpu" if gpu else "-cpu")
+    stamp = VENV / ".tltlib-setup"
+    if not force and stamp.is_file() and stamp.read_text() == stamp_text and _venv_python().exists():
+        return
+    if not _venv_python().exists():
+        print(f"creating {VENV}", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    constraints = VENV / "tltlib-constraints.txt"
+    extra: list[str] = []
+    if not gpu:
+        constraints.write_text(CPU_TORCH + "\n")
+        extra = ["-c", str(constraints)]
+        probe = subprocess.run([str(_venv_python()), "-c", "import torch; print(torch.__version__)"],
+                               capture_output=True, text=True)
+        if probe.returncode != 0 or probe.stdout.strip() != CPU_TORCH.split("==")[1]:
+            try:                             # a local CPU wheel (pip's find-links) or a mirror that has it
+                _pip(CPU_TORCH)
+            except subprocess.CalledProcessError:
+                _pip(CPU_TORCH, "--index-url", CPU_TORCH_INDEX)
+    _pip(*extra, "-e", f"{ROOT}[notebooks,dev]")
+    stamp.write_text(stamp_text)
+
+
+def _reexec_in_venv(argv: list[str]) -> None:
+    """Set up, then replace this process with the same command under the venv's Python."""
+    setup()
+    py = str(_venv_python())
+    os.execv(py, [py, "-m", "tltlib", *argv])
+
+
+def _notebook_env() -> None:
+    """Keep Jupyter/IPython state inside the venv and plots headless."""
+    share = Path(sys.prefix) / "share" / "jupyter-state"
+    for var, sub in (("JUPYTER_DATA_DIR", "data"), ("JUPYTER_CONFIG_DIR", "config"), ("IPYTHONDIR", "ipython")):
+        if var not in os.environ:
+            (share / sub).mkdir(parents=True, exist_ok=True)
+            os.environ[var] = str(share / sub)
+    os.environ.setdefault("MPLBACKEND", "Agg")
+
+
+def cmd_run_notebooks(args) -> int:
+    from .notebook import run_notebooks
+    _notebook_env()
+    done = run_notebooks(args.params, out_root=args.out, only=args.only, progress=not args.quiet)
+    for path in done:
+        print(f"executed {path}")
+    return 0
+
+
+def cmd_test(args) -> int:
+    import pytest
+    _notebook_env()
+    os.chdir(ROOT)
+    return pytest.main(["-m", "not gpu and not slow", *args.pytest_args])
+
+
+def cmd_train_reasoner(args) -> int:
+    from .reasoner import ReasonerTrainConfig, train_reasoner
+    cfg = ReasonerTrainConfig(minutes=args.minutes, seed=args.seed)
+    card = train_reasoner(cfg, args.out, progress=not args.quiet)
+    print(card)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import runpy
+    script = ROOT / "bench" / f"{args.name}.py"
+    if not script.is_file():
+        names = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if not p.stem.startswith("_"))
+        raise SystemExit(f"unknown benchmark {args.name!r}; choose one of {names}")
+    sys.argv = [str(script), *args.bench_args]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python -m tltlib", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("setup", help="create .venv with torch (CPU build without an NVIDIA GPU) and tltlib")
+    r = sub.add_parser("run", help="set up, then execute every notebook headless (the main job)")
+    r.add_argument("--params", default="params/cpu-tiny.yaml", help="papermill parameter file (default %(default)s)")
+    r.add_argument("--only", nargs="*", help="notebook name prefixes to run, e.g. 01")
+    r.add_argument("--out", default="runs", help="folder for executed notebooks, figures, metrics.json")
+    r.add_argument("--quiet", action="store_true")
+    rn = sub.add_parser("run-notebooks", help="execute notebooks with papermill (inside an installed env)")
+    for a in r._actions[1:]:
+        rn._add_action(a)
+    t = sub.add_parser("test", help="set up, then run the test suite (CPU tiers: unit + notebook smoke)")
+    t.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
+    tr = sub.add_parser("train-reasoner", help="train the tiny reasoner shipped in data/ (SFT on generated traces)")
+    tr.add_argument("--minutes", type=float, default=18.0, help="wall-clock training budget")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--out", default=str(ROOT / "data" / "tiny-reasoner"))
+    tr.add_argument("--quiet", action="store_true")
+    b = sub.add_parser("bench", help="run bench/NAME.py (e.g. decode)")
+    b.add_argument("name")
+    b.add_argument("bench_args", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+
+    if args.cmd == "setup":
+        setup(force=True)
+        return 0
+    if args.cmd in ("run", "test") and not _in_venv() and not os.environ.get("TLTLIB_NO_VENV"):
+        _reexec_in_venv(["run-notebooks" if args.cmd == "run" else "test", *argv[1:]])
+    handlers = {"run": cmd_run_notebooks, "run-notebooks": cmd_run_notebooks, "test": cmd_test,
+                "train-reasoner": cmd_train_reasoner, "bench": cmd_bench}
+    return handlers[args.cmd](args)

@@ -1,0 +1,496 @@
+"""A compact Llama/Qwen2-family decoder that loads transformers checkpoints from a local folder.
+
+The architecture (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU, optional q/k/v bias, tied or untied
+LM head) covers the models of the TLT paper (Qwen2.5-7B/32B, DeepSeek-R1-Distill-Qwen-7B, Llama-3.3-70B) and the tiny
+reasoner shipped in ``data/``. Two forwards:
+
+* :meth:`Transformer.forward` — training forward (autograd, no cache, causal), returns logits and optionally the
+  final hidden states (the post-norm ``hidden_states[-1]`` of transformers, which the EAGLE drafter reads);
+* :meth:`Transformer.forward_cached` — inference forward over a :class:`tltlib.kvcache.KVCache` with per-row
+  positions and an optional tree attention mask among the new tokens.
+
+Departures from transformers' implementation:
+1. q/k/v and gate/up projections are fused into one matrix each (fewer kernel launches per decode step, which is what
+   bounds small-batch decoding on a CPU); :func:`load_model` / :func:`save_model` convert to and from the HF names.
+2. Only the rotary variants the paper's models use are implemented: default, ``linear`` and ``llama3``; other
+   ``rope_type`` values (YaRN, dynamic NTK, ...) raise an error instead of silently producing wrong logits.
+3. Qwen2's sliding-window attention (``use_sliding_window: true``) is not implemented; such a config is refused.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kvcache import KVCache
+
+SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_SUPPORTED_MSG = "tltlib supports Llama-family (LlamaForCausalLM) and Qwen2-family (Qwen2ForCausalLM) checkpoints"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama/Qwen2-family decoder (mirrors the fields of a transformers config.json)."""
+
+    vocab_size: int
+    """Number of token ids (rows of the embedding)."""
+    hidden_size: int
+    """Residual stream width H."""
+    intermediate_size: int
+    """SwiGLU inner width."""
+    num_layers: int
+    """Number of decoder layers (``num_hidden_layers``)."""
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key/value heads (grouped-query attention when smaller than ``num_heads``)."""
+    architecture: str = "llama"
+    """``"llama"`` or ``"qwen2"`` (Qwen2 always has q/k/v bias and never an output bias)."""
+    head_dim: int = 0
+    """Per-head width; 0 means ``hidden_size // num_heads``."""
+    rope_theta: float = 10000.0
+    """Rotary base."""
+    rope_scaling: tuple = ()
+    """Rotary scaling as sorted (key, value) pairs, e.g. ``(("factor", 8.0), ("rope_type", "llama3"), ...)``."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    max_position_embeddings: int = 2048
+    """Longest context the model is meant for (prompt + response)."""
+    tie_word_embeddings: bool = False
+    """LM head shares the embedding matrix."""
+    attention_bias: bool = False
+    """Llama only: bias on q, k, v and o projections."""
+    mlp_bias: bool = False
+    """Llama only: bias on the SwiGLU projections."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence id, if any."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Ids that end a response."""
+    pad_token_id: int | None = None
+    """Padding id, if any."""
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED:
+            raise ValueError(f"architecture {self.architecture!r} is not supported: {_SUPPORTED_MSG}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if not self.head_dim and self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads}), "
+                             "or set head_dim explicitly")
+        kind = dict(self.rope_scaling).get("rope_type", "default")
+        if kind not in ("default", "linear", "llama3"):
+            raise ValueError(f"rope_type {kind!r} is not implemented (supported: default, linear, llama3)")
+
+    @property
+    def dim_head(self) -> int:
+        """Effective per-head width."""
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.architecture == "qwen2" or self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.architecture == "llama" and self.attention_bias
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameter count (embedding and head counted once when tied)."""
+        h, d = self.hidden_size, self.dim_head
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        attn += d * (self.num_heads + 2 * self.num_kv_heads) * self.qkv_bias + h * self.o_bias
+        mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h) * self.mlp_bias
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attn + mlp + 2 * h) + h + emb
+
+    # ----------------------------------------------------------------------------------------- HF conversion
+    @classmethod
+    def from_hf(cls, d: dict, source: str = "config.json") -> "ModelConfig":
+        """Build from a transformers ``config.json`` dict (transformers 4.x and 5.x layouts)."""
+        kind = d.get("model_type")
+        if kind not in SUPPORTED:
+            raise ValueError(f"{source}: model_type {kind!r} (architectures {d.get('architectures')}) is not "
+                             f"supported: {_SUPPORTED_MSG}. Convert the model or pick a supported one.")
+        if kind == "qwen2" and d.get("use_sliding_window"):
+            raise ValueError(f"{source}: Qwen2 sliding-window attention is not implemented; set "
+                             "use_sliding_window to false (the Qwen2.5 checkpoints ship it false)")
+        rope = dict(d.get("rope_parameters") or {})
+        rope.update(d.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+        if "type" in rope:                                   # transformers 4.x spelling
+            rope["rope_type"] = rope.pop("type")
+        if rope.get("rope_type", "default") == "default":
+            rope = {}
+        eos = d.get("eos_token_id")
+        eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+                   intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
+                   num_heads=d["num_attention_heads"], num_kv_heads=d.get("num_key_value_heads") or
+                   d["num_attention_heads"], architecture=kind, head_dim=d.get("head_dim") or 0,
+                   rope_theta=float(theta), rope_scaling=tuple(sorted(rope.items())),
+                   rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                   max_position_embeddings=d.get("max_position_embeddings", 2048),
+                   tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                   attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
+                   bos_token_id=d.get("bos_token_id"), eos_token_ids=eos, pad_token_id=d.get("pad_token_id"))
+
+    def to_hf(self) -> dict:
+        """A transformers-loadable ``config.json`` dict."""
+        rope = {"rope_type": "default", **dict(self.rope_scaling), "rope_theta": self.rope_theta}
+        d = {"architectures": [SUPPORTED[self.architecture]], "model_type": self.architecture,
+             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+             "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+             "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+             "head_dim": self.dim_head, "hidden_act": "silu", "rms_norm_eps": self.rms_norm_eps,
+             "max_position_embeddings": self.max_position_embeddings, "rope_theta": self.rope_theta,
+             "rope_parameters": rope, "tie_word_embeddings": self.tie_word_embeddings,
+             "bos_token_id": self.bos_token_id, "pad_token_id": self.pad_token_id,
+             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+             "torch_dtype": "float32", "use_cache": True}
+        if self.architecture == "llama":
+            d.update(attention_bias=self.attention_bias, mlp_bias=self.mlp_bias)
+        else:
+            d.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_layers)
+        return d
+
+
+# ------------------------------------------------------------------------------------------------ pure maths
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse rotary frequencies ``[head_dim // 2]`` (float32), with linear or llama3 scaling applied."""
+    d = cfg.dim_head
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    sc = dict(cfg.rope_scaling)
+    kind = sc.get("rope_type", "default")
+    if kind == "linear":
+        inv = inv / sc["factor"]
+    elif kind == "llama3":
+        factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+        old = sc.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old / hi) & (wavelen <= old / lo)
+        inv = torch.where(is_mid, mid, scaled)
+    return inv
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos, sin ``[B, 1, T, head_dim]`` for integer ``positions [B, T]`` (computed in float32, then cast)."""
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [B, heads, T, head_dim]`` by the angles in cos/sin ``[B, 1, T, head_dim]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, as transformers does, cast back to the input dtype before the gain."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------- modules
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with fused q/k/v projection."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.dim_head
+        self.qkv = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.qkv_bias)
+        self.o = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0, mask=None):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
+        q = apply_rope(q.view(b, t, self.h, self.d).transpose(1, 2), cos, sin)
+        k = apply_rope(k.view(b, t, self.kvh, self.d).transpose(1, 2), cos, sin)
+        v = v.view(b, t, self.kvh, self.d).transpose(1, 2)
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kvh != self.h)
+        else:
+            k, v = cache.write(layer, k, v)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kvh != self.h)
+        return self.o(out.transpose(1, 2).reshape(b, t, self.h * self.d))
+
+
+class MLP(nn.Module):
+    """SwiGLU with fused gate/up projection."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.i = cfg.intermediate_size
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * self.i, bias=cfg.mlp_bias)
+        self.down = nn.Linear(self.i, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).split(self.i, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder block. ``input_norm=False`` drops the attention's input RMSNorm (EAGLE's drafter layer)."""
+
+    def __init__(self, cfg: ModelConfig, input_norm: bool = True):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else None
+        self.attn = Attention(cfg)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache=None, layer=0, mask=None):
+        h = self.input_norm(x) if self.input_norm is not None else x
+        x = x + self.attn(h, cos, sin, cache, layer, mask)
+        return x + self.mlp(self.post_norm(x))
+
+
+class Transformer(nn.Module):
+    """Llama/Qwen2-family causal LM. Build with :func:`load_model` or ``Transformer(config)`` (random init)."""
+
+    def __init__(self, cfg: ModelConfig, init_std: float = 0.02):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        if init_std and not any(p.is_meta for p in self.parameters()):
+            for name, p in self.named_parameters():
+                if name.endswith("bias"):
+                    nn.init.zeros_(p)
+                elif p.dim() > 1:
+                    nn.init.normal_(p, std=init_std)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The ``[vocab, H]`` LM-head matrix (the embedding when tied)."""
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head applied to final (post-norm) hidden states ``[..., H] -> [..., vocab]``."""
+        return F.linear(hidden, self.head_weight)
+
+    def forward(self, tokens: torch.Tensor, return_hidden: bool = False):
+        """Training forward: ``tokens [B, T]`` (right-padded) -> logits ``[B, T, V]`` (and hidden ``[B, T, H]``)."""
+        b, t = tokens.shape
+        positions = torch.arange(t, device=tokens.device).expand(b, t)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.embed.weight.dtype)
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        hidden = self.norm(x)
+        logits = self.logits(hidden)
+        return (logits, hidden) if return_hidden else logits
+
+    def forward_cached(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None,
+                       tree_mask: torch.Tensor | None = None, logits_at: torch.Tensor | None = None):
+        """Inference forward over the cache's active rows; writes K/V but does not commit (see KVCache.advance).
+
+        Args:
+            tokens: ``[B, T]`` new tokens, B == ``cache.rows``; rows with fewer real tokens are right-padded.
+            positions: ``[B, T]`` rotary positions; default ``lengths[:, None] + arange(T)``.
+            tree_mask: optional ``[B, T, T]`` bool visibility among the new tokens (default causal).
+            logits_at: optional ``[B]`` index into T: compute logits only there (``[B, V]``).
+
+        Returns:
+            (logits ``[B, T, V]`` or ``[B, V]``, final hidden states ``[B, T, H]``).
+        """
+        b, t = tokens.shape
+        if positions is None:
+            positions = cache.lengths[:b, None] + torch.arange(t, device=tokens.device)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.embed.weight.dtype)
+        mask = cache.step_mask(t, tree_mask)
+        x = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i, mask)
+        hidden = self.norm(x)
+        if logits_at is not None:
+            return self.logits(hidden[torch.arange(b, device=hidden.device), logits_at]), hidden
+        return self.logits(hidden), hidden
+
+    def new_cache(self, rows: int, max_len: int) -> KVCache:
+        """A KV cache for ``rows`` sequences of at most ``max_len`` tokens, on this model's device and dtype."""
+        w = self.embed.weight
+        return KVCache.for_model(self.config, rows, max_len, dtype=w.dtype, device=w.device)
+
+
+# ------------------------------------------------------------------------------------------- HF checkpoints
+def _hf_names(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
+    """Our fused parameter name -> the HF names it concatenates (layer ``i``)."""
+    p = f"model.layers.{i}."
+    names = {"input_norm.weight": [p + "input_layernorm.weight"],
+             "attn.qkv.weight": [p + f"self_attn.{n}_proj.weight" for n in "qkv"],
+             "attn.o.weight": [p + "self_attn.o_proj.weight"],
+             "post_norm.weight": [p + "post_attention_layernorm.weight"],
+             "mlp.gate_up.weight": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+             "mlp.down.weight": [p + "mlp.down_proj.weight"]}
+    if cfg.qkv_bias:
+        names["attn.qkv.bias"] = [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
+    if cfg.o_bias:
+        names["attn.o.bias"] = [p + "self_attn.o_proj.bias"]
+    if cfg.mlp_bias:
+        names["mlp.gate_up.bias"] = [p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]
+        names["mlp.down.bias"] = [p + "mlp.down_proj.bias"]
+    return names
+
+
+def hf_name_map(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Every parameter of :class:`Transformer` -> the transformers tensor names it is made of."""
+    m = {"embed.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        m["lm_head.weight"] = ["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        m.update({f"layers.{i}.{k}": v for k, v in _hf_names(cfg, i).items()})
+    return m
+
+
+def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """Split fused tensors back into transformers' names (contiguous copies, safe to save)."""
+    cfg, sd, out = model.config, model.state_dict(), {}
+    for ours, theirs in hf_name_map(cfg).items():
+        t = sd[ours]
+        if len(theirs) == 1:
+            out[theirs[0]] = t.contiguous()
+            continue
+        if ".qkv." in ours:
+            sizes = [cfg.num_heads * cfg.dim_head] + [cfg.num_kv_heads * cfg.dim_head] * 2
+        else:
+            sizes = [cfg.intermediate_size] * 2
+        out.update({n: part.contiguous() for n, part in zip(theirs, t.split(sizes, dim=0))})
+    return out
+
+
+def load_config(path: str | os.PathLike) -> ModelConfig:
+    """Read ``config.json`` of a local checkpoint folder (clear errors for a missing or unsupported one)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint folder {str(path)!r} does not exist: pass a local folder holding "
+                                "config.json and *.safetensors (as written by transformers' save_pretrained)")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{cfg_file} is missing: the checkpoint folder needs transformers' config.json")
+    return ModelConfig.from_hf(json.loads(cfg_file.read_text()), source=str(cfg_file))
+
+
+def _read_safetensors(path: Path, names: set[str], device) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({weight_map[n] for n in names if n in weight_map})
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{path} has no model.safetensors or model.safetensors.index.json: re-save the "
+                                "model with save_pretrained(..., safe_serialization=True)")
+    out = {}
+    for f in files:
+        with safe_open(str(path / f), framework="pt", device=str(device)) as fh:
+            out.update({n: fh.get_tensor(n) for n in fh.keys() if n in names})
+    return out
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> Transformer:
+    """Load a LlamaForCausalLM / Qwen2ForCausalLM checkpoint (single or sharded safetensors) from a local folder."""
+    path = Path(path)
+    cfg = load_config(path)
+    names = hf_name_map(cfg)
+    wanted = {n for parts in names.values() for n in parts}
+    tensors = _read_safetensors(path, wanted, device)
+    missing = sorted(wanted - tensors.keys())
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensors the config implies, e.g. {missing[:3]}; "
+                         "is config.json from the same model as the weights?")
+    with torch.device("meta"):
+        model = Transformer(cfg, init_std=0.0)
+    state = {ours: torch.cat([tensors[n] for n in theirs], dim=0).to(dtype) for ours, theirs in names.items()}
+    model.load_state_dict(state, assign=True, strict=True)
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+    return model.eval()
+
+
+def save_model(model: Transformer, path: str | os.PathLike, extra_files: dict[str, str] | None = None) -> Path:
+    """Save in transformers' layout (config.json + model.safetensors), atomically: a temporary folder is renamed.
+
+    ``extra_files`` maps file names to text written beside (e.g. a model card)."""
+    from safetensors.torch import save_file
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    tmp.chmod(0o755)                                     # mkdtemp makes it private; a model folder is shared
+    try:
+        cfg = model.config.to_hf()
+        cfg["torch_dtype"] = str(model.embed.weight.dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        tensors = {k: v.detach().cpu() for k, v in to_hf_state_dict(model).items()}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+        if path.exists():
+            for f in path.iterdir():                     # keep files we do not write (tokenizer, drafter, card)
+                if not (tmp / f.name).exists():
+                    (shutil.copytree if f.is_dir() else shutil.copy2)(f, tmp / f.name)
+            old = path.with_name(f".{path.name}.old")
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # the shipped tiny reasoner (data/tiny-reasoner): 8 layers, ~3.3 M parameters, trains on 2 CPU cores
+    "tiny-cpu": ModelConfig(vocab_size=74, hidden_size=192, intermediate_size=512, num_layers=8, num_heads=6,
+                            num_kv_heads=3, max_position_embeddings=1024, tie_word_embeddings=True),
+    "qwen2.5-7b": ModelConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+                              num_heads=28, num_kv_heads=4, architecture="qwen2", rope_theta=1e6,
+                              max_position_embeddings=32768),
+    "qwen2.5-32b": ModelConfig(vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_layers=64,
+                               num_heads=40, num_kv_heads=8, architecture="qwen2", rope_theta=1e6,
+                               max_position_embeddings=32768),
+    "llama-3.3-70b": ModelConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
+                                 num_heads=64, num_kv_heads=8, rope_theta=5e5, max_position_embeddings=131072,
+                                 rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+                                               ("original_max_position_embeddings", 8192),
+                                               ("rope_type", "llama3"))),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """A named :class:`ModelConfig` (``tiny-cpu``, ``qwen2.5-7b``, ...), optionally with fields replaced."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return replace(PRESETS[name], **overrides)

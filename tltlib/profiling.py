@@ -1,0 +1,129 @@
+"""The metric vocabulary and long-tail statistics of rollouts.
+
+Every statistic tltlib returns uses a key from :data:`METRICS` (namespaced ``rollout/``, ``spec/``, ``drafter/``,
+``sched/``, ``rl/``); notebooks write them to ``metrics.json`` and tests read them back. The functions here are pure:
+they take lengths, per-step timelines and finish times and return plain dicts of floats.
+
+Paper: TLT §2 / Fig. 1-2 (rollout is ~85% of a step; a few responses reach the maximum length); Fig. 14 (active
+requests over time, SD switching on when few remain).
+
+Departures:
+1. Idle worker time is estimated with a step-count model (a worker's rollout lasts as many decode steps as its
+   longest response; decode steps cost about the same at small batch), not measured on W real workers; the
+   scheduler (a later issue) measures it for real.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+METRICS: dict[str, str] = {
+    "rollout/num_sequences": "responses generated (prompts x group size)",
+    "rollout/tokens": "response tokens generated (EOS included)",
+    "rollout/time_s": "wall time of the rollout, prefill included (s)",
+    "rollout/prefill_s": "wall time of the prefill (s)",
+    "rollout/steps": "decode steps (target forwards after the prefill)",
+    "rollout/tokens_per_s": "response tokens per second of rollout wall time",
+    "rollout/len_mean": "mean response length (tokens)",
+    "rollout/len_p50": "median response length",
+    "rollout/len_p90": "90th percentile response length",
+    "rollout/len_p99": "99th percentile response length",
+    "rollout/len_max": "longest response",
+    "rollout/p99_over_p50": "p99 / median response length (long-tail ratio)",
+    "rollout/max_over_p50": "max / median response length",
+    "rollout/tail_time_frac_10": "share of decode time with <= 10% of the rows still running",
+    "rollout/tail_time_frac_25": "share of decode time with <= 25% of the rows still running",
+    "rollout/truncated_frac": "share of responses cut at max_new_tokens",
+    "sched/idle_frac": "share of worker-time idle when the batch is split across W workers (step-count model)",
+    "sched/workers": "W, the number of workers in the idle-time estimate",
+    "sched/empty_slot_frac": "share of row x decode-step slots of a static batch left empty by finished responses",
+    "rl/reward_mean": "mean reward of the rollout's responses",
+    "rl/accuracy": "share of responses whose final answer is correct",
+}
+
+
+def length_stats(lengths: Sequence[int] | np.ndarray) -> dict[str, float]:
+    """``rollout/len_*`` statistics of response lengths (tokens, EOS included)."""
+    x = np.asarray(lengths, dtype=np.float64)
+    if x.size == 0:
+        raise ValueError("length_stats needs at least one response length")
+    p50 = float(np.percentile(x, 50))
+    out = {"rollout/len_mean": float(x.mean()), "rollout/len_p50": p50,
+           "rollout/len_p90": float(np.percentile(x, 90)), "rollout/len_p99": float(np.percentile(x, 99)),
+           "rollout/len_max": float(x.max())}
+    out["rollout/p99_over_p50"] = out["rollout/len_p99"] / max(p50, 1.0)
+    out["rollout/max_over_p50"] = out["rollout/len_max"] / max(p50, 1.0)
+    return out
+
+
+def tail_time_share(step_time: Sequence[float], active: Sequence[int], total_rows: int, fraction: float) -> float:
+    """Share of decode time spent in steps where at most ``fraction`` of ``total_rows`` were still running.
+
+    Args:
+        step_time: ``[S]`` seconds of each decode step.
+        active: ``[S]`` rows still generating during each step.
+        total_rows: rows at the start of the rollout.
+    """
+    t = np.asarray(step_time, dtype=np.float64)
+    a = np.asarray(active, dtype=np.float64)
+    if t.size == 0 or t.sum() <= 0:
+        return 0.0
+    return float(t[a <= fraction * total_rows].sum() / t.sum())
+
+
+def split_idle_fraction(lengths: Sequence[int] | np.ndarray, workers: int) -> float:
+    """Idle share of worker-time if the responses were split contiguously over ``workers`` workers.
+
+    Step-count model: worker w is busy for ``max(lengths of its share)`` decode steps and the rollout ends with the
+    slowest worker, so idle = 1 - mean_w(busy_w) / max_w(busy_w). Contiguous shares keep GRPO groups together, as
+    verl's data-parallel dispatch does."""
+    x = np.asarray(lengths, dtype=np.float64)
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    if x.size < workers:
+        raise ValueError(f"cannot split {x.size} responses over {workers} workers; use fewer workers")
+    busy = np.array([part.max() for part in np.array_split(x, workers)])
+    return float(1.0 - busy.mean() / busy.max())
+
+
+def empty_slot_fraction(lengths: Sequence[int] | np.ndarray) -> float:
+    """Share of the (response x decode step) slots of a batch that runs until its longest response which are empty
+    because their response already finished: ``1 - mean(lengths) / max(lengths)``. Independent of how the batch is
+    split over workers."""
+    x = np.asarray(lengths, dtype=np.float64)
+    return float(1.0 - x.mean() / x.max())
+
+
+def active_over_time(finish_time: Sequence[float], total_time: float, points: int = 200):
+    """Curve of running requests vs time from per-sequence finish times: ``(t [points], active [points])``."""
+    f = np.sort(np.asarray(finish_time, dtype=np.float64))
+    t = np.linspace(0.0, total_time, points)
+    return t, f.size - np.searchsorted(f, t, side="right")
+
+
+def rollout_stats(lengths, step_time, active, total_rows: int, truncated, time_s: float,
+                  prefill_s: float) -> dict[str, float]:
+    """All ``rollout/*`` statistics of one rollout (``truncated``: per-response bool, cut by the token budget)."""
+    x = np.asarray(lengths)
+    out = {"rollout/num_sequences": float(x.size), "rollout/tokens": float(x.sum()), "rollout/time_s": time_s,
+           "rollout/prefill_s": prefill_s, "rollout/steps": float(len(step_time)),
+           "rollout/tokens_per_s": float(x.sum() / time_s) if time_s > 0 else 0.0,
+           "rollout/truncated_frac": float(np.mean(truncated))}
+    out.update(length_stats(x))
+    out["rollout/tail_time_frac_10"] = tail_time_share(step_time, active, total_rows, 0.10)
+    out["rollout/tail_time_frac_25"] = tail_time_share(step_time, active, total_rows, 0.25)
+    return out
+
+
+def long_tail_report(stats: dict, lengths, workers: int, rewards=None) -> dict:
+    """A rollout's ``rollout/*`` stats plus the W-worker idle estimate and, given rewards, ``rl/*``."""
+    out = dict(stats)
+    out["sched/workers"] = float(workers)
+    out["sched/idle_frac"] = split_idle_fraction(lengths, workers)
+    out["sched/empty_slot_frac"] = empty_slot_fraction(lengths)
+    if rewards is not None:
+        r = np.asarray(rewards, dtype=np.float64)
+        out["rl/reward_mean"] = float(r.mean())
+        out["rl/accuracy"] = float((r >= 1.0).mean())
+    return out

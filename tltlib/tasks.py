@@ -1,0 +1,254 @@
+"""The embedded long-tail reasoning task, its verifier and reward, and dataset IO (JSONL, verl-style parquet).
+
+**The chain task.** Two start values and the label of the last step; each step adds the two latest values digit by
+digit (mod 10, no carries, so 47+18=55), Fibonacci-style, writing its inputs and result, then the answer::
+
+    prompt:    47 18 c?
+    response:  a:47+18=55 b:18+55=63 c:55+63=18 #18<eos>
+
+Each step is 11 tokens: a label (a-z, A-Z), the two operands (copies of earlier values), and the sum (the one real
+computation). The number of steps is Zipf-distributed (exponent 1.2, 1..52): most problems are short, a few very long
+— the long tail of reasoning-RL rollouts in miniature (median ~37 response tokens, p99 ~500). Errors compound with
+length, so long problems are also the ones the model gets wrong, as in RL; and most tokens are predictable from
+context, as in real reasoning traces, which is what makes speculative decoding pay. Digit-wise Fibonacci sequences
+do not repeat within 52 steps for most starts, so a model cannot shortcut the sums by copying an earlier cycle.
+
+Paper: TLT §2 (Fig. 2: a few responses reach the maximum length, with a large gap to the median).
+
+Departures:
+1. The paper trains on Eurus-2-RL math/code with real verifiers; this task is synthetic so that a model trained on a
+   2-core CPU in minutes shows the same rollout-length shape. User datasets (GSM8K/MATH style JSONL or verl parquet)
+   load through :func:`load_problems` and are scored by the same answer extraction (``#### x``, ``\\boxed{x}``, ``#x``).
+2. Reward is binary exact match of the final answer (verl's GSM8K/MATH rule rewards are also 0/1).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .tokenizer import LABELS
+
+
+@dataclass(frozen=True)
+class ChainTaskConfig:
+    """Shape of the chain task's problem distribution."""
+
+    min_steps: int = 1
+    """Fewest steps in a problem."""
+    max_steps: int = 52
+    """Most steps (at most 52: one label per step, a-z then A-Z)."""
+    zipf_exponent: float = 1.2
+    """P(n steps) ∝ n^-exponent; smaller means a heavier tail (0 gives uniform)."""
+    def __post_init__(self):
+        if not 1 <= self.min_steps <= self.max_steps <= len(LABELS):
+            raise ValueError(f"need 1 <= min_steps <= max_steps <= {len(LABELS)}, got {self.min_steps}, "
+                             f"{self.max_steps}")
+        if self.zipf_exponent < 0:
+            raise ValueError(f"zipf_exponent must be >= 0, got {self.zipf_exponent}")
+
+    def step_weights(self) -> list[float]:
+        """Unnormalised probabilities of min_steps..max_steps."""
+        return [n ** -self.zipf_exponent for n in range(self.min_steps, self.max_steps + 1)]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt with its ground truth. ``prompt`` is text or chat messages (``[{"role", "content"}, ...]``)."""
+
+    prompt: str | tuple
+    answer: str
+    meta: dict = field(default_factory=dict, compare=False)
+
+
+# ------------------------------------------------------------------------------------------ the chain task
+def make_problem(cfg: ChainTaskConfig, rng: random.Random, steps: int | None = None) -> Problem:
+    """One chain problem (``steps`` overrides the Zipf draw)."""
+    n = steps if steps is not None else rng.choices(range(cfg.min_steps, cfg.max_steps + 1),
+                                                    weights=cfg.step_weights())[0]
+    if not 1 <= n <= len(LABELS):
+        raise ValueError(f"steps must be in 1..{len(LABELS)}, got {n}")
+    prompt = f"{rng.randrange(100):02d} {rng.randrange(100):02d} {LABELS[n - 1]}?"
+    return Problem(prompt, solve(prompt).rsplit("#", 1)[1], {"steps": n, "source": "chain"})
+
+
+def generate_problems(cfg: ChainTaskConfig, count: int, seed: int, steps: int | None = None) -> list[Problem]:
+    """``count`` problems from a seeded generator (same seed, same problems)."""
+    rng = random.Random(seed)
+    return [make_problem(cfg, rng, steps) for _ in range(count)]
+
+
+def digit_sum(x: int, z: int) -> int:
+    """Digit-wise sum mod 10 of two two-digit values (no carries): ``digit_sum(47, 18) == 55``."""
+    return (x // 10 + z // 10) % 10 * 10 + (x + z) % 10
+
+
+_PROMPT_RE = re.compile(r"^(\d\d) (\d\d) ([a-zA-Z])\?$")
+
+
+def solve(prompt: str) -> str:
+    """The reference response (without ``<eos>``) of a chain prompt, e.g. ``"a:47+18=55 #55"``."""
+    m = _PROMPT_RE.match(prompt)
+    if not m:
+        raise ValueError(f"not a chain-task prompt: {prompt!r} (expected like '47 18 c?')")
+    x, z, last = int(m.group(1)), int(m.group(2)), LABELS.index(m.group(3))
+    parts = []
+    for i in range(last + 1):
+        y = digit_sum(x, z)
+        parts.append(f"{LABELS[i]}:{x:02d}+{z:02d}={y:02d}")
+        x, z = z, y
+    return " ".join(parts) + f" #{z:02d}"
+
+
+_BOXED_RE = re.compile(r"\\boxed\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\}")
+_HASH_RE = re.compile(r"#+\s*([^\s#]+)")
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer in a response: the last ``\\boxed{...}``, else the last ``#### x`` / ``#x``; None if absent."""
+    boxed = _BOXED_RE.findall(text)
+    if boxed:
+        return normalize_answer(boxed[-1])
+    marked = _HASH_RE.findall(text)
+    return normalize_answer(marked[-1]) if marked else None
+
+
+def normalize_answer(ans: str) -> str:
+    """Strip spaces, ``$``, thousands separators and a trailing period (GSM8K-style numbers compare as strings)."""
+    return ans.strip().strip("$").replace(",", "").rstrip(".").strip()
+
+
+def reward(response: str, answer: str) -> float:
+    """1.0 when the extracted final answer equals the ground truth, else 0.0 (always in [0, 1])."""
+    got = extract_answer(response)
+    return float(got is not None and got == normalize_answer(answer))
+
+
+def prompt_text(problem: Problem, tokenizer=None) -> str:
+    """The text fed to the model: plain prompts as they are; chat messages through the tokenizer's chat template
+    (with the generation prompt) when it has one, else the message contents joined by newlines."""
+    if isinstance(problem.prompt, str):
+        return problem.prompt
+    messages = [dict(m) for m in problem.prompt]
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "\n".join(m["content"] for m in messages)
+
+
+# ------------------------------------------------------------------------------------------------ dataset IO
+_PROMPT_KEYS = ("prompt", "question", "problem")
+_ANSWER_KEYS = ("ground_truth", "answer", "solution")
+
+
+def _row_to_problem(row: dict, where: str) -> Problem:
+    prompt = next((row[k] for k in _PROMPT_KEYS if row.get(k) is not None), None)
+    if prompt is None:
+        raise ValueError(f"{where}: no prompt field (expected one of {', '.join(_PROMPT_KEYS)})")
+    if hasattr(prompt, "tolist"):                               # parquet gives numpy arrays of dicts
+        prompt = prompt.tolist()
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(m, dict) and "content" in m for m in prompt):
+            raise ValueError(f"{where}: field 'prompt' is a list but not chat messages "
+                             "[{'role': ..., 'content': ...}, ...]")
+        prompt = tuple({"role": m.get("role", "user"), "content": str(m["content"])} for m in prompt)
+    elif not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"{where}: field 'prompt' must be a non-empty string or a list of chat messages")
+    rm = row.get("reward_model") or {}
+    truth = rm.get("ground_truth") if isinstance(rm, dict) else None
+    key = "reward_model.ground_truth"
+    if truth is None:
+        key = next((k for k in _ANSWER_KEYS if row.get(k) is not None), None)
+        truth = row.get(key) if key else None
+    if truth is None:
+        raise ValueError(f"{where}: no ground truth (expected reward_model.ground_truth or one of "
+                         f"{', '.join(_ANSWER_KEYS)})")
+    truth = str(truth)
+    if key in ("answer", "solution") and ("####" in truth or "\\boxed" in truth):
+        truth = extract_answer(truth)                          # GSM8K "... #### 72", MATH "... \boxed{3}"
+    if not truth:
+        raise ValueError(f"{where}: field {key!r} holds an empty ground truth")
+    meta = {k: v for k, v in row.items() if k in ("data_source", "ability", "extra_info", "steps", "source")}
+    return Problem(prompt, normalize_answer(truth), meta)
+
+
+def load_problems(path: str | os.PathLike, limit: int | None = None) -> list[Problem]:
+    """Read problems from JSONL (one object per line) or verl-style parquet.
+
+    A row needs a prompt (``prompt`` as text or chat messages, or ``question`` / ``problem``) and a ground truth
+    (``reward_model.ground_truth``, ``ground_truth``, ``answer`` — GSM8K's ``#### x`` is extracted — or
+    ``solution`` with ``\\boxed{x}``). Errors name the file, the row (1-based) and the field."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset {str(path)!r} does not exist: pass a local .jsonl or .parquet file")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+        rows = pq.read_table(path).to_pylist()
+        numbered = [(i + 1, r) for i, r in enumerate(rows)]
+    elif path.suffix in (".jsonl", ".json"):
+        numbered = []
+        with open(path, encoding="utf-8") as fh:
+            for i, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}, row {i}: not valid JSON ({e.msg}); each line must be one object")
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}, row {i}: expected a JSON object, got {type(row).__name__}")
+                numbered.append((i, row))
+    else:
+        raise ValueError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl or .parquet")
+    if not numbered:
+        raise ValueError(f"dataset {path} is empty: it needs at least one row with a prompt and a ground truth")
+    out = [_row_to_problem(row, f"{path}, row {i}") for i, row in numbered[:limit]]
+    return out
+
+
+def _verl_row(p: Problem, index: int) -> dict:
+    prompt = list(p.prompt) if not isinstance(p.prompt, str) else [{"role": "user", "content": p.prompt}]
+    return {"data_source": p.meta.get("source", "tltlib"), "prompt": prompt, "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": p.answer},
+            "extra_info": {"index": index, "steps": p.meta.get("steps", -1)}}
+
+
+def save_problems(problems: list[Problem], path: str | os.PathLike) -> Path:
+    """Write problems as JSONL (``prompt`` / ``answer`` / ``meta``) or verl-style parquet, atomically."""
+    path = Path(path)
+    if path.suffix not in (".jsonl", ".parquet"):
+        raise ValueError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl or .parquet")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        if path.suffix == ".jsonl":
+            with open(tmp, "w", encoding="utf-8") as fh:
+                for p in problems:
+                    prompt = p.prompt if isinstance(p.prompt, str) else list(p.prompt)
+                    fh.write(json.dumps({"prompt": prompt, "answer": p.answer, **p.meta}) + "\n")
+        else:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+            pq.write_table(pa.Table.from_pylist([_verl_row(p, i) for i, p in enumerate(problems)]), tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+# ------------------------------------------------------------------------------------------- model interface
+def encode_prompts(problems: list[Problem], tokenizer) -> list[list[int]]:
+    """Token ids of each problem's prompt text (with the tokenizer's special tokens, e.g. BOS)."""
+    return [tokenizer(prompt_text(p, tokenizer)).input_ids for p in problems]
+
+
+def score_responses(texts: list[str], problems: list[Problem], group_size: int = 1) -> list[float]:
+    """Reward of each response; response ``i`` answers ``problems[i // group_size]``."""
+    if len(texts) != len(problems) * group_size:
+        raise ValueError(f"{len(texts)} responses for {len(problems)} problems x group size {group_size}")
+    return [reward(t, problems[i // group_size].answer) for i, t in enumerate(texts)]
