@@ -29,11 +29,12 @@ def _pad(rows, value=0):
     return out
 
 
-def test_ragged_incremental_decoding_equals_full_forward_per_row(model):
+@pytest.mark.parametrize("sizes", [(5, 11, 1, 8), (5, 11, 1, 8, 2, 3, 9, 4, 6, 7)])   # SDPA and matmul paths
+def test_ragged_incremental_decoding_equals_full_forward_per_row(model, sizes):
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 61, (n,), generator=g).tolist() for n in (5, 11, 1, 8)]
-    cont = torch.randint(0, 61, (4, 9), generator=g)
-    cache = model.new_cache(4, 32)
+    prompts = [torch.randint(0, 61, (n,), generator=g).tolist() for n in sizes]
+    cont = torch.randint(0, 61, (len(sizes), 9), generator=g)
+    cache = model.new_cache(len(sizes), 32)
     lens = torch.tensor([len(p) for p in prompts])
     with torch.no_grad():
         first, _ = model.forward_cached(_pad(prompts), cache, logits_at=lens - 1)
@@ -110,3 +111,16 @@ def test_cache_errors():
         cache.step_mask(5)
     with pytest.raises(ValueError, match="cannot remove more"):
         cache.rollback(1)
+
+
+def test_matmul_attention_equals_sdpa_with_mask():
+    from tltlib.model import gqa_attention
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, generator=g) for s in [(3, 6, 4, 8), (3, 2, 10, 8), (3, 2, 10, 8)])
+    mask = torch.rand(3, 1, 4, 10, generator=g) > 0.3
+    mask[..., 0] = True
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(gqa_attention(q, k, v, mask), ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(gqa_attention(q, k, v, None),
+                               torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                               atol=1e-5, rtol=0)

@@ -17,7 +17,25 @@ Departures from the paper / reference implementation:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class CacheStep:
+    """Where one forward's new entries go, shared by all layers: computed once by :meth:`KVCache.prepare`.
+
+    Attributes:
+        index: ``[rows, T, kv_heads]`` flat slot of every new (row, token, head) entry in a layer's storage.
+        mask: ``[rows, 1, T, span]`` bool attention mask, or None when no masking is needed (one new token per
+            row and every row equally long).
+        span: cache slots attention reads (``max_used + T``).
+    """
+
+    index: torch.Tensor
+    mask: torch.Tensor | None
+    span: int
 
 
 class KVCache:
@@ -28,6 +46,8 @@ class KVCache:
         lengths: ``[max_rows]`` int64 committed lengths (only the first :attr:`rows` entries are meaningful).
         rows: number of active rows (rows ``0 .. rows-1``).
         max_used: host-side upper bound of ``lengths[:rows]``; bounds how much of the cache attention reads.
+        min_used: host-side exact minimum of ``lengths[:rows]`` when known, else -1 (all rows equally long when it
+            equals ``max_used``, which lets single-token steps skip the mask).
     """
 
     def __init__(self, num_layers: int, max_rows: int, num_kv_heads: int, max_len: int, head_dim: int,
@@ -40,7 +60,7 @@ class KVCache:
         self.lengths = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.rows = max_rows
         self.max_len = max_len
-        self.max_used = 0
+        self.max_used = self.min_used = 0
 
     @classmethod
     def for_model(cls, config, rows: int, max_len: int, dtype: torch.dtype = torch.float32,
@@ -50,52 +70,57 @@ class KVCache:
                    config.dim_head, dtype, device)
 
     # ----------------------------------------------------------------------------------------------- one forward
-    def step_mask(self, num_new: int, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention mask for ``num_new`` new tokens per row.
+    def prepare(self, num_new: int, tree_mask: torch.Tensor | None = None) -> CacheStep:
+        """Slots and attention mask for ``num_new`` new tokens per row (rows with fewer real tokens pad on the right;
+        their padding queries attend like real ones and the caller ignores their outputs).
 
         Args:
-            num_new: T, the number of new tokens each row writes (rows with fewer are right-padded).
             tree_mask: optional ``[rows, T, T]`` bool, ``tree_mask[r, i, j]`` = new token i may attend to new token j
                 (must include i == j). Default: causal.
-            num_valid: unused by the mask (padding queries attend like real ones and are ignored by the caller).
-
-        Returns:
-            ``[rows, 1, T, max_used + T]`` bool mask: committed slots ``< lengths[r]`` plus the allowed new slots.
         """
         if self.max_used + num_new > self.max_len:
             raise ValueError(f"KV cache overflow: {self.max_used} used + {num_new} new > max_len {self.max_len}; "
                              "allocate the cache with a larger max_len (prompt + max_new_tokens + draft budget)")
-        rows = self.rows
-        span = self.max_used + num_new
+        rows, kvh, dev = self.rows, self.k.shape[2], self.lengths.device
         lengths = self.lengths[:rows]
-        slot = torch.arange(span, device=lengths.device)
+        span = self.max_used + num_new
+        new = torch.arange(num_new, device=dev)
+        base = torch.arange(rows, device=dev) * (kvh * self.max_len) + lengths
+        index = (base[:, None, None] + new[None, :, None]
+                 + (torch.arange(kvh, device=dev) * self.max_len)[None, None, :])
+        if num_new == 1 and tree_mask is None:
+            uniform = self.min_used == self.max_used
+            mask = None if uniform else (torch.arange(span, device=dev) <= lengths[:, None])[:, None, None, :]
+            return CacheStep(index, mask, span)
+        slot = torch.arange(span, device=dev)
         rel = slot[None, None, :] - lengths[:, None, None]               # [rows, 1, span]: index among new tokens
-        query = torch.arange(num_new, device=lengths.device)[None, :, None]  # [1, T, 1]
         if tree_mask is None:
-            new_ok = (rel >= 0) & (rel <= query)                          # causal over the new tokens
+            new_ok = (rel >= 0) & (rel <= new[None, :, None])            # causal over the new tokens
         else:
             idx = rel.clamp(0, num_new - 1).expand(rows, num_new, span)
             new_ok = (rel >= 0) & (rel < num_new) & torch.gather(tree_mask, 2, idx)
-        return ((rel < 0) | new_ok).unsqueeze(1)
+        return CacheStep(index, ((rel < 0) | new_ok).unsqueeze(1), span)
 
-    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``k_new, v_new [rows, kv_heads, T, head_dim]`` at slots ``lengths + t``; return the readable views
-        ``[rows, kv_heads, max_used + T, head_dim]``."""
-        rows, _, t, _ = k_new.shape
-        if t == 1:
-            row_idx = torch.arange(rows, device=k_new.device)
-            slots = self.lengths[:rows]
-            self.k[layer, row_idx, :, slots] = k_new[:, :, 0]
-            self.v[layer, row_idx, :, slots] = v_new[:, :, 0]
-        else:
-            row_idx = torch.arange(rows, device=k_new.device)[:, None]
-            slots = self.lengths[:rows, None] + torch.arange(t, device=k_new.device)[None, :]
-            self.k[layer, row_idx, :, slots] = k_new.transpose(1, 2)
-            self.v[layer, row_idx, :, slots] = v_new.transpose(1, 2)
-        span = self.max_used + t
-        return self.k[layer, :rows, :, :span], self.v[layer, :rows, :, :span]
+    def step_mask(self, num_new: int, tree_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The attention mask of :meth:`prepare` alone."""
+        return self.prepare(num_new, tree_mask).mask
+
+    def write(self, layer: int, step: CacheStep, k_new: torch.Tensor,
+              v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k_new, v_new [rows, T, kv_heads, head_dim]`` at the step's slots; return the readable views
+        ``[rows, kv_heads, span, head_dim]``."""
+        d = k_new.shape[-1]
+        flat = step.index.view(-1)
+        self.k[layer].view(-1, d).index_copy_(0, flat, k_new.reshape(-1, d))
+        self.v[layer].view(-1, d).index_copy_(0, flat, v_new.reshape(-1, d))
+        return self.k[layer, : self.rows, :, : step.span], self.v[layer, : self.rows, :, : step.span]
 
     # ------------------------------------------------------------------------------------------- bookkeeping
+    def _refresh(self) -> None:
+        live = self.lengths[: self.rows]
+        self.max_used = int(live.max()) if self.rows else 0
+        self.min_used = int(live.min()) if self.rows else 0
+
     def advance(self, n: torch.Tensor | int, max_n: int | None = None) -> None:
         """Commit ``n`` (int or ``[rows]`` tensor) of the entries written by the last forward.
 
@@ -103,16 +128,23 @@ class KVCache:
         self.lengths[: self.rows] += n
         if isinstance(n, int):
             self.max_used += n
+            self.min_used = self.min_used + n if self.min_used >= 0 else -1
         elif max_n is not None:
             self.max_used += max_n
+            self.min_used = -1
         else:
-            self.max_used = int(self.lengths[: self.rows].max()) if self.rows else 0
+            self._refresh()
 
     def rollback(self, n: torch.Tensor | int) -> None:
         """Remove the last ``n`` committed entries of each row (``n`` int or ``[rows]`` tensor, ``<= lengths``)."""
         if torch.any(self.lengths[: self.rows] < n):
             raise ValueError("KVCache.rollback: cannot remove more entries than a row holds")
         self.lengths[: self.rows] -= n
+        if isinstance(n, int):
+            self.max_used -= n
+            self.min_used = self.min_used - n if self.min_used >= 0 else -1
+        else:
+            self.min_used = -1
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Make row i of the cache a copy of current row ``index[i]``, for every i.
@@ -129,21 +161,21 @@ class KVCache:
             self.v[:, :n, :, :span] = self.v[:, index, :, :span]
         self.lengths[:n] = self.lengths[index]
         self.rows = n
-        self.max_used = int(self.lengths[:n].max()) if n else 0
+        self._refresh()
 
     def view(self, start: int, stop: int) -> "KVCache":
         """A cache over rows ``start .. stop-1`` sharing this one's storage (e.g. to prefill prompts in chunks).
 
-        Call :meth:`sync_from_views` on the parent afterwards to refresh :attr:`max_used`."""
+        Call :meth:`sync_from_views` on the parent afterwards."""
         sub = object.__new__(KVCache)
         sub.k, sub.v, sub.lengths = self.k[:, start:stop], self.v[:, start:stop], self.lengths[start:stop]
         sub.rows, sub.max_len = stop - start, self.max_len
-        sub.max_used = int(sub.lengths.max()) if stop > start else 0
+        sub._refresh()
         return sub
 
     def sync_from_views(self) -> None:
-        """Recompute :attr:`max_used` after rows were written through :meth:`view`."""
-        self.max_used = int(self.lengths[: self.rows].max()) if self.rows else 0
+        """Recompute the host-side bounds after rows were written through :meth:`view`."""
+        self._refresh()
 
     def reset(self, rows: int | None = None) -> None:
         """Forget everything; reuse the storage for ``rows`` rows (default: all)."""
@@ -152,4 +184,4 @@ class KVCache:
             raise ValueError(f"KVCache.reset: {rows} rows requested but only {self.k.shape[1]} allocated")
         self.rows = rows
         self.lengths.zero_()
-        self.max_used = 0
+        self.max_used = self.min_used = 0

@@ -12,6 +12,9 @@ reasoner shipped in ``data/``. Two forwards:
 Departures from transformers' implementation:
 1. q/k/v and gate/up projections are fused into one matrix each (fewer kernel launches per decode step, which is what
    bounds small-batch decoding on a CPU); :func:`load_model` / :func:`save_model` convert to and from the HF names.
+   On CPU the cached forward computes attention with two matmuls (:func:`gqa_attention`), ~30% faster than
+   PyTorch's CPU flash kernel for one query per row from 8 rows up; below that, and on CUDA,
+   ``scaled_dot_product_attention`` is used.
 2. Only the rotary variants the paper's models use are implemented: default, ``linear`` and ``llama3``; other
    ``rope_type`` values (YaRN, dynamic NTK, ...) raise an error instead of silently producing wrong logits.
 3. Qwen2's sliding-window attention (``use_sliding_window: true``) is not implemented; such a config is refused.
@@ -30,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kvcache import KVCache
+from .kvcache import CacheStep, KVCache
 
+CPU_MATMUL_ATTENTION_MIN_ROWS = 8   # below this many rows PyTorch's CPU SDPA kernel is faster (measured)
 SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _SUPPORTED_MSG = "tltlib supports Llama-family (LlamaForCausalLM) and Qwen2-family (Qwen2ForCausalLM) checkpoints"
 
@@ -188,17 +192,36 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """cos, sin ``[B, 1, T, head_dim]`` for integer ``positions [B, T]`` (computed in float32, then cast)."""
+    """cos and sign-folded sin ``[B, T, 1, head_dim]`` for integer ``positions [B, T]`` (float32, then cast).
+
+    The sin's first half is negated so that :func:`apply_rope` needs no separate negation."""
     freqs = positions[..., None].float() * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos = freqs.cos()
+    sin = freqs.sin()
+    return (torch.cat((cos, cos), dim=-1)[:, :, None].to(dtype),
+            torch.cat((-sin, sin), dim=-1)[:, :, None].to(dtype))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [B, heads, T, head_dim]`` by the angles in cos/sin ``[B, 1, T, head_dim]``."""
+    """Rotate ``x [B, T, heads, head_dim]`` by cos and sign-folded sin ``[B, T, 1, head_dim]``.
+
+    Equals transformers' ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of few queries over a cache with two matmuls (faster than PyTorch's CPU flash kernel for decode).
+
+    q ``[B, H, T, d]``; k, v ``[B, KVH, S, d]`` (query head i reads kv head ``i // (H // KVH)``); mask
+    ``[B, 1, T, S]`` bool or None. Returns ``[B, H, T, d]``."""
+    b, h, t, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    scores = torch.matmul(q.reshape(b, kvh, g * t, d), k.transpose(-1, -2)) * d ** -0.5
+    if mask is not None:
+        scores = scores.view(b, kvh, g, t, -1).masked_fill(~mask[:, :, None], float("-inf")).view(b, kvh, g * t, -1)
+    return torch.matmul(torch.softmax(scores, dim=-1), v).view(b, h, t, d)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -227,18 +250,22 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.qkv_bias)
         self.o = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0, mask=None):
+    def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0, step: CacheStep | None = None):
         b, t, _ = x.shape
-        q, k, v = self.qkv(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
-        q = apply_rope(q.view(b, t, self.h, self.d).transpose(1, 2), cos, sin)
-        k = apply_rope(k.view(b, t, self.kvh, self.d).transpose(1, 2), cos, sin)
-        v = v.view(b, t, self.kvh, self.d).transpose(1, 2)
+        h, kvh = self.h, self.kvh
+        qkv = F.linear(x, self.qkv.weight, self.qkv.bias).view(b, t, h + 2 * kvh, self.d)
+        qk = apply_rope(qkv[:, :, : h + kvh], cos, sin)       # q and k rotated together: [B, T, h + kvh, d]
+        q, k, v = qk[:, :, :h].transpose(1, 2), qk[:, :, h:], qkv[:, :, h + kvh:]
         if cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kvh != self.h)
+            out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                                 enable_gqa=kvh != h)
         else:
-            k, v = cache.write(layer, k, v)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kvh != self.h)
-        return self.o(out.transpose(1, 2).reshape(b, t, self.h * self.d))
+            k, v = cache.write(layer, step, k, v)
+            if x.is_cuda or b < CPU_MATMUL_ATTENTION_MIN_ROWS:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, enable_gqa=kvh != h)
+            else:
+                out = gqa_attention(q, k, v, step.mask)
+        return F.linear(out.transpose(1, 2).reshape(b, t, h * self.d), self.o.weight, self.o.bias)
 
 
 class MLP(nn.Module):
@@ -251,8 +278,8 @@ class MLP(nn.Module):
         self.down = nn.Linear(self.i, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        gate, up = self.gate_up(x).split(self.i, dim=-1)
-        return self.down(F.silu(gate) * up)
+        gate, up = F.linear(x, self.gate_up.weight, self.gate_up.bias).split(self.i, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down.weight, self.down.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -260,15 +287,16 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, input_norm: bool = True):
         super().__init__()
+        self.eps = cfg.rms_norm_eps
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else None
         self.attn = Attention(cfg)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache=None, layer=0, mask=None):
-        h = self.input_norm(x) if self.input_norm is not None else x
-        x = x + self.attn(h, cos, sin, cache, layer, mask)
-        return x + self.mlp(self.post_norm(x))
+    def forward(self, x, cos, sin, cache=None, layer=0, step=None):
+        h = rms_norm(x, self.input_norm.weight, self.eps) if self.input_norm is not None else x
+        x = x + self.attn(h, cos, sin, cache, layer, step)
+        return x + self.mlp(rms_norm(x, self.post_norm.weight, self.eps))
 
 
 class Transformer(nn.Module):
@@ -327,11 +355,11 @@ class Transformer(nn.Module):
         if positions is None:
             positions = cache.lengths[:b, None] + torch.arange(t, device=tokens.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.embed.weight.dtype)
-        mask = cache.step_mask(t, tree_mask)
+        step = cache.prepare(t, tree_mask)
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, mask)
-        hidden = self.norm(x)
+            x = layer(x, cos, sin, cache, i, step)
+        hidden = rms_norm(x, self.norm.weight, self.config.rms_norm_eps)
         if logits_at is not None:
             return self.logits(hidden[torch.arange(b, device=hidden.device), logits_at]), hidden
         return self.logits(hidden), hidden
