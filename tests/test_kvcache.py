@@ -58,7 +58,7 @@ def test_uncommitted_and_rolled_back_entries_are_replaced(model):
         cache.advance(10)
         # row 0: write 3 speculative tokens but commit only 1; row 1: commit 3 then roll 2 back
         model.forward_cached(torch.tensor([[40, 41, 42], [50, 51, 52]]), cache)
-        cache.advance(torch.tensor([1, 3]), max_n=3)
+        cache.advance(torch.tensor([1, 3]))
         cache.rollback(torch.tensor([0, 2]))
         assert cache.lengths[:2].tolist() == [11, 11]
         logits, _ = model.forward_cached(torch.tensor([[7], [8]]), cache)

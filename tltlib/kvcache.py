@@ -70,40 +70,46 @@ class KVCache:
                    config.dim_head, dtype, device)
 
     # ----------------------------------------------------------------------------------------------- one forward
-    def prepare(self, num_new: int, tree_mask: torch.Tensor | None = None) -> CacheStep:
+    def prepare(self, num_new: int, tree_mask: torch.Tensor | None = None, offset: int = 0) -> CacheStep:
         """Slots and attention mask for ``num_new`` new tokens per row (rows with fewer real tokens pad on the right;
         their padding queries attend like real ones and the caller ignores their outputs).
 
         Args:
-            tree_mask: optional ``[rows, T, T]`` bool, ``tree_mask[r, i, j]`` = new token i may attend to new token j
-                (must include i == j). Default: causal.
+            tree_mask: optional ``[rows, T, offset + T]`` bool: new token i may attend to uncommitted entry j
+                (j < offset: written by earlier forwards of this round; j >= offset: new token j - offset; must
+                include the token itself). Default: every earlier uncommitted entry and the new tokens causally.
+            offset: uncommitted entries already written after ``lengths`` (a draft being extended level by
+                level); the new tokens go after them.
         """
-        if self.max_used + num_new > self.max_len:
-            raise ValueError(f"KV cache overflow: {self.max_used} used + {num_new} new > max_len {self.max_len}; "
-                             "allocate the cache with a larger max_len (prompt + max_new_tokens + draft budget)")
+        if self.max_used + offset + num_new > self.max_len:
+            raise ValueError(f"KV cache overflow: {self.max_used} used + {offset + num_new} new > max_len "
+                             f"{self.max_len}; allocate the cache with a larger max_len (prompt + max_new_tokens + "
+                             "draft tokens)")
         rows, kvh, dev = self.rows, self.k.shape[2], self.lengths.device
         lengths = self.lengths[:rows]
-        span = self.max_used + num_new
+        span = self.max_used + offset + num_new
         new = torch.arange(num_new, device=dev)
-        base = torch.arange(rows, device=dev) * (kvh * self.max_len) + lengths
+        base = torch.arange(rows, device=dev) * (kvh * self.max_len) + lengths + offset
         index = (base[:, None, None] + new[None, :, None]
                  + (torch.arange(kvh, device=dev) * self.max_len)[None, None, :])
-        if num_new == 1 and tree_mask is None:
+        if num_new == 1 and offset == 0 and tree_mask is None:
             uniform = self.min_used == self.max_used
             mask = None if uniform else (torch.arange(span, device=dev) <= lengths[:, None])[:, None, None, :]
             return CacheStep(index, mask, span)
         slot = torch.arange(span, device=dev)
-        rel = slot[None, None, :] - lengths[:, None, None]               # [rows, 1, span]: index among new tokens
+        rel = slot[None, None, :] - lengths[:, None, None]               # [rows, 1, span]: index among uncommitted
         if tree_mask is None:
-            new_ok = (rel >= 0) & (rel <= new[None, :, None])            # causal over the new tokens
+            new_ok = (rel >= 0) & (rel <= offset + new[None, :, None])   # causal over the uncommitted entries
         else:
-            idx = rel.clamp(0, num_new - 1).expand(rows, num_new, span)
-            new_ok = (rel >= 0) & (rel < num_new) & torch.gather(tree_mask, 2, idx)
+            width = offset + num_new
+            idx = rel.clamp(0, width - 1).expand(rows, num_new, span)
+            new_ok = (rel >= 0) & (rel < width) & torch.gather(tree_mask, 2, idx)
         return CacheStep(index, ((rel < 0) | new_ok).unsqueeze(1), span)
 
-    def step_mask(self, num_new: int, tree_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+    def step_mask(self, num_new: int, tree_mask: torch.Tensor | None = None,
+                  offset: int = 0) -> torch.Tensor | None:
         """The attention mask of :meth:`prepare` alone."""
-        return self.prepare(num_new, tree_mask).mask
+        return self.prepare(num_new, tree_mask, offset).mask
 
     def write(self, layer: int, step: CacheStep, k_new: torch.Tensor,
               v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,17 +127,13 @@ class KVCache:
         self.max_used = int(live.max()) if self.rows else 0
         self.min_used = int(live.min()) if self.rows else 0
 
-    def advance(self, n: torch.Tensor | int, max_n: int | None = None) -> None:
-        """Commit ``n`` (int or ``[rows]`` tensor) of the entries written by the last forward.
-
-        ``max_n`` is a host-side bound of ``n`` (saves a device sync when ``n`` is a tensor)."""
+    def advance(self, n: torch.Tensor | int) -> None:
+        """Commit ``n`` (int or ``[rows]`` tensor) of the entries written by the last forward (a tensor costs one
+        device sync to keep the host-side bounds exact)."""
         self.lengths[: self.rows] += n
         if isinstance(n, int):
             self.max_used += n
             self.min_used = self.min_used + n if self.min_used >= 0 else -1
-        elif max_n is not None:
-            self.max_used += max_n
-            self.min_used = -1
         else:
             self._refresh()
 
@@ -145,6 +147,21 @@ class KVCache:
             self.min_used = self.min_used - n if self.min_used >= 0 else -1
         else:
             self.min_used = -1
+
+    def gather_uncommitted(self, src: torch.Tensor) -> None:
+        """Move uncommitted entries into place before committing them: for every row r and j < M, the entry
+        ``lengths[r] + j`` becomes a copy of entry ``lengths[r] + src[r, j]`` (all layers). Used after tree
+        verification to line the accepted path up behind the committed prefix."""
+        rows, m = src.shape
+        layers, _, kvh, max_len, d = self.k.shape
+        dev = src.device
+        head = (torch.arange(rows, device=dev) * (kvh * max_len) + self.lengths[:rows])[:, None, None] \
+            + (torch.arange(kvh, device=dev) * max_len)[None, None, :]
+        frm = (head + src[:, :, None]).reshape(-1)
+        to = (head + torch.arange(m, device=dev)[None, :, None]).reshape(-1)
+        for store in (self.k, self.v):
+            flat = store.view(layers, -1, d)
+            flat.index_copy_(1, to, flat.index_select(1, frm))
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Make row i of the cache a copy of current row ``index[i]``, for every i.

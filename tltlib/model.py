@@ -339,23 +339,25 @@ class Transformer(nn.Module):
         return (logits, hidden) if return_hidden else logits
 
     def forward_cached(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None,
-                       tree_mask: torch.Tensor | None = None, logits_at: torch.Tensor | None = None):
+                       tree_mask: torch.Tensor | None = None, logits_at: torch.Tensor | None = None,
+                       offset: int = 0):
         """Inference forward over the cache's active rows; writes K/V but does not commit (see KVCache.advance).
 
         Args:
             tokens: ``[B, T]`` new tokens, B == ``cache.rows``; rows with fewer real tokens are right-padded.
-            positions: ``[B, T]`` rotary positions; default ``lengths[:, None] + arange(T)``.
-            tree_mask: optional ``[B, T, T]`` bool visibility among the new tokens (default causal).
+            positions: ``[B, T]`` rotary positions; default ``lengths[:, None] + offset + arange(T)``.
+            tree_mask: optional ``[B, T, offset + T]`` bool visibility among uncommitted entries (default causal).
             logits_at: optional ``[B]`` index into T: compute logits only there (``[B, V]``).
+            offset: uncommitted entries already written this round (see KVCache.prepare).
 
         Returns:
             (logits ``[B, T, V]`` or ``[B, V]``, final hidden states ``[B, T, H]``).
         """
         b, t = tokens.shape
         if positions is None:
-            positions = cache.lengths[:b, None] + torch.arange(t, device=tokens.device)
+            positions = cache.lengths[:b, None] + (offset + torch.arange(t, device=tokens.device))
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.embed.weight.dtype)
-        step = cache.prepare(t, tree_mask)
+        step = cache.prepare(t, tree_mask, offset)
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, step)

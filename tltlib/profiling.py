@@ -38,6 +38,12 @@ METRICS: dict[str, str] = {
     "sched/idle_frac": "share of worker-time idle when the batch is split across W workers (step-count model)",
     "sched/workers": "W, the number of workers in the idle-time estimate",
     "sched/empty_slot_frac": "share of row x decode-step slots of a static batch left empty by finished responses",
+    "spec/steps": "decode steps that ran speculative decoding",
+    "spec/time_frac": "share of decode time spent in speculative steps",
+    "spec/accept_len_mean": "mean tokens emitted per row per speculative step (accepted drafts + 1, bonus included)",
+    "spec/draft_time_s": "time spent drafting (drafter extend + draft forwards)",
+    "spec/verify_time_s": "time spent verifying (target forward + acceptance)",
+    **{f"spec/accept_ge_{d}": f"share of speculative row-steps accepting at least {d} drafts" for d in range(1, 65)},
     "rl/reward_mean": "mean reward of the rollout's responses",
     "rl/accuracy": "share of responses whose final answer is correct",
 }
@@ -113,6 +119,25 @@ def rollout_stats(lengths, step_time, active, total_rows: int, truncated, time_s
     out.update(length_stats(x))
     out["rollout/tail_time_frac_10"] = tail_time_share(step_time, active, total_rows, 0.10)
     out["rollout/tail_time_frac_25"] = tail_time_share(step_time, active, total_rows, 0.25)
+    return out
+
+
+def spec_stats(timeline: dict) -> dict[str, float]:
+    """``spec/*`` statistics of a rollout from its timeline (empty when no step was speculative)."""
+    strategy = np.asarray(timeline["strategy"])
+    on = strategy != "off"
+    if not on.any():
+        return {"spec/steps": 0.0, "spec/time_frac": 0.0}
+    active = np.asarray(timeline["active"], dtype=np.float64)[on]
+    step_time = np.asarray(timeline["step_time"], dtype=np.float64)
+    hist = np.asarray(timeline["accept_hist"])[on].sum(0).astype(np.float64)
+    rows = hist.sum()
+    out = {"spec/steps": float(on.sum()), "spec/time_frac": float(step_time[on].sum() / max(step_time.sum(), 1e-12)),
+           "spec/accept_len_mean": float((np.asarray(timeline["accepted"])[on].sum() + active.sum()) / active.sum()),
+           "spec/draft_time_s": float(np.asarray(timeline["draft_s"])[on].sum()),
+           "spec/verify_time_s": float(np.asarray(timeline["verify_s"])[on].sum())}
+    for d in range(1, len(hist)):
+        out[f"spec/accept_ge_{d}"] = float(hist[d:].sum() / rows) if rows else 0.0
     return out
 
 

@@ -1,18 +1,21 @@
 """RolloutEngine: batched sampling of G responses per prompt with a shrinking active batch, traced step by step.
 
-One rollout = prefill the unique prompts (in row chunks), copy each prompt's cache row G times (GRPO groups), then
-decode: sample a token for every running row, record it, retire rows that hit EOS or their token budget, compact the
-cache when enough rows have finished (so later forwards really run on fewer rows), and run the next forward. Every
-step's wall time and active row count goes into a timeline, every response's finish step and time into a trace —
-the raw material of the long-tail analysis (notebook 01) and, later, of the adaptive SD switch.
+One rollout = prefill the unique prompts (in row chunks), copy each prompt's cache row G times (GRPO groups), sample
+every row's first token, then decode step by step. Each step is either *plain* (one target forward, one token per
+row) or *speculative* (a drafter proposes a chain or tree, one target forward verifies it, several tokens per row;
+:mod:`tltlib.specdecode`); the strategy may change from one step to the next. Rows that emit EOS or reach their
+token budget retire; the cache is compacted when enough have finished (always before a speculative step), so later
+forwards really run on fewer rows. Every step's wall time, running rows, strategy and acceptance go into a timeline,
+every response's finish step and time into a trace — the raw material of the long-tail analysis (notebook 01), the
+SD benchmarks and the adaptive switch.
 
-Paper: TLT §2 (rollout dominates the RL step; long-tail responses), §5 (the rollout engine that SD plugs into).
+Paper: TLT §2 (rollout dominates the RL step; long-tail responses), §5 (the adaptive rollout engine SD plugs into).
 
 Departures:
-1. Plain (non-speculative) decoding only for now; a single process drives one batch (the data-parallel split across
-   workers is modelled in :func:`tltlib.profiling.split_idle_fraction`).
-2. Finished rows are compacted away only when at least ``compact_fraction`` of the batch has finished (default 1/8),
-   trading a little wasted compute on finished rows for fewer cache copies; at small batch every finish compacts.
+1. A single process drives one batch (the data-parallel split across workers is modelled in
+   :func:`tltlib.profiling.split_idle_fraction`).
+2. Finished rows are compacted away once at least ``compact_fraction`` of the batch has finished (default 1/8) and
+   before every speculative step; until then they stay in the batch without growing their cache.
 3. A prompt that fits the context but leaves less room than ``max_new_tokens`` gets a smaller budget (its response
    is cut at the context and counted as truncated) instead of failing the whole rollout.
 """
@@ -26,8 +29,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .profiling import rollout_stats
+from .profiling import rollout_stats, spec_stats
 from .sampling import SamplingConfig, sample_from_logits
+from .specdecode import SpecDecoder, StepOut
+from .speculative import OFF, SpecStrategy
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,8 @@ class RolloutConfig:
     """Also return the target's final hidden state for every generated token (drafter training data)."""
     ignore_eos: bool = False
     """Keep generating after EOS until max_new_tokens (benchmarks: every row decodes the same number of tokens)."""
+    draft_margin: int = 72
+    """Cache slots kept beyond the longest sequence for draft tokens (must exceed a strategy's verify tokens)."""
 
     def __post_init__(self):
         if self.group_size < 1:
@@ -54,6 +61,8 @@ class RolloutConfig:
             raise ValueError(f"compact_fraction must be in [0, 1), got {self.compact_fraction}")
         if self.prefill_rows < 1:
             raise ValueError(f"prefill_rows must be >= 1, got {self.prefill_rows}")
+        if self.draft_margin < 1:
+            raise ValueError(f"draft_margin must be >= 1, got {self.draft_margin}")
 
 
 @dataclass
@@ -68,8 +77,11 @@ class RolloutResult:
         hidden: ``[N, max_new, H]`` or None: ``hidden[i, j]`` is the target's final hidden state that produced the
             distribution of ``tokens[i, j]`` (i.e. at the position of the previous token), when ``keep_hidden``.
         finish_step, finish_time, truncated: per-sequence trace (decode step, seconds since start, cut by budget).
-        timeline: per decode step: ``time`` (s since start, at step end), ``step_time`` (s), ``active`` (rows still
-            generating), ``rows`` (rows in the forward, finished-but-not-compacted included).
+        timeline: per decode step after the first token: ``time`` (s since start, at step end), ``step_time``
+            (s), ``active`` (rows still generating), ``rows`` (rows in the forward, finished-but-not-compacted
+            included), ``strategy`` (name), ``tokens`` (emitted), ``accepted`` (drafts accepted), ``drafted``
+            (draft tokens verified), ``draft_s`` / ``verify_s`` (s), ``accept_hist`` (``[steps, D+1]`` rows by
+            number of accepted drafts).
         stats: ``rollout/*`` metrics (see tltlib.profiling.METRICS).
     """
 
@@ -104,6 +116,19 @@ def _pad(rows: Sequence[Sequence[int]], pad: int, device) -> torch.Tensor:
     return out.to(device)
 
 
+def _strategy_source(strategy):
+    """Normalise ``strategy`` to an object with ``choose(step, active)`` (and maybe ``observe``)."""
+    if strategy is None or isinstance(strategy, SpecStrategy):
+        fixed = strategy or OFF
+        return type("Fixed", (), {"choose": staticmethod(lambda step, active: fixed)})()
+    if hasattr(strategy, "choose"):
+        return strategy
+    if callable(strategy):
+        return type("Callable", (), {"choose": staticmethod(strategy)})()
+    raise TypeError(f"strategy must be a SpecStrategy, a callable (step, active) -> SpecStrategy or an object with "
+                    f"choose(step, active); got {type(strategy).__name__}")
+
+
 class RolloutEngine:
     """Generates GRPO groups of responses with a :class:`tltlib.model.Transformer`.
 
@@ -112,10 +137,11 @@ class RolloutEngine:
         config: :class:`RolloutConfig`.
         eos_ids: ids that end a response (default: the model config's ``eos_token_ids``).
         pad_id: id written after a response ends (default: the config's pad id, else 0).
+        drafter: an attached :class:`tltlib.drafter.Drafter` for speculative steps (None: plain decoding only).
     """
 
     def __init__(self, model, config: RolloutConfig | None = None, eos_ids: Sequence[int] | None = None,
-                 pad_id: int | None = None):
+                 pad_id: int | None = None, drafter=None):
         self.model = model
         self.config = config or RolloutConfig()
         eos = tuple(eos_ids) if eos_ids is not None else tuple(model.config.eos_token_ids)
@@ -123,6 +149,12 @@ class RolloutEngine:
             raise ValueError("no end-of-sequence id: the model config has no eos_token_id; pass eos_ids=[...]")
         self.eos_ids = eos
         self.pad_id = pad_id if pad_id is not None else (model.config.pad_token_id or 0)
+        if drafter is not None:
+            from .drafter import check_compatible
+            check_compatible(drafter.config, model.config)
+            if not drafter._target or drafter.target is not model:
+                drafter.attach(model)
+        self.drafter = drafter
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         ctx, vocab = self.model.config.max_position_embeddings, self.model.config.vocab_size
@@ -140,14 +172,21 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], generator: torch.Generator | None = None,
-                 progress: bool = False) -> RolloutResult:
+                 progress: bool = False, strategy=None) -> RolloutResult:
         """Sample ``group_size`` responses for each tokenized prompt.
 
-        ``generator`` drives all sampling (default: a new one seeded 0, so a rollout is reproducible); it must live
-        on the model's device. ``progress`` shows a tqdm bar of finished responses."""
+        Args:
+            generator: drives all sampling (default: a new one seeded 0, so a rollout is reproducible); it must
+                live on the model's device.
+            progress: show a tqdm bar of finished responses.
+            strategy: speculative decoding per step: a :class:`SpecStrategy` (default off), a callable
+                ``(step, active_rows) -> SpecStrategy``, or a controller with ``choose(step, active_rows)`` and
+                optionally ``observe(strategy, active_rows, tokens, seconds)`` (the adaptive engine).
+        """
         self._check_prompts(prompts)
         cfg, model = self.config, self.model
         s = cfg.sampling
+        source = _strategy_source(strategy)
         dev = model.embed.weight.device
         if generator is None:
             generator = torch.Generator(device=dev).manual_seed(0)
@@ -156,18 +195,21 @@ class RolloutEngine:
         ctx = model.config.max_position_embeddings
         plen = torch.tensor([len(p) for p in prompts])
         budget = torch.clamp(ctx - plen, max=s.max_new_tokens).repeat_interleave(G).to(dev)
-        max_len = int((plen + budget[::G].cpu()).max())
+        max_len = int((plen + budget[::G].cpu()).max()) + cfg.draft_margin
         cache = model.new_cache(N, max_len)
+        spec = (SpecDecoder(model, self.drafter, s, N, max_len) if self.drafter is not None else None)
         eos = torch.tensor(self.eos_ids, device=dev)
 
         out_tokens = torch.full((N, s.max_new_tokens), self.pad_id, dtype=torch.long, device=dev)
         out_logp = torch.zeros(N, s.max_new_tokens, device=dev)
         hidden = (torch.zeros(N, s.max_new_tokens, model.config.hidden_size, dtype=model.embed.weight.dtype,
                               device=dev) if cfg.keep_hidden else None)
+        n_gen = torch.zeros(N, dtype=torch.long, device=dev)
         lengths = torch.zeros(N, dtype=torch.long, device=dev)
         finish_step = np.zeros(N, dtype=np.int64)
         finish_time = np.zeros(N)
-        times, step_times, actives, rows_in = [], [], [], []
+        tl = {k: [] for k in ("time", "step_time", "active", "rows", "strategy", "tokens", "accepted", "drafted",
+                              "draft_s", "verify_s", "accept_hist")}
         bar = tqdm(total=N, desc="rollout", unit="seq", disable=not progress, leave=False)
 
         t0 = time.perf_counter()
@@ -176,68 +218,120 @@ class RolloutEngine:
             c1 = min(P, c0 + cfg.prefill_rows)
             sub = cache.view(c0, c1)
             lens = plen[c0:c1].to(dev)
-            logits, h = model.forward_cached(_pad(prompts[c0:c1], self.pad_id, dev), sub, logits_at=lens - 1)
-            sub.advance(lens, max_n=int(lens.max()))
+            toks = _pad(prompts[c0:c1], self.pad_id, dev)
+            logits, h = model.forward_cached(toks, sub, logits_at=lens - 1)
+            sub.advance(lens)
+            if spec is not None:
+                spec.prefill(slice(c0, c1), toks, h, lens)
             last_logits.append(logits)
-            if hidden is not None:
-                last_hidden.append(h[torch.arange(c1 - c0, device=dev), lens - 1])
+            last_hidden.append(h[torch.arange(c1 - c0, device=dev), lens - 1])
         cache.rows = P
         cache.sync_from_views()
-        cache.select_rows(torch.arange(P, device=dev).repeat_interleave(G))
+        expand = torch.arange(P, device=dev).repeat_interleave(G)
+        cache.select_rows(expand)
+        if spec is not None:
+            spec.after_prefill(P)
+            spec.select_rows(expand)
         logits = torch.cat(last_logits).repeat_interleave(G, 0)
-        if hidden is not None:
-            hidden[:, 0] = torch.cat(last_hidden).repeat_interleave(G, 0)
+        first_hidden = torch.cat(last_hidden).repeat_interleave(G, 0)
+        tok, logp = sample_from_logits(logits, s, generator)
+        first = StepOut(tok[:, None], torch.ones(N, dtype=torch.long, device=dev), logp[:, None],
+                        first_hidden[:, None], torch.zeros(N, dtype=torch.long, device=dev))
+        if spec is not None:
+            spec.push(first.hidden, first.tokens, first.count, 1)
         prefill_s = time.perf_counter() - t0
 
         seq = torch.arange(N, device=dev)              # sequence id of each cache row
         alive = torch.ones(N, dtype=torch.bool, device=dev)
-        pos, t_prev = 0, time.perf_counter()
+        j_idx = torch.arange(s.max_new_tokens + cfg.draft_margin + 1, device=dev)
+        step, out, t_prev, st = 0, first, time.perf_counter(), OFF
         while True:
-            tok, logp = sample_from_logits(logits, s, generator)
-            ids = seq[alive]
-            out_tokens[ids, pos] = tok[alive]
-            out_logp[ids, pos] = logp[alive]
-            done = alive & (pos + 1 >= budget[seq])
+            # ---- record what the step emitted: cut at the first EOS and at the token budget
+            m = out.tokens.shape[1]
+            j = j_idx[:m]
+            valid = (j[None, :] < out.count[:, None]) & alive[:, None]
+            keep = torch.minimum(out.count, budget[seq] - n_gen) * alive
             if not cfg.ignore_eos:
-                done |= alive & torch.isin(tok, eos)
+                is_eos = torch.isin(out.tokens, eos) & valid
+                first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, m)
+                keep = torch.minimum(keep, first_eos)
+                hit_eos = is_eos.any(1) & (first_eos <= keep)
+            else:
+                hit_eos = torch.zeros_like(alive)
+            write = j[None, :] < keep[:, None]
+            r_idx = seq[:, None].expand(-1, m)[write]
+            c_idx = (n_gen[:, None] + j[None, :])[write]
+            out_tokens[r_idx, c_idx] = out.tokens[write]
+            out_logp[r_idx, c_idx] = out.logprobs[write].float()
+            if hidden is not None:
+                hidden[r_idx, c_idx] = out.hidden[write]
+            n_gen += keep
+            done = alive & (hit_eos | (n_gen >= budget[seq]))
             n_alive_before = int(alive.sum())
             n_done = int(done.sum())
             if n_done:
-                done_ids = seq[done]
-                lengths[done_ids] = pos + 1
-                now = time.perf_counter() - t0
-                finish_step[done_ids.cpu().numpy()] = pos
-                finish_time[done_ids.cpu().numpy()] = now
+                lengths[seq[done]] = n_gen[done]
+                done_ids = seq[done].cpu().numpy()
+                finish_step[done_ids] = step
+                finish_time[done_ids] = time.perf_counter() - t0
                 alive &= ~done
                 bar.update(n_done)
+            last = out.tokens.gather(1, (keep - 1).clamp_min(0)[:, None])[:, 0]
+            t_now = time.perf_counter()
+            if step > 0:
+                counted = out.accepted[keep > 0]
+                acc = int(counted.sum()) if st.enabled else 0
+                hist = (torch.bincount(counted, minlength=out.drafted + 1).cpu().numpy() if st.enabled
+                        else np.zeros(1, dtype=np.int64))
+                for key, val in (("time", t_now - t0), ("step_time", t_now - t_prev), ("active", n_alive_before),
+                                 ("rows", int(seq.numel())), ("strategy", st.name), ("tokens", int(keep.sum())),
+                                 ("accepted", acc), ("drafted", out.drafted * n_alive_before),
+                                 ("draft_s", out.draft_s), ("verify_s", out.verify_s), ("accept_hist", hist)):
+                    tl[key].append(val)
+                if hasattr(source, "observe"):
+                    source.observe(st, n_alive_before, int(keep.sum()), t_now - t_prev)
+            t_prev = t_now
             n_alive = n_alive_before - n_done
             if n_alive == 0:
-                t_now = time.perf_counter()
-                times.append(t_now - t0), step_times.append(t_now - t_prev)
-                actives.append(n_alive_before), rows_in.append(int(seq.numel()))
                 break
+            # ---- choose the next step; compact finished rows (always before a speculative step)
+            step += 1
+            st = source.choose(step, n_alive)
+            if st.enabled and spec is None:
+                raise ValueError(f"strategy {st.name} needs a drafter: pass drafter=... to RolloutEngine")
+            if st.enabled and st.verify_tokens + 1 > cfg.draft_margin:
+                raise ValueError(f"strategy {st.name} verifies {st.verify_tokens} tokens but the cache leaves "
+                                 f"room for {cfg.draft_margin - 1}; raise RolloutConfig.draft_margin")
             rows = int(seq.numel())
-            if rows - n_alive >= max(1, cfg.compact_fraction * rows):
-                keep = alive.nonzero()[:, 0]
-                cache.select_rows(keep)
-                seq, tok, alive = seq[keep], tok[keep], alive[keep]
-            logits, h = model.forward_cached(tok[:, None], cache)
-            cache.advance(1)
-            logits = logits[:, 0]
-            if hidden is not None:
-                hidden[seq[alive], pos + 1] = h[alive, 0]
-            t_now = time.perf_counter()
-            times.append(t_now - t0), step_times.append(t_now - t_prev)
-            actives.append(n_alive_before), rows_in.append(rows)
-            t_prev, pos = t_now, pos + 1
+            if rows > n_alive and (st.enabled or rows - n_alive >= max(1, cfg.compact_fraction * rows)):
+                kept = alive.nonzero()[:, 0]
+                cache.select_rows(kept)
+                if spec is not None:
+                    spec.select_rows(kept)
+                seq, last, alive, n_gen = seq[kept], last[kept], alive[kept], n_gen[kept]
+            grow = 1 if bool(alive.all()) else alive.long()
+            if st.enabled:
+                out = spec.step(st, last, cache, generator)
+            else:
+                logits, h = model.forward_cached(last[:, None], cache)
+                cache.advance(grow)
+                tok, logp = sample_from_logits(logits[:, 0], s, generator)
+                out = StepOut(tok[:, None], torch.ones_like(tok), logp[:, None], h,
+                              torch.zeros_like(tok))
+                if spec is not None:
+                    spec.push(h, out.tokens, out.count, 1)
         bar.close()
 
         total = time.perf_counter() - t0
         lengths_cpu = lengths.cpu()
         truncated = ~torch.isin(out_tokens[torch.arange(N, device=dev), lengths - 1], eos).cpu().numpy()
-        timeline = {"time": np.array(times), "step_time": np.array(step_times), "active": np.array(actives),
-                    "rows": np.array(rows_in)}
+        hists = tl.pop("accept_hist")
+        timeline = {k: np.array(v) for k, v in tl.items()}
+        width = max((len(h) for h in hists), default=1)
+        timeline["accept_hist"] = np.array([np.pad(h, (0, width - len(h))) for h in hists]).reshape(len(hists),
+                                                                                                     width)
         stats = rollout_stats(lengths_cpu.numpy(), timeline["step_time"], timeline["active"], N, truncated,
                               total, prefill_s)
+        stats.update(spec_stats(timeline))
         return RolloutResult([list(p) for p in prompts], G, out_tokens, lengths_cpu, out_logp, hidden,
                              finish_step, finish_time, truncated, timeline, stats)

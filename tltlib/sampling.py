@@ -75,8 +75,16 @@ def sample_from_logits(logits: torch.Tensor, cfg: SamplingConfig,
     ``temperature=0`` the token is the argmax and the log-probability is that of the unscaled softmax."""
     if cfg.greedy:
         tokens = logits.argmax(-1)
-        logp = torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, None])[:, 0]
-        return tokens, logp
+        return tokens, token_logprobs(logits, tokens, cfg)
     probs = probs_from_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)
     tokens = sample(probs, generator)
     return tokens, probs.gather(-1, tokens[:, None])[:, 0].log()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Log-probability of ``tokens [...]`` under the sampling distribution of ``logits [..., V]`` (the unscaled
+    softmax when greedy), as :func:`sample_from_logits` reports them."""
+    if cfg.greedy:
+        return torch.log_softmax(logits.float(), -1).gather(-1, tokens[..., None])[..., 0]
+    probs = probs_from_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+    return probs.gather(-1, tokens[..., None])[..., 0].log()

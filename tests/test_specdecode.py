@@ -1,0 +1,165 @@
+"""Speculative decoding in the rollout engine: lossless at T=0 (token-identical) and T>0 (chi-square on the joint
+of the first tokens), over ragged batches, groups, EOS and budgets, with chains, trees and per-step switching."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import chi2_pvalue
+from tltlib import speculative as S
+from tltlib.drafter import Drafter, DrafterConfig
+from tltlib.model import ModelConfig, Transformer
+from tltlib.rollout import RolloutConfig, RolloutEngine
+from tltlib.sampling import SamplingConfig, probs_from_logits
+from tltlib.speculative import SpecStrategy
+
+CFG = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  eos_token_ids=(2,), pad_token_id=0, bos_token_id=1, max_position_embeddings=160)
+PROMPTS = [[1, 5, 6], [1, 7], [1, 3, 4, 5, 6, 8, 9], [1, 10, 11, 12], [1, 13]]
+STRATEGIES = [SpecStrategy("chain", 1), SpecStrategy("chain", 4), SpecStrategy("tree", 3, 2),
+              SpecStrategy("tree", 4, 3, 8)]
+
+
+def _model(seed=0, eos_boost=2.0, cfg=CFG):
+    torch.manual_seed(seed)
+    m = Transformer(cfg, init_std=0.4).eval()
+    with torch.no_grad():
+        m.embed.weight[2] *= eos_boost
+    return m
+
+
+@pytest.fixture(scope="module")
+def target():
+    return _model()
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    torch.manual_seed(1)
+    return Drafter(DrafterConfig.from_target(target.config), init_std=0.3).eval().attach(target)
+
+
+def _engine(target, drafter, **kw):
+    sampling = {k: kw.pop(k) for k in ("temperature", "top_k", "top_p", "max_new_tokens") if k in kw}
+    return RolloutEngine(target, RolloutConfig(SamplingConfig(**sampling), **kw), drafter=drafter)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
+def test_greedy_sd_is_token_identical_to_plain(target, drafter, strategy):
+    eng = _engine(target, drafter, temperature=0, max_new_tokens=40, group_size=2, compact_fraction=0.3)
+    plain = eng.generate(PROMPTS)
+    spec = eng.generate(PROMPTS, strategy=strategy)
+    assert torch.equal(plain.lengths, spec.lengths)
+    assert torch.equal(plain.tokens, spec.tokens)
+    torch.testing.assert_close(plain.logprobs, spec.logprobs, atol=1e-4, rtol=0)
+    assert spec.stats["spec/steps"] > 0 and spec.stats["spec/accept_len_mean"] >= 1
+
+
+def test_greedy_identity_with_a_drafter_that_is_often_right(target):
+    """A 'drafter' that copies the target (its layer = the target's last layer) gets long accepts; still exact."""
+    torch.manual_seed(3)
+    good = Drafter(DrafterConfig.from_target(target.config), init_std=0.0).attach(target)
+    with torch.no_grad():
+        good.fc.weight.zero_()
+        good.fc.weight[:, CFG.hidden_size:] = torch.eye(CFG.hidden_size)     # pass the target feature through
+        good.layer.load_state_dict(target.layers[-1].state_dict(), strict=False)
+    eng = _engine(target, good, temperature=0, max_new_tokens=60, group_size=1)
+    plain = eng.generate(PROMPTS)
+    for st in (SpecStrategy("chain", 5), SpecStrategy("tree", 5, 3, 12)):
+        spec = eng.generate(PROMPTS, strategy=st)
+        assert torch.equal(plain.tokens, spec.tokens)
+
+
+def test_strategy_may_change_every_step_and_budgets_hold(target, drafter):
+    rng = random.Random(0)
+    choices = [S.OFF] + STRATEGIES
+    eng = _engine(target, drafter, temperature=0, max_new_tokens=23, group_size=3)
+    plain = eng.generate(PROMPTS)
+    mixed = eng.generate(PROMPTS, strategy=lambda step, active: rng.choice(choices))
+    assert torch.equal(plain.tokens, mixed.tokens)
+    assert mixed.lengths.max() <= 23
+    assert set(mixed.timeline["strategy"]) > {"off"}
+    ended = mixed.tokens[torch.arange(15), mixed.lengths - 1]
+    assert torch.equal(ended == 2, torch.from_numpy(~mixed.truncated))     # EOS ends exactly where it appears
+    assert not (mixed.tokens[:, :].eq(2).cumsum(1).gt(1) & (mixed.tokens != 0)).any()  # nothing after the EOS
+
+
+def test_keep_hidden_matches_plain(target, drafter):
+    eng = _engine(target, drafter, temperature=0, max_new_tokens=20, keep_hidden=True)
+    plain = eng.generate(PROMPTS)
+    spec = eng.generate(PROMPTS, strategy=SpecStrategy("tree", 3, 2))
+    for i in range(len(PROMPTS)):
+        n = int(plain.lengths[i])
+        torch.testing.assert_close(spec.hidden[i, :n], plain.hidden[i, :n], atol=1e-4, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------- T > 0: exact
+SMALL = ModelConfig(vocab_size=6, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                    eos_token_ids=(5,), pad_token_id=0, max_position_embeddings=32)
+
+
+def _exact_joint(model, prompt, sampling, n=3):
+    """p(x1) p(x2|x1) p(x3|x1,x2) under the processed distribution, by brute force."""
+    v = SMALL.vocab_size
+    seqs = list(itertools.product(range(v), repeat=n))
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + list(s) for s in seqs]))
+    probs = probs_from_logits(logits[:, len(prompt) - 1: len(prompt) - 1 + n], sampling.temperature,
+                              sampling.top_k, sampling.top_p).double()
+    tok = torch.tensor(seqs)
+    joint = probs.gather(-1, tok[..., None])[..., 0].prod(-1)
+    return joint.numpy()
+
+
+def _sd_joint_pvalue(strategy, temperature, top_k, top_p, rows=12000, seed=0):
+    target = _model(5, eos_boost=0.0, cfg=SMALL)               # eos embedding zeroed: EOS rarely wins
+    torch.manual_seed(9)
+    poor = Drafter(DrafterConfig.from_target(SMALL), init_std=0.5).eval().attach(target)
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=3)
+    eng = RolloutEngine(target, RolloutConfig(sampling, group_size=rows, compact_fraction=0.0), drafter=poor)
+    prompt = [1, 3]
+    res = eng.generate([prompt], torch.Generator().manual_seed(seed), strategy=strategy)
+    assert res.stats["spec/accept_len_mean"] < strategy.depth + 1       # the poor drafter is rejected sometimes
+    toks = res.tokens[:, :3].numpy()
+    full = res.lengths.numpy() == 3
+    v = SMALL.vocab_size
+    exact = _exact_joint(target, prompt, sampling)
+    # responses that ended with EOS early are absent from the 3-token joint; compare the joint of the complete ones
+    eos_paths = np.array([5 in s[:2] for s in itertools.product(range(v), repeat=3)])
+    counts = np.bincount(np.ravel_multi_index(toks[full].T, [v] * 3), minlength=v ** 3)
+    return chi2_pvalue(counts[~eos_paths], exact[~eos_paths])
+
+
+@pytest.mark.parametrize("strategy,temperature,top_k,top_p", [
+    (SpecStrategy("chain", 2), 1.0, 0, 1.0), (SpecStrategy("chain", 3), 0.8, 4, 1.0),
+    (SpecStrategy("tree", 2, 2), 1.1, 0, 0.9), (SpecStrategy("tree", 3, 2, 4), 0.9, 5, 0.95)],
+    ids=lambda x: getattr(x, "name", str(x)))
+def test_sd_sampling_distribution_equals_plain(strategy, temperature, top_k, top_p):
+    assert _sd_joint_pvalue(strategy, temperature, top_k, top_p) > 1e-3
+
+
+def test_sd_chi_square_detects_a_missing_residual(monkeypatch):
+    monkeypatch.setattr(S, "residual", lambda p, q: p)
+    assert _sd_joint_pvalue(SpecStrategy("chain", 2), 1.0, 0, 1.0) < 1e-6
+
+
+def test_sd_tree_chi_square_detects_a_missing_residual(monkeypatch):
+    monkeypatch.setattr(S, "_drop_children", lambda p, tree, is_child: p)
+    assert _sd_joint_pvalue(SpecStrategy("tree", 2, 2), 1.0, 0, 1.0) < 1e-6
+
+
+# ------------------------------------------------------------------------------------------------ errors
+def test_strategy_without_drafter_is_a_clear_error(target):
+    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=5)))
+    with pytest.raises(ValueError, match="needs a drafter"):
+        eng.generate(PROMPTS, strategy=SpecStrategy("chain", 2))
+
+
+def test_too_many_verify_tokens_for_the_cache(target, drafter):
+    eng = _engine(target, drafter, temperature=0, max_new_tokens=5, draft_margin=4)
+    with pytest.raises(ValueError, match="raise RolloutConfig.draft_margin"):
+        eng.generate(PROMPTS, strategy=SpecStrategy("chain", 6))

@@ -1,0 +1,272 @@
+"""EAGLE-1-style one-layer drafter that shares the target's frozen embedding and LM head.
+
+At position t the drafter reads the target's final hidden state f_t and the embedding of the next token x_{t+1}:
+
+    h = fc([embed(x_{t+1}); f_t])          (2H -> H, no bias)
+    h = DecoderLayer(h)                      (the target's block type, without the attention's input RMSNorm)
+    f̂_{t+1} = h,  q(x_{t+2}) = softmax(lm_head(h) / T)
+
+It predicts the target's next hidden state and, through the target's head, the token after next. Drafting feeds its
+own f̂ back in. The embedding and head are the *target's* tensors, read at call time and never copied into the
+drafter's parameters, optimizer or files, so a policy update is seen at once and a drafter sync never overwrites
+the target (a bug class of the reference implementation).
+
+Paper: TLT §4 (adaptive drafter: one trainable decoder layer, frozen embedding and head from the target).
+Reference: ``verl/workers/drafter/model/*_eagle.py`` (fc over [embed; hidden], identity input norm, no final norm).
+
+Departures:
+1. ``fc`` has no bias, in training and inference alike (the reference trains without and serves with one), which is
+   also vLLM's EAGLE layout (:func:`export_vllm_eagle`).
+2. Files hold only the drafter's own tensors plus a config naming the target's shape; loading checks the target
+   matches (hidden size, vocabulary, architecture) instead of failing later with a shape error.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kvcache import KVCache
+from .model import DecoderLayer, ModelConfig, Transformer, _hf_names, rope_cos_sin, rope_inv_freq
+
+CONFIG_FILE = "drafter_config.json"
+WEIGHTS_FILE = "drafter.safetensors"
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """Shape of a drafter: the target's block with one layer (built by :meth:`from_target`)."""
+
+    target: ModelConfig
+    """The target's config, one layer kept (attention/MLP shapes, rope, norm eps, vocabulary)."""
+
+    @classmethod
+    def from_target(cls, cfg: ModelConfig) -> "DrafterConfig":
+        return cls(replace(cfg, num_layers=1))
+
+    @property
+    def hidden_size(self) -> int:
+        return self.target.hidden_size
+
+    def to_dict(self) -> dict:
+        d = asdict(self.target)
+        d["rope_scaling"] = [list(kv) for kv in self.target.rope_scaling]
+        d["eos_token_ids"] = list(self.target.eos_token_ids)
+        return {"format": "tltlib-eagle-drafter", "version": 1, "target": d}
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = CONFIG_FILE) -> "DrafterConfig":
+        if d.get("format") != "tltlib-eagle-drafter":
+            raise ValueError(f"{source}: not a tltlib drafter config (format {d.get('format')!r})")
+        t = dict(d["target"])
+        t["rope_scaling"] = tuple(tuple(kv) for kv in t.get("rope_scaling", ()))
+        t["eos_token_ids"] = tuple(t.get("eos_token_ids", ()))
+        return cls(ModelConfig(**t))
+
+
+class Drafter(nn.Module):
+    """The drafter. Create with ``Drafter(DrafterConfig.from_target(target.config))`` and :meth:`attach` a target
+    (or :func:`load_drafter`, which attaches)."""
+
+    def __init__(self, cfg: DrafterConfig, init_std: float = 0.02):
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layer = DecoderLayer(cfg.target, input_norm=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.target), persistent=False)
+        self._target: list[Transformer] = []              # a list, so the target is not registered as a submodule
+        if init_std:
+            for name, p in self.named_parameters():
+                if p.dim() > 1:
+                    nn.init.normal_(p, std=init_std)
+
+    # ----------------------------------------------------------------------------------------------- target
+    def attach(self, target: Transformer) -> "Drafter":
+        """Share ``target``'s embedding and LM head (checked to fit); returns self."""
+        check_compatible(self.config, target.config)
+        self._target[:] = [target]
+        return self
+
+    @property
+    def target(self) -> Transformer:
+        if not self._target:
+            raise RuntimeError("the drafter has no target attached: call drafter.attach(target) first")
+        return self._target[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's LM head (frozen: no gradient reaches the target)."""
+        return F.linear(hidden, self.target.head_weight.detach())
+
+    def _input(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        emb = F.embedding(tokens, self.target.embed.weight.detach())
+        return F.linear(torch.cat([emb, hidden.to(emb.dtype)], dim=-1), self.fc.weight)
+
+    # ---------------------------------------------------------------------------------------------- forwards
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training forward over whole sequences of pairs.
+
+        Args:
+            hidden: ``[B, T, H]`` target hidden states f_0 .. f_{T-1}.
+            tokens: ``[B, T]`` the tokens after them, x_1 .. x_T.
+
+        Returns:
+            (predicted hidden ``[B, T, H]`` = f̂_1 .. f̂_T, logits ``[B, T, V]`` for x_2 .. x_{T+1}).
+        """
+        b, t = tokens.shape
+        positions = torch.arange(t, device=tokens.device).expand(b, t)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.fc.weight.dtype)
+        out = self.layer(self._input(hidden, tokens), cos, sin)
+        return out, self.logits(out)
+
+    def forward_cached(self, hidden: torch.Tensor, tokens: torch.Tensor, cache: KVCache,
+                       positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
+                       logits_at: torch.Tensor | None = None, offset: int = 0):
+        """Inference forward over the drafter's one-layer cache (same contract as Transformer.forward_cached).
+
+        Pair j of a row sits at cache entry j and rotary position j, exactly as in :meth:`forward`."""
+        b, t = tokens.shape
+        if positions is None:
+            positions = cache.lengths[:b, None] + (offset + torch.arange(t, device=tokens.device))
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.fc.weight.dtype)
+        step = cache.prepare(t, tree_mask, offset)
+        out = self.layer(self._input(hidden, tokens), cos, sin, cache, 0, step)
+        if logits_at is not None:
+            out_at = out[torch.arange(b, device=out.device), logits_at]
+            return self.logits(out_at), out_at
+        return self.logits(out), out
+
+    def new_cache(self, rows: int, max_len: int) -> KVCache:
+        w = self.fc.weight
+        return KVCache.for_model(self.config.target, rows, max_len, dtype=w.dtype, device=w.device, num_layers=1)
+
+
+def check_compatible(cfg: DrafterConfig, target: ModelConfig, source: str = "drafter") -> None:
+    """Clear errors when a drafter does not fit a target."""
+    d = cfg.target
+    for field, what in (("architecture", "architecture"), ("hidden_size", "hidden size"),
+                        ("vocab_size", "vocabulary size"), ("num_heads", "attention heads"),
+                        ("num_kv_heads", "key/value heads"), ("intermediate_size", "MLP width")):
+        if getattr(d, field) != getattr(target, field):
+            raise ValueError(f"{source} does not match the target: its {what} is {getattr(d, field)!r} but the "
+                             f"target's is {getattr(target, field)!r}; train a drafter for this target "
+                             "(python -m tltlib train-drafter) or load the target it was trained for")
+
+
+# ------------------------------------------------------------------------------------------------ files
+def save_drafter(drafter: Drafter, path: str | os.PathLike) -> Path:
+    """Write ``drafter_config.json`` + ``drafter.safetensors`` (own tensors only) into a folder, atomically."""
+    from safetensors.torch import save_file
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    tmp.chmod(0o755)
+    try:
+        (tmp / CONFIG_FILE).write_text(json.dumps(drafter.config.to_dict(), indent=1) + "\n")
+        save_file({k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()},
+                  str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        if path.exists():
+            for f in path.iterdir():
+                if not (tmp / f.name).exists():
+                    (shutil.copytree if f.is_dir() else shutil.copy2)(f, tmp / f.name)
+            old = path.with_name(f".{path.name}.old")
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def load_drafter(path: str | os.PathLike, target: Transformer) -> Drafter:
+    """Load a drafter saved by :func:`save_drafter` and attach it to ``target`` (its device and dtype)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    path = Path(path)
+    cfg_file, w_file = path / CONFIG_FILE, path / WEIGHTS_FILE
+    if not cfg_file.is_file() or not w_file.is_file():
+        raise FileNotFoundError(f"no drafter in {str(path)!r}: expected {CONFIG_FILE} and {WEIGHTS_FILE} (train one "
+                                "with python -m tltlib train-drafter, or pass the folder it was saved to)")
+    try:
+        cfg = DrafterConfig.from_dict(json.loads(cfg_file.read_text()), str(cfg_file))
+        state = load_file(str(w_file))
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{cfg_file} is corrupt ({e}); re-save or retrain the drafter") from None
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{w_file} is corrupt ({e}); re-save or retrain the drafter") from None
+    check_compatible(cfg, target.config, source=f"drafter {path}")
+    drafter = Drafter(cfg, init_std=0.0)
+    try:
+        drafter.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"{w_file} does not fit its config ({str(e).splitlines()[0]}); re-save the drafter") from None
+    w = target.embed.weight
+    return drafter.to(device=w.device, dtype=w.dtype).attach(target)
+
+
+# -------------------------------------------------------------------------------------------- vLLM export
+def vllm_eagle_tensors(drafter: Drafter, include_embedding: bool = True) -> dict[str, torch.Tensor]:
+    """The drafter in vLLM's EAGLE layout: ``fc.weight [H, 2H]``, ``layers.0.*`` in transformers' names without
+    ``input_layernorm``, and (by default) ``embed_tokens.weight`` copied from the target."""
+    cfg = drafter.config.target
+    ours = dict(drafter.layer.state_dict())
+    out = {"fc.weight": drafter.fc.weight.detach()}
+    for name, parts in _hf_names(cfg, 0).items():
+        if name.startswith("input_norm"):
+            continue
+        t = ours[name].detach()
+        if len(parts) == 1:
+            out[parts[0].removeprefix("model.")] = t
+        else:
+            sizes = ([cfg.num_heads * cfg.dim_head] + [cfg.num_kv_heads * cfg.dim_head] * 2 if ".qkv." in name
+                     else [cfg.intermediate_size] * 2)
+            out.update({p.removeprefix("model."): x for p, x in zip(parts, t.split(sizes, dim=0))})
+    if include_embedding:
+        out["embed_tokens.weight"] = drafter.target.embed.weight.detach()
+    return {k: v.cpu().contiguous() for k, v in out.items()}
+
+
+def export_vllm_eagle(drafter: Drafter, path: str | os.PathLike, include_embedding: bool = True) -> Path:
+    """Write a vLLM-loadable EAGLE checkpoint (``architectures: ["EagleLlamaForCausalLM"]``, one layer)."""
+    from safetensors.torch import save_file
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    hf = drafter.config.target.to_hf()
+    hf.update(architectures=["EagleLlamaForCausalLM"], num_hidden_layers=1, model_type="llama",
+              attention_bias=drafter.config.target.qkv_bias)
+    tmp_cfg, tmp_w = path / ".config.json.tmp", path / ".model.safetensors.tmp"
+    tmp_cfg.write_text(json.dumps(hf, indent=2) + "\n")
+    save_file(vllm_eagle_tensors(drafter, include_embedding), str(tmp_w), metadata={"format": "pt"})
+    tmp_cfg.replace(path / "config.json")
+    tmp_w.replace(path / "model.safetensors")
+    return path
+
+
+def load_vllm_eagle(path: str | os.PathLike, target: Transformer) -> Drafter:
+    """Read a checkpoint written by :func:`export_vllm_eagle` back into a :class:`Drafter`."""
+    from safetensors.torch import load_file
+    path = Path(path)
+    hf = json.loads((path / "config.json").read_text())
+    if hf.get("architectures") != ["EagleLlamaForCausalLM"]:
+        raise ValueError(f"{path}/config.json is not an EAGLE checkpoint (architectures {hf.get('architectures')})")
+    tensors = load_file(str(path / "model.safetensors"))
+    drafter = Drafter(DrafterConfig.from_target(target.config), init_std=0.0)
+    check_compatible(drafter.config, target.config)
+    cfg = drafter.config.target
+    state = {"fc.weight": tensors["fc.weight"]}
+    for name, parts in _hf_names(cfg, 0).items():
+        if not name.startswith("input_norm"):
+            state[f"layer.{name}"] = torch.cat([tensors[p.removeprefix("model.")] for p in parts], dim=0)
+    drafter.load_state_dict(state, strict=True)
+    w = target.embed.weight
+    return drafter.to(device=w.device, dtype=w.dtype).attach(target)

@@ -1,0 +1,260 @@
+"""One speculative-decoding step over a ragged batch: draft with the drafter, verify in one target forward, commit.
+
+State between steps, per row: the last emitted token x_n (not yet run through the target) and the drafter's
+*pending pairs* — (target hidden f_t, token x_{t+1}) pairs not yet fed to the drafter, the last of which ends in
+x_n. A speculative step:
+
+1. **extend** — one drafter forward over the pending pairs (ragged) commits them to the drafter's cache; its output
+   at the last pair gives f̂_n and q(x_{n+1});
+2. **draft** — a chain (``depth`` tokens sampled from q, or argmax at T=0) or a tree (top-k children of the top-k
+   nodes per level, ``depth`` levels, the ``budget`` most probable nodes kept), with one drafter forward per level
+   whose entries stay uncommitted (tree masks keep branches apart);
+3. **verify** — one target forward over [x_n, drafts] (a tree mask for trees), exact acceptance
+   (:mod:`tltlib.speculative`), then the accepted path is lined up in the target cache and committed; the target's
+   hidden states along it become the next pending pairs, so the drafter always sees true target features.
+
+A plain step (strategy ``off``) just appends its one pair, so the strategy can change from one step to the next; the
+pending pairs are flushed into the drafter when ``flush_at`` accumulate, which bounds their memory while SD is off.
+
+Paper: TLT §5 (adaptive rollout engine). Reference: SGLang's ``EAGLEWorker`` (draft extend, tree draft, verify).
+
+Departures:
+1. Switching SD on needs no re-prefill: the drafter catches up from the pending pairs (the reference re-prefills
+   every running request).
+2. The drafter's KV entries for drafted tokens are dropped after each step and rebuilt from the target's true
+   hidden states (EAGLE keeps the draft-time entries of accepted tokens, which were computed from drafted features).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .kvcache import KVCache
+from .sampling import SamplingConfig, probs_from_logits, token_logprobs
+from .speculative import (DraftTree, SpecStrategy, ancestor_mask, chain_tree, select_nodes, verify_chain,
+                          verify_chain_greedy, verify_tree)
+
+
+@dataclass
+class StepOut:
+    """What one decode step emitted, per row (the first ``count[r]`` entries are valid).
+
+    Attributes:
+        tokens: ``[B, M]`` emitted tokens (accepted drafts, then the sampled token).
+        count: ``[B]`` tokens emitted.
+        logprobs: ``[B, M]`` their log-probabilities under the sampling distribution.
+        hidden: ``[B, M, H]`` the target hidden state that produced each emitted token.
+        accepted: ``[B]`` drafts accepted (0 for a plain step).
+        drafted: draft tokens verified per row (0 for a plain step).
+        draft_s, verify_s: wall time of drafting (extend included) and of the target forward + acceptance.
+    """
+
+    tokens: torch.Tensor
+    count: torch.Tensor
+    logprobs: torch.Tensor
+    hidden: torch.Tensor
+    accepted: torch.Tensor
+    drafted: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+
+class SpecDecoder:
+    """The drafter side of a rollout: its cache, the pending pairs, and the speculative step.
+
+    Args:
+        target, drafter: the policy and an attached :class:`tltlib.drafter.Drafter`.
+        sampling: the rollout's sampling settings (the distribution SD must reproduce).
+        rows, max_len: cache shape (max_len must leave room for the deepest draft).
+        flush_at: pending pairs per row that trigger a drafter catch-up while SD is off.
+    """
+
+    def __init__(self, target, drafter, sampling: SamplingConfig, rows: int, max_len: int, flush_at: int = 32):
+        self.target, self.drafter, self.sampling = target, drafter, sampling
+        self.cache: KVCache = drafter.new_cache(rows, max_len)
+        w = target.embed.weight
+        self.flush_at = flush_at
+        self.cap = flush_at + 64
+        self.pend_h = torch.zeros(rows, self.cap, target.config.hidden_size, dtype=w.dtype, device=w.device)
+        self.pend_tok = torch.zeros(rows, self.cap, dtype=torch.long, device=w.device)
+        self.pend_n = torch.zeros(rows, dtype=torch.long, device=w.device)
+        self.pend_max = 0
+        self.fed_pairs: list | None = None        # set to [] to record every pair fed (alignment tests)
+
+    # --------------------------------------------------------------------------------------- pending pairs
+    def prefill(self, rows: slice, prompt_tokens: torch.Tensor, prompt_hidden: torch.Tensor,
+                lengths: torch.Tensor) -> None:
+        """Feed the prompt pairs (f_t, x_{t+1}), t < len - 1, of prompts prefilled into cache rows ``rows``."""
+        sub = self.cache.view(rows.start, rows.stop)
+        n = lengths - 1
+        width = int(n.max())
+        if width > 0:
+            self._feed(sub, prompt_hidden[:, :width], prompt_tokens[:, 1: width + 1], n)
+        sub.advance(n)
+
+    def after_prefill(self, prompts: int) -> None:
+        self.cache.rows = prompts
+        self.cache.sync_from_views()
+
+    def push(self, hidden: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor, max_count: int) -> None:
+        """Append ``count[r]`` pairs (hidden ``[B, M, H]``, tokens ``[B, M]``) to each row's pending pairs."""
+        if self.pend_max + max_count > self.cap:
+            self.flush()
+        b, m = tokens.shape
+        j = torch.arange(m, device=tokens.device)
+        valid = j[None, :] < count[:, None]
+        rows = torch.arange(b, device=tokens.device)[:, None].expand(b, m)[valid]
+        slots = (self.pend_n[:b, None] + j[None, :])[valid]
+        self.pend_h[rows, slots] = hidden[valid]
+        self.pend_tok[rows, slots] = tokens[valid]
+        self.pend_n[:b] += count
+        self.pend_max = int(self.pend_n[:b].max())
+        if self.pend_max >= self.flush_at:
+            self.flush()
+
+    def flush(self) -> None:
+        """Feed all pending pairs to the drafter now (keeps its cache current while SD is off)."""
+        if self.pend_max:
+            self._extend()
+
+    def _feed(self, cache: KVCache, hidden, tokens, n):
+        if self.fed_pairs is not None:
+            self.fed_pairs.append((hidden.detach().clone(), tokens.clone(), n.clone(), cache.lengths[: cache.rows].clone()))
+        return self.drafter.forward_cached(hidden, tokens, cache, logits_at=(n - 1).clamp_min(0))
+
+    def _extend(self):
+        """Feed pending pairs; return (logits of q(x_{n+1}) ``[B, V]``, f̂_n ``[B, H]``)."""
+        b, width = self.cache.rows, self.pend_max
+        n = self.pend_n[:b].clone()
+        logits, feat = self._feed(self.cache, self.pend_h[:b, :width], self.pend_tok[:b, :width], n)
+        self.cache.advance(n)
+        self.pend_n.zero_()
+        self.pend_max = 0
+        return logits, feat
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.cache.select_rows(index)
+        n = index.numel()
+        self.pend_h[:n] = self.pend_h[index]
+        self.pend_tok[:n] = self.pend_tok[index]
+        self.pend_n[:n] = self.pend_n[index]
+
+    # ------------------------------------------------------------------------------------------- the step
+    def step(self, strategy: SpecStrategy, root: torch.Tensor, tcache: KVCache,
+             generator: torch.Generator | None) -> StepOut:
+        """One speculative step for every row. ``root [B]``: each row's last emitted token (its pending pairs end
+        with it)."""
+        t0 = time.perf_counter()
+        q_logits, feat = self._extend()
+        if strategy.kind == "chain":
+            drafts, qs = self._draft_chain(strategy.depth, q_logits, feat, generator)
+            tree = chain_tree(root, drafts)
+        else:
+            tree = self._draft_tree(strategy, root, q_logits, feat)
+            qs = None
+        t1 = time.perf_counter()
+        positions = tcache.lengths[: tcache.rows, None] + tree.depth
+        tree_mask = None if strategy.kind == "chain" else tree.mask()
+        logits, hidden = self.target.forward_cached(tree.tokens, tcache, positions=positions, tree_mask=tree_mask)
+        s = self.sampling
+        if strategy.kind == "chain":
+            if s.greedy:
+                accepted, nxt = verify_chain_greedy(logits.argmax(-1), drafts)
+            else:
+                p = probs_from_logits(logits, s.temperature, s.top_k, s.top_p)
+                accepted, nxt = verify_chain(p, qs, drafts, generator)
+            d = drafts.shape[1]
+            path = torch.arange(1, d + 1, device=root.device).expand(root.shape[0], d)
+        else:
+            path, accepted, nxt = verify_tree(logits, tree, s.temperature, s.top_k, s.top_p, generator)
+        out = self._commit(tree, path, accepted, nxt, logits, hidden, tcache, strategy.kind == "tree")
+        out.drafted = tree.size - 1
+        out.draft_s, out.verify_s = t1 - t0, time.perf_counter() - t1
+        return out
+
+    def _q(self, logits: torch.Tensor) -> torch.Tensor:
+        s = self.sampling
+        return probs_from_logits(logits, s.temperature if not s.greedy else 1.0, s.top_k, s.top_p)
+
+    def _draft_chain(self, depth, q_logits, feat, generator):
+        """``depth`` drafts sampled from q (argmax when greedy); returns (drafts [B, D], q [B, D, V])."""
+        drafts, qs = [], []
+        for i in range(depth):
+            q = self._q(q_logits)
+            d = q_logits.argmax(-1) if self.sampling.greedy else torch.multinomial(q, 1, generator=generator)[:, 0]
+            drafts.append(d), qs.append(q)
+            if i + 1 < depth:
+                q_logits, out = self.drafter.forward_cached(feat[:, None], d[:, None], self.cache, offset=i)
+                q_logits, feat = q_logits[:, 0], out[:, 0]
+        return torch.stack(drafts, 1), torch.stack(qs, 1)
+
+    def _draft_tree(self, st: SpecStrategy, root, q_logits, feat) -> DraftTree:
+        """EAGLE-2-style dynamic tree: top-k expansion per level, best ``budget`` nodes by cumulative log q."""
+        b, k, dev = root.shape[0], st.top_k, root.device
+        logq = torch.log_softmax(q_logits.float(), -1)
+        score, tok = logq.topk(k, dim=-1)                                         # depth-1 candidates
+        cand_tok, cand_score = [tok], [score]
+        cand_par = [torch.full((b, k), -1, device=dev)]
+        cand_dep = [torch.ones(b, k, dtype=torch.long, device=dev)]
+        front_idx = torch.arange(k, device=dev).expand(b, k)                      # candidate index of frontier
+        front_feat = feat[:, None].expand(b, k, feat.shape[-1])                   # parent feature of each node
+        front_anc = torch.eye(k, dtype=torch.bool, device=dev).expand(b, k, k)    # ancestry over written entries
+        n_cand = k
+        for level in range(2, st.depth + 1):
+            offset = k * (level - 2)
+            ftok = torch.cat(cand_tok, 1).gather(1, front_idx)
+            fscore = torch.cat(cand_score, 1).gather(1, front_idx)
+            positions = self.cache.lengths[:b, None] + (level - 2)
+            lg, out = self.drafter.forward_cached(front_feat, ftok, self.cache, positions=positions.expand(b, k),
+                                                  tree_mask=front_anc, offset=offset)
+            logq = torch.log_softmax(lg.float(), -1)                              # [B, k, V]
+            s2, t2 = logq.topk(k, dim=-1)                                         # [B, k, k]
+            s2 = (s2 + fscore[..., None]).reshape(b, k * k)
+            cand_tok.append(t2.reshape(b, k * k)), cand_score.append(s2)
+            cand_par.append(front_idx.repeat_interleave(k, dim=1))
+            cand_dep.append(torch.full((b, k * k), level, dtype=torch.long, device=dev))
+            best = s2.topk(k, dim=1).indices                                      # next frontier among new ones
+            parent_slot = best // k                                               # which frontier node
+            front_idx = n_cand + best
+            front_feat = out.gather(1, parent_slot[..., None].expand(b, k, out.shape[-1]))
+            written = offset + k
+            anc = torch.zeros(b, k, written + k, dtype=torch.bool, device=dev)
+            par_anc = front_anc.gather(1, parent_slot[..., None].expand(b, k, front_anc.shape[-1]))
+            anc[:, :, : front_anc.shape[-1]] = par_anc
+            anc[:, :, offset:written] |= torch.nn.functional.one_hot(parent_slot, k).bool()
+            anc[:, :, written:] = torch.eye(k, dtype=torch.bool, device=dev)
+            front_anc = anc
+            n_cand += k * k
+        scores, toks = torch.cat(cand_score, 1), torch.cat(cand_tok, 1)
+        pars, deps = torch.cat(cand_par, 1), torch.cat(cand_dep, 1)
+        keep = select_nodes(scores, pars, deps, st.verify_tokens)               # [B, N] candidate ids
+        # parents in verification indices: root = 0, kept candidate i -> 1 + its position in `keep`
+        where = torch.full((b, scores.shape[1] + 1), -1, dtype=torch.long, device=dev)
+        where[:, 1:].scatter_(1, keep, torch.arange(1, keep.shape[1] + 1, device=dev).expand_as(keep))
+        kept_par = pars.gather(1, keep)
+        vpar = torch.where(kept_par < 0, 0, where[:, 1:].gather(1, kept_par.clamp_min(0)))
+        tokens = torch.cat([root[:, None], toks.gather(1, keep)], 1)
+        parents = torch.cat([torch.full((b, 1), -1, device=dev), vpar], 1)
+        depth = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev), deps.gather(1, keep)], 1)
+        return DraftTree(tokens, parents, depth)
+
+    def _commit(self, tree, path, accepted, nxt, logits, hidden, tcache, is_tree) -> StepOut:
+        """Line the accepted path up in the target cache, commit it, and make it the next pending pairs."""
+        b, dev = accepted.shape[0], accepted.device
+        m = path.shape[1] + 1
+        nodes = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev), path.clamp_min(0)], 1)  # [B, M]
+        count = accepted + 1
+        j = torch.arange(m, device=dev)
+        emitted = tree.tokens.gather(1, nodes[:, 1:].clamp(max=tree.size - 1))
+        emitted = torch.cat([emitted, torch.zeros(b, 1, dtype=torch.long, device=dev)], 1)
+        emitted = torch.where(j[None, :] == accepted[:, None], nxt[:, None], emitted)
+        if is_tree:
+            tcache.gather_uncommitted(nodes)
+        tcache.advance(count)
+        rows = torch.arange(b, device=dev)[:, None]
+        h = hidden[rows, nodes]                                                   # [B, M, H]
+        lp = token_logprobs(logits[rows, nodes], emitted, self.sampling)
+        self.push(h, emitted, count, m)
+        return StepOut(emitted, count, lp, h, accepted)
