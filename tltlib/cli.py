@@ -109,9 +109,16 @@ def cmd_test(args) -> int:
 
 def cmd_train_reasoner(args) -> int:
     from .reasoner import ReasonerTrainConfig, train_reasoner
-    cfg = ReasonerTrainConfig(minutes=args.minutes, seed=args.seed)
+    cfg = ReasonerTrainConfig(preset=args.preset, steps=args.steps, minutes=args.minutes, seed=args.seed)
     card = train_reasoner(cfg, args.out, progress=not args.quiet)
     print(card)
+    return 0
+
+
+def cmd_train_drafter(args) -> int:
+    from .draft_train import DrafterTrainConfig, train_warm_drafter
+    print(train_warm_drafter(args.model, args.out, DrafterTrainConfig(steps=args.steps), seed=args.seed,
+                             progress=not args.quiet))
     return 0
 
 
@@ -143,9 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
     tr = sub.add_parser("train-reasoner", help="train the tiny reasoner shipped in data/ (SFT on generated traces)")
     tr.add_argument("--minutes", type=float, default=18.0, help="wall-clock training budget")
+    tr.add_argument("--preset", default="tiny-cpu", help="model preset (tiny-draft: the assistant for the benches)")
+    tr.add_argument("--steps", type=int, default=1400)
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--out", default=str(ROOT / "data" / "tiny-reasoner"))
     tr.add_argument("--quiet", action="store_true")
+    td = sub.add_parser("train-drafter", help="train the warm EAGLE drafter of a local target on its own rollouts")
+    td.add_argument("--model", default=str(ROOT / "data" / "tiny-reasoner"))
+    td.add_argument("--out", default=str(ROOT / "data" / "tiny-reasoner-drafter"))
+    td.add_argument("--steps", type=int, default=1500)
+    td.add_argument("--seed", type=int, default=0)
+    td.add_argument("--quiet", action="store_true")
     b = sub.add_parser("bench", help="run bench/NAME.py (e.g. decode)")
     b.add_argument("name")
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -157,5 +172,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in ("run", "test") and not _in_venv() and not os.environ.get("TLTLIB_NO_VENV"):
         _reexec_in_venv(["run-notebooks" if args.cmd == "run" else "test", *argv[1:]])
     handlers = {"run": cmd_run_notebooks, "run-notebooks": cmd_run_notebooks, "test": cmd_test,
-                "train-reasoner": cmd_train_reasoner, "bench": cmd_bench}
+                "train-reasoner": cmd_train_reasoner, "train-drafter": cmd_train_drafter, "bench": cmd_bench}
     return handlers[args.cmd](args)

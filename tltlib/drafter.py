@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -33,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fileio import atomic_folder
 from .kvcache import KVCache
 from .model import DecoderLayer, ModelConfig, Transformer, _hf_names, rope_cos_sin, rope_inv_freq
 
@@ -164,28 +163,11 @@ def check_compatible(cfg: DrafterConfig, target: ModelConfig, source: str = "dra
 def save_drafter(drafter: Drafter, path: str | os.PathLike) -> Path:
     """Write ``drafter_config.json`` + ``drafter.safetensors`` (own tensors only) into a folder, atomically."""
     from safetensors.torch import save_file
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    tmp.chmod(0o755)
-    try:
+    with atomic_folder(path) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(drafter.config.to_dict(), indent=1) + "\n")
         save_file({k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()},
                   str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        if path.exists():
-            for f in path.iterdir():
-                if not (tmp / f.name).exists():
-                    (shutil.copytree if f.is_dir() else shutil.copy2)(f, tmp / f.name)
-            old = path.with_name(f".{path.name}.old")
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+    return Path(path)
 
 
 def load_drafter(path: str | os.PathLike, target: Transformer) -> Drafter:

@@ -24,8 +24,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -33,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fileio import atomic_folder
 from .kvcache import CacheStep, KVCache
 
 CPU_MATMUL_ATTENTION_MIN_ROWS = 8   # below this many rows PyTorch's CPU SDPA kernel is faster (measured)
@@ -473,11 +472,7 @@ def save_model(model: Transformer, path: str | os.PathLike, extra_files: dict[st
 
     ``extra_files`` maps file names to text written beside (e.g. a model card)."""
     from safetensors.torch import save_file
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    tmp.chmod(0o755)                                     # mkdtemp makes it private; a model folder is shared
-    try:
+    with atomic_folder(path) as tmp:
         cfg = model.config.to_hf()
         cfg["torch_dtype"] = str(model.embed.weight.dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -485,26 +480,16 @@ def save_model(model: Transformer, path: str | os.PathLike, extra_files: dict[st
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
-        if path.exists():
-            for f in path.iterdir():                     # keep files we do not write (tokenizer, drafter, card)
-                if not (tmp / f.name).exists():
-                    (shutil.copytree if f.is_dir() else shutil.copy2)(f, tmp / f.name)
-            old = path.with_name(f".{path.name}.old")
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+    return Path(path)
 
 
 PRESETS: dict[str, ModelConfig] = {
     # the shipped tiny reasoner (data/tiny-reasoner): 8 layers, ~3.3 M parameters, trains on 2 CPU cores
     "tiny-cpu": ModelConfig(vocab_size=74, hidden_size=192, intermediate_size=512, num_layers=8, num_heads=6,
                             num_kv_heads=3, max_position_embeddings=1024, tie_word_embeddings=True),
+    # a 2-layer draft *model* (not an EAGLE head) for transformers' assisted generation, the SD peer in the benches
+    "tiny-draft": ModelConfig(vocab_size=74, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4,
+                              num_kv_heads=2, max_position_embeddings=1024, tie_word_embeddings=True),
     "qwen2.5-7b": ModelConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
                               num_heads=28, num_kv_heads=4, architecture="qwen2", rope_theta=1e6,
                               max_position_embeddings=32768),

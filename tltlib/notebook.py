@@ -22,6 +22,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from .fileio import atomic_write_text
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -54,21 +56,6 @@ def _jsonable(x):
     if isinstance(x, float) and not math.isfinite(x):
         return None
     return x
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def write_metrics(metrics: dict, out_dir: str | os.PathLike) -> Path:

@@ -155,14 +155,14 @@ def evaluate(model, tokenizer, problems, temperature: float = 0.9, group_size: i
     return out
 
 
-CARD = """# tiny-reasoner
+CARD = """# {name}
 
 A {params_m:.2f} M-parameter Llama-architecture model ({layers} layers, hidden {hidden}, {heads} heads /
 {kv_heads} KV heads, SwiGLU {inter}, tied embeddings, vocabulary {vocab}) trained by tltlib on the embedded chain
 task. It loads with `tltlib.model.load_model` and with `transformers.AutoModelForCausalLM.from_pretrained`.
 
 ## How it was made
-`python -m tltlib train-reasoner` — SFT on freshly generated traces: {steps} AdamW steps of ~{tpb} tokens
+`python -m tltlib train-reasoner --preset {preset} --steps {steps}` — SFT on freshly generated traces: {steps} AdamW steps of ~{tpb} tokens
 (lr {lr}, warm-up {warmup}, cosine to 10%, bf16 autocast on CPU), loss on response tokens only, {minutes:.1f} minutes
 on {threads} CPU threads. Recipe: `tltlib.reasoner.ReasonerTrainConfig` = `{recipe}`.
 
@@ -196,7 +196,7 @@ def train_reasoner(cfg: ReasonerTrainConfig, out_dir: str | Path, progress: bool
     ev_sample = evaluate(model, tok, problems, temperature=0.9, progress=progress)
     ev_greedy = evaluate(model, tok, problems, temperature=0.0, progress=progress)
     mc = model.config
-    card = CARD.format(params_m=mc.num_parameters / 1e6, layers=mc.num_layers, hidden=mc.hidden_size,
+    card = CARD.format(name=Path(out_dir).name, preset=cfg.preset, params_m=mc.num_parameters / 1e6, layers=mc.num_layers, hidden=mc.hidden_size,
                        heads=mc.num_heads, kv_heads=mc.num_kv_heads, inter=mc.intermediate_size, vocab=mc.vocab_size,
                        steps=log["steps_done"], tpb=cfg.tokens_per_batch, lr=cfg.lr, warmup=cfg.warmup_steps,
                        minutes=log["train_seconds"] / 60, threads=torch.get_num_threads(),

@@ -155,6 +155,8 @@ class RolloutEngine:
             if not drafter._target or drafter.target is not model:
                 drafter.attach(model)
         self.drafter = drafter
+        self.record_drafter_pairs = False     # debugging/tests: keep every (hidden, token) pair fed to the drafter
+        self.last_spec: SpecDecoder | None = None
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         ctx, vocab = self.model.config.max_position_embeddings, self.model.config.vocab_size
@@ -198,6 +200,9 @@ class RolloutEngine:
         max_len = int((plen + budget[::G].cpu()).max()) + cfg.draft_margin
         cache = model.new_cache(N, max_len)
         spec = (SpecDecoder(model, self.drafter, s, N, max_len) if self.drafter is not None else None)
+        if spec is not None and self.record_drafter_pairs:
+            spec.fed_pairs = []
+        self.last_spec = spec
         eos = torch.tensor(self.eos_ids, device=dev)
 
         out_tokens = torch.full((N, s.max_new_tokens), self.pad_id, dtype=torch.long, device=dev)

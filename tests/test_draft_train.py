@@ -1,0 +1,82 @@
+"""Drafter training: the pairs it trains on are exactly what the engine feeds the drafter; the loss trains."""
+from __future__ import annotations
+
+import torch
+
+from tltlib.draft_train import (DrafterTrainConfig, DrafterTrainer, PairDataset, depth_accuracy, drafter_loss,
+                                loss_mask, target_hidden, train_offline)
+from tltlib.drafter import Drafter, DrafterConfig
+from tltlib.model import ModelConfig, Transformer
+from tltlib.rollout import RolloutConfig, RolloutEngine
+from tltlib.sampling import SamplingConfig
+from tltlib.speculative import OFF, SpecStrategy
+
+CFG = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  eos_token_ids=(2,), pad_token_id=0, max_position_embeddings=128)
+
+
+def _pair(seed=0):
+    torch.manual_seed(seed)
+    target = Transformer(CFG, init_std=0.4).eval()
+    with torch.no_grad():
+        target.embed.weight[2] *= 0.0                 # no early EOS: long sequences
+    drafter = Drafter(DrafterConfig.from_target(CFG), init_std=0.3).eval().attach(target)
+    return target, drafter
+
+
+def test_trainer_pairs_equal_the_pairs_the_engine_feeds_the_drafter():
+    target, drafter = _pair()
+    prompt = [1, 5, 6, 7]
+    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0.9, max_new_tokens=40)), drafter=drafter)
+    eng.record_drafter_pairs = True
+    strategies = [OFF, SpecStrategy("chain", 3), OFF, OFF, SpecStrategy("tree", 3, 2)]
+    res = eng.generate([prompt], torch.Generator().manual_seed(3),
+                       strategy=lambda step, active: strategies[step % len(strategies)])
+    seq = prompt + res.response_ids(0)
+    fed_h, fed_t, fed_pos = [], [], []
+    for hidden, tokens, n, start in eng.last_spec.fed_pairs:       # row 0 only: one prompt, one sample
+        k = int(n[0])
+        fed_h.append(hidden[0, :k]), fed_t.append(tokens[0, :k])
+        fed_pos += list(range(int(start[0]), int(start[0]) + k))
+    fed_h, fed_t = torch.cat(fed_h), torch.cat(fed_t)
+    assert fed_pos == list(range(len(fed_pos))), "pairs must be fed in order, pair j at drafter position j"
+    assert len(fed_pos) >= len(seq) - 8                             # all but the last few (still pending)
+    batch = PairDataset([seq], [len(prompt)], target_hidden(target, [seq])).batch([0])
+    hid_in, tok_in = batch.inputs
+    n = len(fed_pos)
+    assert torch.equal(fed_t, tok_in[0, :n])                        # (f_t, x_{t+1}): tokens agree exactly
+    torch.testing.assert_close(fed_h, hid_in[0, :n], atol=1e-4, rtol=1e-5)   # hidden: same up to fp
+
+
+def test_loss_mask_covers_response_predictions_only():
+    m = loss_mask(length=10, prompt_len=4, width=9)
+    # pair t predicts x_{t+2} from f_{t+1}; response tokens start at index 4, the last pair (t=8) has no target
+    assert m.tolist() == [False, False, True, True, True, True, True, True, False]
+
+
+def test_training_lowers_the_loss_changes_the_drafter_and_not_the_target():
+    target, drafter = _pair(1)
+    seqs = [[1] + torch.randint(3, 24, (30,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(8)]
+    data = PairDataset(seqs, [4] * 8, target_hidden(target, seqs))
+    before_d = {k: v.clone() for k, v in drafter.state_dict().items()}
+    before_t = {k: v.clone() for k, v in target.state_dict().items()}
+    batch = data.batch(range(8))
+    loss0, stats0 = drafter_loss(drafter, batch, DrafterTrainConfig())
+    trainer = DrafterTrainer(drafter, DrafterTrainConfig(steps=60, lr=3e-3, warmup_steps=5))
+    for _ in range(60):
+        stats = trainer.step(batch)
+    assert stats["drafter/loss"] < 0.7 * stats0["drafter/loss"]
+    assert all(not torch.equal(before_d[k], v) for k, v in drafter.state_dict().items())
+    assert all(torch.equal(before_t[k], v) for k, v in target.state_dict().items())
+    accs = depth_accuracy(drafter, batch, 3)
+    assert len(accs) == 3 and abs(accs[0] - stats["drafter/acc_1"]) < 0.2 and all(0 <= a <= 1 for a in accs)
+
+
+def test_train_offline_logs_curves():
+    target, drafter = _pair(2)
+    seqs = [[1] + torch.randint(3, 24, (12,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(6)]
+    data = PairDataset(seqs, [3] * 6, target_hidden(target, seqs))
+    log = train_offline(drafter, data, DrafterTrainConfig(steps=6, batch_sequences=3, eval_depth=2), data,
+                        eval_every=3, on_eval=lambda step, d: {"seen": step}, progress=False)
+    assert log["step"] == list(range(1, 7)) and log["eval_step"] == [0, 3, 6]
+    assert [len(a) for a in log["eval_acc"]] == [2, 2, 2] and log["eval_extra"][-1] == {"seen": 6}

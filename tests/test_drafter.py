@@ -1,0 +1,125 @@
+"""The EAGLE drafter: shared frozen tensors, cached = full forward, save/load, vLLM export, clear errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tltlib.drafter import (Drafter, DrafterConfig, export_vllm_eagle, load_drafter, load_vllm_eagle, save_drafter)
+from tltlib.model import ModelConfig, Transformer
+
+CFG = ModelConfig(vocab_size=30, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
+                  eos_token_ids=(2,))
+
+
+@pytest.fixture()
+def pair():
+    torch.manual_seed(0)
+    target = Transformer(CFG, init_std=0.3).eval()
+    drafter = Drafter(DrafterConfig.from_target(CFG), init_std=0.3).eval().attach(target)
+    return target, drafter
+
+
+def _inputs(n=2, t=9, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, t, CFG.hidden_size, generator=g), torch.randint(0, CFG.vocab_size, (n, t), generator=g)
+
+
+def test_embedding_and_head_are_the_targets_and_never_saved(pair, tmp_path):
+    target, drafter = pair
+    names = set(drafter.state_dict())
+    assert all(n.startswith(("fc.", "layer.")) for n in names), names
+    assert not any("embed" in n or "head" in n for n in names)
+    assert "layer.input_norm.weight" not in names                     # EAGLE: no input norm
+    h, x = _inputs()
+    before = drafter(h, x)[1]
+    with torch.no_grad():
+        target.embed.weight.add_(0.5)                                  # tied head: a policy update ...
+    assert not torch.allclose(drafter(h, x)[1], before)               # ... is seen at once
+    before_t = [p.clone() for p in target.parameters()]
+    loss = drafter(h, x)[1].square().mean()
+    loss.backward()
+    assert all(p.grad is None for p in target.parameters())           # frozen: no gradient reaches the target
+    assert all(torch.equal(a, b) for a, b in zip(before_t, target.parameters()))
+
+
+def test_cached_forward_equals_training_forward(pair):
+    _, drafter = pair
+    h, x = _inputs(t=10)
+    with torch.no_grad():
+        full_h, full_logits = drafter(h, x)
+        cache = drafter.new_cache(2, 16)
+        lg, out = drafter.forward_cached(h[:, :6], x[:, :6], cache)
+        cache.advance(6)
+        outs, logits = [out], [lg]
+        for t in range(6, 10):
+            lg, out = drafter.forward_cached(h[:, t:t + 1], x[:, t:t + 1], cache)
+            cache.advance(1)
+            outs.append(out), logits.append(lg)
+    torch.testing.assert_close(torch.cat(outs, 1), full_h, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(logits, 1), full_logits, atol=1e-4, rtol=1e-5)
+
+
+def test_save_load_roundtrip(pair, tmp_path):
+    target, drafter = pair
+    save_drafter(drafter, tmp_path / "d")
+    again = load_drafter(tmp_path / "d", target)
+    h, x = _inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(again(h, x)[1], drafter(h, x)[1])
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["drafter.safetensors", "drafter_config.json"]
+
+
+def test_vllm_eagle_export_layout_and_reload(pair, tmp_path):
+    target, drafter = pair
+    export_vllm_eagle(drafter, tmp_path / "eagle")
+    cfg = json.loads((tmp_path / "eagle" / "config.json").read_text())
+    assert cfg["architectures"] == ["EagleLlamaForCausalLM"] and cfg["num_hidden_layers"] == 1
+    t = load_file(str(tmp_path / "eagle" / "model.safetensors"))
+    h = CFG.hidden_size
+    assert t["fc.weight"].shape == (h, 2 * h)
+    assert t["embed_tokens.weight"].shape == (CFG.vocab_size, h)
+    expected = {f"layers.0.self_attn.{n}_proj.weight" for n in "qkvo"} | {
+        f"layers.0.mlp.{n}_proj.weight" for n in ("gate", "up", "down")} | {"layers.0.post_attention_layernorm.weight"}
+    assert expected <= set(t) and not any("input_layernorm" in k for k in t)
+    assert t["layers.0.self_attn.k_proj.weight"].shape == (CFG.num_kv_heads * CFG.dim_head, h)
+    again = load_vllm_eagle(tmp_path / "eagle", target)
+    hh, x = _inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(again(hh, x)[0], drafter(hh, x)[0])
+
+
+@pytest.mark.parametrize("change,match", [(dict(hidden_size=48), "hidden size is 32 but the target's is 48"),
+                                          (dict(vocab_size=31), "vocabulary size"),
+                                          (dict(architecture="qwen2"), "architecture")])
+def test_mismatched_target_is_a_clear_error(pair, tmp_path, change, match):
+    from dataclasses import replace
+    _, drafter = pair
+    save_drafter(drafter, tmp_path / "d")
+    other = Transformer(replace(CFG, **change), init_std=0.1)
+    with pytest.raises(ValueError, match=match):
+        load_drafter(tmp_path / "d", other)
+    with pytest.raises(ValueError, match=match):
+        Drafter(DrafterConfig.from_target(CFG)).attach(other)
+
+
+def test_missing_or_corrupt_drafter_files(pair, tmp_path):
+    target, drafter = pair
+    with pytest.raises(FileNotFoundError, match="no drafter in"):
+        load_drafter(tmp_path / "none", target)
+    save_drafter(drafter, tmp_path / "d")
+    (tmp_path / "d" / "drafter.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="drafter.safetensors is corrupt"):
+        load_drafter(tmp_path / "d", target)
+    save_drafter(drafter, tmp_path / "e")
+    (tmp_path / "e" / "drafter_config.json").write_text("{ broken")
+    with pytest.raises(ValueError, match="drafter_config.json is corrupt"):
+        load_drafter(tmp_path / "e", target)
+
+
+def test_unattached_drafter_says_how_to_fix():
+    d = Drafter(DrafterConfig.from_target(CFG))
+    with pytest.raises(RuntimeError, match="attach"):
+        d(*_inputs())
