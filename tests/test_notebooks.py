@@ -10,6 +10,8 @@ from tltlib.notebook import notebook_paths, read_metrics, run_notebooks
 EXPECTED = {
     "01_profile_long_tail": ["rollout/len_p50", "rollout/len_p99", "rollout/tail_time_frac_10",
                              "rollout/tail_time_frac_25", "sched/idle_frac", "rl/accuracy"],
+    "02_speculative_decoding_explained": ["spec/accept_len_mean", "spec/chi2_pvalue", "spec/accept_ge_1"],
+    "03_train_drafter": ["drafter/loss", "drafter/acc_1", "drafter/acc_5", "spec/accept_len_mean"],
 }
 
 

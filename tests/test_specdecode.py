@@ -163,3 +163,25 @@ def test_too_many_verify_tokens_for_the_cache(target, drafter):
     eng = _engine(target, drafter, temperature=0, max_new_tokens=5, draft_margin=4)
     with pytest.raises(ValueError, match="raise RolloutConfig.draft_margin"):
         eng.generate(PROMPTS, strategy=SpecStrategy("chain", 6))
+
+
+# ----------------------------------------------------------------------------------- the shipped models
+def test_shipped_drafter_is_lossless_and_accepts_long_runs():
+    from tltlib.drafter import load_drafter
+    from tltlib.model import load_model
+    from tltlib.notebook import ROOT
+    from tltlib.tasks import ChainTaskConfig, encode_prompts, generate_problems
+    from tltlib.tokenizer import load_tokenizer
+    if not (ROOT / "data" / "tiny-reasoner-drafter" / "drafter.safetensors").is_file():
+        pytest.skip("data/tiny-reasoner-drafter not built")
+    target = load_model(ROOT / "data" / "tiny-reasoner")
+    tok = load_tokenizer(ROOT / "data" / "tiny-reasoner")
+    drafter = load_drafter(ROOT / "data" / "tiny-reasoner-drafter", target)
+    prompts = encode_prompts(generate_problems(ChainTaskConfig(zipf_exponent=0.8), 12, seed=5), tok)
+    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=200), group_size=1),
+                        drafter=drafter)
+    plain = eng.generate(prompts)
+    for st in (SpecStrategy("chain", 6), SpecStrategy("tree", 5, 3, 12)):
+        spec = eng.generate(prompts, strategy=st)
+        assert torch.equal(plain.tokens, spec.tokens), st.name
+        assert spec.stats["spec/accept_len_mean"] > 4.0, st.name      # a trained drafter is usually right

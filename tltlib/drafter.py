@@ -127,14 +127,18 @@ class Drafter(nn.Module):
 
     def forward_cached(self, hidden: torch.Tensor, tokens: torch.Tensor, cache: KVCache,
                        positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
-                       logits_at: torch.Tensor | None = None, offset: int = 0):
+                       logits_at: torch.Tensor | None = None, offset: int = 0, rope=None):
         """Inference forward over the drafter's one-layer cache (same contract as Transformer.forward_cached).
 
-        Pair j of a row sits at cache entry j and rotary position j, exactly as in :meth:`forward`."""
+        Pair j of a row sits at cache entry j and rotary position j, exactly as in :meth:`forward`. ``rope``:
+        precomputed (cos, sin) for these positions (saves recomputing them at every chain-draft step)."""
         b, t = tokens.shape
-        if positions is None:
-            positions = cache.lengths[:b, None] + (offset + torch.arange(t, device=tokens.device))
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.fc.weight.dtype)
+        if rope is not None:
+            cos, sin = rope
+        else:
+            if positions is None:
+                positions = cache.lengths[:b, None] + (offset + torch.arange(t, device=tokens.device))
+            cos, sin = rope_cos_sin(self.inv_freq, positions, self.fc.weight.dtype)
         step = cache.prepare(t, tree_mask, offset)
         out = self.layer(self._input(hidden, tokens), cos, sin, cache, 0, step)
         if logits_at is not None:

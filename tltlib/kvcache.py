@@ -92,9 +92,9 @@ class KVCache:
         base = torch.arange(rows, device=dev) * (kvh * self.max_len) + lengths + offset
         index = (base[:, None, None] + new[None, :, None]
                  + (torch.arange(kvh, device=dev) * self.max_len)[None, None, :])
-        if num_new == 1 and offset == 0 and tree_mask is None:
+        if num_new == 1 and tree_mask is None:                            # decode / chain drafting: cheap mask
             uniform = self.min_used == self.max_used
-            mask = None if uniform else (torch.arange(span, device=dev) <= lengths[:, None])[:, None, None, :]
+            mask = None if uniform else (torch.arange(span, device=dev) <= lengths[:, None] + offset)[:, None, None]
             return CacheStep(index, mask, span)
         slot = torch.arange(span, device=dev)
         rel = slot[None, None, :] - lengths[:, None, None]               # [rows, 1, span]: index among uncommitted

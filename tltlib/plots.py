@@ -98,3 +98,133 @@ def worker_timeline(lengths, workers: int, title: str | None = None):
     empty = 1 - x.mean() / end
     ax.set_title(title or f"{workers} workers: {idle:.0%} of worker-time idle, {empty:.0%} of row-slots empty")
     return fig
+
+
+# ----------------------------------------------------------------------------------- speculative decoding
+def _tok(tokenizer, t: int) -> str:
+    s = tokenizer.convert_ids_to_tokens(int(t)) if tokenizer is not None else str(int(t))
+    return {" ": "␣", "<eos>": "⏎"}.get(s, s)
+
+
+def draft_tree(trace, tokenizer=None, row: int = 0, title: str | None = None):
+    """One speculative step as a picture: the draft tree (depth left to right), each node with its token, the
+    drafter's q and the target's p; the accepted path in green, drafts the target saw and turned down in red, drafts
+    it never reached in grey, and the token drawn after the accepted path (residual sample or bonus) in blue."""
+    import matplotlib.pyplot as plt
+    tree = trace.tree
+    toks, par, dep = (x[row].tolist() for x in (tree.tokens, tree.parents, tree.depth))
+    acc = int(trace.accepted[row])
+    path = [0] + [int(n) for n in trace.path[row, :acc].tolist()]
+    seen = set(path)
+    offered = {i for i in range(1, len(toks)) if par[i] in seen}     # children of nodes the walk stood on
+    y, order = {}, {}
+    for i in range(len(toks)):                                        # stack nodes of each depth
+        order.setdefault(dep[i], []).append(i)
+    for d, nodes in order.items():
+        for k, i in enumerate(nodes):
+            y[i] = -(k - (len(nodes) - 1) / 2)
+    fig, ax = plt.subplots(figsize=(1.9 * (max(dep) + 2), 0.55 * max(len(v) for v in order.values()) + 1.6))
+    for i in range(1, len(toks)):
+        ax.plot([dep[par[i]], dep[i]], [y[par[i]], y[i]], color="#BBBBBB", zorder=1, linewidth=1)
+    for i in range(len(toks)):
+        color = ("#2CA02C" if i in seen else "#D62728" if i in offered else "#BBBBBB")
+        label = _tok(tokenizer, toks[i]) if i else f"[{_tok(tokenizer, toks[0])}]"
+        ax.scatter(dep[i], y[i], s=520, color=color, zorder=2)
+        ax.text(dep[i], y[i], label, ha="center", va="center", color="white", fontsize=10, fontweight="bold",
+                zorder=3)
+        if i:
+            ax.text(dep[i] + 0.14, y[i] - 0.32, f"q={float(trace.q[row, i]):.2f} p={float(trace.p[row, i]):.2f}",
+                    fontsize=7, color="#444444")
+    last = path[-1]
+    nx, ny = dep[last] + 1, y[last] + 0.9
+    ax.plot([dep[last], nx], [y[last], ny], color="#1F77B4", linestyle="--", zorder=1)
+    ax.scatter(nx, ny, s=520, color="#1F77B4", marker="s", zorder=2)
+    ax.text(nx, ny, _tok(tokenizer, trace.next[row]), ha="center", va="center", color="white", fontweight="bold",
+            zorder=3)
+    ax.text(nx + 0.2, ny + 0.25, "bonus from p" if bool(trace.bonus[row]) else "residual sample", fontsize=8,
+            color="#1F77B4")
+    ax.set_xticks(range(max(dep) + 2), ["root"] + [f"depth {d}" for d in range(1, max(dep) + 2)])
+    ax.set_yticks([])
+    ax.set_xlim(-0.5, max(dep) + 1.9)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    ax.set_title(title or f"{trace.strategy.name}: {acc} drafts accepted + 1 sampled = {acc + 1} tokens this step")
+    return fig
+
+
+def residual_bars(trace, tokenizer=None, row: int = 0, top: int = 8):
+    """The target's distribution p after the accepted path next to the distribution the next token was actually
+    drawn from (the residual: p with the rejected drafts' mass removed, renormalised)."""
+    import matplotlib.pyplot as plt
+    acc = int(trace.accepted[row])
+    last = 0 if acc == 0 else int(trace.path[row, acc - 1])
+    final = trace.final_dist[row].float().cpu().numpy()
+    p = trace.target_dist[row].float().cpu().numpy()
+    ids = [int(i) for i in np.argsort(-(p + final))[:top]]
+    fig, ax = plt.subplots(figsize=(6.0, 3.2))
+    x = np.arange(len(ids))
+    ax.bar(x - 0.2, p[ids], width=0.4, color="#7F7F7F", label="target p here")
+    ax.bar(x + 0.2, final[ids], width=0.4, color="#1F77B4", label="drawn from (residual / bonus)")
+    ax.set_xticks(x, [_tok(tokenizer, i) for i in ids])
+    ax.set_ylabel("probability")
+    kind = "bonus: the target's own p" if bool(trace.bonus[row]) else "residual after the rejected drafts"
+    ax.set_title(f"next token after node {last}: {kind}")
+    ax.legend()
+    return fig
+
+
+def acceptance_histogram(accept_hist, title: str = "Drafts accepted per row and step"):
+    """Bars of how many drafts were accepted per (row, speculative step), from a rollout timeline's
+    ``accept_hist`` (summed over steps)."""
+    h = np.asarray(accept_hist)
+    h = h.sum(0) if h.ndim == 2 else h
+    fig, ax = _fig()
+    ax.bar(np.arange(h.size), h / max(h.sum(), 1), color="#4C72B0")
+    ax.set_xlabel("drafts accepted (tokens emitted = accepted + 1)")
+    ax.set_ylabel("share of row-steps")
+    mean = float((np.arange(h.size) * h).sum() / max(h.sum(), 1)) + 1
+    ax.set_title(f"{title} (mean tokens per step {mean:.2f})")
+    return fig
+
+
+def distribution_match(labels, counts_a, counts_b, names=("plain sampling", "speculative decoding"),
+                       title: str = "Same distribution", pvalue: float | None = None):
+    """Side-by-side frequencies of the same categories from two samplers (with a chi-square p-value if given)."""
+    a = np.asarray(counts_a, dtype=float)
+    b = np.asarray(counts_b, dtype=float)
+    x = np.arange(len(labels))
+    fig, ax = _fig(max(6.0, 0.35 * len(labels)), 3.6)
+    ax.bar(x - 0.2, a / a.sum(), width=0.4, label=f"{names[0]} (n={int(a.sum())})", color="#4C72B0")
+    ax.bar(x + 0.2, b / b.sum(), width=0.4, label=f"{names[1]} (n={int(b.sum())})", color="#DD8452")
+    ax.set_xticks(x, labels, rotation=90 if len(labels) > 20 else 0, fontsize=7 if len(labels) > 20 else 9)
+    ax.set_ylabel("frequency")
+    ax.set_title(title + (f" (chi-square p = {pvalue:.2f})" if pvalue is not None else ""))
+    ax.legend()
+    return fig
+
+
+def drafter_training(log: dict, title: str = "Drafter warm-up"):
+    """Loss, top-1 accuracy by depth, and (when logged) accepted length, against training steps."""
+    import matplotlib.pyplot as plt
+    extra = [e.get("spec/accept_len_mean") for e in log.get("eval_extra", [])]
+    panels = 3 if any(v is not None for v in extra) else 2
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.4))
+    axes[0].plot(log["step"], log["loss"], color="#4C72B0", linewidth=0.8)
+    axes[0].set_yscale("log")
+    axes[0].set_xlabel("step")
+    axes[0].set_title("training loss")
+    acc = np.asarray(log["eval_acc"])
+    for d in range(acc.shape[1]):
+        axes[1].plot(log["eval_step"], acc[:, d], marker="o", markersize=3, label=f"depth {d + 1}")
+    axes[1].set_ylim(0, 1.02)
+    axes[1].set_xlabel("step")
+    axes[1].set_title("top-1 accuracy (held out)")
+    axes[1].legend(fontsize=7)
+    if panels == 3:
+        steps = [s for s, v in zip(log["eval_step"], extra) if v is not None]
+        axes[2].plot(steps, [v for v in extra if v is not None], marker="o", color="#2CA02C")
+        axes[2].set_xlabel("step")
+        axes[2].set_title("accepted length (tokens per SD step)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig

@@ -44,6 +44,13 @@ METRICS: dict[str, str] = {
     "spec/draft_time_s": "time spent drafting (drafter extend + draft forwards)",
     "spec/verify_time_s": "time spent verifying (target forward + acceptance)",
     **{f"spec/accept_ge_{d}": f"share of speculative row-steps accepting at least {d} drafts" for d in range(1, 65)},
+    "drafter/loss": "drafter training loss (w_v SmoothL1 + w_p soft CE)",
+    "drafter/vloss": "SmoothL1 of the predicted next hidden state",
+    "drafter/ploss": "soft cross-entropy against the target's next-token distribution",
+    **{f"drafter/acc_{d}": f"top-1 agreement with the target at draft depth {d}" for d in range(1, 17)},
+    "drafter/pairs": "training pairs (hidden, token) used",
+    "drafter/train_s": "drafter training wall time (s)",
+    "spec/chi2_pvalue": "chi-square p-value of plain vs speculative samples (large = same distribution)",
     "rl/reward_mean": "mean reward of the rollout's responses",
     "rl/accuracy": "share of responses whose final answer is correct",
 }

@@ -32,9 +32,10 @@ from dataclasses import dataclass
 import torch
 
 from .kvcache import KVCache
+from .model import rope_cos_sin
 from .sampling import SamplingConfig, probs_from_logits, token_logprobs
-from .speculative import (DraftTree, SpecStrategy, ancestor_mask, chain_tree, select_nodes, verify_chain,
-                          verify_chain_greedy, verify_tree)
+from .speculative import (DraftTree, SpecStrategy, _drop_children, chain_tree, residual, select_nodes,
+                          verify_chain, verify_chain_greedy, verify_tree)
 
 
 @dataclass
@@ -61,6 +62,34 @@ class StepOut:
     verify_s: float = 0.0
 
 
+@dataclass
+class StepTrace:
+    """Everything one speculative step decided, for teaching and debugging (row-batched tensors).
+
+    Attributes:
+        strategy: the strategy used.
+        tree: the verified draft tree (node 0 = the root, the last emitted token).
+        q: ``[B, N+1]`` drafter probability of each node's token given its parent (root: 1).
+        p: ``[B, N+1]`` target probability of each node's token given the path to it (root: 1).
+        path, accepted, next: the verification result (see :func:`tltlib.speculative.verify_tree`).
+        final_dist: ``[B, V]`` the distribution the token after the accepted drafts was drawn from
+            (the residual after a rejection, or the target's p after a fully accepted path).
+        bonus: ``[B]`` bool, the whole path was accepted (a bonus token, not a residual sample).
+        target_dist: ``[B, V]`` the target's p after the accepted path (what the residual is cut from).
+    """
+
+    strategy: SpecStrategy
+    tree: DraftTree
+    q: torch.Tensor
+    p: torch.Tensor
+    path: torch.Tensor
+    accepted: torch.Tensor
+    next: torch.Tensor
+    final_dist: torch.Tensor
+    bonus: torch.Tensor
+    target_dist: torch.Tensor
+
+
 class SpecDecoder:
     """The drafter side of a rollout: its cache, the pending pairs, and the speculative step.
 
@@ -82,6 +111,8 @@ class SpecDecoder:
         self.pend_n = torch.zeros(rows, dtype=torch.long, device=w.device)
         self.pend_max = 0
         self.fed_pairs: list | None = None        # set to [] to record every pair fed (alignment tests)
+        self.keep_trace = False                   # set True to keep the last step's StepTrace in self.trace
+        self.trace: StepTrace | None = None
 
     # --------------------------------------------------------------------------------------- pending pairs
     def prefill(self, rows: slice, prompt_tokens: torch.Tensor, prompt_hidden: torch.Tensor,
@@ -147,12 +178,13 @@ class SpecDecoder:
         """One speculative step for every row. ``root [B]``: each row's last emitted token (its pending pairs end
         with it)."""
         t0 = time.perf_counter()
+        probs = None
         q_logits, feat = self._extend()
         if strategy.kind == "chain":
             drafts, qs = self._draft_chain(strategy.depth, q_logits, feat, generator)
             tree = chain_tree(root, drafts)
         else:
-            tree = self._draft_tree(strategy, root, q_logits, feat)
+            tree, scores = self._draft_tree(strategy, root, q_logits, feat)
             qs = None
         t1 = time.perf_counter()
         positions = tcache.lengths[: tcache.rows, None] + tree.depth
@@ -165,11 +197,16 @@ class SpecDecoder:
             else:
                 p = probs_from_logits(logits, s.temperature, s.top_k, s.top_p)
                 accepted, nxt = verify_chain(p, qs, drafts, generator)
+                probs = p
             d = drafts.shape[1]
             path = torch.arange(1, d + 1, device=root.device).expand(root.shape[0], d)
         else:
             path, accepted, nxt = verify_tree(logits, tree, s.temperature, s.top_k, s.top_p, generator)
-        out = self._commit(tree, path, accepted, nxt, logits, hidden, tcache, strategy.kind == "tree")
+        if self.keep_trace:
+            node_q = (qs.gather(-1, drafts[..., None])[..., 0] if strategy.kind == "chain"
+                      else (scores[:, 1:] - scores.gather(1, tree.parents[:, 1:].clamp_min(0))).exp())
+            self.trace = self._trace(strategy, tree, node_q, qs, path, accepted, nxt, logits)
+        out = self._commit(tree, path, accepted, nxt, logits, hidden, tcache, strategy.kind == "tree", probs)
         out.drafted = tree.size - 1
         out.draft_s, out.verify_s = t1 - t0, time.perf_counter() - t1
         return out
@@ -179,16 +216,31 @@ class SpecDecoder:
         return probs_from_logits(logits, s.temperature if not s.greedy else 1.0, s.top_k, s.top_p)
 
     def _draft_chain(self, depth, q_logits, feat, generator):
-        """``depth`` drafts sampled from q (argmax when greedy); returns (drafts [B, D], q [B, D, V])."""
+        """``depth`` drafts sampled from q (argmax when greedy); returns (drafts [B, D], q [B, D, V] or None).
+
+        Sampling is inverse-CDF with uniforms drawn once per step (one kernel instead of a multinomial per depth)."""
+        b, dev = feat.shape[0], feat.device
+        greedy = self.sampling.greedy
+        u = None if greedy else torch.rand(b, depth, 1, generator=generator, device=dev)
+        pos = self.cache.lengths[:b, None] + torch.arange(depth, device=dev)
+        cos, sin = rope_cos_sin(self.drafter.inv_freq, pos, self.drafter.fc.weight.dtype)
         drafts, qs = [], []
         for i in range(depth):
-            q = self._q(q_logits)
-            d = q_logits.argmax(-1) if self.sampling.greedy else torch.multinomial(q, 1, generator=generator)[:, 0]
-            drafts.append(d), qs.append(q)
+            if greedy:                                    # greedy verification never reads q (traces show it)
+                d = q_logits.argmax(-1)
+                if self.keep_trace:
+                    qs.append(self._q(q_logits))
+            else:
+                q = self._q(q_logits)
+                d = torch.searchsorted(q.cumsum(-1), u[:, i] * q.sum(-1, keepdim=True))[:, 0]
+                d = d.clamp(max=q.shape[-1] - 1)
+                qs.append(q)
+            drafts.append(d)
             if i + 1 < depth:
-                q_logits, out = self.drafter.forward_cached(feat[:, None], d[:, None], self.cache, offset=i)
+                q_logits, out = self.drafter.forward_cached(feat[:, None], d[:, None], self.cache, offset=i,
+                                                            rope=(cos[:, i:i + 1], sin[:, i:i + 1]))
                 q_logits, feat = q_logits[:, 0], out[:, 0]
-        return torch.stack(drafts, 1), torch.stack(qs, 1)
+        return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs else None)
 
     def _draft_tree(self, st: SpecStrategy, root, q_logits, feat) -> DraftTree:
         """EAGLE-2-style dynamic tree: top-k expansion per level, best ``budget`` nodes by cumulative log q."""
@@ -238,9 +290,34 @@ class SpecDecoder:
         tokens = torch.cat([root[:, None], toks.gather(1, keep)], 1)
         parents = torch.cat([torch.full((b, 1), -1, device=dev), vpar], 1)
         depth = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev), deps.gather(1, keep)], 1)
-        return DraftTree(tokens, parents, depth)
+        node_scores = torch.cat([torch.zeros(b, 1, device=dev), scores.gather(1, keep)], 1)
+        return DraftTree(tokens, parents, depth), node_scores
 
-    def _commit(self, tree, path, accepted, nxt, logits, hidden, tcache, is_tree) -> StepOut:
+    def _trace(self, strategy, tree, node_q, qs, path, accepted, nxt, logits) -> StepTrace:
+        s = self.sampling
+        b, dev = tree.tokens.shape[0], tree.tokens.device
+        temp = s.temperature if not s.greedy else 1.0
+        probs = probs_from_logits(logits, temp, s.top_k, s.top_p)                  # [B, N+1, V]
+        par = tree.parents.clamp_min(0)
+        rows = torch.arange(b, device=dev)
+        node_p = probs[rows[:, None], par].gather(-1, tree.tokens[..., None])[..., 0]
+        node_p[:, 0] = 1.0
+        ones = torch.ones(b, 1, device=dev)
+        last = torch.where(accepted > 0, path.gather(1, (accepted - 1).clamp_min(0)[:, None])[:, 0], 0)
+        p_last = probs[rows, last]
+        if strategy.kind == "chain":
+            d = qs.shape[1]
+            bonus = accepted == d
+            q_at = qs[rows, accepted.clamp(max=d - 1)]
+            final = torch.where(bonus[:, None], p_last, residual(p_last, q_at))
+        else:
+            is_child = tree.parents == last[:, None]
+            bonus = ~is_child.any(1)
+            final = _drop_children(p_last, tree, is_child)
+        return StepTrace(strategy, tree, torch.cat([ones, node_q], 1), node_p, path, accepted, nxt, final, bonus,
+                         p_last)
+
+    def _commit(self, tree, path, accepted, nxt, logits, hidden, tcache, is_tree, probs=None) -> StepOut:
         """Line the accepted path up in the target cache, commit it, and make it the next pending pairs."""
         b, dev = accepted.shape[0], accepted.device
         m = path.shape[1] + 1
@@ -255,6 +332,9 @@ class SpecDecoder:
         tcache.advance(count)
         rows = torch.arange(b, device=dev)[:, None]
         h = hidden[rows, nodes]                                                   # [B, M, H]
-        lp = token_logprobs(logits[rows, nodes], emitted, self.sampling)
+        if probs is not None:                     # the verify step's p, already computed (chains)
+            lp = probs[rows, nodes].gather(-1, emitted[..., None])[..., 0].log()
+        else:
+            lp = token_logprobs(logits[rows, nodes], emitted, self.sampling)
         self.push(h, emitted, count, m)
         return StepOut(emitted, count, lp, h, accepted)

@@ -160,17 +160,23 @@ class DraftTree:
 
     def mask(self) -> torch.Tensor:
         """``[B, N+1, N+1]`` bool: node i may attend to node j iff j is i or one of its ancestors."""
-        return ancestor_mask(self.parents)
+        return ancestor_mask(self.parents, int(self.depth.max()))
 
 
-def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
-    """``[B, N, N]`` reflexive ancestor relation from ``parents [B, N]`` (parents precede children; root -1)."""
+def ancestor_mask(parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
+    """``[B, N, N]`` reflexive ancestor relation from ``parents [B, N]`` (root -1): one pointer-jumping pass per
+    tree level (``max_depth``; default: computed, one device sync)."""
     b, n = parents.shape
-    m = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n).clone()
-    for i in range(1, n):                                 # parents precede children: one pass in index order
-        par = parents[:, i].clamp_min(0)
-        has = parents[:, i] >= 0
-        m[:, i] |= m[torch.arange(b, device=parents.device), par] & has[:, None]
+    dev = parents.device
+    if max_depth is None:
+        max_depth = n
+    m = torch.eye(n, dtype=torch.bool, device=dev).expand(b, n, n).clone()
+    rows, cols = torch.arange(b, device=dev)[:, None].expand(b, n), torch.arange(n, device=dev)[None].expand(b, n)
+    cur = parents
+    for _ in range(max_depth):
+        up = cur >= 0
+        m[rows[up], cols[up], cur[up]] = True
+        cur = torch.where(up, parents.gather(1, cur.clamp_min(0)), -1)
     return m
 
 
