@@ -37,9 +37,9 @@ def main() -> None:
     ap.add_argument("--assistant", default="data/tiny-assistant", help="small LM for transformers assisted generation")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--batches", default="1,2,4,8,16,32,64")
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256,512")
     ap.add_argument("--temperatures", default="0,0.9")
-    ap.add_argument("--strategies", default="chain:4;tree:6,4,16",
+    ap.add_argument("--strategies", default="chain:4;chain:10;tree:10,2,16",
                     help="';'-separated: chain:DEPTH, tree:DEPTH,TOPK,BUDGET")
     ap.add_argument("--steps", type=int, default=10, help="chain-task steps per problem (11 tokens each)")
     ap.add_argument("--repeats", type=int, default=3)
@@ -122,9 +122,11 @@ def main() -> None:
                                 [[t, v["plain_tok_s"], v["assisted_tok_s"], f"{v['speedup']:.2f}x",
                                   f"{crossover[str(t)]['best_speedup_by_batch'].get(1, float('nan')):.2f}x"]
                                  for t, v in peer["by_temperature"].items()])
-    table += "\n\nWhere SD stops paying: " + "; ".join(
-        f"T={t}: pays up to batch {v['largest_batch_where_sd_pays']}, first loses at batch "
-        f"{v['first_batch_where_sd_loses']}" for t, v in crossover.items())
+    table += "\n\nWhere SD stops paying (best strategy vs plain): " + "; ".join(
+        f"T={t}: " + (f"pays up to batch {v['largest_batch_where_sd_pays']}, first loses at batch "
+                      f"{v['first_batch_where_sd_loses']}" if v["first_batch_where_sd_loses"] is not None else
+                      f"pays at every measured batch (up to {max(v['best_speedup_by_batch'])})")
+        for t, v in crossover.items())
     payload = {"bench": "speculative", "machine": machine_info(device), "settings": vars(args),
                "results": results, "assisted_peer": peer, "crossover": crossover}
     write_results(f"speculative-{device.split(':')[0]}-{args.dtype}", payload, table, args.out)

@@ -12,6 +12,8 @@ EXPECTED = {
                              "rollout/tail_time_frac_25", "sched/idle_frac", "rl/accuracy"],
     "02_speculative_decoding_explained": ["spec/accept_len_mean", "spec/chi2_pvalue", "spec/accept_ge_1"],
     "03_train_drafter": ["drafter/loss", "drafter/acc_1", "drafter/acc_5", "spec/accept_len_mean"],
+    "04_adaptive_rollout": ["adaptive/speedup_vs_no_sd", "adaptive/speedup_vs_fixed", "adaptive/explored_arms",
+                            "spec/accept_len_mean"],
 }
 
 

@@ -155,7 +155,7 @@ def test_sd_tree_chi_square_detects_a_missing_residual(monkeypatch):
 # ------------------------------------------------------------------------------------------------ errors
 def test_strategy_without_drafter_is_a_clear_error(target):
     eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=5)))
-    with pytest.raises(ValueError, match="needs a drafter"):
+    with pytest.raises(ValueError, match="needs a learned drafter"):
         eng.generate(PROMPTS, strategy=SpecStrategy("chain", 2))
 
 

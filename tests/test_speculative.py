@@ -158,3 +158,47 @@ def test_leviathan_formula_and_inverse():
     assert S.leviathan_speedup(0.9, 8, 0.05) == pytest.approx(4.38, abs=0.01)
     a = S.alpha_from_accept_length((1 - 0.7 ** 5) / 0.3, 4)
     assert a == pytest.approx(0.7, abs=1e-6)
+
+
+def run_point_chain(rows, gamma, temperature, top_k, top_p, seed, n=3):
+    """Deterministic drafts (the toy drafter's argmax chain, like an n-gram proposal) verified by the point rule."""
+    g = torch.Generator().manual_seed(seed)
+    out = [[] for _ in range(rows)]
+    last = torch.zeros(rows, dtype=torch.long)
+    while min(map(len, out)) < n:
+        drafts, prev = [], last
+        for _ in range(gamma):
+            prev = DRAFT_LOGITS[prev].argmax(-1)
+            drafts.append(prev)
+        drafts = torch.stack(drafts, 1)
+        ctx = torch.cat([last[:, None], drafts], 1)
+        p = probs_from_logits(TARGET_LOGITS[ctx], temperature, top_k, top_p)
+        acc, nxt = S.verify_chain_point(p, drafts, g)
+        for r in range(rows):
+            out[r] += drafts[r, : acc[r]].tolist() + [int(nxt[r])]
+        last = nxt
+    return np.array([o[:n] for o in out])
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS)
+def test_point_chain_verification_is_exact(temperature, top_k, top_p):
+    samples = run_point_chain(20000, 3, temperature, top_k, top_p, seed=3)
+    assert chi2_pvalue(joint_counts(samples), exact_joint(temperature, top_k, top_p)) > 1e-3
+
+
+def test_point_chain_test_fails_without_the_residual(monkeypatch):
+    monkeypatch.setattr(S, "residual", lambda p, q: p)
+    samples = run_point_chain(20000, 3, 1.0, 0, 1.0, seed=3)
+    assert chi2_pvalue(joint_counts(samples), exact_joint(1.0, 0, 1.0)) < 1e-6
+
+
+def test_strategy_names_round_trip_and_bad_names():
+    for st in [S.SpecStrategy(), S.SpecStrategy("chain", 7), S.SpecStrategy("ngram", 5),
+               S.SpecStrategy("tree", 8, 4, 32), S.SpecStrategy("tree", 3, 2)]:
+        assert S.SpecStrategy.parse(st.name) == st or S.SpecStrategy.parse(st.name).name == st.name
+    assert S.SpecStrategy.parse("ngram-6").uses_drafter is False and S.SpecStrategy.parse("chain-2").uses_drafter
+    for bad in ["chain", "tree-8-32", "beam-3", "chain-x"]:
+        with pytest.raises(ValueError, match="cannot read speculative strategy|unknown speculative"):
+            S.SpecStrategy.parse(bad)
+    with pytest.raises(ValueError, match="depth must be >= 1"):
+        S.SpecStrategy.parse("ngram-0")

@@ -198,6 +198,7 @@ class DrafterTrainer:
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
         self.opt.step()
         self.drafter.eval()
+        self.drafter.version += 1
         self.steps_done += 1
         return stats
 

@@ -82,6 +82,7 @@ class Drafter(nn.Module):
         self.layer = DecoderLayer(cfg.target, input_norm=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.target), persistent=False)
         self._target: list[Transformer] = []              # a list, so the target is not registered as a submodule
+        self.version = 0                                  # bumped by every training step (adaptive tuner resets)
         if init_std:
             for name, p in self.named_parameters():
                 if p.dim() > 1:

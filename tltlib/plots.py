@@ -228,3 +228,92 @@ def drafter_training(log: dict, title: str = "Drafter warm-up"):
     fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def adaptive_timeline(timeline: dict, threshold: int, title: str = "Adaptive rollout: running rows and SD strategy"):
+    """Running rows over time (log y) with each step coloured by the strategy it ran; SD-on steps shaded and the
+    switch threshold drawn."""
+    fig, ax = _fig(7.0, 3.8)
+    t = np.asarray(timeline["time"], dtype=float)
+    active = np.asarray(timeline["active"], dtype=float)
+    strategy = np.asarray(timeline["strategy"]).astype(str)
+    ax.step(t, active, where="post", color="0.6", linewidth=1, zorder=1)
+    on = strategy != "off"
+    if on.any():
+        ax.axvspan(t[on.argmax()] - float(np.asarray(timeline["step_time"])[on.argmax()]), t[-1], color="#55A868",
+                   alpha=0.08, label="SD on")
+    names = sorted(set(strategy), key=lambda n: (n != "off", n))
+    cmap = __import__("matplotlib").colormaps["tab10"]
+    for i, name in enumerate(names):
+        sel = strategy == name
+        ax.scatter(t[sel], active[sel], s=9, color="0.3" if name == "off" else cmap(i % 10), label=name, zorder=2)
+    ax.axhline(threshold, color="k", linestyle="--", linewidth=1, label=f"threshold = {threshold}")
+    ax.set_yscale("log")
+    ax.set_xlabel("time since rollout start (s)")
+    ax.set_ylabel("running rows (log)")
+    ax.set_title(title)
+    ax.legend(fontsize=7, ncol=2, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def arm_rewards(log: dict, buckets, title: str = "BEG-MAB rewards per arm and batch-size bucket"):
+    """Median reward (speedup over plain at that batch size) of each arm in each bucket, with the plays marked."""
+    fig, ax = _fig(7.0, 3.6)
+    active = np.asarray(log["active"], dtype=float)
+    arms = np.asarray(log["arm"]).astype(str)
+    reward = np.asarray(log["reward"], dtype=float)
+    buckets = list(buckets)
+    b_idx = np.searchsorted(buckets, active, side="right") - 1
+    used = sorted(set(b_idx.tolist()))
+    names = sorted(set(arms.tolist()))
+    width = 0.8 / max(1, len(names))
+    cmap = __import__("matplotlib").colormaps["tab10"]
+    for j, name in enumerate(names):
+        med = [np.median(reward[(arms == name) & (b_idx == b)]) if ((arms == name) & (b_idx == b)).any() else np.nan
+               for b in used]
+        ax.bar(np.arange(len(used)) + (j - (len(names) - 1) / 2) * width, med, width, color=cmap(j % 10), label=name)
+    labels = [f"{buckets[b]}-{buckets[b + 1] - 1}" if b + 1 < len(buckets) else f"{buckets[b]}+" for b in used]
+    ax.set_xticks(range(len(used)), labels)
+    ax.axhline(1.0, color="k", linewidth=1, linestyle=":")
+    ax.set_xlabel("running rows (bucket)")
+    ax.set_ylabel("median reward (x plain)")
+    ax.set_title(title)
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    return fig
+
+
+def policy_times(times: dict, title: str = "Total rollout time by policy"):
+    """Horizontal bars of rollout seconds per policy, each labelled with its speedup over the first entry."""
+    names = list(times)
+    vals = np.array([times[n] for n in names], dtype=float)
+    fig, ax = _fig(7.0, 0.5 + 0.42 * len(names))
+    colors = ["0.55" if i == 0 else ("#C44E52" if "adaptive" in n else "#4C72B0") for i, n in enumerate(names)]
+    ax.barh(range(len(names)), vals, color=colors)
+    for i, v in enumerate(vals):
+        ax.text(v, i, f" {vals[0] / v:.2f}x", va="center", fontsize=8)
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, vals.max() * 1.18)
+    ax.set_xlabel("rollout time (s)")
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def predicted_speedups(costs, arms, accept, batches=None, title: str = "Cost model: predicted SD speedup"):
+    """The cost model's predicted speedup of each arm over plain decoding against batch size (log x)."""
+    fig, ax = _fig()
+    b = np.asarray(batches if batches is not None else np.unique(np.geomspace(1, costs.batches[-1], 40).round()))
+    for arm in arms:
+        acc = accept(arm) if callable(accept) else accept
+        ax.plot(b, [costs.predict(arm, int(x), acc) for x in b], label=arm.name)
+    ax.axhline(1.0, color="k", linewidth=1, linestyle=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("running rows")
+    ax.set_ylabel("predicted speedup over plain")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig

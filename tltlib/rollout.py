@@ -4,7 +4,7 @@ One rollout = prefill the unique prompts (in row chunks), copy each prompt's cac
 every row's first token, then decode step by step. Each step is either *plain* (one target forward, one token per
 row) or *speculative* (a drafter proposes a chain or tree, one target forward verifies it, several tokens per row;
 :mod:`tltlib.specdecode`); the strategy may change from one step to the next. Rows that emit EOS or reach their
-token budget retire; the cache is compacted when enough have finished (always before a speculative step), so later
+token budget retire; the cache is compacted when enough have finished, so later
 forwards really run on fewer rows. Every step's wall time, running rows, strategy and acceptance go into a timeline,
 every response's finish step and time into a trace — the raw material of the long-tail analysis (notebook 01), the
 SD benchmarks and the adaptive switch.
@@ -14,8 +14,8 @@ Paper: TLT §2 (rollout dominates the RL step; long-tail responses), §5 (the ad
 Departures:
 1. A single process drives one batch (the data-parallel split across workers is modelled in
    :func:`tltlib.profiling.split_idle_fraction`).
-2. Finished rows are compacted away once at least ``compact_fraction`` of the batch has finished (default 1/8) and
-   before every speculative step; until then they stay in the batch without growing their cache.
+2. Finished rows are compacted away once at least ``compact_fraction`` of the batch has finished (default 1/8);
+   until then they stay in the batch (plain and speculative steps alike) without growing their cache.
 3. A prompt that fits the context but leaves less room than ``max_new_tokens`` gets a smaller budget (its response
    is cut at the context and counted as truncated) instead of failing the whole rollout.
 """
@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from .ngram import NgramConfig, NgramDrafter
 from .profiling import rollout_stats, spec_stats
 from .sampling import SamplingConfig, sample_from_logits
 from .specdecode import SpecDecoder, StepOut
@@ -137,11 +138,13 @@ class RolloutEngine:
         config: :class:`RolloutConfig`.
         eos_ids: ids that end a response (default: the model config's ``eos_token_ids``).
         pad_id: id written after a response ends (default: the config's pad id, else 0).
-        drafter: an attached :class:`tltlib.drafter.Drafter` for speculative steps (None: plain decoding only).
+        drafter: an attached :class:`tltlib.drafter.Drafter` for ``chain``/``tree`` steps (None: plain and
+            ``ngram`` steps only).
+        ngram: settings of the model-free n-gram drafter used by ``ngram`` steps.
     """
 
     def __init__(self, model, config: RolloutConfig | None = None, eos_ids: Sequence[int] | None = None,
-                 pad_id: int | None = None, drafter=None):
+                 pad_id: int | None = None, drafter=None, ngram: NgramConfig | None = None):
         self.model = model
         self.config = config or RolloutConfig()
         eos = tuple(eos_ids) if eos_ids is not None else tuple(model.config.eos_token_ids)
@@ -155,6 +158,8 @@ class RolloutEngine:
             if not drafter._target or drafter.target is not model:
                 drafter.attach(model)
         self.drafter = drafter
+        self.ngram_config = ngram or NgramConfig()
+        self.last_ngram: NgramDrafter | None = None
         self.record_drafter_pairs = False     # debugging/tests: keep every (hidden, token) pair fed to the drafter
         self.last_spec: SpecDecoder | None = None
 
@@ -199,10 +204,10 @@ class RolloutEngine:
         budget = torch.clamp(ctx - plen, max=s.max_new_tokens).repeat_interleave(G).to(dev)
         max_len = int((plen + budget[::G].cpu()).max()) + cfg.draft_margin
         cache = model.new_cache(N, max_len)
-        spec = (SpecDecoder(model, self.drafter, s, N, max_len) if self.drafter is not None else None)
-        if spec is not None and self.record_drafter_pairs:
+        spec = SpecDecoder(model, self.drafter, s, N, max_len)
+        if self.record_drafter_pairs:
             spec.fed_pairs = []
-        self.last_spec = spec
+        self.last_spec, self.last_ngram, ngram = spec, None, None
         eos = torch.tensor(self.eos_ids, device=dev)
 
         out_tokens = torch.full((N, s.max_new_tokens), self.pad_id, dtype=torch.long, device=dev)
@@ -210,6 +215,7 @@ class RolloutEngine:
         hidden = (torch.zeros(N, s.max_new_tokens, model.config.hidden_size, dtype=model.embed.weight.dtype,
                               device=dev) if cfg.keep_hidden else None)
         n_gen = torch.zeros(N, dtype=torch.long, device=dev)
+        n_out = torch.zeros(N, dtype=torch.long, device=dev)        # tokens written per sequence (n-gram index)
         lengths = torch.zeros(N, dtype=torch.long, device=dev)
         finish_step = np.zeros(N, dtype=np.int64)
         finish_time = np.zeros(N)
@@ -226,24 +232,21 @@ class RolloutEngine:
             toks = _pad(prompts[c0:c1], self.pad_id, dev)
             logits, h = model.forward_cached(toks, sub, logits_at=lens - 1)
             sub.advance(lens)
-            if spec is not None:
-                spec.prefill(slice(c0, c1), toks, h, lens)
+            spec.prefill(slice(c0, c1), toks, h, lens)
             last_logits.append(logits)
             last_hidden.append(h[torch.arange(c1 - c0, device=dev), lens - 1])
         cache.rows = P
         cache.sync_from_views()
         expand = torch.arange(P, device=dev).repeat_interleave(G)
         cache.select_rows(expand)
-        if spec is not None:
-            spec.after_prefill(P)
-            spec.select_rows(expand)
+        spec.after_prefill(P)
+        spec.select_rows(expand)
         logits = torch.cat(last_logits).repeat_interleave(G, 0)
         first_hidden = torch.cat(last_hidden).repeat_interleave(G, 0)
         tok, logp = sample_from_logits(logits, s, generator)
         first = StepOut(tok[:, None], torch.ones(N, dtype=torch.long, device=dev), logp[:, None],
                         first_hidden[:, None], torch.zeros(N, dtype=torch.long, device=dev))
-        if spec is not None:
-            spec.push(first.hidden, first.tokens, first.count, 1)
+        spec.push(first.hidden, first.tokens, first.count, 1)
         prefill_s = time.perf_counter() - t0
 
         seq = torch.arange(N, device=dev)              # sequence id of each cache row
@@ -271,6 +274,7 @@ class RolloutEngine:
             if hidden is not None:
                 hidden[r_idx, c_idx] = out.hidden[write]
             n_gen += keep
+            n_out[seq] = n_gen
             done = alive & (hit_eos | (n_gen >= budget[seq]))
             n_alive_before = int(alive.sum())
             n_done = int(done.sum())
@@ -299,32 +303,40 @@ class RolloutEngine:
             n_alive = n_alive_before - n_done
             if n_alive == 0:
                 break
-            # ---- choose the next step; compact finished rows (always before a speculative step)
+            # ---- choose the next step; compact finished rows once enough have finished
             step += 1
             st = source.choose(step, n_alive)
-            if st.enabled and spec is None:
-                raise ValueError(f"strategy {st.name} needs a drafter: pass drafter=... to RolloutEngine")
+            if st.uses_drafter and self.drafter is None:
+                raise ValueError(f"strategy {st.name} needs a learned drafter: pass drafter=... to RolloutEngine, "
+                                 "or use an ngram-DEPTH strategy (model-free)")
             if st.enabled and st.verify_tokens + 1 > cfg.draft_margin:
                 raise ValueError(f"strategy {st.name} verifies {st.verify_tokens} tokens but the cache leaves "
                                  f"room for {cfg.draft_margin - 1}; raise RolloutConfig.draft_margin")
             rows = int(seq.numel())
-            if rows > n_alive and (st.enabled or rows - n_alive >= max(1, cfg.compact_fraction * rows)):
+            if rows > n_alive and rows - n_alive >= max(1, cfg.compact_fraction * rows):
                 kept = alive.nonzero()[:, 0]
                 cache.select_rows(kept)
-                if spec is not None:
-                    spec.select_rows(kept)
+                spec.select_rows(kept)
                 seq, last, alive, n_gen = seq[kept], last[kept], alive[kept], n_gen[kept]
             grow = 1 if bool(alive.all()) else alive.long()
-            if st.enabled:
-                out = spec.step(st, last, cache, generator)
+            if st.kind == "ngram":
+                if ngram is None:
+                    ngram = self.last_ngram = NgramDrafter(prompts, G, self.ngram_config)
+                ids = seq.tolist()
+
+                def propose(depth, ids=ids):
+                    ngram.update(ids, out_tokens, n_out)
+                    return ngram.propose(ids, depth, dev)
+                out = spec.step(st, last, cache, generator, propose=propose, grow=grow)
+            elif st.enabled:
+                out = spec.step(st, last, cache, generator, grow=grow)
             else:
                 logits, h = model.forward_cached(last[:, None], cache)
                 cache.advance(grow)
                 tok, logp = sample_from_logits(logits[:, 0], s, generator)
                 out = StepOut(tok[:, None], torch.ones_like(tok), logp[:, None], h,
                               torch.zeros_like(tok))
-                if spec is not None:
-                    spec.push(h, out.tokens, out.count, 1)
+                spec.push(h, out.tokens, out.count, 1)
         bar.close()
 
         total = time.perf_counter() - t0
@@ -338,5 +350,7 @@ class RolloutEngine:
         stats = rollout_stats(lengths_cpu.numpy(), timeline["step_time"], timeline["active"], N, truncated,
                               total, prefill_s)
         stats.update(spec_stats(timeline))
+        if ngram is not None:
+            stats["spec/ngram_match_rate"] = ngram.proposed / max(ngram.asked, 1)
         return RolloutResult([list(p) for p in prompts], G, out_tokens, lengths_cpu, out_logp, hidden,
                              finish_step, finish_time, truncated, timeline, stats)

@@ -15,6 +15,9 @@ x_n. A speculative step:
 
 A plain step (strategy ``off``) just appends its one pair, so the strategy can change from one step to the next; the
 pending pairs are flushed into the drafter when ``flush_at`` accumulate, which bounds their memory while SD is off.
+An ``ngram`` step takes its chain from a model-free proposer instead (:mod:`tltlib.ngram`) and verifies it with the
+point-mass rule (:func:`tltlib.speculative.verify_chain_point`); it needs no drafter, and with one the pending pairs
+simply accumulate.
 
 Paper: TLT §5 (adaptive rollout engine). Reference: SGLang's ``EAGLEWorker`` (draft extend, tree draft, verify).
 
@@ -35,7 +38,7 @@ from .kvcache import KVCache
 from .model import rope_cos_sin
 from .sampling import SamplingConfig, probs_from_logits, token_logprobs
 from .speculative import (DraftTree, SpecStrategy, _drop_children, chain_tree, residual, select_nodes,
-                          verify_chain, verify_chain_greedy, verify_tree)
+                          verify_chain, verify_chain_greedy, verify_chain_point, verify_tree)
 
 
 @dataclass
@@ -94,7 +97,7 @@ class SpecDecoder:
     """The drafter side of a rollout: its cache, the pending pairs, and the speculative step.
 
     Args:
-        target, drafter: the policy and an attached :class:`tltlib.drafter.Drafter`.
+        target, drafter: the policy and an attached :class:`tltlib.drafter.Drafter` (None: n-gram steps only).
         sampling: the rollout's sampling settings (the distribution SD must reproduce).
         rows, max_len: cache shape (max_len must leave room for the deepest draft).
         flush_at: pending pairs per row that trigger a drafter catch-up while SD is off.
@@ -102,14 +105,15 @@ class SpecDecoder:
 
     def __init__(self, target, drafter, sampling: SamplingConfig, rows: int, max_len: int, flush_at: int = 32):
         self.target, self.drafter, self.sampling = target, drafter, sampling
-        self.cache: KVCache = drafter.new_cache(rows, max_len)
         w = target.embed.weight
         self.flush_at = flush_at
-        self.cap = flush_at + 64
+        self.cap = flush_at + 64 if drafter is not None else 0
+        self.cache: KVCache | None = drafter.new_cache(rows, max_len) if drafter is not None else None
         self.pend_h = torch.zeros(rows, self.cap, target.config.hidden_size, dtype=w.dtype, device=w.device)
         self.pend_tok = torch.zeros(rows, self.cap, dtype=torch.long, device=w.device)
         self.pend_n = torch.zeros(rows, dtype=torch.long, device=w.device)
         self.pend_max = 0
+        self._grow = 1                            # the current step's row mask (see step)
         self.fed_pairs: list | None = None        # set to [] to record every pair fed (alignment tests)
         self.keep_trace = False                   # set True to keep the last step's StepTrace in self.trace
         self.trace: StepTrace | None = None
@@ -118,6 +122,8 @@ class SpecDecoder:
     def prefill(self, rows: slice, prompt_tokens: torch.Tensor, prompt_hidden: torch.Tensor,
                 lengths: torch.Tensor) -> None:
         """Feed the prompt pairs (f_t, x_{t+1}), t < len - 1, of prompts prefilled into cache rows ``rows``."""
+        if self.drafter is None:
+            return
         sub = self.cache.view(rows.start, rows.stop)
         n = lengths - 1
         width = int(n.max())
@@ -126,11 +132,15 @@ class SpecDecoder:
         sub.advance(n)
 
     def after_prefill(self, prompts: int) -> None:
+        if self.drafter is None:
+            return
         self.cache.rows = prompts
         self.cache.sync_from_views()
 
     def push(self, hidden: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor, max_count: int) -> None:
         """Append ``count[r]`` pairs (hidden ``[B, M, H]``, tokens ``[B, M]``) to each row's pending pairs."""
+        if self.drafter is None:
+            return
         if self.pend_max + max_count > self.cap:
             self.flush()
         b, m = tokens.shape
@@ -166,6 +176,8 @@ class SpecDecoder:
         return logits, feat
 
     def select_rows(self, index: torch.Tensor) -> None:
+        if self.drafter is None:
+            return
         self.cache.select_rows(index)
         n = index.numel()
         self.pend_h[:n] = self.pend_h[index]
@@ -174,10 +186,18 @@ class SpecDecoder:
 
     # ------------------------------------------------------------------------------------------- the step
     def step(self, strategy: SpecStrategy, root: torch.Tensor, tcache: KVCache,
-             generator: torch.Generator | None) -> StepOut:
+             generator: torch.Generator | None, propose=None, grow=1) -> StepOut:
         """One speculative step for every row. ``root [B]``: each row's last emitted token (its pending pairs end
-        with it)."""
+        with it). ``propose(depth) -> [B, depth]`` drafts of an ``ngram`` strategy. ``grow``: 1, or a ``[B]`` 0/1
+        mask; rows with 0 (finished, not yet compacted away) are computed but commit nothing and emit nothing."""
         t0 = time.perf_counter()
+        self._grow = grow
+        if strategy.kind == "ngram":
+            if propose is None:
+                raise ValueError("an ngram step needs propose=...: run it through RolloutEngine.generate")
+            return self._step_point(strategy, root, tcache, generator, propose(strategy.depth), t0)
+        if self.drafter is None:
+            raise ValueError(f"strategy {strategy.name} needs a learned drafter; pass drafter=... or use ngram-D")
         probs = None
         q_logits, feat = self._extend()
         if strategy.kind == "chain":
@@ -208,6 +228,25 @@ class SpecDecoder:
             self.trace = self._trace(strategy, tree, node_q, qs, path, accepted, nxt, logits)
         out = self._commit(tree, path, accepted, nxt, logits, hidden, tcache, strategy.kind == "tree", probs)
         out.drafted = tree.size - 1
+        out.draft_s, out.verify_s = t1 - t0, time.perf_counter() - t1
+        return out
+
+    def _step_point(self, strategy, root, tcache, generator, drafts, t0) -> StepOut:
+        """Verify deterministic drafts ``[B, D]`` (a chain whose q is a point mass) and commit."""
+        t1 = time.perf_counter()
+        tree = chain_tree(root, drafts)
+        positions = tcache.lengths[: tcache.rows, None] + tree.depth
+        logits, hidden = self.target.forward_cached(tree.tokens, tcache, positions=positions)
+        s, probs = self.sampling, None
+        if s.greedy:
+            accepted, nxt = verify_chain_greedy(logits.argmax(-1), drafts)
+        else:
+            probs = probs_from_logits(logits, s.temperature, s.top_k, s.top_p)
+            accepted, nxt = verify_chain_point(probs, drafts, generator)
+        d = drafts.shape[1]
+        path = torch.arange(1, d + 1, device=root.device).expand(root.shape[0], d)
+        out = self._commit(tree, path, accepted, nxt, logits, hidden, tcache, False, probs)
+        out.drafted = d
         out.draft_s, out.verify_s = t1 - t0, time.perf_counter() - t1
         return out
 
@@ -322,7 +361,7 @@ class SpecDecoder:
         b, dev = accepted.shape[0], accepted.device
         m = path.shape[1] + 1
         nodes = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev), path.clamp_min(0)], 1)  # [B, M]
-        count = accepted + 1
+        count = (accepted + 1) * self._grow
         j = torch.arange(m, device=dev)
         emitted = tree.tokens.gather(1, nodes[:, 1:].clamp(max=tree.size - 1))
         emitted = torch.cat([emitted, torch.zeros(b, 1, dtype=torch.long, device=dev)], 1)

@@ -32,7 +32,7 @@ import torch
 
 from .sampling import probs_from_logits
 
-KINDS = ("off", "chain", "tree")
+KINDS = ("off", "chain", "tree", "ngram")
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,13 @@ class SpecStrategy:
 
     ``off`` decodes plainly; ``chain`` drafts ``depth`` tokens one after another; ``tree`` expands the ``top_k``
     best children of the ``top_k`` best nodes per level for ``depth`` levels and verifies the ``budget`` most
-    probable nodes (SGLang's ``steps_topk_verifyTokens``)."""
+    probable nodes (SGLang's ``steps_topk_verifyTokens``); ``ngram`` proposes ``depth`` tokens copied from earlier
+    text of the sequence or of its GRPO siblings (:mod:`tltlib.ngram`; model-free, no drafter needed).
+
+    Names round-trip: ``SpecStrategy.parse("tree-8x4-32") == SpecStrategy("tree", 8, 4, 32)``."""
 
     kind: str = "off"
-    """``"off"``, ``"chain"`` or ``"tree"``."""
+    """``"off"``, ``"chain"``, ``"tree"`` or ``"ngram"``."""
     depth: int = 1
     """Draft depth (tokens per chain, levels per tree)."""
     top_k: int = 1
@@ -62,8 +65,33 @@ class SpecStrategy:
         if self.kind == "tree" and self.budget and self.budget < self.depth:
             raise ValueError(f"verify budget ({self.budget}) must be >= the draft depth ({self.depth}) so the "
                              "deepest path fits; raise the budget or lower the depth")
-        if self.kind == "chain" and self.top_k != 1:
-            raise ValueError("a chain has top_k == 1; use kind='tree' for branching")
+        if self.kind in ("chain", "ngram") and self.top_k != 1:
+            raise ValueError(f"a {self.kind} draft has top_k == 1; use kind='tree' for branching")
+
+    @classmethod
+    def parse(cls, name: str) -> "SpecStrategy":
+        """The strategy called ``name``: ``off``, ``chain-D``, ``ngram-D`` or ``tree-DxK-N``."""
+        text = str(name).strip()
+        try:
+            if text == "off":
+                return cls()
+            kind, _, rest = text.partition("-")
+            if kind in ("chain", "ngram"):
+                return cls(kind, int(rest))
+            if kind == "tree":
+                dk, _, budget = rest.partition("-")
+                d, _, k = dk.partition("x")
+                return cls("tree", int(d), int(k), int(budget))
+        except ValueError as e:
+            if "invalid literal" not in str(e):
+                raise
+        raise ValueError(f"cannot read speculative strategy {name!r}: write off, chain-DEPTH, ngram-DEPTH or "
+                         "tree-DEPTHxTOPK-BUDGET (e.g. chain-4, ngram-8, tree-8x4-32)")
+
+    @property
+    def uses_drafter(self) -> bool:
+        """Needs a learned drafter (chain, tree); ``ngram`` and ``off`` do not."""
+        return self.kind in ("chain", "tree")
 
     @property
     def enabled(self) -> bool:
@@ -72,7 +100,7 @@ class SpecStrategy:
     @property
     def max_nodes(self) -> int:
         """Draft nodes the tree expansion produces before the budget cut."""
-        if self.kind == "chain":
+        if self.kind in ("chain", "ngram"):
             return self.depth
         return self.top_k + (self.depth - 1) * self.top_k * self.top_k
 
@@ -81,7 +109,7 @@ class SpecStrategy:
         """Draft tokens sent to the target per step."""
         if self.kind == "off":
             return 0
-        if self.kind == "chain":
+        if self.kind in ("chain", "ngram"):
             return self.depth
         return min(self.budget or self.max_nodes, self.max_nodes)
 
@@ -89,8 +117,8 @@ class SpecStrategy:
     def name(self) -> str:
         if self.kind == "off":
             return "off"
-        if self.kind == "chain":
-            return f"chain-{self.depth}"
+        if self.kind in ("chain", "ngram"):
+            return f"{self.kind}-{self.depth}"
         return f"tree-{self.depth}x{self.top_k}-{self.verify_tokens}"
 
 
@@ -126,6 +154,31 @@ def verify_chain(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
     rows = torch.arange(b, device=p.device)
     at = accepted.clamp(max=g - 1)
     dist = residual(p[rows, at], q[rows, at])
+    dist = torch.where((accepted == g)[:, None], p[:, g], dist)
+    nxt = torch.multinomial(dist, 1, generator=generator)[:, 0]
+    return accepted, nxt
+
+
+def verify_chain_point(p: torch.Tensor, drafts: torch.Tensor,
+                       generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leviathan rejection for *deterministic* drafts (q a point mass on each draft, e.g. n-gram proposals):
+    accept draft d with probability p(d); at the first rejection sample from p with d removed; bonus from p.
+
+    Args:
+        p: ``[B, G+1, V]`` target distributions at the G draft positions plus the bonus position.
+        drafts: ``[B, G]`` proposed tokens (any function of earlier text, never of this step's randomness).
+
+    Returns:
+        (accepted ``[B]``, next ``[B]``) as :func:`verify_chain`.
+    """
+    b, g = drafts.shape
+    p_d = p[:, :g].gather(-1, drafts[..., None])[..., 0]
+    u = torch.rand(b, g, generator=generator, device=p.device)
+    accepted = (u < p_d).long().cumprod(-1).sum(-1)
+    rows = torch.arange(b, device=p.device)
+    at = accepted.clamp(max=g - 1)
+    p_at = p[rows, at]
+    dist = residual(p_at, torch.zeros_like(p_at).scatter_(1, drafts[rows, at][:, None], 1.0))
     dist = torch.where((accepted == g)[:, None], p[:, g], dist)
     nxt = torch.multinomial(dist, 1, generator=generator)[:, 0]
     return accepted, nxt

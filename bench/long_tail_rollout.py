@@ -1,0 +1,188 @@
+"""A GRPO-sized rollout with a long tail, under every SD policy: no SD, always-SD with each fixed strategy,
+threshold + fixed strategy, and adaptive (threshold + BEG-MAB), with the learned EAGLE drafter and with the
+model-free n-gram drafter. Total rollout time, ratios, and token identity at temperature 0.
+
+Workload: ``--prompts`` held-out chain problems x ``--group`` samples at ``--temperature`` on the tiny reasoner
+(the notebook-01 rollout: a few responses run ~15x longer than the median). Every policy runs the same prompts with
+the same seed, side by side in one process, after a common warm-up; the adaptive controllers first tune on one
+rollout of other prompts (as they would on the previous RL step), then are timed. Time = wall time of
+``RolloutEngine.generate`` (median of ``--repeats``, policies interleaved). "best fixed" = the fastest policy that
+plays one strategy (always, or below the threshold) with the same drafter family.
+
+    python -m tltlib bench long_tail_rollout                 # CPU, ~10 min
+    python -m tltlib bench long_tail_rollout --device cuda --dtype bfloat16
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import ensure_malloc_env, machine_info, markdown_table, timed, write_results  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="data/tiny-reasoner")
+    ap.add_argument("--drafter", default="data/tiny-reasoner-drafter")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--temperature", type=float, default=0.9)
+    ap.add_argument("--max-new", type=int, default=720)
+    ap.add_argument("--arms", default="chain-4;chain-8;chain-16;tree-6x4-24;ngram-4",
+                    help="';'-separated strategies of the learned-drafter adaptive policy (also run fixed)")
+    ap.add_argument("--ngram-arms", default="off;ngram-2;ngram-4",
+                    help="arms of the n-gram-only adaptive policy (no learned drafter)")
+    ap.add_argument("--threshold", type=int, default=None, help="adaptive SD threshold (default: per device)")
+    ap.add_argument("--fixed-threshold", type=int, default=32, help="threshold of the threshold + fixed policies")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--no-identity", action="store_true", help="skip the temperature-0 identity check")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    ensure_malloc_env()
+
+    import numpy as np
+    import torch
+
+    from tltlib.adaptive import AdaptiveConfig, AdaptiveController, TunerConfig, default_threshold, measure_costs
+    from tltlib.drafter import load_drafter
+    from tltlib.model import load_model
+    from tltlib.notebook import pick_device, resolve
+    from tltlib.rollout import RolloutConfig, RolloutEngine
+    from tltlib.sampling import SamplingConfig
+    from tltlib.speculative import SpecStrategy
+    from tltlib.tasks import ChainTaskConfig, encode_prompts, generate_problems
+    from tltlib.tokenizer import load_tokenizer
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    device, dtype = pick_device(args.device), getattr(torch, args.dtype)
+    target = load_model(resolve(args.model), dtype=dtype, device=device)
+    tok = load_tokenizer(resolve(args.model))
+    drafter = load_drafter(resolve(args.drafter), target)
+    prompts = encode_prompts(generate_problems(ChainTaskConfig(), args.prompts, seed=2026), tok)
+    warm_prompts = encode_prompts(generate_problems(ChainTaskConfig(), args.prompts, seed=7), tok)
+    threshold = args.threshold if args.threshold is not None else default_threshold(device)
+    arms = [SpecStrategy.parse(a) for a in args.arms.split(";")]
+    ngram_arms = [SpecStrategy.parse(a) for a in args.ngram_arms.split(";")]
+
+    t0 = time.perf_counter()
+    costs = measure_costs(target, drafter, max_batch=max(threshold, args.fixed_threshold))
+    cost_s = time.perf_counter() - t0
+    print(f"cost model measured in {cost_s:.1f} s")
+
+    def engines(temp):
+        cfg = RolloutConfig(SamplingConfig(temperature=temp, max_new_tokens=args.max_new), group_size=args.group)
+        return RolloutEngine(target, cfg, drafter=drafter), RolloutEngine(target, cfg)
+
+    def make_adaptive(family):
+        if family == "learned":
+            return AdaptiveController(AdaptiveConfig(threshold=threshold, tuner=TunerConfig(arms=tuple(arms))),
+                                      costs, drafter)
+        return AdaptiveController(AdaptiveConfig(threshold=threshold, tuner=TunerConfig(arms=tuple(ngram_arms))),
+                                  costs)
+
+    # (name, family, kind, strategy factory); family picks the engine (learned drafter or none)
+    policies = [("no SD", "none", "plain", lambda: None)]
+    for a in arms + [x for x in ngram_arms if x.kind == "ngram" and x not in arms]:
+        fam = "learned" if a.uses_drafter else "ngram"
+        policies.append((f"always {a.name}", fam, "fixed", lambda a=a: a))
+        thr = args.fixed_threshold
+        policies.append((f"<= {thr} rows: {a.name}", fam, "fixed",
+                         lambda a=a, thr=thr: (lambda step, active: a if active <= thr else SpecStrategy())))
+    policies += [(f"adaptive (<= {threshold} rows, BEG-MAB over {len(arms)} arms)", "learned", "adaptive", None),
+                 (f"adaptive n-gram only (<= {threshold} rows, {len(ngram_arms)} arms)", "ngram", "adaptive", None)]
+    controllers = {name: make_adaptive(fam) for name, fam, kind, _ in policies if kind == "adaptive"}
+
+    def source(name, factory):
+        return controllers[name] if name in controllers else factory()
+
+    def run(eng_pair, name, fam, factory, ps, seed=0):
+        eng = eng_pair[1] if fam in ("ngram", "none") else eng_pair[0]
+        g = torch.Generator(device=device).manual_seed(seed)
+        return eng.generate(ps, g, strategy=source(name, factory))
+
+    hot = engines(args.temperature)
+    print("warm-up ...")
+    run(hot, "no SD", "none", lambda: None, warm_prompts[:8])
+    run(hot, "warm", "learned", lambda: arms[0], warm_prompts[:8])
+    tuned = {}
+    for name, fam, kind, factory in policies:
+        if kind == "adaptive":
+            t = timed(lambda: run(hot, name, fam, factory, warm_prompts, seed=1), device)
+            tuned[name] = t
+            print(f"{name}: tuning rollout {t:.1f} s")
+
+    times = {name: [] for name, *_ in policies}
+    results = {}
+    for rep in range(args.repeats):
+        for name, fam, kind, factory in policies:
+            box = {}
+            t = timed(lambda: box.__setitem__("r", run(hot, name, fam, factory, prompts)), device)
+            times[name].append(t)
+            results[name] = box["r"]
+            print(f"[{rep + 1}/{args.repeats}] {name}: {t:.2f} s")
+
+    identical = {}
+    if not args.no_identity:
+        cold = engines(0.0)
+        ref = None
+        for name, fam, kind, factory in policies:
+            r = run(cold, name, fam, factory, prompts)
+            ref = r if ref is None else ref
+            identical[name] = bool(torch.equal(r.tokens, ref.tokens) and torch.equal(r.lengths, ref.lengths))
+            print(f"T=0 {name}: identical={identical[name]}")
+
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    base = med["no SD"]
+    best_fixed = {}
+    for fam in ("learned", "ngram"):
+        cands = [(med[n], n) for n, f, kind, _ in policies if f == fam and kind == "fixed"]
+        best_fixed[fam] = min(cands)[1]
+    rows, out = [], []
+    for name, fam, kind, _ in policies:
+        r = results[name]
+        vs_best = med[best_fixed[fam]] / med[name] if fam in best_fixed else None
+        rec = {"policy": name, "drafter": fam, "kind": kind, "time_s": med[name], "times_s": times[name],
+               "tokens": int(r.lengths.sum()), "speedup_vs_no_sd": base / med[name], "vs_best_fixed": vs_best,
+               "spec_time_frac": r.stats.get("spec/time_frac", 0.0),
+               "accept_len": r.stats.get("spec/accept_len_mean", float("nan")),
+               "identical_at_t0": identical.get(name)}
+        if name in controllers:
+            rec["tuner"] = controllers[name].tuner.summary()
+            rec["arm_steps"] = {a: int((r.timeline["strategy"] == a).sum()) for a in set(r.timeline["strategy"])}
+        out.append(rec)
+        rows.append([name, fam, med[name], base / med[name], "-" if vs_best is None else f"{vs_best:.2f}x",
+                     f"{100 * rec['spec_time_frac']:.0f}%", f"{rec['accept_len']:.2f}",
+                     "-" if name not in identical else identical[name]])
+    ad, adn = [n for n, *_ in policies if n in controllers]
+    summary = {"adaptive_vs_no_sd": base / med[ad], "adaptive_vs_best_fixed": med[best_fixed["learned"]] / med[ad],
+               "best_fixed": best_fixed, "ngram_adaptive_vs_no_sd": base / med[adn],
+               "ngram_adaptive_vs_best_fixed": med[best_fixed["ngram"]] / med[adn],
+               "goal_adaptive_vs_no_sd_1.8x": base / med[ad] >= 1.8,
+               "goal_adaptive_vs_best_fixed_1.1x": med[best_fixed["learned"]] / med[ad] >= 1.1,
+               "all_identical_at_t0": all(identical.values()) if identical else None}
+    header = ["policy", "drafter", "rollout s", "vs no SD", "vs best fixed", "time in SD", "accept len",
+              "identical at T=0"]
+    r0 = results["no SD"]
+    table = (f"Long-tail rollout: {args.prompts} prompts x {args.group} samples, temperature {args.temperature}, "
+             f"max {args.max_new} new tokens, {args.dtype} on {device}; {int(r0.lengths.sum()):,} tokens, response "
+             f"length median {int(np.median(r0.lengths.numpy()))} / max {int(r0.lengths.max())}; median of "
+             f"{args.repeats}; adaptive policies tuned on one earlier rollout of other prompts; cost model measured "
+             f"in {cost_s:.1f} s\n\n" + markdown_table(header, rows)
+             + f"\n\nAdaptive vs no SD: **{summary['adaptive_vs_no_sd']:.2f}x**; vs best fixed "
+               f"({best_fixed['learned']}): **{summary['adaptive_vs_best_fixed']:.2f}x**. n-gram only: adaptive vs "
+               f"no SD {summary['ngram_adaptive_vs_no_sd']:.2f}x, vs best fixed n-gram ({best_fixed['ngram']}) "
+               f"{summary['ngram_adaptive_vs_best_fixed']:.2f}x.")
+    payload = {"bench": "long_tail_rollout", "machine": machine_info(device), "settings": vars(args),
+               "threshold": threshold, "cost_model": costs.to_dict(), "cost_model_s": cost_s,
+               "tuning_rollout_s": tuned, "results": out, "summary": summary}
+    write_results(f"long_tail_rollout-{device.split(':')[0]}-{args.dtype}", payload, table, args.out)
+
+
+if __name__ == "__main__":
+    main()
