@@ -88,6 +88,32 @@ def test_strategy_may_change_every_step_and_budgets_hold(target, drafter):
     assert not (mixed.tokens[:, :].eq(2).cumsum(1).gt(1) & (mixed.tokens != 0)).any()  # nothing after the EOS
 
 
+@pytest.mark.parametrize("plain_steps", [30, 31, 32, 33])
+def test_sd_switches_on_right_after_a_pending_flush(target, drafter, plain_steps):
+    """SpecDecoder flushes pending pairs into the drafter every ``flush_at`` (32) plain steps; an SD step right
+    after a flush must still find each row's last pair pending (it is what proposes the first draft)."""
+    eng = _engine(target, drafter, temperature=0, max_new_tokens=60, group_size=2, ignore_eos=True)
+    plain = eng.generate(PROMPTS)
+    late = eng.generate(PROMPTS, strategy=lambda step, active: S.OFF if step < plain_steps else SpecStrategy("chain", 3))
+    assert torch.equal(plain.tokens, late.tokens)
+
+
+def test_chain_deeper_than_the_flush_size_is_exact(target):
+    """A fully accepted chain of depth >= flush_at pushes more pairs than the flush size in one step."""
+    torch.manual_seed(3)
+    good = Drafter(DrafterConfig.from_target(target.config), init_std=0.0).attach(target)
+    with torch.no_grad():                                    # a drafter that is usually right: long accepts
+        good.fc.weight.zero_()
+        good.fc.weight[:, CFG.hidden_size:] = torch.eye(CFG.hidden_size)
+        good.layer.load_state_dict(target.layers[-1].state_dict(), strict=False)
+    eng = _engine(target, good, temperature=0, max_new_tokens=120, ignore_eos=True)
+    plain = eng.generate(PROMPTS)
+    for st in (SpecStrategy("chain", 40), [SpecStrategy("chain", 40), S.OFF, SpecStrategy("chain", 2)]):
+        pick = st if isinstance(st, SpecStrategy) else (lambda step, active, st=st: st[step % 3])
+        spec = eng.generate(PROMPTS, strategy=pick)
+        assert torch.equal(plain.tokens, spec.tokens)
+
+
 def test_keep_hidden_matches_plain(target, drafter):
     eng = _engine(target, drafter, temperature=0, max_new_tokens=20, keep_hidden=True)
     plain = eng.generate(PROMPTS)

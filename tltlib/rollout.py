@@ -206,7 +206,7 @@ class RolloutEngine:
         budget = torch.clamp(ctx - plen, max=s.max_new_tokens).repeat_interleave(G).to(dev)
         max_len = int((plen + budget[::G].cpu()).max()) + cfg.draft_margin
         cache = model.new_cache(N, max_len)
-        spec = SpecDecoder(model, self.drafter, s, N, max_len)
+        spec = SpecDecoder(model, self.drafter, s, N, max_len, max_emit=cfg.draft_margin)
         if self.record_drafter_pairs:
             spec.fed_pairs = []
         self.last_spec, self.last_ngram, ngram = spec, None, None

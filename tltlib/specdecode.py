@@ -13,8 +13,9 @@ x_n. A speculative step:
    (:mod:`tltlib.speculative`), then the accepted path is lined up in the target cache and committed; the target's
    hidden states along it become the next pending pairs, so the drafter always sees true target features.
 
-A plain step (strategy ``off``) just appends its one pair, so the strategy can change from one step to the next; the
-pending pairs are flushed into the drafter when ``flush_at`` accumulate, which bounds their memory while SD is off.
+A plain step (strategy ``off``) just appends its one pair, so the strategy can change from one step to the next; when
+a row's pending pairs would exceed ``flush_at`` they are fed to the drafter, all but the last (which the next SD step
+needs to propose its first draft), which bounds their memory while SD is off.
 An ``ngram`` step takes its chain from a model-free proposer instead (:mod:`tltlib.ngram`) and verifies it with the
 point-mass rule (:func:`tltlib.speculative.verify_chain_point`); it needs no drafter, and with one the pending pairs
 simply accumulate.
@@ -99,16 +100,22 @@ class SpecDecoder:
     Args:
         target, drafter: the policy and an attached :class:`tltlib.drafter.Drafter` (None: n-gram steps only).
         sampling: the rollout's sampling settings (the distribution SD must reproduce).
-        rows, max_len: cache shape (max_len must leave room for the deepest draft).
-        flush_at: pending pairs per row that trigger a drafter catch-up while SD is off.
+        rows, max_len: the target cache's shape (max_len must leave room for the deepest draft).
+        max_emit: the most tokens one step may emit per row (deepest chain + 1; ``RolloutConfig.draft_margin``).
+        flush_at: pending pairs per row above which they are fed to the drafter while SD is off.
     """
 
-    def __init__(self, target, drafter, sampling: SamplingConfig, rows: int, max_len: int, flush_at: int = 32):
+    def __init__(self, target, drafter, sampling: SamplingConfig, rows: int, max_len: int, max_emit: int = 72,
+                 flush_at: int = 32):
+        if flush_at < 2:
+            raise ValueError(f"flush_at must be >= 2 (a flush keeps each row's last pair pending), got {flush_at}")
         self.target, self.drafter, self.sampling = target, drafter, sampling
         w = target.embed.weight
         self.flush_at = flush_at
-        self.cap = flush_at + 64 if drafter is not None else 0
-        self.cache: KVCache | None = drafter.new_cache(rows, max_len) if drafter is not None else None
+        # widest pending block: flush_at, or one kept pair + one step's max_emit pairs
+        self.cap = max(flush_at, max_emit + 1) if drafter is not None else 0
+        # the drafter writes a whole pending block after its shortest row's entries: room for one more block
+        self.cache: KVCache | None = drafter.new_cache(rows, max_len + self.cap) if drafter is not None else None
         self.pend_h = torch.zeros(rows, self.cap, target.config.hidden_size, dtype=w.dtype, device=w.device)
         self.pend_tok = torch.zeros(rows, self.cap, dtype=torch.long, device=w.device)
         self.pend_n = torch.zeros(rows, dtype=torch.long, device=w.device)
@@ -141,7 +148,7 @@ class SpecDecoder:
         """Append ``count[r]`` pairs (hidden ``[B, M, H]``, tokens ``[B, M]``) to each row's pending pairs."""
         if self.drafter is None:
             return
-        if self.pend_max + max_count > self.cap:
+        if self.pend_max + max_count > self.flush_at:   # no-op right after an SD step (its extend consumed them)
             self.flush()
         b, m = tokens.shape
         j = torch.arange(m, device=tokens.device)
@@ -152,13 +159,23 @@ class SpecDecoder:
         self.pend_tok[rows, slots] = tokens[valid]
         self.pend_n[:b] += count
         self.pend_max = int(self.pend_n[:b].max())
-        if self.pend_max >= self.flush_at:
-            self.flush()
 
     def flush(self) -> None:
-        """Feed all pending pairs to the drafter now (keeps its cache current while SD is off)."""
-        if self.pend_max:
-            self._extend()
+        """Feed every row's pending pairs but its last to the drafter (keeps its cache current while SD is off).
+
+        The last pair (f_{n-1}, x_n) stays pending: the next SD step's extend runs it to get q(x_{n+1})."""
+        if self.pend_max < 2:
+            return
+        b, width = self.cache.rows, self.pend_max - 1
+        n = self.pend_n[:b]
+        fed = (n - 1).clamp_min(0)
+        self._feed(self.cache, self.pend_h[:b, :width], self.pend_tok[:b, :width], fed)
+        self.cache.advance(fed)
+        rows = torch.arange(b, device=n.device)
+        self.pend_h[:b, 0] = self.pend_h[rows, fed]
+        self.pend_tok[:b, 0] = self.pend_tok[rows, fed]
+        self.pend_n[:b] = n.clamp(max=1)
+        self.pend_max = 1
 
     def _feed(self, cache: KVCache, hidden, tokens, n):
         if self.fed_pairs is not None:
