@@ -52,11 +52,18 @@ def timed(fn, device: str) -> float:
     return time.perf_counter() - t
 
 
-def median_time(fn, device: str, repeats: int, warmup: int = 1) -> tuple[float, list[float]]:
+def interleaved_medians(fns: dict, device: str, repeats: int, warmup: int = 1) -> dict[str, tuple[float, list[float]]]:
+    """Time competitors side by side: ``warmup`` untimed calls of each, then ``repeats`` rounds that call every
+    competitor once, in order. A slow spell of a shared machine then hits all of them alike instead of one block.
+    Returns ``{name: (median seconds, all seconds)}``."""
     for _ in range(warmup):
-        fn()
-    times = [timed(fn, device) for _ in range(repeats)]
-    return statistics.median(times), times
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(timed(fn, device))
+    return {name: (statistics.median(t), t) for name, t in times.items()}
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:

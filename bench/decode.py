@@ -2,7 +2,8 @@
 
 Same model, same prompts, greedy, every row decodes exactly ``--new-tokens`` tokens (EOS ignored on all sides), so
 the token streams must be identical and the comparison is pure engine speed. Warm-up first, then ``--repeats``
-timed runs per engine and batch size; medians and the tltlib/transformers ratio.
+rounds per batch size in which every engine runs once (interleaved, so machine noise hits all alike); medians and
+the tltlib/transformers ratio.
 
     python -m tltlib bench decode                       # CPU, fp32, the tiny reasoner
     python -m tltlib bench decode --device cuda --dtype bfloat16 --model /path/to/Qwen2.5-7B
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ensure_malloc_env, machine_info, markdown_table, median_time, write_results  # noqa: E402
+from _common import ensure_malloc_env, interleaved_medians, machine_info, markdown_table, write_results  # noqa: E402
 
 
 def main() -> None:
@@ -25,7 +26,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = ap.parse_args()
     ensure_malloc_env()
@@ -63,16 +64,18 @@ def main() -> None:
             run_ours = lambda: out.__setitem__("ours", engine.generate(prompts).tokens)
             run_hf = lambda: out.__setitem__("hf", hf.generate(ids, attention_mask=mask, do_sample=False,
                                                                max_new_tokens=n, min_new_tokens=n)[:, width:])
-            t_ours, all_ours = median_time(run_ours, device, args.repeats)
-            t_hf, all_hf = median_time(run_hf, device, args.repeats)
+            fns = {"ours": run_ours, "hf": run_hf}
+            if vllm is not None:
+                fns["vllm"] = lambda: vllm(prompts)
+            timing = interleaved_medians(fns, device, args.repeats)
+            (t_ours, all_ours), (t_hf, all_hf) = timing["ours"], timing["hf"]
         identical = bool(torch.equal(out["ours"].cpu(), out["hf"].cpu()))
         rec = {"batch": b, "new_tokens": n, "tltlib_s": t_ours, "transformers_s": t_hf, "tltlib_runs": all_ours,
                "transformers_runs": all_hf, "tltlib_tok_s": b * n / t_ours, "transformers_tok_s": b * n / t_hf,
                "ratio": t_hf / t_ours, "identical_tokens": identical}
         row = [b, rec["tltlib_tok_s"], rec["transformers_tok_s"], f"{rec['ratio']:.2f}x", identical]
         if vllm is not None:
-            t_v, _ = median_time(lambda: vllm(prompts), device, args.repeats)
-            rec["vllm_tok_s"] = b * n / t_v
+            rec["vllm_tok_s"] = b * n / timing["vllm"][0]
             row.insert(3, rec["vllm_tok_s"])
         results.append(rec), rows.append(row)
 

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ensure_malloc_env, machine_info, markdown_table, median_time, write_results  # noqa: E402
+from _common import ensure_malloc_env, interleaved_medians, machine_info, markdown_table, write_results  # noqa: E402
 
 
 def parse_strategy(text: str):
@@ -39,10 +39,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256,512")
     ap.add_argument("--temperatures", default="0,0.9")
-    ap.add_argument("--strategies", default="chain:4;chain:10;tree:10,2,16",
+    ap.add_argument("--strategies", default="chain:4;chain:10;chain:16;tree:10,2,16",
                     help="';'-separated: chain:DEPTH, tree:DEPTH,TOPK,BUDGET")
     ap.add_argument("--steps", type=int, default=10, help="chain-task steps per problem (11 tokens each)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     ensure_malloc_env()
@@ -79,13 +79,16 @@ def main() -> None:
                 g = torch.Generator(device=device).manual_seed(7)
                 runs[key] = eng.generate(prompts, g, strategy=strategy)
 
-            t_plain, _ = median_time(lambda: run(None, "plain"), device, args.repeats)
+            fns = {"plain": lambda: run(None, "plain")}
+            fns.update({st.name: (lambda st=st: run(st, st.name)) for st in strategies})
+            timing = interleaved_medians(fns, device, args.repeats)
+            t_plain = timing["plain"][0]
             plain = runs["plain"]
             plain_tok = int(plain.lengths.sum())
             plain_step = float(np.median(plain.timeline["step_time"]))
             rec = {"temperature": temp, "batch": b, "plain_tok_s": plain_tok / t_plain, "strategies": {}}
             for st in strategies:
-                t_sd, _ = median_time(lambda: run(st, st.name), device, args.repeats)
+                t_sd = timing[st.name][0]
                 res = runs[st.name]
                 tok_s = int(res.lengths.sum()) / t_sd
                 acc_len = res.stats["spec/accept_len_mean"]
@@ -160,8 +163,9 @@ def _assisted_peer(args, device, dtype, tok, max_new):
                 res = hf.generate(ids, **kw, **extra)
             counts[bool(extra)] = res.shape[1] - ids.shape[1]
 
-        t_plain, _ = median_time(lambda: gen(), device, args.repeats)
-        t_asst, _ = median_time(lambda: gen(assistant_model=asst), device, args.repeats)
+        timing = interleaved_medians({"plain": gen, "assisted": lambda: gen(assistant_model=asst)}, device,
+                                     args.repeats)
+        t_plain, t_asst = timing["plain"][0], timing["assisted"][0]
         out["by_temperature"][temp] = {"plain_tok_s": counts[False] / t_plain, "assisted_tok_s": counts[True] / t_asst,
                                        "speedup": (counts[True] / t_asst) / (counts[False] / t_plain)}
     return out
