@@ -4,12 +4,17 @@ model-free n-gram drafter. Total rollout time, ratios, and token identity at tem
 
 Workload: ``--prompts`` held-out chain problems x ``--group`` samples at ``--temperature`` on the tiny reasoner
 (the notebook-01 rollout: a few responses run ~15x longer than the median). Every policy runs the same prompts with
-the same seed, side by side in one process, after a common warm-up; the adaptive controllers first tune on one
-rollout of other prompts (as they would on the previous RL step), then are timed. Time = wall time of
-``RolloutEngine.generate`` (median of ``--repeats``, policies interleaved). "best fixed" = the fastest policy that
-plays one strategy (always, or below the threshold) with the same drafter family.
+the same seed, side by side in one process, after a common warm-up; the adaptive controllers first tune on
+``--tune-rollouts`` rollouts of other prompts (as they would on the previous RL steps: the controller lives across
+the whole RL run), then are timed. Time = wall time of ``RolloutEngine.generate`` (median of ``--repeats``,
+policies interleaved; each repeat samples with its own seed, shared by all policies, so the median also spans
+different draws of the long tail: at temperature > 0 SD and plain decoding draw different, equally distributed,
+responses). "best fixed" = the fastest policy that plays one strategy (always, or below the threshold)
+with the same drafter family. "per-bucket oracle" = in hindsight, the fastest of no-SD and each always-strategy in
+every batch-size bucket of the tuner, summed: the most any per-bucket tuner could achieve on this workload.
 
-    python -m tltlib bench long_tail_rollout                 # CPU, ~10 min
+    python -m tltlib bench long_tail_rollout                 # CPU, ~15 min
+    python -m tltlib bench long_tail_rollout --prompts 16    # the paper's Fig. 14 case study size: 128 requests
     python -m tltlib bench long_tail_rollout --device cuda --dtype bfloat16
 """
 from __future__ import annotations
@@ -34,13 +39,15 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=0.9)
     ap.add_argument("--max-new", type=int, default=720)
-    ap.add_argument("--arms", default="chain-4;chain-8;chain-16;tree-6x4-24;ngram-4",
+    ap.add_argument("--arms", default="chain-4;chain-8;chain-16;chain-32;tree-6x4-24;ngram-4",
                     help="';'-separated strategies of the learned-drafter adaptive policy (also run fixed)")
     ap.add_argument("--ngram-arms", default="off;ngram-2;ngram-4",
                     help="arms of the n-gram-only adaptive policy (no learned drafter)")
     ap.add_argument("--threshold", type=int, default=None, help="adaptive SD threshold (default: per device)")
     ap.add_argument("--fixed-threshold", type=int, default=32, help="threshold of the threshold + fixed policies")
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tune-rollouts", type=int, default=3,
+                    help="rollouts of other prompts the adaptive controllers learn on before they are timed")
     ap.add_argument("--no-identity", action="store_true", help="skip the temperature-0 identity check")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -53,6 +60,7 @@ def main() -> None:
     from tltlib.drafter import load_drafter
     from tltlib.model import load_model
     from tltlib.notebook import pick_device, resolve
+    from tltlib.profiling import per_bucket_oracle, time_by_bucket
     from tltlib.rollout import RolloutConfig, RolloutEngine
     from tltlib.sampling import SamplingConfig
     from tltlib.speculative import SpecStrategy
@@ -65,7 +73,9 @@ def main() -> None:
     tok = load_tokenizer(resolve(args.model))
     drafter = load_drafter(resolve(args.drafter), target)
     prompts = encode_prompts(generate_problems(ChainTaskConfig(), args.prompts, seed=2026), tok)
-    warm_prompts = encode_prompts(generate_problems(ChainTaskConfig(), args.prompts, seed=7), tok)
+    tune_sets = [encode_prompts(generate_problems(ChainTaskConfig(), args.prompts, seed=7 + i), tok)
+                 for i in range(max(1, args.tune_rollouts))]
+    warm_prompts = tune_sets[0]
     threshold = args.threshold if args.threshold is not None else default_threshold(device)
     arms = [SpecStrategy.parse(a) for a in args.arms.split(";")]
     ngram_arms = [SpecStrategy.parse(a) for a in args.ngram_arms.split(";")]
@@ -113,18 +123,22 @@ def main() -> None:
     tuned = {}
     for name, fam, kind, factory in policies:
         if kind == "adaptive":
-            t = timed(lambda: run(hot, name, fam, factory, warm_prompts, seed=1), device)
-            tuned[name] = t
-            print(f"{name}: tuning rollout {t:.1f} s")
+            tuned[name] = [timed(lambda: run(hot, name, fam, factory, ps, seed=1 + i), device)
+                           for i, ps in enumerate(tune_sets[: args.tune_rollouts])]
+            print(f"{name}: tuning rollouts " + ", ".join(f"{t:.1f}" for t in tuned[name]) + " s")
 
+    buckets = TunerConfig().buckets
     times = {name: [] for name, *_ in policies}
+    by_bucket = {name: [] for name, *_ in policies}
     results = {}
     for rep in range(args.repeats):
         for name, fam, kind, factory in policies:
             box = {}
-            t = timed(lambda: box.__setitem__("r", run(hot, name, fam, factory, prompts)), device)
+            t = timed(lambda: box.__setitem__("r", run(hot, name, fam, factory, prompts, seed=100 + rep)), device)
             times[name].append(t)
             results[name] = box["r"]
+            tl = box["r"].timeline
+            by_bucket[name].append(time_by_bucket(tl["step_time"], tl["active"], buckets))
             print(f"[{rep + 1}/{args.repeats}] {name}: {t:.2f} s")
 
     identical = {}
@@ -151,7 +165,8 @@ def main() -> None:
                "tokens": int(r.lengths.sum()), "speedup_vs_no_sd": base / med[name], "vs_best_fixed": vs_best,
                "spec_time_frac": r.stats.get("spec/time_frac", 0.0),
                "accept_len": r.stats.get("spec/accept_len_mean", float("nan")),
-               "identical_at_t0": identical.get(name)}
+               "identical_at_t0": identical.get(name),
+               "bucket_times_s": dict(zip(map(str, buckets), np.median(by_bucket[name], axis=0).tolist()))}
         if name in controllers:
             rec["tuner"] = controllers[name].tuner.summary()
             rec["arm_steps"] = {a: int((r.timeline["strategy"] == a).sum()) for a in set(r.timeline["strategy"])}
@@ -160,28 +175,46 @@ def main() -> None:
                      f"{100 * rec['spec_time_frac']:.0f}%", f"{rec['accept_len']:.2f}",
                      "-" if name not in identical else identical[name]])
     ad, adn = [n for n, *_ in policies if n in controllers]
+    # hindsight bound of any per-bucket tuner over the learned-drafter arms: fastest of no SD / always-arm per bucket
+    cands = ["no SD"] + [f"always {a.name}" for a in arms]
+    bucket_med = {n: np.median(by_bucket[n], axis=0) for n in cands}
+    oracle_decode, oracle_pick = per_bucket_oracle(bucket_med)
+    # decode time only (the buckets hold decode steps): add the median prefill + first-token time of the candidates
+    overhead = float(np.median([med[n] - bucket_med[n].sum() for n in cands]))
+    oracle = oracle_decode + overhead
     summary = {"adaptive_vs_no_sd": base / med[ad], "adaptive_vs_best_fixed": med[best_fixed["learned"]] / med[ad],
+               "oracle_s": oracle, "oracle_vs_no_sd": base / oracle,
+               "oracle_vs_best_fixed": med[best_fixed["learned"]] / oracle,
+               "oracle_pick": {f"{lo}+": p for lo, p in zip(buckets, oracle_pick) if p is not None},
+               "adaptive_vs_oracle": oracle / med[ad],
                "best_fixed": best_fixed, "ngram_adaptive_vs_no_sd": base / med[adn],
                "ngram_adaptive_vs_best_fixed": med[best_fixed["ngram"]] / med[adn],
                "goal_adaptive_vs_no_sd_1.8x": base / med[ad] >= 1.8,
                "goal_adaptive_vs_best_fixed_1.1x": med[best_fixed["learned"]] / med[ad] >= 1.1,
                "all_identical_at_t0": all(identical.values()) if identical else None}
+    rows.append(["per-bucket oracle (hindsight bound)", "learned", oracle, base / oracle,
+                 f"{med[best_fixed['learned']] / oracle:.2f}x", "-", "-", "-"])
     header = ["policy", "drafter", "rollout s", "vs no SD", "vs best fixed", "time in SD", "accept len",
               "identical at T=0"]
     r0 = results["no SD"]
     table = (f"Long-tail rollout: {args.prompts} prompts x {args.group} samples, temperature {args.temperature}, "
              f"max {args.max_new} new tokens, {args.dtype} on {device}; {int(r0.lengths.sum()):,} tokens, response "
              f"length median {int(np.median(r0.lengths.numpy()))} / max {int(r0.lengths.max())}; median of "
-             f"{args.repeats}; adaptive policies tuned on one earlier rollout of other prompts; cost model measured "
-             f"in {cost_s:.1f} s\n\n" + markdown_table(header, rows)
+             f"{args.repeats}; adaptive policies tuned on {args.tune_rollouts} earlier rollouts of other prompts; "
+             f"cost model measured in {cost_s:.1f} s\n\n" + markdown_table(header, rows)
              + f"\n\nAdaptive vs no SD: **{summary['adaptive_vs_no_sd']:.2f}x**; vs best fixed "
                f"({best_fixed['learned']}): **{summary['adaptive_vs_best_fixed']:.2f}x**. n-gram only: adaptive vs "
                f"no SD {summary['ngram_adaptive_vs_no_sd']:.2f}x, vs best fixed n-gram ({best_fixed['ngram']}) "
-               f"{summary['ngram_adaptive_vs_best_fixed']:.2f}x.")
+               f"{summary['ngram_adaptive_vs_best_fixed']:.2f}x. Per-bucket oracle (the fastest of no SD and each "
+               f"always-strategy in every tuner bucket, in hindsight): {summary['oracle_vs_no_sd']:.2f}x over no SD, "
+               f"{summary['oracle_vs_best_fixed']:.2f}x over the best fixed policy; adaptive reaches "
+               f"{summary['adaptive_vs_oracle']:.2f}x of it. Oracle's pick by bucket: "
+               + ", ".join(f"{k}: {v.removeprefix('always ')}" for k, v in summary["oracle_pick"].items()) + ".")
     payload = {"bench": "long_tail_rollout", "machine": machine_info(device), "settings": vars(args),
                "threshold": threshold, "cost_model": costs.to_dict(), "cost_model_s": cost_s,
                "tuning_rollout_s": tuned, "results": out, "summary": summary}
-    write_results(f"long_tail_rollout-{device.split(':')[0]}-{args.dtype}", payload, table, args.out)
+    shape = "" if (args.prompts, args.group) == (64, 8) else f"-{args.prompts}x{args.group}"
+    write_results(f"long_tail_rollout-{device.split(':')[0]}-{args.dtype}{shape}", payload, table, args.out)
 
 
 if __name__ == "__main__":

@@ -203,6 +203,43 @@ def test_adaptive_rollout_is_token_identical_to_plain_at_temperature_zero():
     assert len(ctl.log["reward"]) > 0
 
 
+def test_reward_counts_only_rows_that_keep_running():
+    ctl = AdaptiveController(AdaptiveConfig(threshold=8, tuner=TunerConfig(arms=("chain-4",), buckets=(1,))))
+    arm = ctl.choose(0, 4)
+    ctl.observe(arm, 4, 15, 0.01, rows=3)       # 3 rows kept running with 5 tokens each; 1 ended
+    assert ctl.log["reward"] == [pytest.approx(5 * 4 / 0.01)]
+    ctl.choose(1, 1)
+    ctl.observe(arm, 1, 0, 0.01, rows=0)        # the last row ended: no evidence about the arm
+    assert len(ctl.log["reward"]) == 1
+
+
+def test_engine_reports_only_continuing_rows():
+    cfg = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      eos_token_ids=(2,), pad_token_id=0, max_position_embeddings=160)
+    torch.manual_seed(0)
+    target = Transformer(cfg, init_std=0.4).eval()
+    drafter = Drafter(DrafterConfig.from_target(cfg), init_std=0.3).eval().attach(target)
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def choose(self, step, active):
+            return SpecStrategy("chain", 3)
+
+        def observe(self, strategy, active, tokens, seconds, rows):
+            self.calls.append((active, tokens, rows))
+
+    rec = Recorder()
+    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=30), group_size=2),
+                        drafter=drafter)
+    res = eng.generate([[1, 5, 6], [1, 7], [1, 3, 4, 5, 6, 8, 9], [1, 10, 11, 12]], strategy=rec)
+    assert all(rows <= active and tokens <= 4 * rows for active, tokens, rows in rec.calls)
+    assert rec.calls[-1][2] == 0                         # the step that ended the last response
+    assert any(rows < active for active, _, rows in rec.calls[:-1])      # responses end at different steps
+    assert len(rec.calls) == len(res.timeline["step_time"])
+
+
 def test_off_can_be_an_arm_and_is_rewarded():
     ctl = AdaptiveController(AdaptiveConfig(threshold=8, tuner=TunerConfig(arms=("off", "ngram-4"), buckets=(1,),
                                                                            epsilon=0.0)))

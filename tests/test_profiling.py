@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from tltlib.profiling import (METRICS, active_over_time, empty_slot_fraction, length_stats, long_tail_report,
-                              rollout_stats, split_idle_fraction, tail_time_share)
+                              per_bucket_oracle, rollout_stats, split_idle_fraction, tail_time_share, time_by_bucket)
 
 
 def test_length_stats():
@@ -45,3 +45,20 @@ def test_empty_slots_and_report():
     rep = long_tail_report({"rollout/len_p50": 1.0}, [1, 1, 1, 9], 2, rewards=[1.0, 0.0, 0.5, 1.0])
     assert rep["sched/idle_frac"] == pytest.approx(1 - 5 / 9) and rep["rl/accuracy"] == 0.5
     assert rep["rl/reward_mean"] == 0.625 and set(rep) <= set(METRICS)
+
+
+def test_time_by_bucket():
+    # buckets [1, 2), [2, 5), [5, inf): steps at 8, 5, 4, 2, 1 running rows
+    out = time_by_bucket([1.0, 2.0, 3.0, 4.0, 5.0], [8, 5, 4, 2, 1], (1, 2, 5))
+    np.testing.assert_allclose(out, [5.0, 7.0, 3.0])
+    assert time_by_bucket([], [], (1, 9)).tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="strictly increasing"):
+        time_by_bucket([1.0], [1], (1, 1))
+
+
+def test_per_bucket_oracle_takes_the_fastest_policy_per_bucket():
+    total, pick = per_bucket_oracle({"a": [1.0, 5.0, 2.0, 0.0], "b": [3.0, 1.0, 2.5, 0.0]})
+    assert total == pytest.approx(1.0 + 1.0 + 2.0)
+    assert pick == ["a", "b", "a", None]                 # the last bucket was never visited
+    with pytest.raises(ValueError):
+        per_bucket_oracle({})

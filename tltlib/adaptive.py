@@ -6,9 +6,11 @@ bandit that picks the SD strategy (draft depth, top-k, tokens to verify, or the 
   (:mod:`tltlib.specdecode`). It is re-evaluated every step, so SD switches back off if rows grow again.
 * **BEG-MAB.** Batch sizes fall into buckets (``buckets`` = their lower bounds); each bucket has several arms. In a
   bucket an untried arm is played first (the cost-model prior orders them), then with probability ``epsilon`` a
-  random arm, otherwise the arm with the best median reward over its last ``window`` plays. Reward = emitted tokens
-  per second of the step, divided by plain decoding's tokens per second at that batch size (from the cost model),
-  i.e. the step's speedup; this makes samples from different batch sizes of one bucket comparable.
+  random arm, otherwise the arm with the best median reward over its last ``window`` plays. Reward = tokens per
+  second of the step, divided by plain decoding's tokens per second at that batch size (from the cost model), i.e.
+  the step's speedup; this makes samples from different batch sizes of one bucket comparable. Tokens are counted
+  per row over the rows that keep running: a response's last step emits only what was left of it, whatever the arm
+  (at one or two rows nearly every step is some response's last, which made every arm look equally slow there).
 * **Drafter changes.** When the learned drafter's weights change (``drafter.version`` moves) the windows of the arms
   that use it are cleared, so the tuner re-explores.
 * **Cost model.** :func:`measure_costs` times target forwards of B rows x T tokens and drafter forwards on the real
@@ -389,15 +391,20 @@ class AdaptiveController:
             self.resets += 1
         return self.tuner.select(active)
 
-    def observe(self, strategy: SpecStrategy, active: int, tokens: int, seconds: float) -> None:
-        """Reward of the step just finished (tokens emitted by ``active`` rows in ``seconds``)."""
-        if not self._tuned or seconds <= 0 or active < 1:
+    def observe(self, strategy: SpecStrategy, active: int, tokens: int, seconds: float,
+                rows: int | None = None) -> None:
+        """Reward of the step just finished: it ran ``active`` rows for ``seconds``, and the ``rows`` of them that
+        keep running (default: all) emitted ``tokens``. Rows that ended in the step are left out (their last step
+        emits only what was left of the response, whatever the arm); a step that ended every row is no evidence."""
+        rows = active if rows is None else rows
+        if not self._tuned or seconds <= 0 or rows < 1:
             return
+        per_row = tokens / rows
         if strategy.kind in ("chain", "ngram"):          # acceptance measured on chains feeds the prior
             family = "ngram" if strategy.kind == "ngram" else "learned"
-            a = alpha_from_accept_length(tokens / active, strategy.depth, tol=1e-4)
+            a = alpha_from_accept_length(per_row, strategy.depth, tol=1e-4)
             self.alpha[family] = a if family not in self.alpha else 0.9 * self.alpha[family] + 0.1 * a
-        rate = tokens / seconds
+        rate = per_row * active / seconds                 # tokens/s of the batch if every row yielded per_row
         reward = rate / self.costs.plain_rate(active) if self.costs is not None else rate
         self.tuner.update(active, strategy, reward)
         for k, v in (("active", active), ("arm", strategy.name), ("reward", reward), ("tokens_per_s", rate)):

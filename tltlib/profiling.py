@@ -52,7 +52,7 @@ METRICS: dict[str, str] = {
     "drafter/train_s": "drafter training wall time (s)",
     "adaptive/threshold": "SD switch threshold (running rows at or below which SD runs)",
     "adaptive/arms": "strategies the BEG-MAB tuner chooses among",
-    "adaptive/rollout_s": "wall time of the adaptive rollout (after one tuning rollout)",
+    "adaptive/rollout_s": "wall time of the adaptive rollout (after its tuning rollouts on other prompts)",
     "adaptive/speedup_vs_no_sd": "rollout time without SD / with the adaptive engine",
     "adaptive/speedup_vs_fixed": "rollout time with a fixed strategy / with the adaptive engine",
     "adaptive/explored_arms": "distinct strategies the adaptive rollout played",
@@ -90,6 +90,40 @@ def tail_time_share(step_time: Sequence[float], active: Sequence[int], total_row
     if t.size == 0 or t.sum() <= 0:
         return 0.0
     return float(t[a <= fraction * total_rows].sum() / t.sum())
+
+
+def time_by_bucket(step_time: Sequence[float], active: Sequence[int], bounds: Sequence[int]) -> np.ndarray:
+    """Decode time spent in each batch-size bucket: ``out[i]`` sums the steps with
+    ``bounds[i] <= active < bounds[i + 1]`` (the last bucket is open-ended).
+
+    Args:
+        step_time: ``[S]`` seconds of each decode step.
+        active: ``[S]`` rows still generating during each step.
+        bounds: ``[K]`` lower bounds of the buckets, strictly increasing (e.g. a tuner's ``buckets``).
+    Returns: ``[K]`` seconds."""
+    b = np.asarray(bounds)
+    if b.size == 0 or np.any(np.diff(b) <= 0):
+        raise ValueError(f"bucket bounds must be non-empty and strictly increasing, got {list(bounds)}")
+    t = np.asarray(step_time, dtype=np.float64)
+    idx = np.searchsorted(b, np.asarray(active), side="right") - 1
+    keep = idx >= 0                                    # steps below the first bound belong to no bucket
+    return np.bincount(idx[keep], weights=t[keep], minlength=b.size)
+
+
+def per_bucket_oracle(bucket_times: dict[str, Sequence[float]]) -> tuple[float, list[str | None]]:
+    """The hindsight bound of a per-bucket tuner: given each policy's decode time per bucket (``[K]`` each, from
+    :func:`time_by_bucket`), the total time if every bucket ran its fastest policy, and that policy per bucket
+    (None for a bucket no policy spent time in).
+
+    No tuner that picks one policy per batch-size bucket can beat this on the same workload (up to run-to-run
+    noise), so ``best fixed total / oracle total`` is the most an adaptive tuner could gain over the best fixed
+    policy."""
+    if not bucket_times:
+        raise ValueError("per_bucket_oracle needs at least one policy's bucket times")
+    names = list(bucket_times)
+    tab = np.array([np.asarray(bucket_times[n], dtype=np.float64) for n in names])
+    best = tab.argmin(0)
+    return float(tab.min(0).sum()), [names[i] if tab[:, k].max() > 0 else None for k, i in enumerate(best)]
 
 
 def split_idle_fraction(lengths: Sequence[int] | np.ndarray, workers: int) -> float:

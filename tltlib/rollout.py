@@ -188,9 +188,9 @@ class RolloutEngine:
             progress: show a tqdm bar of finished responses.
             strategy: speculative decoding per step: a :class:`SpecStrategy` (default off), a callable
                 ``(step, active_rows) -> SpecStrategy``, or a controller with ``choose(step, active_rows)`` and
-                optionally ``observe(strategy, active_rows, tokens, seconds)`` (the adaptive engine; ``tokens`` =
-                tokens the step produced for its running rows, counted before a response's EOS or budget cuts them,
-                so a row's last step does not look like a slow strategy).
+                optionally ``observe(strategy, active_rows, tokens, seconds, rows)`` (the adaptive engine;
+                ``tokens`` = tokens the step produced for the ``rows`` rows that keep running after it: a response's
+                last step emits only what was left of it, whatever the strategy, so it says nothing about the arm).
         """
         self._check_prompts(prompts)
         cfg, model = self.config, self.model
@@ -279,7 +279,6 @@ class RolloutEngine:
             n_out[seq] = n_gen
             done = alive & (hit_eos | (n_gen >= budget[seq]))
             n_alive_before = int(alive.sum())
-            produced = out.count * alive          # tokens the step made per running row, before EOS / budget cuts
             n_done = int(done.sum())
             if n_done:
                 lengths[seq[done]] = n_gen[done]
@@ -300,8 +299,9 @@ class RolloutEngine:
                                  ("accepted", acc), ("drafted", out.drafted * n_alive_before),
                                  ("draft_s", out.draft_s), ("verify_s", out.verify_s), ("accept_hist", hist)):
                     tl[key].append(val)
-                if hasattr(source, "observe"):
-                    source.observe(st, n_alive_before, int(produced.sum()), t_now - t_prev)
+                if hasattr(source, "observe"):                 # alive: the rows that keep running
+                    source.observe(st, n_alive_before, int((out.count * alive).sum()), t_now - t_prev,
+                                   n_alive_before - n_done)
             t_prev = t_now
             n_alive = n_alive_before - n_done
             if n_alive == 0:

@@ -105,7 +105,7 @@ class SpecDecoder:
         flush_at: pending pairs per row above which they are fed to the drafter while SD is off.
     """
 
-    def __init__(self, target, drafter, sampling: SamplingConfig, rows: int, max_len: int, max_emit: int = 72,
+    def __init__(self, target, drafter, sampling: SamplingConfig, rows: int, max_len: int, max_emit: int,
                  flush_at: int = 32):
         if flush_at < 2:
             raise ValueError(f"flush_at must be >= 2 (a flush keeps each row's last pair pending), got {flush_at}")
