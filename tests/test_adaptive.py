@@ -46,6 +46,21 @@ def test_untried_arms_first_in_prior_order():
     assert order == ["chain-6", "tree-4x2-8", "ngram-4", "chain-2"]
 
 
+def test_under_tried_arms_are_played_round_robin_until_min_samples():
+    prior = {"chain-2": 0.5, "chain-6": 3.0, "tree-4x2-8": 2.0, "ngram-4": 1.0}
+    bandit = BEGMAB(TunerConfig(arms=ARMS, buckets=(1,), prune=0.0, epsilon=0.0, min_samples=3),
+                    prior=lambda a, b: prior[a.name])
+    order = []
+    for _ in range(12):
+        arm = bandit.select(1)
+        order.append(arm.name)
+        bandit.update(1, arm, 5.0 if arm.name == "chain-2" else 1.0)   # the arm the prior ranks last is best
+    assert order == ["chain-6", "tree-4x2-8", "ngram-4", "chain-2"] * 3
+    assert bandit.select(1).name == "chain-2"
+    with pytest.raises(ValueError, match="min_samples"):
+        TunerConfig(min_samples=0)
+
+
 def test_bandit_re_explores_after_a_reset_and_tracks_a_change():
     bandit = BEGMAB(TunerConfig(arms=ARMS, buckets=(1,), epsilon=0.1, window=20, seed=2))
     rng = np.random.default_rng(1)
@@ -85,11 +100,11 @@ def test_prior_prunes_hopeless_arms_until_measurements_say_otherwise():
 
 
 def test_epsilon_zero_never_explores_and_one_always_does():
-    bandit = BEGMAB(TunerConfig(arms=ARMS, buckets=(1,), epsilon=0.0))
+    bandit = BEGMAB(TunerConfig(arms=ARMS, buckets=(1,), epsilon=0.0, min_samples=1))
     for a in bandit.bucket_arms[0]:
         bandit.update(1, a, 2.0 if a.name == "ngram-4" else 1.0)
     assert {bandit.select(1).name for _ in range(50)} == {"ngram-4"}
-    bandit = BEGMAB(TunerConfig(arms=ARMS, buckets=(1,), epsilon=1.0, seed=3))
+    bandit = BEGMAB(TunerConfig(arms=ARMS, buckets=(1,), epsilon=1.0, seed=3, min_samples=1))
     for a in bandit.bucket_arms[0]:
         bandit.update(1, a, 2.0 if a.name == "ngram-4" else 1.0)
     assert len({bandit.select(1).name for _ in range(200)}) == 4
@@ -243,7 +258,7 @@ def test_engine_reports_only_continuing_rows():
 def test_off_can_be_an_arm_and_is_rewarded():
     ctl = AdaptiveController(AdaptiveConfig(threshold=8, tuner=TunerConfig(arms=("off", "ngram-4"), buckets=(1,),
                                                                            epsilon=0.0)))
-    for _ in range(2):
+    for _ in range(6):                                         # min_samples (3) rewards for each arm
         arm = ctl.choose(0, 4)
         ctl.observe(arm, 4, 8 if arm.enabled else 4, 0.01)     # n-gram emits 2 tokens per row here, plain 1
     assert set(ctl.log["arm"]) == {"off", "ngram-4"}

@@ -5,8 +5,9 @@ bandit that picks the SD strategy (draft depth, top-k, tokens to verify, or the 
   is plain. Switching on costs no re-prefill: the drafter's pending pairs catch up from the target's hidden states
   (:mod:`tltlib.specdecode`). It is re-evaluated every step, so SD switches back off if rows grow again.
 * **BEG-MAB.** Batch sizes fall into buckets (``buckets`` = their lower bounds); each bucket has several arms. In a
-  bucket an untried arm is played first (the cost-model prior orders them), then with probability ``epsilon`` a
-  random arm, otherwise the arm with the best median reward over its last ``window`` plays. Reward = tokens per
+  bucket an arm with fewer than ``min_samples`` rewards is played first (fewest first, the cost-model prior breaks
+  ties), then with probability ``epsilon`` a random arm, otherwise the arm with the best median reward over its last
+  ``window`` plays. Reward = tokens per
   second of the step, divided by plain decoding's tokens per second at that batch size (from the cost model), i.e.
   the step's speedup; this makes samples from different batch sizes of one bucket comparable. Tokens are counted
   per row over the rows that keep running: a response's last step emits only what was left of it, whatever the arm
@@ -24,7 +25,9 @@ Paper: TLT §5.2 (Algorithm 1, BEG-MAB; thresholds [1, 2, 5, 21], epsilon 0.1, w
 H100). Reference: SGLang fork ``eagle_mab.py`` / ``scheduler.py``.
 
 Departures:
-1. Every bucket holds several arms (the reference maps one arm per bucket, so it never explores).
+1. Every bucket holds several arms (the reference maps one arm per bucket, so it never explores), and an arm's
+   median is trusted only from ``min_samples`` rewards on (one reward is too noisy: an unlucky first step kept
+   good arms unplayed for whole rollouts).
 2. The reward is normalised by the plain rate at the step's batch size (the reference uses raw tokens per second,
    which favours whichever arm happened to run at the larger batch inside a bucket).
 3. The switch is two-way and needs no re-prefill (the reference latches SD on after 10 small batches and
@@ -66,8 +69,9 @@ class TunerConfig:
     arms: tuple = DEFAULT_ARMS
     """Strategies (names like ``chain-4``, ``tree-8x4-32``, ``ngram-4``, ``off``, or SpecStrategy) in every
     bucket, unless ``bucket_arms`` says otherwise."""
-    buckets: tuple[int, ...] = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257)
-    """Lower batch-size bound of each bucket, strictly increasing from 1."""
+    buckets: tuple[int, ...] = (1, 2, 5, 17, 65, 257)
+    """Lower batch-size bound of each bucket, strictly increasing from 1 (the paper's [1, 2, 5, 21], widened to 512
+    rows: rewards are normalised per batch size, and fewer buckets x arms means each window fills faster)."""
     bucket_arms: tuple | None = None
     """Per bucket, the arms it may play (a tuple of arm tuples, one per bucket); None = ``arms`` everywhere."""
     max_verify_rows: int = 0
@@ -76,6 +80,9 @@ class TunerConfig:
     """Probability of playing a random arm instead of the best one."""
     window: int = 50
     """Rewards per arm and bucket the median is taken over (the paper's code uses 300 over many rollouts)."""
+    min_samples: int = 3
+    """Rewards an arm needs in a bucket before its median is trusted; arms with fewer are played first (fewest
+    first, then in the prior's order). 1 = the paper's "untried arms first"."""
     prune: float = 0.5
     """With a prior: arms predicted below this fraction of the best predicted arm at the batch size are neither tried
     nor explored (re-evaluated at every choice, so measured acceptance can bring them back); 0 = explore all."""
@@ -95,6 +102,8 @@ class TunerConfig:
             raise ValueError(f"epsilon must be in [0, 1], got {self.epsilon}")
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
+        if not 1 <= self.min_samples <= self.window:
+            raise ValueError(f"min_samples must be in [1, window={self.window}], got {self.min_samples}")
         if not 0.0 <= self.prune <= 1.0:
             raise ValueError(f"prune must be in [0, 1], got {self.prune}")
         if self.bucket_arms is not None:
@@ -160,12 +169,15 @@ class BEGMAB:
         return tuple(a for a in arms if pred[a] >= cut or self.windows[b][a])
 
     def select(self, batch: int) -> SpecStrategy:
-        """The arm to play at ``batch`` rows: untried first (prior order), else epsilon-greedy on the median."""
+        """The arm to play at ``batch`` rows: under-tried first (fewest rewards, then prior order), else
+        epsilon-greedy on the median."""
         b = self.bucket(batch)
         arms = self.candidates(batch)
-        untried = [a for a in arms if not self.windows[b][a]]
-        if untried:
-            arm = max(untried, key=lambda a: self.prior(a, batch)) if self.prior else untried[0]
+        seen = {a: len(self.windows[b][a]) for a in arms}
+        fewest = min(seen.values())
+        if fewest < self.config.min_samples:
+            under = [a for a in arms if seen[a] == fewest]
+            arm = max(under, key=lambda a: self.prior(a, batch)) if self.prior else under[0]
         elif len(arms) > 1 and self.rng.random() < self.config.epsilon:
             arm = arms[int(self.rng.integers(len(arms)))]
         else:
