@@ -1,0 +1,70 @@
+"""The notebooks' figures draw what their data says (checked on the artists, not on pixels)."""
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from tltlib import plots  # noqa: E402
+from tltlib.adaptive import CostModel  # noqa: E402
+from tltlib.speculative import SpecStrategy  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _close():
+    yield
+    plt.close("all")
+
+
+def test_arm_rewards_bars_are_medians_per_arm_and_bucket():
+    log = {"active": [1, 1, 1, 3, 3, 40], "arm": ["a", "a", "b", "a", "b", "b"],
+           "reward": [1.0, 3.0, 2.0, 5.0, 4.0, 7.0]}
+    fig = plots.arm_rewards(log, (1, 2, 17))
+    ax = fig.axes[0]
+    bars = ax.patches                      # arm "a" over the three used buckets, then arm "b"
+    heights = [b.get_height() for b in bars]
+    np.testing.assert_allclose(heights[:2], [2.0, 5.0])                 # a: median(1, 3), 5
+    assert np.isnan(heights[2])                                           # a never ran at 17+
+    np.testing.assert_allclose(heights[3:], [2.0, 4.0, 7.0])
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1-1", "2-16", "17+"]
+
+
+def test_policy_times_labels_speedups_over_the_first_policy():
+    fig = plots.policy_times({"no SD": 10.0, "always chain-8": 5.0, "adaptive": 4.0})
+    texts = [t.get_text().strip() for t in fig.axes[0].texts]
+    assert texts == ["1.00x", "2.00x", "2.50x"]
+
+
+def test_length_plots_mark_percentiles_and_end_the_cdf_at_one():
+    lengths = [10] * 98 + [100, 400]
+    ax = plots.length_histogram(lengths).axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["p50 = 10", f"p99 = {np.percentile(lengths, 99):.0f}"]
+    line = plots.length_cdf(lengths).axes[0].lines[0]
+    assert line.get_ydata()[-1] == 1.0 and line.get_xdata()[-1] == 400
+
+
+def test_worker_timeline_title_reports_idle_share():
+    fig = plots.worker_timeline([1, 1, 1, 9], 2)          # busy 1 and 9 steps of 9 -> 44% idle
+    assert fig.axes[0].get_title().startswith("2 workers: 44% of worker-time idle")
+
+
+def test_adaptive_timeline_colours_each_strategy_and_draws_the_threshold():
+    tl = {"time": [0.1, 0.2, 0.3, 0.4], "active": [64, 40, 8, 2], "step_time": [0.1] * 4,
+          "strategy": ["off", "off", "chain-4", "chain-8"]}
+    ax = plots.adaptive_timeline(tl, 32).axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert {"off", "chain-4", "chain-8", "threshold = 32", "SD on"} <= set(labels)
+
+
+def test_predicted_speedups_plots_one_curve_per_arm():
+    cm = CostModel(np.array([1.0, 64.0]), np.array([1.0, 9.0]), np.array([[1.0, 1.1], [2.0, 16.0]]),
+                   np.array([1.0]), np.array([[0.1], [0.2]]))
+    arms = [SpecStrategy("chain", 2), SpecStrategy("chain", 8)]
+    ax = plots.predicted_speedups(cm, arms, 0.9, batches=[1, 8, 64]).axes[0]
+    curves = [l for l in ax.lines if len(l.get_xdata()) == 3]
+    assert len(curves) == 2
+    np.testing.assert_allclose(curves[1].get_ydata(), [cm.predict(arms[1], b, 0.9) for b in (1, 8, 64)])
