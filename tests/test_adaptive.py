@@ -196,12 +196,18 @@ def test_measure_costs_on_a_small_model():
 
 
 # ------------------------------------------------------------------------------------------ in the engine
-def test_adaptive_rollout_is_token_identical_to_plain_at_temperature_zero():
+@pytest.fixture(scope="module")
+def small_pair():
+    """A small random target and a random (poor) drafter attached to it."""
     cfg = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                       eos_token_ids=(2,), pad_token_id=0, max_position_embeddings=160)
     torch.manual_seed(0)
     target = Transformer(cfg, init_std=0.4).eval()
-    drafter = Drafter(DrafterConfig.from_target(cfg), init_std=0.3).eval().attach(target)
+    return target, Drafter(DrafterConfig.from_target(cfg), init_std=0.3).eval().attach(target)
+
+
+def test_adaptive_rollout_is_token_identical_to_plain_at_temperature_zero(small_pair):
+    target, drafter = small_pair
     prompts = [[1, 5, 6], [1, 7], [1, 3, 4, 5, 6, 8, 9], [1, 10, 11, 12], [1, 13], [1, 4, 4]]
     eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=48), group_size=3),
                         drafter=drafter)
@@ -228,12 +234,8 @@ def test_reward_counts_only_rows_that_keep_running():
     assert len(ctl.log["reward"]) == 1
 
 
-def test_engine_reports_only_continuing_rows():
-    cfg = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                      eos_token_ids=(2,), pad_token_id=0, max_position_embeddings=160)
-    torch.manual_seed(0)
-    target = Transformer(cfg, init_std=0.4).eval()
-    drafter = Drafter(DrafterConfig.from_target(cfg), init_std=0.3).eval().attach(target)
+def test_engine_reports_only_continuing_rows(small_pair):
+    target, drafter = small_pair
 
     class Recorder:
         def __init__(self):
