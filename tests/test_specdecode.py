@@ -59,14 +59,19 @@ def test_greedy_sd_is_token_identical_to_plain(target, drafter, strategy):
     assert spec.stats["spec/steps"] > 0 and spec.stats["spec/accept_len_mean"] >= 1
 
 
-def test_greedy_identity_with_a_drafter_that_is_often_right(target):
-    """A 'drafter' that copies the target (its layer = the target's last layer) gets long accepts; still exact."""
+@pytest.fixture(scope="module")
+def good(target):
+    """A 'drafter' that copies the target (its layer = the target's last layer): usually right, long accepts."""
     torch.manual_seed(3)
-    good = Drafter(DrafterConfig.from_target(target.config), init_std=0.0).attach(target)
+    d = Drafter(DrafterConfig.from_target(target.config), init_std=0.0).attach(target)
     with torch.no_grad():
-        good.fc.weight.zero_()
-        good.fc.weight[:, CFG.hidden_size:] = torch.eye(CFG.hidden_size)     # pass the target feature through
-        good.layer.load_state_dict(target.layers[-1].state_dict(), strict=False)
+        d.fc.weight.zero_()
+        d.fc.weight[:, CFG.hidden_size:] = torch.eye(CFG.hidden_size)     # pass the target feature through
+        d.layer.load_state_dict(target.layers[-1].state_dict(), strict=False)
+    return d
+
+
+def test_greedy_identity_with_a_drafter_that_is_often_right(target, good):
     eng = _engine(target, good, temperature=0, max_new_tokens=60, group_size=1)
     plain = eng.generate(PROMPTS)
     for st in (SpecStrategy("chain", 5), SpecStrategy("tree", 5, 3, 12)):
@@ -98,20 +103,14 @@ def test_sd_switches_on_right_after_a_pending_flush(target, drafter, plain_steps
     assert torch.equal(plain.tokens, late.tokens)
 
 
-def test_chain_deeper_than_the_flush_size_is_exact(target):
+def test_chain_deeper_than_the_flush_size_is_exact(target, good):
     """A fully accepted chain of depth >= flush_at pushes more pairs than the flush size in one step."""
-    torch.manual_seed(3)
-    good = Drafter(DrafterConfig.from_target(target.config), init_std=0.0).attach(target)
-    with torch.no_grad():                                    # a drafter that is usually right: long accepts
-        good.fc.weight.zero_()
-        good.fc.weight[:, CFG.hidden_size:] = torch.eye(CFG.hidden_size)
-        good.layer.load_state_dict(target.layers[-1].state_dict(), strict=False)
     eng = _engine(target, good, temperature=0, max_new_tokens=120, ignore_eos=True)
     plain = eng.generate(PROMPTS)
-    for st in (SpecStrategy("chain", 40), [SpecStrategy("chain", 40), S.OFF, SpecStrategy("chain", 2)]):
-        pick = st if isinstance(st, SpecStrategy) else (lambda step, active, st=st: st[step % 3])
-        spec = eng.generate(PROMPTS, strategy=pick)
-        assert torch.equal(plain.tokens, spec.tokens)
+    deep = SpecStrategy("chain", 40)
+    rotation = (deep, S.OFF, SpecStrategy("chain", 2))               # deep, then plain, then shallow, ...
+    for pick in (deep, lambda step, active: rotation[step % 3]):
+        assert torch.equal(plain.tokens, eng.generate(PROMPTS, strategy=pick).tokens)
 
 
 def test_keep_hidden_matches_plain(target, drafter):

@@ -7,11 +7,11 @@ bandit that picks the SD strategy (draft depth, top-k, tokens to verify, or the 
 * **BEG-MAB.** Batch sizes fall into buckets (``buckets`` = their lower bounds); each bucket has several arms. In a
   bucket an arm with fewer than ``min_samples`` rewards is played first (fewest first, the cost-model prior breaks
   ties), then with probability ``epsilon`` a random arm, otherwise the arm with the best median reward over its last
-  ``window`` plays. Reward = tokens per
-  second of the step, divided by plain decoding's tokens per second at that batch size (from the cost model), i.e.
-  the step's speedup; this makes samples from different batch sizes of one bucket comparable. Tokens are counted
-  per row over the rows that keep running: a response's last step emits only what was left of it, whatever the arm
-  (at one or two rows nearly every step is some response's last, which made every arm look equally slow there).
+  ``window`` plays. Reward = tokens per second of the step, divided by plain decoding's tokens per second at that
+  batch size (from the cost model), i.e. the step's speedup; this makes samples from different batch sizes of one
+  bucket comparable. Tokens are counted per row over the rows that keep running: a response's last step emits only
+  what was left of it, whatever the arm (at one or two rows nearly every step is some response's last, which made
+  every arm look equally slow there).
 * **Drafter changes.** When the learned drafter's weights change (``drafter.version`` moves) the windows of the arms
   that use it are cleared, so the tuner re-explores.
 * **Cost model.** :func:`measure_costs` times target forwards of B rows x T tokens and drafter forwards on the real
