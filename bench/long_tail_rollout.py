@@ -58,7 +58,7 @@ def main() -> None:
 
     from tltlib.adaptive import AdaptiveConfig, AdaptiveController, TunerConfig, default_threshold, measure_costs
     from tltlib.drafter import load_drafter
-    from tltlib.model import load_model
+    from tltlib.checkpoint import load_model
     from tltlib.notebook import pick_device, resolve
     from tltlib.profiling import per_bucket_oracle, time_by_bucket
     from tltlib.rollout import RolloutConfig, RolloutEngine

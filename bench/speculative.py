@@ -51,7 +51,7 @@ def main() -> None:
     import torch
 
     from tltlib.drafter import load_drafter
-    from tltlib.model import load_model
+    from tltlib.checkpoint import load_model
     from tltlib.notebook import pick_device, resolve
     from tltlib.rollout import RolloutConfig, RolloutEngine
     from tltlib.sampling import SamplingConfig

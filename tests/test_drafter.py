@@ -111,12 +111,31 @@ def test_missing_or_corrupt_drafter_files(pair, tmp_path):
         load_drafter(tmp_path / "none", target)
     save_drafter(drafter, tmp_path / "d")
     (tmp_path / "d" / "drafter.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(ValueError, match="drafter.safetensors is corrupt"):
+    with pytest.raises(ValueError, match="d/drafter.safetensors is not a readable safetensors file.*save it again"):
         load_drafter(tmp_path / "d", target)
     save_drafter(drafter, tmp_path / "e")
     (tmp_path / "e" / "drafter_config.json").write_text("{ broken")
-    with pytest.raises(ValueError, match="drafter_config.json is corrupt"):
+    with pytest.raises(ValueError, match="drafter_config.json is not valid JSON .* line 1 column 3.*retrain"):
         load_drafter(tmp_path / "e", target)
+
+
+def test_non_finite_or_extra_drafter_tensors_are_refused_at_load(pair, tmp_path):
+    from safetensors.torch import load_file, save_file
+    target, drafter = pair
+    path = save_drafter(drafter, tmp_path / "d")
+    state = load_file(path / "drafter.safetensors")
+    bad = dict(state)
+    bad["layer.mlp.down.weight"] = bad["layer.mlp.down.weight"].clone()
+    bad["layer.mlp.down.weight"][0, 0] = float("nan")
+    save_file(bad, str(path / "drafter.safetensors"))
+    with pytest.raises(ValueError, match="tensor layer.mlp.down.weight holds 1 non-finite values"):
+        load_drafter(path, target)
+    save_file({**state, "layer.extra": torch.zeros(2)}, str(path / "drafter.safetensors"))
+    with pytest.raises(ValueError, match="holds 1 tensors the config does not use \\(layer.extra\\)"):
+        load_drafter(path, target)
+    save_file({**state, "fc.weight": state["fc.weight"][:, :3].contiguous()}, str(path / "drafter.safetensors"))
+    with pytest.raises(ValueError, match="fc.weight is \\[.*\\], expected"):
+        load_drafter(path, target)
 
 
 def test_unattached_drafter_says_how_to_fix():

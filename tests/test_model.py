@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from tltlib.model import ModelConfig, Transformer, load_config, load_model, preset, save_model
+from tltlib.checkpoint import load_config, load_model, save_model
+from tltlib.model import ModelConfig, Transformer, preset
 
 
 def _tokens(vocab=97, rows=3, length=40, seed=1):
@@ -142,3 +143,119 @@ def test_config_errors_and_presets():
         preset("nope")
     assert preset("qwen2.5-7b").num_parameters == pytest.approx(7.6e9, rel=0.02)
     assert preset("llama-3.3-70b").num_parameters == pytest.approx(70.6e9, rel=0.02)
+
+
+# ------------------------------------------------------------------ strict loading: nothing silently different
+TINY = "data/tiny-reasoner"
+
+
+def _copy_checkpoint(tmp_path, edit=None, tensors=None):
+    """A copy of the shipped tiny reasoner with config.json edited by ``edit(dict)`` and/or tensors replaced."""
+    import shutil
+    from pathlib import Path
+    from safetensors.torch import load_file, save_file
+    src = Path(__file__).resolve().parent.parent / TINY
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    if edit:
+        cfg = json.loads((dst / "config.json").read_text())
+        edit(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if tensors:
+        state = load_file(dst / "model.safetensors")
+        tensors(state)
+        save_file(state, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("act", ["gelu", "relu", "gelu_pytorch_tanh"])
+def test_unsupported_activation_is_refused(hf_checkpoint, tmp_path, act):
+    _, path = hf_checkpoint
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["hidden_act"] = act
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=f"config.json: hidden_act '{act}' is not implemented"):
+        load_config(tmp_path)
+
+
+def test_swish_is_silu_and_loads(hf_checkpoint, tmp_path):
+    _, path = hf_checkpoint
+    cfg = json.loads((path / "config.json").read_text())
+    assert load_config(path).architecture in ("llama", "qwen2")
+    cfg["hidden_act"] = "swish"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    load_config(tmp_path)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("quantization_config", {"quant_method": "gptq"}, "quantised \\(gptq\\)"),
+    ("architectures", ["LlamaForSequenceClassification"], "not a causal LM"),
+    ("layer_types", ["full_attention", "sliding_attention"], "only full attention"),
+])
+def test_config_fields_that_change_the_maths_are_refused(tmp_path, field, value, match):
+    path = _copy_checkpoint(tmp_path, lambda c: c.update({field: value}))
+    with pytest.raises(ValueError, match=match):
+        load_model(path)
+
+
+def test_fewer_layers_in_config_than_in_weights_is_refused(tmp_path):
+    path = _copy_checkpoint(tmp_path, lambda c: c.update(num_hidden_layers=6))
+    with pytest.raises(ValueError, match="holds 18 tensors the config does not use.*"
+                                         "The weights hold 8 layers but config.json's num_hidden_layers is 6"):
+        load_model(path)
+
+
+def test_more_layers_in_config_than_in_weights_is_refused(tmp_path):
+    path = _copy_checkpoint(tmp_path, lambda c: c.update(num_hidden_layers=9))
+    with pytest.raises(ValueError, match="lacks 9 tensors the config needs \\(model.layers.8"):
+        load_model(path)
+
+
+def test_missing_extra_and_misshapen_tensors_are_named(tmp_path):
+    path = _copy_checkpoint(tmp_path / "a", tensors=lambda s: s.pop("model.norm.weight"))
+    with pytest.raises(ValueError, match="lacks 1 tensors the config needs \\(model.norm.weight\\)"):
+        load_model(path)
+    path = _copy_checkpoint(tmp_path / "b", tensors=lambda s: s.update({"score.weight": torch.zeros(2, 192)}))
+    with pytest.raises(ValueError, match="1 tensors the config does not use \\(score.weight\\)"):
+        load_model(path)
+    path = _copy_checkpoint(tmp_path / "c", lambda c: c.update(intermediate_size=256))
+    with pytest.raises(ValueError, match="do not have the shape.*mlp.down_proj.weight is \\[192, 512\\], "
+                                         "expected \\[192, 256\\]"):
+        load_model(path)
+
+
+def test_stale_rotary_buffers_are_ignored_and_tied_head_checked(tmp_path):
+    def add(s):
+        s["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(16)
+        s["lm_head.weight"] = s["model.embed_tokens.weight"].clone()
+    ref = load_model(TINY)
+    got = load_model(_copy_checkpoint(tmp_path / "a", tensors=add))
+    assert torch.equal(got.head_weight, ref.head_weight)
+    path = _copy_checkpoint(tmp_path / "b", tensors=lambda s: s.update(
+        {"lm_head.weight": s["model.embed_tokens.weight"] + 1}))
+    with pytest.raises(ValueError, match="ties the LM head.*set tie_word_embeddings to false"):
+        load_model(path)
+
+
+def test_non_finite_weights_are_refused_at_load(tmp_path):
+    def poison(s):
+        s["model.layers.3.mlp.up_proj.weight"][5, 7] = float("nan")
+        s["model.layers.3.mlp.up_proj.weight"][0, 0] = float("inf")
+    path = _copy_checkpoint(tmp_path, tensors=poison)
+    with pytest.raises(ValueError, match="tensor model.layers.3.mlp.up_proj.weight holds 2 non-finite values"):
+        load_model(path)
+
+
+def test_broken_files_are_named(tmp_path):
+    path = _copy_checkpoint(tmp_path / "a")
+    (path / "config.json").write_text('{"model_type": "llama",\n  "hidden_size": 8,,\n}')
+    with pytest.raises(ValueError, match="ckpt/config.json is not valid JSON .*line 2 column 20"):
+        load_model(path)
+    path = _copy_checkpoint(tmp_path / "b")
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="ckpt/model.safetensors is not a readable safetensors file.*corrupt"):
+        load_model(path)
+    path = _copy_checkpoint(tmp_path / "c", lambda c: c.pop("hidden_size"))
+    with pytest.raises(ValueError, match="config.json lacks \\['hidden_size'\\]"):
+        load_model(path)

@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import chi2_pvalue
 
-from tltlib.model import ModelConfig, Transformer, save_model
+from tltlib.checkpoint import save_model
+from tltlib.model import ModelConfig, Transformer
 from tltlib.rollout import RolloutConfig, RolloutEngine
 from tltlib.sampling import SamplingConfig, probs_from_logits
 

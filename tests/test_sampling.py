@@ -61,3 +61,18 @@ def test_logprobs_are_under_the_sampling_distribution():
 def test_bad_sampling_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingConfig(**kwargs)
+
+
+def test_inverse_cdf_never_draws_outside_the_support():
+    from tltlib.sampling import inverse_cdf
+    q = torch.tensor([[0.0, 0.0, 0.3, 0.0, 0.7], [0.5, 0.0, 0.0, 0.5, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0]])
+    zero = torch.zeros(3, 1)
+    assert inverse_cdf(q, zero).tolist() == [2, 0, 1]              # u = 0: the first token with mass, not token 0
+    top = torch.full((3, 1), 1.0 - 2 ** -24)                       # the largest float torch.rand can return
+    assert inverse_cdf(q, top).tolist() == [4, 3, 1]               # never past the last token with mass
+    unnormalised = q * 3.0
+    assert inverse_cdf(unnormalised, zero).tolist() == [2, 0, 1]
+    assert inverse_cdf(unnormalised, top).tolist() == [4, 3, 1]
+    u = torch.rand(20000, 1, generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(inverse_cdf(q[:1].expand(20000, -1), u), minlength=5)
+    assert counts[[0, 1, 3]].sum() == 0 and abs(counts[2].item() / 20000 - 0.3) < 0.02

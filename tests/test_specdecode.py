@@ -193,7 +193,7 @@ def test_too_many_verify_tokens_for_the_cache(target, drafter):
 # ----------------------------------------------------------------------------------- the shipped models
 def test_shipped_drafter_is_lossless_and_accepts_long_runs():
     from tltlib.drafter import load_drafter
-    from tltlib.model import load_model
+    from tltlib.checkpoint import load_model
     from tltlib.notebook import ROOT
     from tltlib.tasks import ChainTaskConfig, encode_prompts, generate_problems
     from tltlib.tokenizer import load_tokenizer
@@ -210,3 +210,21 @@ def test_shipped_drafter_is_lossless_and_accepts_long_runs():
         spec = eng.generate(prompts, strategy=st)
         assert torch.equal(plain.tokens, spec.tokens), st.name
         assert spec.stats["spec/accept_len_mean"] > 4.0, st.name      # a trained drafter is usually right
+
+
+def test_chain_drafts_stay_in_the_drafters_support_when_the_uniform_is_zero(target, drafter, monkeypatch):
+    """torch.rand returns exactly 0.0 with probability 2^-24; a draft must still be a token q allows (top-k here)."""
+    from tltlib.specdecode import SpecDecoder
+    seen = []
+    real = SpecDecoder._draft_chain
+
+    def spy(self, depth, q_logits, feat, generator):
+        drafts, qs = real(self, depth, q_logits, feat, generator)
+        seen.append(qs.gather(-1, drafts[..., None])[..., 0])
+        return drafts, qs
+
+    monkeypatch.setattr(SpecDecoder, "_draft_chain", spy)
+    monkeypatch.setattr(torch, "rand", lambda *a, generator=None, device=None, **k: torch.zeros(*a, device=device))
+    eng = _engine(target, drafter, temperature=1.0, top_k=3, max_new_tokens=12)
+    eng.generate(PROMPTS, torch.Generator().manual_seed(0), strategy=SpecStrategy("chain", 4))
+    assert seen and all(bool((q > 0).all()) for q in seen)

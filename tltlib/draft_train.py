@@ -293,7 +293,7 @@ def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = Non
     from pathlib import Path
 
     from .drafter import Drafter, DrafterConfig, save_drafter
-    from .model import load_model
+    from .checkpoint import load_model
     from .speculative import SpecStrategy
     from .tasks import ChainTaskConfig, generate_problems
     from .tokenizer import load_tokenizer

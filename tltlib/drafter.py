@@ -31,9 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fileio import atomic_folder
+from .fileio import atomic_folder, read_json
 from .kvcache import KVCache
-from .model import DecoderLayer, ModelConfig, Transformer, _hf_names, rope_cos_sin, rope_inv_freq
+from .checkpoint import check_finite, check_tensors, hf_layer_names, read_safetensors, split_fused
+from .model import DecoderLayer, ModelConfig, Transformer, rope_cos_sin, rope_inv_freq
 
 CONFIG_FILE = "drafter_config.json"
 WEIGHTS_FILE = "drafter.safetensors"
@@ -165,38 +166,48 @@ def check_compatible(cfg: DrafterConfig, target: ModelConfig, source: str = "dra
 
 
 # ------------------------------------------------------------------------------------------------ files
-def save_drafter(drafter: Drafter, path: str | os.PathLike) -> Path:
-    """Write ``drafter_config.json`` + ``drafter.safetensors`` (own tensors only) into a folder, atomically."""
+def save_drafter(drafter: Drafter, path: str | os.PathLike, extra_files: dict[str, str] | None = None) -> Path:
+    """Write ``drafter_config.json`` + ``drafter.safetensors`` (own tensors only) into a folder, atomically.
+
+    ``extra_files`` maps file names to text written in the same atomic step (a card, a training log): the folder
+    is replaced as a whole, so new weights never sit beside an old card."""
     from safetensors.torch import save_file
     with atomic_folder(path) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(drafter.config.to_dict(), indent=1) + "\n")
         save_file({k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()},
                   str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
     return Path(path)
 
 
+def is_drafter_folder(path: str | os.PathLike) -> bool:
+    """True when ``path`` holds a drafter written by :func:`save_drafter`."""
+    return (Path(path) / CONFIG_FILE).is_file()
+
+
 def load_drafter(path: str | os.PathLike, target: Transformer) -> Drafter:
-    """Load a drafter saved by :func:`save_drafter` and attach it to ``target`` (its device and dtype)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    """Load a drafter saved by :func:`save_drafter` and attach it to ``target`` (its device and dtype).
+
+    Refused with the file named: a missing or corrupt file, a drafter of another target, a tensor missing, extra or
+    of the wrong shape, a non-finite value."""
     path = Path(path)
     cfg_file, w_file = path / CONFIG_FILE, path / WEIGHTS_FILE
     if not cfg_file.is_file() or not w_file.is_file():
         raise FileNotFoundError(f"no drafter in {str(path)!r}: expected {CONFIG_FILE} and {WEIGHTS_FILE} (train one "
                                 "with python -m tltlib train-drafter, or pass the folder it was saved to)")
+    d = read_json(cfg_file, "re-save or retrain the drafter")
     try:
-        cfg = DrafterConfig.from_dict(json.loads(cfg_file.read_text()), str(cfg_file))
-        state = load_file(str(w_file))
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{cfg_file} is corrupt ({e}); re-save or retrain the drafter") from None
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"{w_file} is corrupt ({e}); re-save or retrain the drafter") from None
+        cfg = DrafterConfig.from_dict(d, str(cfg_file))
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{cfg_file} is corrupt ({type(e).__name__}: {e}); re-save or retrain the drafter") from None
     check_compatible(cfg, target.config, source=f"drafter {path}")
+    state = read_safetensors([w_file])
     drafter = Drafter(cfg, init_std=0.0)
-    try:
-        drafter.load_state_dict(state, strict=True)
-    except RuntimeError as e:
-        raise ValueError(f"{w_file} does not fit its config ({str(e).splitlines()[0]}); re-save the drafter") from None
+    check_tensors({k: tuple(v.shape) for k, v in state.items()},
+                  {k: tuple(v.shape) for k, v in drafter.state_dict().items()}, str(w_file))
+    check_finite(state, str(w_file))
+    drafter.load_state_dict(state, strict=True)
     w = target.embed.weight
     return drafter.to(device=w.device, dtype=w.dtype).attach(target)
 
@@ -208,50 +219,40 @@ def vllm_eagle_tensors(drafter: Drafter, include_embedding: bool = True) -> dict
     cfg = drafter.config.target
     ours = dict(drafter.layer.state_dict())
     out = {"fc.weight": drafter.fc.weight.detach()}
-    for name, parts in _hf_names(cfg, 0).items():
-        if name.startswith("input_norm"):
-            continue
-        t = ours[name].detach()
-        if len(parts) == 1:
-            out[parts[0].removeprefix("model.")] = t
-        else:
-            sizes = ([cfg.num_heads * cfg.dim_head] + [cfg.num_kv_heads * cfg.dim_head] * 2 if ".qkv." in name
-                     else [cfg.intermediate_size] * 2)
-            out.update({p.removeprefix("model."): x for p, x in zip(parts, t.split(sizes, dim=0))})
+    for name, parts in hf_layer_names(cfg, 0).items():
+        if not name.startswith("input_norm"):
+            out.update({p.removeprefix("model."): x.detach() for p, x in zip(parts, split_fused(cfg, name, ours[name]))})
     if include_embedding:
         out["embed_tokens.weight"] = drafter.target.embed.weight.detach()
     return {k: v.cpu().contiguous() for k, v in out.items()}
 
 
 def export_vllm_eagle(drafter: Drafter, path: str | os.PathLike, include_embedding: bool = True) -> Path:
-    """Write a vLLM-loadable EAGLE checkpoint (``architectures: ["EagleLlamaForCausalLM"]``, one layer)."""
+    """Write a vLLM-loadable EAGLE checkpoint (``architectures: ["EagleLlamaForCausalLM"]``, one layer), atomically."""
     from safetensors.torch import save_file
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     hf = drafter.config.target.to_hf()
     hf.update(architectures=["EagleLlamaForCausalLM"], num_hidden_layers=1, model_type="llama",
               attention_bias=drafter.config.target.qkv_bias)
-    tmp_cfg, tmp_w = path / ".config.json.tmp", path / ".model.safetensors.tmp"
-    tmp_cfg.write_text(json.dumps(hf, indent=2) + "\n")
-    save_file(vllm_eagle_tensors(drafter, include_embedding), str(tmp_w), metadata={"format": "pt"})
-    tmp_cfg.replace(path / "config.json")
-    tmp_w.replace(path / "model.safetensors")
-    return path
+    with atomic_folder(path) as tmp:
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        save_file(vllm_eagle_tensors(drafter, include_embedding), str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+    return Path(path)
 
 
 def load_vllm_eagle(path: str | os.PathLike, target: Transformer) -> Drafter:
     """Read a checkpoint written by :func:`export_vllm_eagle` back into a :class:`Drafter`."""
-    from safetensors.torch import load_file
     path = Path(path)
-    hf = json.loads((path / "config.json").read_text())
+    hf = read_json(path / "config.json", "export the drafter again")
     if hf.get("architectures") != ["EagleLlamaForCausalLM"]:
         raise ValueError(f"{path}/config.json is not an EAGLE checkpoint (architectures {hf.get('architectures')})")
-    tensors = load_file(str(path / "model.safetensors"))
+    tensors = read_safetensors([path / "model.safetensors"])
+    check_finite(tensors, str(path / "model.safetensors"))
     drafter = Drafter(DrafterConfig.from_target(target.config), init_std=0.0)
     check_compatible(drafter.config, target.config)
     cfg = drafter.config.target
     state = {"fc.weight": tensors["fc.weight"]}
-    for name, parts in _hf_names(cfg, 0).items():
+    for name, parts in hf_layer_names(cfg, 0).items():
         if not name.startswith("input_norm"):
             state[f"layer.{name}"] = torch.cat([tensors[p.removeprefix("model.")] for p in parts], dim=0)
     drafter.load_state_dict(state, strict=True)

@@ -1,56 +1,142 @@
-"""Atomic file and folder writes: a reader never sees a half-written model, drafter, dataset or metrics file.
+"""Atomic file and folder writes, and JSON reads that name the file: a reader never sees a half-written model,
+drafter, dataset, run folder or metrics file, and a broken file is reported by its path.
+
+Every writer of a folder goes through :func:`atomic_folder`: the content is written into a hidden temporary folder
+beside the destination (``.NAME.PID.tmp-XXXX``) and renamed over it only when complete. Temporary folders left by a
+process that was killed (SIGKILL, power loss) are recognised by their dead PID and removed by the next writer of the
+same destination.
 
 Departures: none (tooling).
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
+def read_json(path: str | os.PathLike, fix: str = "fix or replace the file"):
+    """Parse a JSON file; a syntax error names the file, the line and column, and ``fix``."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); {fix}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not a UTF-8 text file; {fix}") from None
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike):
+    """Yield a temporary path beside ``path`` to write; on success it is renamed over ``path``, on error removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        yield Path(tmp)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
+    """Remove ``.NAME.PID.tmp-*`` folders beside ``path`` whose writer process is gone; returns what was removed."""
+    path = Path(path)
+    removed = []
+    if not path.parent.is_dir():
+        return removed
+    for d in path.parent.glob(f".{path.name}.*.tmp-*"):
+        pid = d.name[len(path.name) + 2:].split(".", 1)[0]
+        if d.is_dir() and pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
+def _replace_folder(src: Path, dest: Path) -> None:
+    """Move folder ``src`` to ``dest``, replacing what is there (the old one is renamed aside, then removed)."""
+    if dest.exists():
+        old = dest.with_name(f".{dest.name}.{os.getpid()}.tmp-old")
+        dest.rename(old)
+        src.rename(dest)
+        shutil.rmtree(old)
+    else:
+        src.rename(dest)
+
+
+def check_writable(path: str | os.PathLike, what: str = "output") -> Path:
+    """Fail now, not after the work, when ``path``'s folder cannot be created or written (a probe file is made)."""
+    path = Path(path)
+    parent = path.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise PermissionError(f"cannot write the {what} {str(path)!r}: {e.strerror or e} in {str(parent)!r}; "
+                              "choose a folder you can write to") from None
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"the {what} {str(path)!r} exists and is a file, not a folder; choose another path")
     return path
 
 
 @contextlib.contextmanager
-def atomic_folder(path: str | os.PathLike):
-    """Yield a temporary folder beside ``path``; on success it replaces ``path``, keeping files of the old folder
-    that were not rewritten (e.g. a tokenizer next to re-saved weights); on error nothing changes."""
+def atomic_folder(path: str | os.PathLike, keep_existing: bool | Callable[[Path], bool] = False,
+                  failed_to: str | os.PathLike | None = None):
+    """Yield a temporary folder beside ``path``; on success it replaces ``path`` as a whole.
+
+    Args:
+        path: the destination folder.
+        keep_existing: carry files of the old folder that were not rewritten into the new one: ``True`` for all,
+            or a predicate on the old file's path (e.g. keep a tokenizer beside re-saved weights). Default: the new
+            folder holds only what was written, so no file of an older run sits beside the new ones.
+        failed_to: on error, move the partial folder here (replacing an older one) instead of deleting it, so it
+            can be inspected; ``path`` is left untouched either way.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    remove_stale_temporaries(path)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.tmp-", dir=path.parent))
     try:
         yield tmp
-        if path.exists():
+        if keep_existing and path.is_dir():
             for f in path.iterdir():
-                if not (tmp / f.name).exists():
+                if not (tmp / f.name).exists() and (keep_existing is True or keep_existing(f)):
                     (shutil.copytree if f.is_dir() else shutil.copy2)(f, tmp / f.name)
         tmp.chmod(0o755)                                  # mkdtemp makes it private; these folders are shared
-        for f in tmp.iterdir():
+        for f in tmp.rglob("*"):
             if f.is_file():
                 f.chmod(0o644)
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(path)
+        _replace_folder(tmp, path)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if failed_to is not None and tmp.is_dir():
+            tmp.chmod(0o755)
+            _replace_folder(tmp, Path(failed_to))
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -21,17 +21,13 @@ Departures from transformers' implementation:
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fileio import atomic_folder
 from .kvcache import CacheStep, KVCache
 
 # CPU attention kernel choice (measured on the 2-core dev machine; numbers in gqa_attention's docstring): the
@@ -124,14 +120,41 @@ class ModelConfig:
     # ----------------------------------------------------------------------------------------- HF conversion
     @classmethod
     def from_hf(cls, d: dict, source: str = "config.json") -> "ModelConfig":
-        """Build from a transformers ``config.json`` dict (transformers 4.x and 5.x layouts)."""
+        """Build from a transformers ``config.json`` dict (transformers 4.x and 5.x layouts).
+
+        Everything that changes the maths and that this decoder does not implement is refused here, with the file
+        named, rather than run with different numerics: another activation, quantised weights, sliding-window or
+        other non-full attention layers, another model class."""
         kind = d.get("model_type")
         if kind not in SUPPORTED:
             raise ValueError(f"{source}: model_type {kind!r} (architectures {d.get('architectures')}) is not "
                              f"supported: {_SUPPORTED_MSG}. Convert the model or pick a supported one.")
+        arch = d.get("architectures")
+        if arch and SUPPORTED[kind] not in arch:
+            raise ValueError(f"{source}: architectures {arch} is not a causal LM of this family: tltlib loads "
+                             f"{SUPPORTED[kind]} checkpoints (a classification or reward head is not supported)")
+        act = d.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"{source}: hidden_act {act!r} is not implemented (tltlib's MLP is SwiGLU with SiLU, "
+                             "the activation of every Llama/Qwen2 checkpoint); running it with SiLU would give "
+                             "different logits, so it is refused")
+        if d.get("quantization_config"):
+            method = d["quantization_config"].get("quant_method", "?") if isinstance(
+                d["quantization_config"], dict) else "?"
+            raise ValueError(f"{source}: the checkpoint is quantised ({method}); tltlib loads full-precision "
+                             "weights: dequantise it with transformers and save it again (or use the "
+                             "unquantised checkpoint)")
         if kind == "qwen2" and d.get("use_sliding_window"):
             raise ValueError(f"{source}: Qwen2 sliding-window attention is not implemented; set "
                              "use_sliding_window to false (the Qwen2.5 checkpoints ship it false)")
+        other = sorted({t for t in d.get("layer_types") or () if t != "full_attention"})
+        if other and not (kind == "qwen2" and not d.get("use_sliding_window")):
+            raise ValueError(f"{source}: layer_types holds {other}; only full attention is implemented")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in d]
+        if missing:
+            raise ValueError(f"{source} lacks {missing}: is it a transformers config.json of a "
+                             "Llama/Qwen2-family model?")
         rope = dict(d.get("rope_parameters") or {})
         rope.update(d.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
@@ -141,16 +164,19 @@ class ModelConfig:
             rope = {}
         eos = d.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-                   intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
-                   num_heads=d["num_attention_heads"], num_kv_heads=d.get("num_key_value_heads") or
-                   d["num_attention_heads"], architecture=kind, head_dim=d.get("head_dim") or 0,
-                   rope_theta=float(theta), rope_scaling=tuple(sorted(rope.items())),
-                   rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-                   max_position_embeddings=d.get("max_position_embeddings", 2048),
-                   tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                   attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
-                   bos_token_id=d.get("bos_token_id"), eos_token_ids=eos, pad_token_id=d.get("pad_token_id"))
+        try:
+            return cls(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+                       intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
+                       num_heads=d["num_attention_heads"], num_kv_heads=d.get("num_key_value_heads") or
+                       d["num_attention_heads"], architecture=kind, head_dim=d.get("head_dim") or 0,
+                       rope_theta=float(theta), rope_scaling=tuple(sorted(rope.items())),
+                       rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                       max_position_embeddings=d.get("max_position_embeddings", 2048),
+                       tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                       attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
+                       bos_token_id=d.get("bos_token_id"), eos_token_ids=eos, pad_token_id=d.get("pad_token_id"))
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
 
     def to_hf(self) -> dict:
         """A transformers-loadable ``config.json`` dict."""
@@ -378,118 +404,6 @@ class Transformer(nn.Module):
         """A KV cache for ``rows`` sequences of at most ``max_len`` tokens, on this model's device and dtype."""
         w = self.embed.weight
         return KVCache.for_model(self.config, rows, max_len, dtype=w.dtype, device=w.device)
-
-
-# ------------------------------------------------------------------------------------------- HF checkpoints
-def _hf_names(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
-    """Our fused parameter name -> the HF names it concatenates (layer ``i``)."""
-    p = f"model.layers.{i}."
-    names = {"input_norm.weight": [p + "input_layernorm.weight"],
-             "attn.qkv.weight": [p + f"self_attn.{n}_proj.weight" for n in "qkv"],
-             "attn.o.weight": [p + "self_attn.o_proj.weight"],
-             "post_norm.weight": [p + "post_attention_layernorm.weight"],
-             "mlp.gate_up.weight": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
-             "mlp.down.weight": [p + "mlp.down_proj.weight"]}
-    if cfg.qkv_bias:
-        names["attn.qkv.bias"] = [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
-    if cfg.o_bias:
-        names["attn.o.bias"] = [p + "self_attn.o_proj.bias"]
-    if cfg.mlp_bias:
-        names["mlp.gate_up.bias"] = [p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]
-        names["mlp.down.bias"] = [p + "mlp.down_proj.bias"]
-    return names
-
-
-def hf_name_map(cfg: ModelConfig) -> dict[str, list[str]]:
-    """Every parameter of :class:`Transformer` -> the transformers tensor names it is made of."""
-    m = {"embed.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
-    if not cfg.tie_word_embeddings:
-        m["lm_head.weight"] = ["lm_head.weight"]
-    for i in range(cfg.num_layers):
-        m.update({f"layers.{i}.{k}": v for k, v in _hf_names(cfg, i).items()})
-    return m
-
-
-def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
-    """Split fused tensors back into transformers' names (contiguous copies, safe to save)."""
-    cfg, sd, out = model.config, model.state_dict(), {}
-    for ours, theirs in hf_name_map(cfg).items():
-        t = sd[ours]
-        if len(theirs) == 1:
-            out[theirs[0]] = t.contiguous()
-            continue
-        if ".qkv." in ours:
-            sizes = [cfg.num_heads * cfg.dim_head] + [cfg.num_kv_heads * cfg.dim_head] * 2
-        else:
-            sizes = [cfg.intermediate_size] * 2
-        out.update({n: part.contiguous() for n, part in zip(theirs, t.split(sizes, dim=0))})
-    return out
-
-
-def load_config(path: str | os.PathLike) -> ModelConfig:
-    """Read ``config.json`` of a local checkpoint folder (clear errors for a missing or unsupported one)."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint folder {str(path)!r} does not exist: pass a local folder holding "
-                                "config.json and *.safetensors (as written by transformers' save_pretrained)")
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"{cfg_file} is missing: the checkpoint folder needs transformers' config.json")
-    return ModelConfig.from_hf(json.loads(cfg_file.read_text()), source=str(cfg_file))
-
-
-def _read_safetensors(path: Path, names: set[str], device) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({weight_map[n] for n in names if n in weight_map})
-    elif (path / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{path} has no model.safetensors or model.safetensors.index.json: re-save the "
-                                "model with save_pretrained(..., safe_serialization=True)")
-    out = {}
-    for f in files:
-        with safe_open(str(path / f), framework="pt", device=str(device)) as fh:
-            out.update({n: fh.get_tensor(n) for n in fh.keys() if n in names})
-    return out
-
-
-def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> Transformer:
-    """Load a LlamaForCausalLM / Qwen2ForCausalLM checkpoint (single or sharded safetensors) from a local folder."""
-    path = Path(path)
-    cfg = load_config(path)
-    names = hf_name_map(cfg)
-    wanted = {n for parts in names.values() for n in parts}
-    tensors = _read_safetensors(path, wanted, device)
-    missing = sorted(wanted - tensors.keys())
-    if missing:
-        raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensors the config implies, e.g. {missing[:3]}; "
-                         "is config.json from the same model as the weights?")
-    with torch.device("meta"):
-        model = Transformer(cfg, init_std=0.0)
-    state = {ours: torch.cat([tensors[n] for n in theirs], dim=0).to(dtype) for ours, theirs in names.items()}
-    model.load_state_dict(state, assign=True, strict=True)
-    model.inv_freq = rope_inv_freq(cfg).to(device)
-    return model.eval()
-
-
-def save_model(model: Transformer, path: str | os.PathLike, extra_files: dict[str, str] | None = None) -> Path:
-    """Save in transformers' layout (config.json + model.safetensors), atomically: a temporary folder is renamed.
-
-    ``extra_files`` maps file names to text written beside (e.g. a model card)."""
-    from safetensors.torch import save_file
-    with atomic_folder(path) as tmp:
-        cfg = model.config.to_hf()
-        cfg["torch_dtype"] = str(model.embed.weight.dtype).removeprefix("torch.")
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        tensors = {k: v.detach().cpu() for k, v in to_hf_state_dict(model).items()}
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
-    return Path(path)
 
 
 PRESETS: dict[str, ModelConfig] = {

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .model import Transformer, preset, save_model
+from .checkpoint import save_model
+from .model import Transformer, preset
 from .profiling import length_stats
 from .rollout import RolloutConfig, RolloutEngine
 from .sampling import SamplingConfig
@@ -159,7 +160,7 @@ CARD = """# {name}
 
 A {params_m:.2f} M-parameter Llama-architecture model ({layers} layers, hidden {hidden}, {heads} heads /
 {kv_heads} KV heads, SwiGLU {inter}, tied embeddings, vocabulary {vocab}) trained by tltlib on the embedded chain
-task. It loads with `tltlib.model.load_model` and with `transformers.AutoModelForCausalLM.from_pretrained`.
+task. It loads with `tltlib.checkpoint.load_model` and with `transformers.AutoModelForCausalLM.from_pretrained`.
 
 ## How it was made
 `python -m tltlib train-reasoner --preset {preset} --steps {steps}` — SFT on freshly generated traces: {steps} AdamW steps of ~{tpb} tokens

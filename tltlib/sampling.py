@@ -67,6 +67,18 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Tokens ``[B]`` from ``probs [B, V]`` (rows need not sum to 1) and uniforms ``u [B, 1]`` in [0, 1).
+
+    Token i is drawn when ``cum[i-1] <= u * total < cum[i]`` (a right-side search), so a token of zero probability
+    is never drawn, also at ``u = 0`` (which ``torch.rand`` returns with probability 2^-24) and when rounding lifts
+    ``u * total`` to the total (it is clamped just below it)."""
+    cum = probs.cumsum(-1)
+    total = cum[:, -1:]
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cum, x, right=True)[:, 0]
+
+
 def sample_from_logits(logits: torch.Tensor, cfg: SamplingConfig,
                        generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw ``[B]`` tokens from ``logits [B, V]``; also return their log-probabilities ``[B]``.

@@ -37,7 +37,7 @@ import torch
 
 from .kvcache import KVCache
 from .model import rope_cos_sin
-from .sampling import SamplingConfig, probs_from_logits, token_logprobs
+from .sampling import SamplingConfig, inverse_cdf, probs_from_logits, token_logprobs
 from .speculative import (DraftTree, SpecStrategy, _drop_children, chain_tree, residual, select_nodes,
                           verify_chain, verify_chain_greedy, verify_chain_point, verify_tree)
 
@@ -288,8 +288,7 @@ class SpecDecoder:
                     qs.append(self._q(q_logits))
             else:
                 q = self._q(q_logits)
-                d = torch.searchsorted(q.cumsum(-1), u[:, i] * q.sum(-1, keepdim=True))[:, 0]
-                d = d.clamp(max=q.shape[-1] - 1)
+                d = inverse_cdf(q, u[:, i])
                 qs.append(q)
             drafts.append(d)
             if i + 1 < depth:

@@ -27,10 +27,10 @@ import json
 import os
 import random
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .fileio import atomic_file
 from .tokenizer import LABELS
 
 
@@ -221,10 +221,7 @@ def save_problems(problems: list[Problem], path: str | os.PathLike) -> Path:
     path = Path(path)
     if path.suffix not in (".jsonl", ".parquet"):
         raise ValueError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl or .parquet")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_file(path) as tmp:
         if path.suffix == ".jsonl":
             with open(tmp, "w", encoding="utf-8") as fh:
                 for p in problems:
@@ -234,10 +231,6 @@ def save_problems(problems: list[Problem], path: str | os.PathLike) -> Path:
             import pyarrow as pa
             import pyarrow.parquet as pq
             pq.write_table(pa.Table.from_pylist([_verl_row(p, i) for i, p in enumerate(problems)]), tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
 
 
