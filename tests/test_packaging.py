@@ -42,13 +42,6 @@ assert state() == before, (before, state())
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
-def test_cli_help_and_unknown_params(tmp_path):
+def test_cli_help():
     out = subprocess.run([sys.executable, "-m", "tltlib", "--help"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and "run-notebooks" in out.stdout
-    from tltlib.notebook import load_params
-    with pytest.raises(FileNotFoundError, match="params file 'nope.yaml' not found; available"):
-        load_params("nope.yaml")
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("- a\n- b\n")
-    with pytest.raises(ValueError, match="expected a mapping"):
-        load_params(bad)

@@ -121,3 +121,20 @@ def test_dataset_errors_name_file_row_and_field(tmp_path):
     with pytest.raises(ValueError, match="unsupported dataset format"):
         (tmp_path / "d.csv").write_text("a,b\n")
         load_problems(tmp_path / "d.csv")
+
+
+def test_text_the_tokenizer_cannot_encode_is_refused_naming_dataset_and_characters(tmp_path):
+    from tltlib.tasks import encode_prompts
+    from tltlib.tokenizer import load_tokenizer
+    tok = load_tokenizer("data/tiny-reasoner")
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text(json.dumps({"question": "Natalia sold clips to 48 of her friends.\nHow much, in $?",
+                                "answer": "48/2 = 24\n#### 72"}) + "\n")
+    with pytest.raises(ValueError, match=r"gsm8k.jsonl: \d+ of \d+ prompt tokens \(\d+\.\d%, in 1 of 1 prompts\) are "
+                                         r"unknown to the tokenizer, which has no token for .*'\\n', '\$', ',', '\.'"):
+        encode_prompts(load_problems(path), tok)
+    path.write_text(json.dumps({"prompt": "12 34 c?", "answer": "7.5"}) + "\n")   # readable prompt, unwritable answer
+    with pytest.raises(ValueError, match=r"answers hold characters the tokenizer cannot produce \('\.'\)"):
+        encode_prompts(load_problems(path), tok)
+    ok = encode_prompts(generate_problems(ChainTaskConfig(), 4, seed=0), tok)
+    assert len(ok) == 4 and all(tok.unk_token_id not in row for row in ok)

@@ -22,3 +22,10 @@ def test_roundtrip_and_specials(tmp_path):
 def test_missing_tokenizer_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no tokenizer in"):
         load_tokenizer(tmp_path)
+
+
+def test_broken_tokenizer_file_is_named(tmp_path):
+    build_tokenizer().save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{ not json")
+    with pytest.raises(ValueError, match="the tokenizer in .* cannot be loaded .*copy tokenizer.json"):
+        load_tokenizer(tmp_path)

@@ -13,6 +13,7 @@ import argparse
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,6 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv"
 CPU_TORCH = "torch==2.13.0+cpu"
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
-NOTEBOOK_ORDER_GLOB = "notebooks/[0-9][0-9]_*.ipynb"
 
 
 def _venv_python() -> Path:
@@ -94,7 +94,8 @@ def _notebook_env() -> None:
 def cmd_run_notebooks(args) -> int:
     from .notebook import run_notebooks
     _notebook_env()
-    done = run_notebooks(args.params, out_root=args.out, only=args.only, progress=not args.quiet)
+    done = run_notebooks(args.params, out_root=args.out, only=args.only, progress=not args.quiet,
+                         notebooks=args.notebooks)
     for path in done:
         print(f"executed {path}")
     return 0
@@ -110,15 +111,18 @@ def cmd_test(args) -> int:
 def cmd_train_reasoner(args) -> int:
     from .reasoner import ReasonerTrainConfig, train_reasoner
     cfg = ReasonerTrainConfig(preset=args.preset, steps=args.steps, minutes=args.minutes, seed=args.seed)
-    card = train_reasoner(cfg, args.out, progress=not args.quiet)
+    card = train_reasoner(cfg, args.out, progress=not args.quiet, overwrite=args.overwrite)
     print(card)
+    print(f"saved {args.out}")
     return 0
 
 
 def cmd_train_drafter(args) -> int:
     from .draft_train import DrafterTrainConfig, train_warm_drafter
-    print(train_warm_drafter(args.model, args.out, DrafterTrainConfig(steps=args.steps), seed=args.seed,
-                             progress=not args.quiet))
+    out = args.out or str(ROOT / "runs" / "drafters" / f"{Path(args.model).resolve().name}-drafter")
+    print(train_warm_drafter(args.model, out, DrafterTrainConfig(steps=args.steps), seed=args.seed,
+                             progress=not args.quiet, overwrite=args.overwrite))
+    print(f"saved {out}")
     return 0
 
 
@@ -127,50 +131,92 @@ def cmd_bench(args) -> int:
     script = ROOT / "bench" / f"{args.name}.py"
     if not script.is_file():
         names = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if not p.stem.startswith("_"))
-        raise SystemExit(f"unknown benchmark {args.name!r}; choose one of {names}")
+        raise ValueError(f"unknown benchmark {args.name!r}; choose one of {names}")
     sys.argv = [str(script), *args.bench_args]
     runpy.run_path(str(script), run_name="__main__")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _raised_by_us(exc: BaseException) -> bool:
+    """True when the innermost frame of ``exc`` is in tltlib or bench/: an error the library raised on purpose,
+    whose message says the cause and the fix (anything raised deeper is a bug and keeps its traceback)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    f = Path(tb.tb_frame.f_code.co_filename).resolve()
+    return f.is_relative_to(ROOT / "tltlib") or f.is_relative_to(ROOT / "bench")
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)                   # unwinds: temporary folders are cleaned up or kept as .failed
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tltlib", description=__doc__.split("\n")[0])
+    p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("setup", help="create .venv with torch (CPU build without an NVIDIA GPU) and tltlib")
     r = sub.add_parser("run", help="set up, then execute every notebook headless (the main job)")
     r.add_argument("--params", default="params/cpu-tiny.yaml", help="papermill parameter file (default %(default)s)")
-    r.add_argument("--only", nargs="*", help="notebook name prefixes to run, e.g. 01")
+    r.add_argument("--only", nargs="+", metavar="PREFIX", help="notebook name prefixes to run, e.g. 01 03")
     r.add_argument("--out", default="runs", help="folder for executed notebooks, figures, metrics.json")
+    r.add_argument("--notebooks", help="folder of NN_*.ipynb notebooks to run (default: the suite's notebooks/)")
     r.add_argument("--quiet", action="store_true")
     rn = sub.add_parser("run-notebooks", help="execute notebooks with papermill (inside an installed env)")
     for a in r._actions[1:]:
         rn._add_action(a)
     t = sub.add_parser("test", help="set up, then run the test suite (CPU tiers: unit + notebook smoke)")
     t.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
-    tr = sub.add_parser("train-reasoner", help="train the tiny reasoner shipped in data/ (SFT on generated traces)")
+    tr = sub.add_parser("train-reasoner", help="train a tiny reasoner like the one in data/ (SFT on generated traces)")
     tr.add_argument("--minutes", type=float, default=18.0, help="wall-clock training budget")
     tr.add_argument("--preset", default="tiny-cpu", help="model preset (tiny-draft: the assistant for the benches)")
     tr.add_argument("--steps", type=int, default=1400)
     tr.add_argument("--seed", type=int, default=0)
-    tr.add_argument("--out", default=str(ROOT / "data" / "tiny-reasoner"))
+    tr.add_argument("--out", default=str(ROOT / "runs" / "tiny-reasoner"),
+                    help="output folder (default %(default)s; the shipped model: data/tiny-reasoner --overwrite)")
+    tr.add_argument("--overwrite", action="store_true", help="replace an existing model in --out")
     tr.add_argument("--quiet", action="store_true")
     td = sub.add_parser("train-drafter", help="train the warm EAGLE drafter of a local target on its own rollouts")
     td.add_argument("--model", default=str(ROOT / "data" / "tiny-reasoner"))
-    td.add_argument("--out", default=str(ROOT / "data" / "tiny-reasoner-drafter"))
+    td.add_argument("--out", help="output folder (default runs/drafters/<model folder name>-drafter)")
+    td.add_argument("--overwrite", action="store_true", help="replace an existing drafter in --out")
     td.add_argument("--steps", type=int, default=1500)
     td.add_argument("--seed", type=int, default=0)
     td.add_argument("--quiet", action="store_true")
     b = sub.add_parser("bench", help="run bench/NAME.py (e.g. decode)")
     b.add_argument("name")
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
-    args = p.parse_args(argv)
+    for name, sp in sub.choices.items():              # --debug also after the command (not into bench/test args)
+        if name not in ("bench", "test"):
+            sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    return p
 
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
     if args.cmd == "setup":
         setup(force=True)
         return 0
-    if args.cmd in ("run", "test") and not _in_venv() and not os.environ.get("TLTLIB_NO_VENV"):
-        _reexec_in_venv(["run-notebooks" if args.cmd == "run" else "test", *argv[1:]])
+    if not _in_venv() and not os.environ.get("TLTLIB_NO_VENV"):
+        i = argv.index(args.cmd)                      # the same command line inside .venv (run -> run-notebooks)
+        _reexec_in_venv([*argv[:i], "run-notebooks" if args.cmd == "run" else args.cmd, *argv[i + 1:]])
     handlers = {"run": cmd_run_notebooks, "run-notebooks": cmd_run_notebooks, "test": cmd_test,
                 "train-reasoner": cmd_train_reasoner, "train-drafter": cmd_train_drafter, "bench": cmd_bench}
-    return handlers[args.cmd](args)
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return handlers[args.cmd](args)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:                            # noqa: BLE001 - sorted into ours (one line) and bugs
+        if args.debug or not _raised_by_us(e):
+            raise
+        print(f"error: {e}\n(run with --debug for the traceback)", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -287,16 +287,21 @@ bonus token): {accept_lines}
 
 
 def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = None, n_train: int = 512,
-                       n_eval: int = 64, seed: int = 0, progress: bool = True) -> str:
-    """Build, train and save the warm drafter for a local target; returns its card (also written as README.md)."""
-    import json
-    from pathlib import Path
+                       n_eval: int = 64, seed: int = 0, progress: bool = True, overwrite: bool = False) -> str:
+    """Build, train and save the warm drafter for a local target; returns its card.
 
-    from .drafter import Drafter, DrafterConfig, save_drafter
+    The output folder is checked before any work (writable; an existing drafter is replaced only with
+    ``overwrite``; anything else is never replaced) and written as a whole in one atomic step: weights, config,
+    card (README.md) and train_log.json."""
+    import json
+
     from .checkpoint import load_model
+    from .drafter import Drafter, DrafterConfig, is_drafter_folder, save_drafter
+    from .fileio import check_output_folder
     from .speculative import SpecStrategy
     from .tasks import ChainTaskConfig, generate_problems
     from .tokenizer import load_tokenizer
+    check_output_folder(out_dir, overwrite, is_drafter_folder, "drafter")
     cfg = cfg or DrafterTrainConfig()
     target, tok = load_model(model_path), load_tokenizer(model_path)
     train_probs = (generate_problems(ChainTaskConfig(), n_train * 3 // 4, seed=seed + 1000)
@@ -320,8 +325,6 @@ def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = Non
         n_accept=len(accept_probs),
         accept_lines="; ".join(f"{name}: {s['spec/accept_len_mean']:.2f} tokens per step" for name, s in
                                accept.items()))
-    path = save_drafter(drafter, out_dir)
-    (path / "README.md").write_text(card)
-    (path / "train_log.json").write_text(json.dumps({"recipe": cfg.__dict__, "log": log, "acceptance": accept},
-                                                    indent=1) + "\n")
+    train_log = json.dumps({"recipe": cfg.__dict__, "log": log, "acceptance": accept}, indent=1) + "\n"
+    save_drafter(drafter, out_dir, extra_files={"README.md": card, "train_log.json": train_log})
     return card

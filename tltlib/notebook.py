@@ -1,16 +1,13 @@
-"""What the notebooks share: parameter files, the papermill runner, paths, devices, metrics.json and figures.
+"""What the notebooks share: the papermill runner, paths, devices, metrics.json and figures.
 
 Notebooks are thin (a ``parameters`` cell of literals, then calls into tltlib and plots); everything they would
-otherwise repeat lives here, tested. Parameter files (``params/*.yaml``) are flat mappings of notebook parameters,
-with an optional ``notebooks:`` section of per-notebook overrides keyed by name prefix (``"01"``)::
+otherwise repeat lives here, tested. Parameter files and their checks are in :mod:`tltlib.params`.
 
-    MODEL_PATH: data/tiny-reasoner
-    DEVICE: auto
-    notebooks:
-      "01": {N_PROMPTS: 64, GROUP_SIZE: 8}
-
-The runner executes ``notebooks/NN_*.ipynb`` in order with papermill, from the project root, writing each executed
-copy, its figures and its ``metrics.json`` to ``runs/<params name>/<notebook>/``.
+The runner executes ``notebooks/NN_*.ipynb`` in order with papermill, from the project root. Each notebook writes
+into a temporary folder that replaces ``runs/<params name>/<notebook>/`` only when the notebook has finished, so
+the executed copy, its figures and its ``metrics.json`` always come from one run; the figures are then copied into
+``FIGURES_DIR`` in one step. A failed or interrupted notebook leaves the previous outputs as they were and its
+partly executed copy in ``runs/<params name>/<notebook>.failed/`` (the failing cell marked by papermill).
 
 Departures: none (tooling).
 """
@@ -19,21 +16,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
+import shutil
 from pathlib import Path
 
-from .fileio import atomic_write_text
+from .fileio import atomic_folder, atomic_write_text, read_json
+from .params import ROOT, plan_run, resolve
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def resolve(path: str | os.PathLike) -> Path:
-    """A path as given if it exists (or is absolute), else relative to the project root (so notebooks work from
-    ``notebooks/`` in JupyterLab and from the root under papermill)."""
-    p = Path(path).expanduser()
-    if p.is_absolute() or p.exists():
-        return p
-    return ROOT / p
+__all__ = ["resolve", "pick_device", "write_metrics", "read_metrics", "save_figure", "run_notebooks"]
 
 
 def pick_device(name: str = "auto") -> str:
@@ -65,7 +54,8 @@ def write_metrics(metrics: dict, out_dir: str | os.PathLike) -> Path:
 
 
 def read_metrics(out_dir: str | os.PathLike) -> dict:
-    return json.loads((Path(out_dir) / "metrics.json").read_text())
+    """``OUT_DIR/metrics.json`` as a dict."""
+    return read_json(Path(out_dir) / "metrics.json", "run the notebook again")
 
 
 def save_figure(fig, name: str, out_dir: str | os.PathLike, figures_dir: str | os.PathLike | None = None) -> Path:
@@ -80,81 +70,74 @@ def save_figure(fig, name: str, out_dir: str | os.PathLike, figures_dir: str | o
     return out
 
 
-# --------------------------------------------------------------------------------------------------- params
-def params_path(params: str | os.PathLike) -> Path:
-    """Resolve ``params/NAME.yaml``, ``NAME`` or a path; a clear error lists the available files otherwise."""
-    p = Path(params)
-    candidates = [p, ROOT / p, ROOT / "params" / p, ROOT / "params" / f"{p}.yaml"]
-    for c in candidates:
-        if c.is_file():
-            return c
-    available = sorted(f.name for f in (ROOT / "params").glob("*.yaml"))
-    raise FileNotFoundError(f"params file {str(params)!r} not found; available in params/: {available} "
-                            "(or pass a path to your own YAML file)")
+# --------------------------------------------------------------------------------------------------- runner
+class NotebookError(RuntimeError):
+    """A notebook failed under the runner; the message holds the failing cell's error and where the partly
+    executed copy is."""
 
 
-def load_params(params: str | os.PathLike) -> tuple[dict, dict[str, dict]]:
-    """(shared parameters, per-notebook overrides keyed by name prefix) from a YAML parameter file."""
-    import yaml
-    path = params_path(params)
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of PARAMETER: value, got {type(data).__name__}")
-    per_nb = data.pop("notebooks", None) or {}
-    if not isinstance(per_nb, dict) or not all(isinstance(v, dict) for v in per_nb.values()):
-        raise ValueError(f"{path}: 'notebooks' must map a notebook prefix (e.g. \"01\") to a mapping of parameters")
-    return data, {str(k): v for k, v in per_nb.items()}
-
-
-def notebook_paths(only: list[str] | None = None) -> list[Path]:
-    """The ordered notebooks ``notebooks/NN_*.ipynb``, optionally filtered by name prefixes."""
-    paths = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-    if only:
-        paths = [p for p in paths if any(p.stem.startswith(o) for o in only)]
-        if not paths:
-            raise ValueError(f"no notebook matches {only}; notebooks: {[p.stem for p in notebook_paths()]}")
+def notebook_paths(only: list[str] | None = None, folder: str | os.PathLike | None = None) -> list[Path]:
+    """The ordered notebooks ``NN_*.ipynb`` of ``folder`` (default ``notebooks/``), optionally filtered by name
+    prefixes (each prefix must match)."""
+    folder = resolve(folder) if folder else ROOT / "notebooks"
+    paths = sorted(folder.glob("[0-9][0-9]_*.ipynb"))
+    if not paths:
+        raise FileNotFoundError(f"no NN_*.ipynb notebooks in {str(folder)!r}")
+    if only is not None:
+        if not only:
+            raise ValueError("--only needs at least one notebook prefix, e.g. --only 01 03")
+        chosen = [p for p in paths if any(p.stem.startswith(o) for o in only)]
+        unmatched = [o for o in only if not any(p.stem.startswith(o) for p in paths)]
+        if unmatched:
+            raise ValueError(f"no notebook matches {unmatched}; notebooks: {[p.stem for p in paths]}")
+        paths = chosen
     return paths
 
 
+def _cell_error(e, nb: Path, kept: Path) -> NotebookError:
+    cell = f"cell [{e.exec_count}]" if getattr(e, "exec_count", None) else f"cell {e.cell_index}"
+    msg = " ".join(str(e.evalue).split()) if e.evalue else ""
+    return NotebookError(f"{nb.name} failed in {cell}: {e.ename}: {msg}\n  partly executed notebook: {kept}")
+
+
 def run_notebooks(params: str | os.PathLike = "params/cpu-tiny.yaml", out_root: str | os.PathLike = "runs",
-                  only: list[str] | None = None, progress: bool = True) -> list[Path]:
+                  only: list[str] | None = None, progress: bool = True,
+                  notebooks: str | os.PathLike | None = None) -> list[Path]:
     """Execute the notebooks in order with papermill; return the executed copies.
 
-    Each notebook gets the parameters its ``parameters`` cell declares (shared, then its overrides) plus
-    ``OUT_DIR = out_root/<params>/<notebook>``. A parameter no notebook declares is an error (a typo would
-    otherwise be silently ignored)."""
+    Every notebook's parameters are checked first (:func:`tltlib.params.plan_run`), for all notebooks, so a typo
+    fails before anything runs. Each notebook gets the parameters its ``parameters`` cell declares plus
+    ``OUT_DIR``; outputs are swapped in atomically (see the module docstring). ``notebooks``: another folder of
+    ``NN_*.ipynb`` notebooks than the suite's."""
     import papermill as pm
+    from papermill.exceptions import PapermillExecutionError
 
-    shared, per_nb = load_params(params)
+    from .params import params_path
+    plan = plan_run(params, notebook_paths(folder=notebooks), notebook_paths(only, notebooks))
     run_dir = resolve(out_root) / params_path(params).stem
-    plan = []
-    for nb in notebook_paths(only):
-        declared = set(pm.inspect_notebook(str(nb)))
-        values = dict(shared)
-        for prefix, overrides in per_nb.items():
-            if nb.stem.startswith(prefix):
-                values.update(overrides)
-        values["OUT_DIR"] = str(run_dir / nb.stem)
-        plan.append((nb, {k: v for k, v in values.items() if k in declared}))
-    unknown = (set(shared) | {k for v in per_nb.values() for k in v}) - {k for _, inj in plan for k in inj}
-    if unknown and not only:                          # fail before running anything
-        raise ValueError(f"{params_path(params)}: parameters {sorted(unknown)} are declared by no notebook; "
-                         "check their spelling against the notebooks' parameters cells")
     done = []
-    for nb, inject in plan:
-        out_dir = Path(inject["OUT_DIR"])
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{nb.stem}.", suffix=".ipynb", dir=out_dir)
-        os.close(fd)
+    for nb, values in plan:
+        final, failed = run_dir / nb.stem, run_dir / f"{nb.stem}.failed"
+        figures_dir = values.get("FIGURES_DIR", "")
         try:
-            pm.execute_notebook(str(nb), tmp, parameters=inject, kernel_name="python3", language="python",
-                                cwd=str(ROOT), progress_bar=progress, log_output=False)
-            os.replace(tmp, out_dir / nb.name)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            with atomic_folder(final, failed_to=failed) as tmp:
+                inject = {**values, "OUT_DIR": str(tmp)}
+                if figures_dir:
+                    inject["FIGURES_DIR"] = ""            # copied by the runner once the notebook has succeeded
+                try:
+                    pm.execute_notebook(str(nb), str(tmp / nb.name), parameters=inject, kernel_name="python3",
+                                        language="python", cwd=str(ROOT), progress_bar=progress, log_output=False)
+                except PapermillExecutionError as e:
+                    raise _cell_error(e, nb, failed / nb.name) from None
+        except (KeyboardInterrupt, SystemExit):
+            if failed.is_dir():
+                (failed / "INTERRUPTED").write_text("the run was interrupted while this notebook executed\n")
             raise
-        done.append(out_dir / nb.name)
+        if failed.exists():
+            shutil.rmtree(failed)                     # a successful run supersedes an older failure
+        if figures_dir:
+            with atomic_folder(resolve(figures_dir), keep_existing=True) as ftmp:
+                for png in final.glob("*.png"):
+                    shutil.copy2(png, ftmp / png.name)
+        done.append(final / nb.name)
     return done

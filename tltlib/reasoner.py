@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .checkpoint import save_model
+from .fileio import check_output_folder
 from .model import Transformer, preset
 from .profiling import length_stats
 from .rollout import RolloutConfig, RolloutEngine
@@ -189,8 +190,12 @@ def _acc_row(name: str, ev: dict) -> str:
     return f"| {name} | " + " | ".join(cells) + " |"
 
 
-def train_reasoner(cfg: ReasonerTrainConfig, out_dir: str | Path, progress: bool = True) -> str:
-    """Train, evaluate and save the tiny reasoner (model + tokenizer + README.md card + eval.json); return the card."""
+def train_reasoner(cfg: ReasonerTrainConfig, out_dir: str | Path, progress: bool = True,
+                   overwrite: bool = False) -> str:
+    """Train, evaluate and save the tiny reasoner (model + tokenizer + README.md card + eval.json); return the card.
+
+    The output folder is checked first (writable; an existing model is replaced only with ``overwrite``)."""
+    check_output_folder(out_dir, overwrite, lambda p: (p / "config.json").is_file(), "model")
     tok = build_tokenizer()
     model, log = train_sft(cfg, tok, progress)
     problems = generate_problems(ChainTaskConfig(), cfg.eval_problems, seed=cfg.eval_seed)

@@ -206,6 +206,8 @@ def load_problems(path: str | os.PathLike, limit: int | None = None) -> list[Pro
     if not numbered:
         raise ValueError(f"dataset {path} is empty: it needs at least one row with a prompt and a ground truth")
     out = [_row_to_problem(row, f"{path}, row {i}") for i, row in numbered[:limit]]
+    for p in out:
+        p.meta["dataset"] = str(path)               # named by errors about the data (e.g. check_coverage)
     return out
 
 
@@ -226,7 +228,8 @@ def save_problems(problems: list[Problem], path: str | os.PathLike) -> Path:
             with open(tmp, "w", encoding="utf-8") as fh:
                 for p in problems:
                     prompt = p.prompt if isinstance(p.prompt, str) else list(p.prompt)
-                    fh.write(json.dumps({"prompt": prompt, "answer": p.answer, **p.meta}) + "\n")
+                    meta = {k: v for k, v in p.meta.items() if k != "dataset"}
+                    fh.write(json.dumps({"prompt": prompt, "answer": p.answer, **meta}) + "\n")
         else:
             import pyarrow as pa
             import pyarrow.parquet as pq
@@ -235,9 +238,46 @@ def save_problems(problems: list[Problem], path: str | os.PathLike) -> Path:
 
 
 # ------------------------------------------------------------------------------------------- model interface
-def encode_prompts(problems: list[Problem], tokenizer) -> list[list[int]]:
-    """Token ids of each problem's prompt text (with the tokenizer's special tokens, e.g. BOS)."""
-    return [tokenizer(prompt_text(p, tokenizer)).input_ids for p in problems]
+def encode_prompts(problems: list[Problem], tokenizer, max_unknown: float = 0.0) -> list[list[int]]:
+    """Token ids of each problem's prompt text (with the tokenizer's special tokens, e.g. BOS).
+
+    Refuses data the tokenizer cannot represent (see :func:`check_coverage`): a prompt whose characters become
+    ``<unk>`` would run with a garbled input, an answer the model cannot write would score 0 whatever it does."""
+    texts = [prompt_text(p, tokenizer) for p in problems]
+    ids = [tokenizer(t).input_ids for t in texts]
+    check_coverage(texts, ids, [p.answer for p in problems], tokenizer,
+                   next((p.meta["dataset"] for p in problems if "dataset" in p.meta), "the prompts"), max_unknown)
+    return ids
+
+
+def _unknown_chars(text: str, tokenizer) -> set[str]:
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return {text[a:b] for i, (a, b) in zip(enc.input_ids, enc.offset_mapping) if i == tokenizer.unk_token_id}
+
+
+def check_coverage(texts: list[str], ids: list[list[int]], answers: list[str], tokenizer, source: str,
+                   max_unknown: float = 0.0) -> None:
+    """Raise when more than ``max_unknown`` of the prompt tokens are ``<unk>``, or an answer holds a character the
+    tokenizer cannot produce; the message names ``source``, the share and the characters.
+
+    Tokenizers without an unknown token (byte-level BPE, as in every real checkpoint) always pass."""
+    unk = tokenizer.unk_token_id
+    if unk is None:
+        return
+    n_unk = sum(row.count(unk) for row in ids)
+    total = sum(len(row) for row in ids)
+    if n_unk > max_unknown * total:
+        bad = [t for t, row in zip(texts, ids) if unk in row]
+        chars = sorted(set().union(*(_unknown_chars(t, tokenizer) for t in bad)))
+        raise ValueError(f"{source}: {n_unk} of {total} prompt tokens ({n_unk / total:.1%}, in {len(bad)} of "
+                         f"{len(texts)} prompts) are unknown to the tokenizer, which has no token for "
+                         f"{', '.join(map(repr, chars))}; the model cannot read this data. Use a model whose "
+                         "tokenizer covers it (a real checkpoint), or this model's own task (DATASET empty)")
+    cant = sorted(set().union(*(_unknown_chars(a, tokenizer) for a in set(answers))))
+    if cant:
+        raise ValueError(f"{source}: the ground-truth answers hold characters the tokenizer cannot produce "
+                         f"({', '.join(map(repr, cant))}), so those answers could never be matched and their "
+                         "reward would be 0 whatever the model does; use a model whose tokenizer covers them")
 
 
 def score_responses(texts: list[str], problems: list[Problem], group_size: int = 1) -> list[float]:

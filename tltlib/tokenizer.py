@@ -41,4 +41,9 @@ def load_tokenizer(path: str | os.PathLike):
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise FileNotFoundError(f"no tokenizer in {str(path)!r}: the folder needs tokenizer.json / "
                                 "tokenizer_config.json (save it with tokenizer.save_pretrained(folder))")
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:                           # noqa: BLE001 - tokenizers/transformers raise many kinds
+        raise ValueError(f"the tokenizer in {str(path)!r} cannot be loaded ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:300]}); copy tokenizer.json / tokenizer_config.json from the "
+                         "original model again") from None

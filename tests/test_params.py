@@ -1,0 +1,122 @@
+"""Parameter files: every key reaches a notebook that declares it, every value has the right type and range, and
+everything else is one error naming the file, the notebook and the key, before any notebook runs."""
+from __future__ import annotations
+
+import pytest
+
+from tltlib.notebook import notebook_paths
+from tltlib.params import SCHEMA, declared_parameters, inferred, load_params, plan_run
+
+ALL = notebook_paths()
+
+
+def _plan(tmp_path, text, only=None):
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    return plan_run(path, ALL, notebook_paths(only))
+
+
+def test_every_notebook_parameter_has_a_schema_entry_its_default_passes():
+    for nb in ALL:
+        for name, default in declared_parameters(nb).items():
+            assert name in SCHEMA, f"{nb.name}: add {name} to tltlib.params.SCHEMA"
+            if name in ("MODEL_PATH", "DRAFTER_PATH", "DATASET"):
+                continue                              # existence is checked against the machine, not the default
+            assert SCHEMA[name].error(default) is None, (nb.name, name, default, SCHEMA[name].error(default))
+        # the runner copies figures itself after success; a notebook that wrote there by default would bypass it
+        assert declared_parameters(nb).get("FIGURES_DIR", "") == "", nb.name
+
+
+def test_shipped_cpu_files_plan_cleanly_and_gpu_example_fails_only_on_this_machine(tmp_path):
+    for name in ("cpu-tiny", "smoke"):
+        plan = plan_run(name, ALL, ALL)
+        assert [nb for nb, _ in plan] == ALL
+    plan = dict(plan_run("smoke", ALL, ALL))
+    assert plan[ALL[0]]["N_PROMPTS"] == 8 and plan[ALL[1]]["N_PROMPTS"] == 2      # sections reach their notebook
+    with pytest.raises(ValueError) as e:
+        plan_run("gpu-example", ALL, ALL)
+    lines = str(e.value).splitlines()[1:]
+    assert lines and all("does not exist" in l or "CUDA is not available" in l for l in lines), lines
+
+
+def test_a_typo_is_refused_also_when_only_some_notebooks_run(tmp_path):
+    with pytest.raises(ValueError, match="p.yaml: TEMPRATURE is declared by no notebook \\(did you mean TEMPERATURE"):
+        _plan(tmp_path, "TEMPRATURE: 0.5\n", only=["01"])
+    with pytest.raises(ValueError, match="TEMPRATURE under \"01\" is not a parameter of 01_profile_long_tail; no "
+                                         "notebook declares it \\(did you mean TEMPERATURE"):
+        _plan(tmp_path, "notebooks:\n  \"01\": {TEMPRATURE: 0.5}\n", only=["02"])
+
+
+def test_an_unquoted_numeric_section_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="section 1 under 'notebooks' was read by YAML as a number.*quote it: \"01\":"):
+        _plan(tmp_path, "notebooks:\n  01:\n    N_PROMPTS: 4\n")
+    with pytest.raises(ValueError, match="section \"09\" matches no notebook"):
+        _plan(tmp_path, "notebooks:\n  \"09\": {N_PROMPTS: 4}\n")
+
+
+def test_a_key_in_the_wrong_notebook_section_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="N_SAMPLES under \"01\" is not a parameter of 01_profile_long_tail; it is a "
+                                         "parameter of 02_speculative_decoding_explained: move it there"):
+        _plan(tmp_path, "notebooks:\n  \"01\": {N_SAMPLES: 50}\n")
+
+
+@pytest.mark.parametrize("text,match", [
+    ("notebooks:\n  \"01\": {N_PROMPTS: lots}\n", "N_PROMPTS = 'lots' \\(notebook 01_profile_long_tail\\): not an "
+                                                  "integer; expected an integer >= 1"),
+    ("N_PROMPTS: 0\n", "N_PROMPTS = 0 \\(notebooks 01, 02, 04\\): out of range"),
+    ("GROUP_SIZE: true\n", "GROUP_SIZE = True .*not an integer"),
+    ("DTYPE: bf16\n", "DTYPE = 'bf16' .*expected a string in 'float32', 'bfloat16', 'float16'"),
+    ("DEVICE: gpu\n", "DEVICE = 'gpu' \\(notebooks 01, 02, 03, 04\\): not a device; expected 'auto', 'cpu', 'cuda'"),
+    ("TEMPERATURE: '0.9'\n", "TEMPERATURE = '0.9' .*not a number"),
+    ("MODEL_PATH: /nope/model\n", "MODEL_PATH = '/nope/model' .*'/nope/model' does not exist"),
+    ("DATASET: data/none.jsonl\n", "DATASET = 'data/none.jsonl' .*does not exist"),
+    ("notebooks:\n  \"04\": {ARMS: [chain-4, chian-8]}\n", "ARMS = .*cannot read speculative strategy 'chian-8'"),
+    ("notebooks:\n  \"04\": {FIXED: tree-4}\n", "FIXED = 'tree-4' .*cannot read speculative strategy"),
+    ("OUT_DIR: /tmp/x\n", "OUT_DIR is set by the runner"),
+])
+def test_wrong_values_are_refused_naming_key_notebook_and_expectation(tmp_path, text, match):
+    with pytest.raises(ValueError, match=match):
+        _plan(tmp_path, text, only=["01"])
+
+
+def test_cuda_device_without_cuda_is_refused_before_running(tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="DEVICE = 'cuda' .*CUDA is not available on this machine"):
+        _plan(tmp_path, "DEVICE: cuda\n")
+
+
+def test_several_problems_are_listed_together(tmp_path):
+    with pytest.raises(ValueError, match="3 problems:\n  - ") as e:
+        _plan(tmp_path, "TEMPRATURE: 1\nDTYPE: bf16\nnotebooks:\n  \"01\": {N_SAMPLES: 3}\n")
+    assert str(e.value).count("\n  - ") == 3
+
+
+def test_only_needs_a_prefix_and_each_prefix_must_match():
+    with pytest.raises(ValueError, match="--only needs at least one notebook prefix"):
+        notebook_paths([])
+    with pytest.raises(ValueError, match="no notebook matches \\['07'\\]"):
+        notebook_paths(["01", "07"])
+    assert [p.stem[:2] for p in notebook_paths(["03", "01"])] == ["01", "03"]
+
+
+def test_parameters_of_a_users_own_notebook_are_checked_by_their_defaults_type():
+    assert inferred(3).error(4) is None and inferred(3).error("4") == "not an integer"
+    assert inferred(0.5).error(1) is None and inferred(True).error(1) == "not true/false"
+    assert inferred([1]).error([2, 3]) is None and "not a list" in inferred([1]).error("x")
+
+
+def test_load_params_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="params file 'nope.yaml' not found; available"):
+        load_params("nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match="expected a mapping"):
+        load_params(bad)
+    bad.write_text("A: [1\n")
+    with pytest.raises(ValueError, match="bad.yaml: not valid YAML"):
+        load_params(bad)
+    bad.write_text("1: 2\n")
+    with pytest.raises(ValueError, match="key 1 \\(top level\\) is not a parameter name"):
+        load_params(bad)
