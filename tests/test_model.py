@@ -259,3 +259,33 @@ def test_broken_files_are_named(tmp_path):
     path = _copy_checkpoint(tmp_path / "c", lambda c: c.pop("hidden_size"))
     with pytest.raises(ValueError, match="config.json lacks \\['hidden_size'\\]"):
         load_model(path)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda c: c.update(vocab_size="74"), "vocab_size must be an integer, got '74' \\(str\\)"),
+    (lambda c: c.update(num_hidden_layers=8.0), "num_hidden_layers must be an integer, got 8.0"),
+    (lambda c: c.update(tie_word_embeddings="false"), "tie_word_embeddings must be true or false, got 'false'"),
+    (lambda c: c.update(rope_scaling={"rope_type": "linear"}), "rope_type 'linear' needs a numeric 'factor'"),
+    (lambda c: c.update(rope_theta=500000.0), "rope_theta is 500000.0 at the top level but 10000.0 in "
+                                              "rope_parameters"),
+])
+def test_config_values_of_the_wrong_type_or_conflicting_are_named(tmp_path, edit, match):
+    with pytest.raises(ValueError, match="config.json: " + match):
+        load_model(_copy_checkpoint(tmp_path, edit))
+
+
+def test_weights_that_overflow_the_load_dtype_are_refused(tmp_path):
+    def big(s):
+        s["model.layers.0.mlp.up_proj.weight"][0, 0] = 1e6
+    path = _copy_checkpoint(tmp_path, tensors=big)
+    load_model(path)                                               # fine in float32
+    with pytest.raises(ValueError, match="after conversion to float16.*model.layers.0.mlp.up_proj.weight holds 1 "
+                                         "non-finite"):
+        load_model(path, dtype=torch.float16)
+
+
+def test_single_file_beside_a_shard_index_is_ambiguous(tmp_path):
+    path = _copy_checkpoint(tmp_path)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    with pytest.raises(ValueError, match="holds both model.safetensors and model.safetensors.index.json"):
+        load_model(path)

@@ -94,7 +94,7 @@ def test_several_problems_are_listed_together(tmp_path):
 
 
 def test_only_needs_a_prefix_and_each_prefix_must_match():
-    with pytest.raises(ValueError, match="--only needs at least one notebook prefix"):
+    with pytest.raises(ValueError, match="--only needs notebook prefixes"):
         notebook_paths([])
     with pytest.raises(ValueError, match="no notebook matches \\['07'\\]"):
         notebook_paths(["01", "07"])
@@ -120,3 +120,25 @@ def test_load_params_errors(tmp_path):
     bad.write_text("1: 2\n")
     with pytest.raises(ValueError, match="key 1 \\(top level\\) is not a parameter name"):
         load_params(bad)
+
+
+def test_a_key_given_twice_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="p.yaml, line 3: '01' is given twice in the same mapping"):
+        _plan(tmp_path, "notebooks:\n  \"01\": {N_PROMPTS: 3}\n  \"01\": {WORKERS: 2}\n")
+    with pytest.raises(ValueError, match="line 2: 'SEED' is given twice"):
+        _plan(tmp_path, "SEED: 1\nSEED: 2\n")
+
+
+@pytest.mark.parametrize("text,match", [
+    ("notebooks:\n  \"01\": {TEMPERATURE: .nan}\n", "TEMPERATURE = nan .*not a finite number"),
+    ("FIGURES_DIR: README.md\n", "FIGURES_DIR = 'README.md' .*is \\(inside\\) a file, not a folder"),
+    ("n_prompts: 3\n", "n_prompts is declared by no notebook \\(did you mean N_PROMPTS\\?\\)"),
+])
+def test_more_values_refused_before_running(tmp_path, text, match):
+    with pytest.raises(ValueError, match=match):
+        _plan(tmp_path, text)
+
+
+def test_an_empty_only_prefix_is_refused():
+    with pytest.raises(ValueError, match="an empty prefix would match all"):
+        notebook_paths([""])

@@ -138,3 +138,25 @@ def test_text_the_tokenizer_cannot_encode_is_refused_naming_dataset_and_characte
         encode_prompts(load_problems(path), tok)
     ok = encode_prompts(generate_problems(ChainTaskConfig(), 4, seed=0), tok)
     assert len(ok) == 4 and all(tok.unk_token_id not in row for row in ok)
+
+
+@pytest.mark.parametrize("row,match", [
+    ({"prompt": [{"role": "user", "content": ""}], "answer": "1"}, "'content' must be strings, not all empty"),
+    ({"prompt": [{"role": "user", "content": None}], "answer": "1"}, "'content' must be strings"),
+    ({"prompt": "   ", "answer": "1"}, "must be a non-empty string"),
+])
+def test_empty_prompts_are_refused(tmp_path, row, match):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match="d.jsonl, row 1: .*" + match):
+        load_problems(path)
+
+
+def test_non_utf8_dataset_and_bad_limit_are_named(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "caf\xe9", "answer": "1"}\n')
+    with pytest.raises(ValueError, match="d.jsonl: not UTF-8 text"):
+        load_problems(path)
+    path.write_text(json.dumps({"prompt": "12 34 a?", "answer": "1"}) + "\n")
+    with pytest.raises(ValueError, match="limit must be >= 1"):
+        load_problems(path, limit=0)

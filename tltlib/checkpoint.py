@@ -93,7 +93,7 @@ def _sample(names, k: int = 3) -> str:
 
 
 def check_tensors(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], source: str,
-                  num_layers: int | None = None) -> None:
+                  num_layers: int | None = None, config_name: str = "config.json") -> None:
     """Refuse any mismatch between the tensors a checkpoint holds and those its config implies.
 
     Args:
@@ -103,6 +103,7 @@ def check_tensors(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[i
         num_layers: the config's layer count, to say "the weights hold N layers" when layers are extra or missing.
     """
     unused, missing = found.keys() - expected.keys(), expected.keys() - found.keys()
+    hint = f" Is {config_name} from the same model as the weights?"
     layer_hint = ""
     if num_layers is not None and (unused or missing):
         held = _layers_of(found)
@@ -111,14 +112,14 @@ def check_tensors(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[i
                           f"{num_layers}: use the config.json that came with these weights.")
     if unused:
         raise ValueError(f"{source}: the checkpoint holds {len(unused)} tensors the config does not use "
-                         f"({_sample(unused)}); they would be silently dropped.{layer_hint or ' Is config.json from the same model as the weights?'}")
+                         f"({_sample(unused)}); they would be silently dropped.{layer_hint or hint}")
     if missing:
         raise ValueError(f"{source}: the checkpoint lacks {len(missing)} tensors the config needs "
-                         f"({_sample(missing)}).{layer_hint or ' Is config.json from the same model as the weights?'}")
+                         f"({_sample(missing)}).{layer_hint or hint}")
     bad = [f"{n} is {list(found[n])}, expected {list(s)}" for n, s in sorted(expected.items()) if found[n] != s]
     if bad:
         raise ValueError(f"{source}: {len(bad)} tensors do not have the shape the config implies ({'; '.join(bad[:3])}); "
-                         "is config.json from the same model as the weights?")
+                         f"is {config_name} from the same model as the weights?")
 
 
 def check_finite(tensors: dict[str, torch.Tensor], source: str) -> None:
@@ -149,6 +150,9 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
 
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
+    if index.is_file() and (path / "model.safetensors").is_file():
+        raise ValueError(f"{path} holds both model.safetensors and model.safetensors.index.json (shards), which "
+                         "may be different weights; remove the stale one")
     if index.is_file():
         d = read_json(index, "re-save the model with save_pretrained")
         if not isinstance(d, dict) or not isinstance(d.get("weight_map"), dict):
@@ -200,10 +204,12 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                              "if the head is trained separately")
     check_tensors({n: tuple(t.shape) for n, t in tensors.items()}, expected_shapes(cfg), str(path), cfg.num_layers)
     check_finite(tensors, str(path))
+    tensors = {n: t.to(dtype) for n, t in tensors.items()}
+    check_finite(tensors, f"{path} (after conversion to {str(dtype).removeprefix('torch.')}: values beyond that "
+                          "type's range; load it in a wider dtype)")
     with torch.device("meta"):
         model = Transformer(cfg, init_std=0.0)
-    state = {ours: torch.cat([tensors[n] for n in theirs], dim=0).to(dtype)
-             for ours, theirs in hf_name_map(cfg).items()}
+    state = {ours: torch.cat([tensors[n] for n in theirs], dim=0) for ours, theirs in hf_name_map(cfg).items()}
     model.load_state_dict(state, assign=True, strict=True)
     model.inv_freq = rope_inv_freq(cfg).to(device)
     return model.eval()

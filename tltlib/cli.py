@@ -208,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return handlers[args.cmd](args)
+    except SystemExit as e:
+        if e.code == 128 + signal.SIGTERM:
+            print("terminated (SIGTERM)", file=sys.stderr)
+        raise
     except KeyboardInterrupt:
         if args.debug:
             raise

@@ -205,7 +205,7 @@ def load_drafter(path: str | os.PathLike, target: Transformer) -> Drafter:
     state = read_safetensors([w_file])
     drafter = Drafter(cfg, init_std=0.0)
     check_tensors({k: tuple(v.shape) for k, v in state.items()},
-                  {k: tuple(v.shape) for k, v in drafter.state_dict().items()}, str(w_file))
+                  {k: tuple(v.shape) for k, v in drafter.state_dict().items()}, str(w_file), config_name=CONFIG_FILE)
     check_finite(state, str(w_file))
     drafter.load_state_dict(state, strict=True)
     w = target.embed.weight

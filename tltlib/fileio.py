@@ -92,6 +92,10 @@ def check_writable(path: str | os.PathLike, what: str = "output") -> Path:
     """Fail now, not after the work, when ``path``'s folder cannot be created or written (a probe file is made)."""
     path = Path(path)
     parent = path.parent
+    blocker = next((a for a in (path, *path.parents) if a.exists() and not a.is_dir()), None)
+    if blocker is not None and blocker != path:
+        raise NotADirectoryError(f"cannot write the {what} {str(path)!r}: {str(blocker)!r} is a file, not a folder; "
+                                 "choose another path")
     try:
         parent.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=f".{path.name}.probe-", dir=parent)
@@ -136,7 +140,12 @@ def atomic_folder(path: str | os.PathLike, keep_existing: bool | Callable[[Path]
         failed_to: on error, move the partial folder here (replacing an older one) instead of deleting it, so it
             can be inspected; ``path`` is left untouched either way.
     """
-    path = Path(path)
+    path = Path(path).resolve()
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{str(path)!r} is a file; a folder is written there: choose another path")
+    if Path.cwd().resolve().is_relative_to(path):
+        raise ValueError(f"refusing to replace {str(path)!r}: it holds the working directory; write to a folder of "
+                         "its own")
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.tmp-", dir=path.parent))

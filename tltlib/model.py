@@ -35,6 +35,11 @@ from .kvcache import CacheStep, KVCache
 CPU_MATMUL_ATTENTION_MIN_ROWS = 8
 CPU_MATMUL_ATTENTION_MAX_QUERIES = 8
 SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_HF_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings")
+_HF_FLOATS = ("rope_theta", "rms_norm_eps")
+_HF_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+_KIND_NAME = {int: "an integer", float: "a number", bool: "true or false"}
 _SUPPORTED_MSG = "tltlib supports Llama-family (LlamaForCausalLM) and Qwen2-family (Qwen2ForCausalLM) checkpoints"
 
 
@@ -90,9 +95,12 @@ class ModelConfig:
         if not self.head_dim and self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads}), "
                              "or set head_dim explicitly")
-        kind = dict(self.rope_scaling).get("rope_type", "default")
+        sc = dict(self.rope_scaling)
+        kind = sc.get("rope_type", "default")
         if kind not in ("default", "linear", "llama3"):
             raise ValueError(f"rope_type {kind!r} is not implemented (supported: default, linear, llama3)")
+        if kind != "default" and not isinstance(sc.get("factor"), (int, float)):
+            raise ValueError(f"rope_type {kind!r} needs a numeric 'factor' in rope_scaling, got {sc.get('factor')!r}")
 
     @property
     def dim_head(self) -> int:
@@ -155,8 +163,19 @@ class ModelConfig:
         if missing:
             raise ValueError(f"{source} lacks {missing}: is it a transformers config.json of a "
                              "Llama/Qwen2-family model?")
+        for keys, want in ((_HF_INTS, int), (_HF_FLOATS, float), (_HF_BOOLS, bool)):
+            for k in keys:
+                v = d.get(k)
+                ok = (v is None or (isinstance(v, bool) if want is bool else
+                                    isinstance(v, (int, float) if want is float else int) and not isinstance(v, bool)))
+                if not ok:
+                    raise ValueError(f"{source}: {k} must be {_KIND_NAME[want]}, got {v!r} "
+                                     f"({type(v).__name__}); fix the value")
         rope = dict(d.get("rope_parameters") or {})
         rope.update(d.get("rope_scaling") or {})
+        if "rope_theta" in rope and "rope_theta" in d and float(rope["rope_theta"]) != float(d["rope_theta"]):
+            raise ValueError(f"{source}: rope_theta is {d['rope_theta']} at the top level but "
+                             f"{rope['rope_theta']} in rope_parameters; keep one value")
         theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
         if "type" in rope:                                   # transformers 4.x spelling
             rope["rope_type"] = rope.pop("type")

@@ -19,7 +19,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .fileio import atomic_folder, atomic_write_text, read_json
+from .fileio import atomic_file, atomic_folder, atomic_write_text, check_writable, read_json
 from .params import ROOT, plan_run, resolve
 
 __all__ = ["resolve", "pick_device", "write_metrics", "read_metrics", "save_figure", "run_notebooks"]
@@ -84,8 +84,8 @@ def notebook_paths(only: list[str] | None = None, folder: str | os.PathLike | No
     if not paths:
         raise FileNotFoundError(f"no NN_*.ipynb notebooks in {str(folder)!r}")
     if only is not None:
-        if not only:
-            raise ValueError("--only needs at least one notebook prefix, e.g. --only 01 03")
+        if not only or not all(o.strip() for o in only):
+            raise ValueError("--only needs notebook prefixes, e.g. --only 01 03 (an empty prefix would match all)")
         chosen = [p for p in paths if any(p.stem.startswith(o) for o in only)]
         unmatched = [o for o in only if not any(p.stem.startswith(o) for p in paths)]
         if unmatched:
@@ -114,7 +114,7 @@ def run_notebooks(params: str | os.PathLike = "params/cpu-tiny.yaml", out_root: 
 
     from .params import params_path
     plan = plan_run(params, notebook_paths(folder=notebooks), notebook_paths(only, notebooks))
-    run_dir = resolve(out_root) / params_path(params).stem
+    run_dir = check_writable(resolve(out_root) / params_path(params).stem, "run folder (--out)")
     done = []
     for nb, values in plan:
         final, failed = run_dir / nb.stem, run_dir / f"{nb.stem}.failed"
@@ -135,9 +135,9 @@ def run_notebooks(params: str | os.PathLike = "params/cpu-tiny.yaml", out_root: 
             raise
         if failed.exists():
             shutil.rmtree(failed)                     # a successful run supersedes an older failure
-        if figures_dir:
-            with atomic_folder(resolve(figures_dir), keep_existing=True) as ftmp:
-                for png in final.glob("*.png"):
-                    shutil.copy2(png, ftmp / png.name)
+        if figures_dir:                               # each figure replaced atomically, after the run succeeded
+            for png in final.glob("*.png"):
+                with atomic_file(resolve(figures_dir) / png.name) as tmp_png:
+                    shutil.copy2(png, tmp_png)
         done.append(final / nb.name)
     return done

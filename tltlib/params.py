@@ -21,6 +21,7 @@ Departures: none (tooling).
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +46,8 @@ class Param:
     choices: tuple = ()
     """Allowed values (strings), if restricted."""
     exists: str = ""
-    """For paths: ``"dir"`` or ``"file"`` must exist (after resolving against the project root); empty: no check."""
+    """For paths: ``"dir"`` or ``"file"`` must exist (after resolving against the project root); ``"out"``: an
+    output folder (must not be a file); empty: no check."""
     empty_ok: bool = False
     """For paths: ``""`` is allowed (means "none", e.g. no dataset)."""
     check: Callable[[Any], str | None] | None = None
@@ -66,7 +68,7 @@ class Param:
         elif self.lo is not None:
             what += f" >= {self.lo}"
         if self.exists:
-            what += f" to an existing {'folder' if self.exists == 'dir' else 'file'}"
+            what += {"dir": " to an existing folder", "file": " to an existing file", "out": " to a folder"}[self.exists]
         return what + (" (or \"\")" if self.empty_ok else "")
 
     def error(self, value) -> str | None:
@@ -81,6 +83,8 @@ class Param:
         if k == "bool" and not isinstance(value, bool):
             return "not true/false"
         if k in ("int", "float"):
+            if not math.isfinite(value):
+                return "not a finite number"
             if self.lo is not None and value < self.lo or self.hi is not None and value > self.hi:
                 return "out of range"
         if self.choices and value not in self.choices:
@@ -93,7 +97,11 @@ class Param:
             return next((e for e in map(_strategy_error, value) if e), None)
         if k == "path" and value == "":
             return None if self.empty_ok else "empty"
-        if k == "path" and self.exists:
+        if k == "path" and self.exists == "out":
+            p = resolve(value)
+            if p.exists() and not p.is_dir() or any(a.is_file() for a in p.parents):
+                return f"{str(p)!r} is (inside) a file, not a folder"
+        elif k == "path" and self.exists:
             p = resolve(value)
             if not (p.is_dir() if self.exists == "dir" else p.is_file()):
                 return f"{str(p)!r} does not exist"
@@ -140,8 +148,8 @@ SCHEMA: dict[str, Param] = {
     "DTYPE": Param("str", choices=("float32", "bfloat16", "float16")),
     "SEED": Param("int", lo=0),
     "OUT_DIR": Param("path"),
-    "FIGURES_DIR": Param("path", empty_ok=True),
-    "DRAFTER_OUT": Param("path", empty_ok=True),
+    "FIGURES_DIR": Param("path", exists="out", empty_ok=True),
+    "DRAFTER_OUT": Param("path", exists="out", empty_ok=True),
     # rollout
     "N_PROMPTS": _COUNT,
     "GROUP_SIZE": _COUNT,
@@ -194,8 +202,23 @@ def load_params(params: str | os.PathLike) -> tuple[dict, dict[str, dict]]:
     Keys must be strings: YAML reads an unquoted ``01:`` as the integer 1, which would match no notebook."""
     import yaml
     path = params_path(params)
+
+    class StrictLoader(yaml.SafeLoader):
+        """Refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def mapping(loader, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ValueError(f"{path}, line {key_node.start_mark.line + 1}: {key!r} is given twice in the same "
+                                 "mapping; the second would silently replace the first: merge them")
+            seen.add(key)
+        return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+    StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=StrictLoader) or {}
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
     if not isinstance(data, dict):
@@ -243,7 +266,8 @@ def inferred(default) -> Param:
 
 
 def _spelling(key: str, names) -> str:
-    close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)
+    close = [n for n in sorted(names) if n.upper() == str(key).upper()] or difflib.get_close_matches(
+        str(key).upper(), sorted(names), n=1, cutoff=0.6)
     return f" (did you mean {close[0]}?)" if close else ""
 
 

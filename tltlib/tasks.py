@@ -154,8 +154,10 @@ def _row_to_problem(row: dict, where: str) -> Problem:
         if not prompt or not all(isinstance(m, dict) and "content" in m for m in prompt):
             raise ValueError(f"{where}: field 'prompt' is a list but not chat messages "
                              "[{'role': ..., 'content': ...}, ...]")
-        prompt = tuple({"role": m.get("role", "user"), "content": str(m["content"])} for m in prompt)
-    elif not isinstance(prompt, str) or not prompt:
+        if not all(isinstance(m["content"], str) for m in prompt) or not any(m["content"].strip() for m in prompt):
+            raise ValueError(f"{where}: the chat messages' 'content' must be strings, not all empty")
+        prompt = tuple({"role": m.get("role", "user"), "content": m["content"]} for m in prompt)
+    elif not isinstance(prompt, str) or not prompt.strip():
         raise ValueError(f"{where}: field 'prompt' must be a non-empty string or a list of chat messages")
     rm = row.get("reward_model") or {}
     truth = rm.get("ground_truth") if isinstance(rm, dict) else None
@@ -184,23 +186,28 @@ def load_problems(path: str | os.PathLike, limit: int | None = None) -> list[Pro
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset {str(path)!r} does not exist: pass a local .jsonl or .parquet file")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1 (or None for every row), got {limit}")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
         rows = pq.read_table(path).to_pylist()
         numbered = [(i + 1, r) for i, r in enumerate(rows)]
     elif path.suffix in (".jsonl", ".json"):
         numbered = []
-        with open(path, encoding="utf-8") as fh:
-            for i, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}, row {i}: not valid JSON ({e.msg}); each line must be one object")
-                if not isinstance(row, dict):
-                    raise ValueError(f"{path}, row {i}: expected a JSON object, got {type(row).__name__}")
-                numbered.append((i, row))
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save the file as UTF-8") from None
+        for i, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}, row {i}: not valid JSON ({e.msg}); each line must be one object")
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}, row {i}: expected a JSON object, got {type(row).__name__}")
+            numbered.append((i, row))
     else:
         raise ValueError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl or .parquet")
     if not numbered:
