@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from tltlib.draft_train import (DrafterTrainConfig, DrafterTrainer, PairDataset, depth_accuracy, drafter_loss,
-                                loss_mask, target_hidden, train_offline)
+from tltlib.draft_train import (DrafterTrainConfig, DrafterTrainer, depth_accuracy, drafter_loss, loss_mask,
+                                pairs_from_sequences, train_offline)
+from tltlib.pairs import PairBuffer
 from tltlib.drafter import Drafter, DrafterConfig
 from tltlib.model import ModelConfig, Transformer
 from tltlib.rollout import RolloutConfig, RolloutEngine
@@ -24,28 +25,43 @@ def _pair(seed=0):
     return target, drafter
 
 
-def test_trainer_pairs_equal_the_pairs_the_engine_feeds_the_drafter():
+def test_streamed_pairs_are_the_pairs_the_engine_feeds_the_drafter_and_a_full_forward_gives(monkeypatch):
+    """The alignment DESIGN.md asks to pin: pair t = (f_t, x_{t+1}) at drafter position t, the same in the buffer
+    the rollout streams, in what the engine feeds the drafter, and from a training forward of the sequence."""
+    from tltlib.specdecode import SpecDecoder
+    fed_pairs, feed = [], SpecDecoder._feed
+
+    def recording_feed(self, cache, hidden, tokens, n):
+        fed_pairs.append((hidden.clone(), tokens.clone(), n.clone(), cache.lengths[: cache.rows].clone()))
+        return feed(self, cache, hidden, tokens, n)
+
+    monkeypatch.setattr(SpecDecoder, "_feed", recording_feed)
     target, drafter = _pair()
     prompt = [1, 5, 6, 7]
     eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0.9, max_new_tokens=40)), drafter=drafter)
-    eng.record_drafter_pairs = True
     strategies = [OFF, SpecStrategy("chain", 3), OFF, OFF, SpecStrategy("tree", 3, 2)]
-    res = eng.generate([prompt], torch.Generator().manual_seed(3),
-                       strategy=lambda step, active: strategies[step % len(strategies)])
+    buf = PairBuffer(CFG.hidden_size)
+    rollout = eng.start([prompt], torch.Generator().manual_seed(3), pairs=buf,
+                        strategy=lambda step, active: strategies[step % len(strategies)])
+    res = rollout.finish()
     seq = prompt + res.response_ids(0)
     fed_h, fed_t, fed_pos = [], [], []
-    for hidden, tokens, n, start in eng.last_spec.fed_pairs:       # row 0 only: one prompt, one sample
+    for hidden, tokens, n, start in fed_pairs:                     # row 0 only: one prompt, one sample
         k = int(n[0])
         fed_h.append(hidden[0, :k]), fed_t.append(tokens[0, :k])
         fed_pos += list(range(int(start[0]), int(start[0]) + k))
     fed_h, fed_t = torch.cat(fed_h), torch.cat(fed_t)
     assert fed_pos == list(range(len(fed_pos))), "pairs must be fed in order, pair j at drafter position j"
     assert len(fed_pos) >= len(seq) - 8                             # all but the last few (still pending)
-    batch = PairDataset([seq], [len(prompt)], target_hidden(target, [seq])).batch([0])
-    hid_in, tok_in = batch.inputs
+    (s,) = buf.sequences()
+    got_h, got_t, plen = buf.pairs_of(s)
+    assert plen == len(prompt) and got_t.tolist() == seq[1:]        # every pair, in order, prompt pairs first
     n = len(fed_pos)
-    assert torch.equal(fed_t, tok_in[0, :n])                        # (f_t, x_{t+1}): tokens agree exactly
-    torch.testing.assert_close(fed_h, hid_in[0, :n], atol=1e-4, rtol=1e-5)   # hidden: same up to fp
+    assert torch.equal(fed_t, got_t[:n]) and torch.equal(fed_h, got_h[:n])    # the stream IS what was fed
+    ref = pairs_from_sequences(target, [seq], [len(prompt)])        # a training forward of the whole sequence
+    ref_h, ref_t, _ = ref.pairs_of(ref.sequences()[0])
+    assert torch.equal(ref_t, got_t)
+    torch.testing.assert_close(got_h, ref_h, atol=1e-4, rtol=1e-5)
 
 
 def test_loss_mask_covers_response_predictions_only():
@@ -57,10 +73,10 @@ def test_loss_mask_covers_response_predictions_only():
 def test_training_lowers_the_loss_changes_the_drafter_and_not_the_target():
     target, drafter = _pair(1)
     seqs = [[1] + torch.randint(3, 24, (30,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(8)]
-    data = PairDataset(seqs, [4] * 8, target_hidden(target, seqs))
+    data = pairs_from_sequences(target, seqs, [4] * 8)
     before_d = {k: v.clone() for k, v in drafter.state_dict().items()}
     before_t = {k: v.clone() for k, v in target.state_dict().items()}
-    batch = data.batch(range(8))
+    batch = data.batch(data.sequences())
     loss0, stats0 = drafter_loss(drafter, batch, DrafterTrainConfig())
     trainer = DrafterTrainer(drafter, DrafterTrainConfig(steps=60, lr=3e-3, warmup_steps=5))
     for _ in range(60):
@@ -75,7 +91,7 @@ def test_training_lowers_the_loss_changes_the_drafter_and_not_the_target():
 def test_train_offline_logs_curves():
     target, drafter = _pair(2)
     seqs = [[1] + torch.randint(3, 24, (12,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(6)]
-    data = PairDataset(seqs, [3] * 6, target_hidden(target, seqs))
+    data = pairs_from_sequences(target, seqs, [3] * 6)
     log = train_offline(drafter, data, DrafterTrainConfig(steps=6, batch_sequences=3, eval_depth=2), data,
                         eval_every=3, on_eval=lambda step, d: {"seen": step}, progress=False)
     assert log["step"] == list(range(1, 7)) and log["eval_step"] == [0, 3, 6]

@@ -57,9 +57,12 @@ def test_rows_leave_the_batch_and_traces_add_up(model):
     assert np.all(lengths[res.truncated] == 40)
 
 
-def test_logprobs_and_hidden_states_match_a_full_forward(model):
-    res = _engine(model, temperature=0.8, top_k=10, max_new_tokens=25, group_size=2, keep_hidden=True).generate(
-        PROMPTS, torch.Generator().manual_seed(5))
+def test_logprobs_and_streamed_hidden_states_match_a_full_forward(model):
+    from tltlib.pairs import PairBuffer
+    buf = PairBuffer(CFG.hidden_size)
+    res = _engine(model, temperature=0.8, top_k=10, max_new_tokens=25, group_size=2).generate(
+        PROMPTS, torch.Generator().manual_seed(5), pairs=buf)
+    assert buf.sequences() == list(range(res.num_sequences))
     for i in range(res.num_sequences):
         p, r = PROMPTS[i // 2], res.response_ids(i)
         with torch.no_grad():
@@ -67,7 +70,9 @@ def test_logprobs_and_hidden_states_match_a_full_forward(model):
         probs = probs_from_logits(logits[0, len(p) - 1:-1], 0.8, 10)
         torch.testing.assert_close(res.logprobs[i, : len(r)], probs.gather(-1, torch.tensor(r)[:, None])[:, 0].log(),
                                    atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(res.hidden[i, : len(r)], hidden[0, len(p) - 1:-1], atol=1e-5, rtol=0)
+        h, t, plen = buf.pairs_of(i)
+        assert plen == len(p) and t.tolist() == (p + r)[1:]
+        torch.testing.assert_close(h, hidden[0, :-1], atol=1e-5, rtol=0)
 
 
 def test_first_two_tokens_follow_the_model_chi_square(model):

@@ -113,13 +113,17 @@ def test_chain_deeper_than_the_flush_size_is_exact(target, good):
         assert torch.equal(plain.tokens, eng.generate(PROMPTS, strategy=pick).tokens)
 
 
-def test_keep_hidden_matches_plain(target, drafter):
-    eng = _engine(target, drafter, temperature=0, max_new_tokens=20, keep_hidden=True)
-    plain = eng.generate(PROMPTS)
-    spec = eng.generate(PROMPTS, strategy=SpecStrategy("tree", 3, 2))
-    for i in range(len(PROMPTS)):
-        n = int(plain.lengths[i])
-        torch.testing.assert_close(spec.hidden[i, :n], plain.hidden[i, :n], atol=1e-4, rtol=0)
+def test_streamed_pairs_of_sd_equal_plain(target, drafter):
+    from tltlib.pairs import PairBuffer
+    eng = _engine(target, drafter, temperature=0, max_new_tokens=20)
+    bufs = [PairBuffer(CFG.hidden_size), PairBuffer(CFG.hidden_size)]
+    plain = eng.generate(PROMPTS, pairs=bufs[0])
+    spec = eng.generate(PROMPTS, strategy=SpecStrategy("tree", 3, 2), pairs=bufs[1])
+    assert torch.equal(plain.tokens, spec.tokens)
+    for i in range(plain.num_sequences):
+        (hp, tp, _), (hs, ts, _) = bufs[0].pairs_of(i), bufs[1].pairs_of(i)
+        assert torch.equal(tp, ts)
+        torch.testing.assert_close(hs, hp, atol=1e-4, rtol=0)
 
 
 # ------------------------------------------------------------------------------------------- T > 0: exact
@@ -173,7 +177,7 @@ def test_sd_chi_square_detects_a_missing_residual(monkeypatch):
 
 
 def test_sd_tree_chi_square_detects_a_missing_residual(monkeypatch):
-    monkeypatch.setattr(S, "_drop_children", lambda p, tree, is_child: p)
+    monkeypatch.setattr(S, "drop_children", lambda p, tree, is_child: p)
     assert _sd_joint_pvalue(SpecStrategy("tree", 2, 2), 1.0, 0, 1.0) < 1e-6
 
 

@@ -114,7 +114,7 @@ def test_chain_test_fails_without_the_residual(monkeypatch):
 
 
 def test_tree_test_fails_without_the_residual(monkeypatch):
-    monkeypatch.setattr(S, "_drop_children", lambda p, tree, is_child: p)
+    monkeypatch.setattr(S, "drop_children", lambda p, tree, is_child: p)
     samples = run_tree(20000, 2, 2, 1.0, 0, 1.0, seed=2)
     assert chi2_pvalue(joint_counts(samples), exact_joint(1.0, 0, 1.0)) < 1e-6
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .speculative import OFF, SpecStrategy, alpha_from_accept_length
+from .speculative import OFF, SpecStrategy, StrategySource, alpha_from_accept_length
 
 # SD on/off threshold (running rows) by device type. CPU: bench/speculative.py measured that SD with the shipped warm
 # drafter pays at every batch size it tried (up to 512, the GRPO batch of notebook 04), so the tail switch is set at
@@ -365,7 +365,7 @@ class AdaptiveConfig:
             raise ValueError(f"ngram_accept_prior must be in [0, 1], got {self.ngram_accept_prior}")
 
 
-class AdaptiveController:
+class AdaptiveController(StrategySource):
     """The engine's strategy source (``RolloutEngine.generate(..., strategy=controller)``): the batch-size switch
     plus BEG-MAB. Keep one controller across rollouts so the tuner keeps learning.
 

@@ -25,7 +25,6 @@ import math
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
@@ -105,37 +104,27 @@ def target_hidden(target, sequences: list[list[int]], pad_id: int = 0, chunk: in
     return out
 
 
-class PairDataset:
-    """Whole sequences with their target hidden states, batched into :class:`PairBatch` es."""
-
-    def __init__(self, sequences: list[list[int]], prompt_lens: list[int], hidden: list[torch.Tensor]):
-        if not sequences:
-            raise ValueError("no sequences to train the drafter on")
-        if not (len(sequences) == len(prompt_lens) == len(hidden)):
-            raise ValueError("sequences, prompt_lens and hidden must have the same length")
-        self.sequences, self.prompt_lens, self.hidden = sequences, prompt_lens, hidden
-
-    def __len__(self) -> int:
-        return len(self.sequences)
-
-    @property
-    def num_pairs(self) -> int:
-        return int(sum(int(loss_mask(len(s), p, len(s) - 1).sum()) for s, p in zip(self.sequences,
-                                                                                       self.prompt_lens)))
-
-    def batch(self, index) -> PairBatch:
-        index = list(index)
-        width = max(len(self.sequences[i]) for i in index)
-        h = self.hidden[index[0]]
-        hidden = torch.zeros(len(index), width, h.shape[-1], dtype=h.dtype, device=h.device)
-        tokens = torch.zeros(len(index), width, dtype=torch.long, device=h.device)
-        mask = torch.zeros(len(index), width - 1, dtype=torch.bool, device=h.device)
-        for j, i in enumerate(index):
-            s, n = self.sequences[i], len(self.sequences[i])
-            hidden[j, :n] = self.hidden[i]
-            tokens[j, : n - 1] = torch.tensor(s[1:], device=h.device)
-            mask[j] = loss_mask(n, self.prompt_lens[i], width - 1).to(h.device)
-        return PairBatch(hidden, tokens, mask)
+def pairs_from_sequences(target, sequences: list[list[int]], prompt_lens: list[int], pad_id: int = 0,
+                         config=None):
+    """A :class:`tltlib.pairs.PairBuffer` of given token sequences (prompt + response), their hidden states from one
+    training forward of the target (for data that was not streamed by a rollout, e.g. a dataset's responses)."""
+    from .pairs import PairBuffer, PairBufferConfig
+    if not sequences:
+        raise ValueError("no sequences to train the drafter on")
+    if len(sequences) != len(prompt_lens):
+        raise ValueError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt lengths")
+    w = target.embed.weight
+    total = sum(len(s) - 1 for s in sequences)
+    buf = PairBuffer(target.config.hidden_size, config or PairBufferConfig(max_tokens=max(2, total)), w.dtype,
+                     w.device)
+    for seq, plen, h in zip(sequences, prompt_lens, target_hidden(target, sequences, pad_id)):
+        (pid,), first = buf.begin([seq[:plen]], 1)
+        n, dev = len(seq) - 1, w.device
+        t = torch.arange(n, device=dev)
+        owner = torch.where(t < plen - 1, pid, first)
+        pos = torch.where(t < plen - 1, t, t - (plen - 1))
+        buf.add(owner, pos, h[:n], torch.tensor(seq[1:], device=dev))
+    return buf
 
 
 def drafter_loss(drafter, batch: PairBatch, cfg: DrafterTrainConfig) -> tuple[torch.Tensor, dict]:
@@ -203,14 +192,14 @@ class DrafterTrainer:
         return stats
 
 
-def train_offline(drafter, data: PairDataset, cfg: DrafterTrainConfig, eval_data: PairDataset | None = None,
-                  eval_every: int = 100, on_eval=None, progress: bool = True) -> dict:
-    """Train for ``cfg.steps`` on random batches of ``data``; every ``eval_every`` steps record depth accuracies
-    on ``eval_data`` (and call ``on_eval(step, drafter)``, whose dict result is logged too). Returns the log."""
-    rng = np.random.default_rng(cfg.seed)
+def train_offline(drafter, data, cfg: DrafterTrainConfig, eval_data=None, eval_every: int = 100, on_eval=None,
+                  progress: bool = True) -> dict:
+    """Train for ``cfg.steps`` on batches sampled from ``data`` (a :class:`tltlib.pairs.PairBuffer`); every
+    ``eval_every`` steps record depth accuracies on ``eval_data`` (and call ``on_eval(step, drafter)``, whose dict
+    result is logged too). Returns the log."""
     trainer = DrafterTrainer(drafter, cfg)
     log: dict[str, list] = {"step": [], "loss": [], "acc_1": [], "eval_step": [], "eval_acc": [], "eval_extra": []}
-    eval_batch = eval_data.batch(range(len(eval_data))) if eval_data is not None else None
+    eval_batch = eval_data.batch(eval_data.sequences()) if eval_data is not None else None
     t0 = time.perf_counter()
 
     def evaluate(step):
@@ -222,12 +211,8 @@ def train_offline(drafter, data: PairDataset, cfg: DrafterTrainConfig, eval_data
 
     evaluate(0)
     bar = tqdm(range(cfg.steps), desc="drafter", disable=not progress)
-    by_len = np.argsort([len(s) for s in data.sequences], kind="stable")
-    size = min(cfg.batch_sequences, len(data))
     for step in bar:
-        start = int(rng.integers(0, len(data) - size + 1))       # similar lengths: little padding
-        idx = by_len[start: start + size]
-        stats = trainer.step(data.batch(idx))
+        stats = trainer.step(data.sample(cfg.batch_sequences))
         log["step"].append(step + 1), log["loss"].append(stats["drafter/loss"])
         log["acc_1"].append(stats["drafter/acc_1"])
         bar.set_postfix(loss=f"{stats['drafter/loss']:.3f}", acc=f"{stats['drafter/acc_1']:.2f}")
@@ -239,19 +224,20 @@ def train_offline(drafter, data: PairDataset, cfg: DrafterTrainConfig, eval_data
 
 # ----------------------------------------------------------------------------------------- offline warm-up
 def rollout_dataset(target, tokenizer, problems, group_size: int = 1, temperature: float = 0.9,
-                    max_new_tokens: int = 720, seed: int = 0, progress: bool = False) -> PairDataset:
-    """Sample responses from the target and pair them with its hidden states (the drafter's training data)."""
+                    max_new_tokens: int = 720, seed: int = 0, progress: bool = False, max_tokens: int = 1 << 22):
+    """Sample responses from the target, streaming the drafter's pairs into a new
+    :class:`tltlib.pairs.PairBuffer` (at most ``max_tokens`` pairs), which is returned."""
+    from .pairs import PairBuffer, PairBufferConfig
     from .rollout import RolloutConfig, RolloutEngine
     from .sampling import SamplingConfig
     from .tasks import encode_prompts
-    prompts = encode_prompts(problems, tokenizer)
+    w = target.embed.weight
+    buf = PairBuffer(target.config.hidden_size, PairBufferConfig(max_tokens=max_tokens, seed=seed), w.dtype, w.device)
     eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=temperature, max_new_tokens=max_new_tokens),
                                               group_size=group_size))
-    g = torch.Generator(device=target.embed.weight.device).manual_seed(seed)
-    res = eng.generate(prompts, g, progress=progress)
-    seqs = [prompts[i // group_size] + res.response_ids(i) for i in range(res.num_sequences)]
-    plens = [len(prompts[i // group_size]) for i in range(res.num_sequences)]
-    return PairDataset(seqs, plens, target_hidden(target, seqs, pad_id=eng.pad_id))
+    eng.generate(encode_prompts(problems, tokenizer), torch.Generator(device=w.device).manual_seed(seed),
+                 progress=progress, pairs=buf)
+    return buf
 
 
 def measure_acceptance(target, drafter, tokenizer, problems, strategy, temperature: float = 0.9,

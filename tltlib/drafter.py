@@ -96,6 +96,10 @@ class Drafter(nn.Module):
         self._target[:] = [target]
         return self
 
+    def is_attached_to(self, target: Transformer) -> bool:
+        """Whether ``target`` is the model this drafter reads its embedding and head from."""
+        return bool(self._target) and self._target[0] is target
+
     @property
     def target(self) -> Transformer:
         if not self._target:

@@ -27,17 +27,14 @@ def trace_step(target, drafter, prompt: list[int], strategy: SpecStrategy, sampl
         raise ValueError("trace_step needs a speculative strategy (chain or tree), not 'off'")
     cfg = RolloutConfig(SamplingConfig(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                                        max_new_tokens=context_steps + strategy.depth + 2), ignore_eos=True)
-    eng = RolloutEngine(target, cfg, drafter=drafter)
-
-    class OneTracedStep:
-        def choose(self, step, active):
-            st = strategy if step == context_steps + 1 else OFF
-            eng.last_spec.keep_trace = st.enabled      # the engine's SpecDecoder exists once decoding starts
-            return st
-
-    res = eng.generate([prompt], torch.Generator(device=target.embed.weight.device).manual_seed(seed),
-                       strategy=OneTracedStep())
-    return eng.last_spec.trace, res.response_ids(0)[: context_steps + 1]
+    rollout = RolloutEngine(target, cfg, drafter=drafter).start(
+        [prompt], torch.Generator(device=target.embed.weight.device).manual_seed(seed))
+    for _ in range(context_steps):
+        rollout.step(OFF)
+    before = rollout.out_tokens[0, : context_steps + 1].tolist()
+    rollout.spec.keep_trace = True
+    rollout.step(strategy)
+    return rollout.spec.trace, before
 
 
 def sample_categories(target, drafter, prompts: list[list[int]], strategy: SpecStrategy, sampling: SamplingConfig,

@@ -38,7 +38,7 @@ import torch
 from .kvcache import KVCache
 from .model import rope_cos_sin
 from .sampling import SamplingConfig, inverse_cdf, probs_from_logits, token_logprobs
-from .speculative import (DraftTree, SpecStrategy, _drop_children, chain_tree, residual, select_nodes,
+from .speculative import (DraftTree, SpecStrategy, drop_children, chain_tree, residual, select_nodes,
                           verify_chain, verify_chain_greedy, verify_chain_point, verify_tree)
 
 
@@ -121,7 +121,6 @@ class SpecDecoder:
         self.pend_n = torch.zeros(rows, dtype=torch.long, device=w.device)
         self.pend_max = 0
         self._grow = 1                            # the current step's row mask (see step)
-        self.fed_pairs: list | None = None        # set to [] to record every pair fed (alignment tests)
         self.keep_trace = False                   # set True to keep the last step's StepTrace in self.trace
         self.trace: StepTrace | None = None
 
@@ -178,8 +177,7 @@ class SpecDecoder:
         self.pend_max = 1
 
     def _feed(self, cache: KVCache, hidden, tokens, n):
-        if self.fed_pairs is not None:
-            self.fed_pairs.append((hidden.detach().clone(), tokens.clone(), n.clone(), cache.lengths[: cache.rows].clone()))
+        """Run ``n[r]`` pending pairs of each row through the drafter, after its committed entries."""
         return self.drafter.forward_cached(hidden, tokens, cache, logits_at=(n - 1).clamp_min(0))
 
     def _extend(self):
@@ -368,7 +366,7 @@ class SpecDecoder:
         else:
             is_child = tree.parents == last[:, None]
             bonus = ~is_child.any(1)
-            final = _drop_children(p_last, tree, is_child)
+            final = drop_children(p_last, tree, is_child)
         return StepTrace(strategy, tree, torch.cat([ones, node_q], 1), node_p, path, accepted, nxt, final, bonus,
                          p_last)
 

@@ -125,6 +125,56 @@ class SpecStrategy:
 OFF = SpecStrategy()
 
 
+class StrategySource:
+    """What the rollout asks before every decode step: ``choose(step, active_rows) -> SpecStrategy``; after it,
+    ``observe(...)`` reports what the step did (for tuners; the default ignores it). Subclass it, or pass a
+    :class:`SpecStrategy` or a function to the engine (:func:`strategy_source` wraps them)."""
+
+    def choose(self, step: int, active: int) -> SpecStrategy:
+        raise NotImplementedError
+
+    def observe(self, strategy: SpecStrategy, active: int, tokens: int, seconds: float, rows: int) -> None:
+        """The step just run with ``strategy`` at ``active`` rows took ``seconds``; the ``rows`` of them that keep
+        running emitted ``tokens``."""
+
+
+class FixedStrategy(StrategySource):
+    """The same strategy at every step."""
+
+    def __init__(self, strategy: SpecStrategy):
+        self.strategy = strategy
+
+    def choose(self, step: int, active: int) -> SpecStrategy:
+        return self.strategy
+
+
+class StrategyFunction(StrategySource):
+    """A function ``(step, active_rows) -> SpecStrategy`` as a strategy source."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def choose(self, step: int, active: int) -> SpecStrategy:
+        return self.fn(step, active)
+
+
+def strategy_source(strategy) -> StrategySource:
+    """``None`` (off), a :class:`SpecStrategy`, a strategy name (``"chain-4"``), a function ``(step, active) ->
+    SpecStrategy`` or a :class:`StrategySource` (or any object with ``choose``) -> a StrategySource."""
+    if strategy is None:
+        return FixedStrategy(OFF)
+    if isinstance(strategy, str):
+        return FixedStrategy(SpecStrategy.parse(strategy))
+    if isinstance(strategy, SpecStrategy):
+        return FixedStrategy(strategy)
+    if hasattr(strategy, "choose"):
+        return strategy
+    if callable(strategy):
+        return StrategyFunction(strategy)
+    raise TypeError(f"strategy must be a SpecStrategy, a strategy name, a function (step, active) -> SpecStrategy or "
+                    f"an object with choose(step, active); got {type(strategy).__name__}")
+
+
 # ------------------------------------------------------------------------------------------------ chain
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Leviathan's residual norm(max(0, p - q)) over the last dim; rows with no mass left fall back to p."""
@@ -298,7 +348,7 @@ def verify_tree(logits: torch.Tensor, tree: DraftTree, temperature: float, top_k
             over = (cum > u[:, None]) & is_child
             chosen = over.any(1)
             child = over.float().argmax(1)
-            res = _drop_children(p, tree, is_child)
+            res = drop_children(p, tree, is_child)
             token_if_stop = torch.multinomial(res, 1, generator=generator)[:, 0]
         stop = walking & ~chosen
         nxt = torch.where(stop, token_if_stop, nxt)
@@ -313,7 +363,7 @@ def verify_tree(logits: torch.Tensor, tree: DraftTree, temperature: float, top_k
     return path, accepted, nxt
 
 
-def _drop_children(p: torch.Tensor, tree: DraftTree, is_child: torch.Tensor) -> torch.Tensor:
+def drop_children(p: torch.Tensor, tree: DraftTree, is_child: torch.Tensor) -> torch.Tensor:
     """p with the children's tokens removed, renormalised; p itself where nothing is left (measure zero)."""
     drop = torch.zeros_like(p).scatter_add_(1, tree.tokens, is_child.to(p.dtype)) > 0   # duplicates add up
     r = p.masked_fill(drop, 0.0)
