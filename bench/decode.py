@@ -34,18 +34,15 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tltlib.checkpoint import load_model
-    from tltlib.notebook import pick_device, resolve
+    from tltlib.checkpoint import load
+    from tltlib.params import resolve
     from tltlib.rollout import RolloutConfig, RolloutEngine
     from tltlib.sampling import SamplingConfig
     from tltlib.tasks import ChainTaskConfig, encode_prompts, generate_problems
-    from tltlib.tokenizer import load_tokenizer
 
     torch.set_num_threads(os.cpu_count() or 1)
-    device, dtype = pick_device(args.device), getattr(torch, args.dtype)
-    path = resolve(args.model)
-    tok = load_tokenizer(path)
-    ours = load_model(path, dtype=dtype, device=device)
+    ours, tok, _ = load(args.model, device=args.device, dtype=args.dtype)
+    device, dtype, path = str(ours.device), ours.embed.weight.dtype, resolve(args.model)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     hf.generation_config.eos_token_id = None          # decode exactly N tokens, like ignore_eos
     hf.generation_config.pad_token_id = tok.pad_token_id

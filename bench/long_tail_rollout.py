@@ -57,21 +57,16 @@ def main() -> None:
     import torch
 
     from tltlib.adaptive import AdaptiveConfig, AdaptiveController, TunerConfig, default_threshold, measure_costs
-    from tltlib.drafter import load_drafter
-    from tltlib.checkpoint import load_model
-    from tltlib.notebook import pick_device, resolve
+    from tltlib.checkpoint import load
     from tltlib.profiling import per_bucket_oracle, time_by_bucket
     from tltlib.rollout import RolloutConfig, RolloutEngine
     from tltlib.sampling import SamplingConfig
     from tltlib.speculative import SpecStrategy
     from tltlib.tasks import ChainTaskConfig, encode_prompts, generate_problems
-    from tltlib.tokenizer import load_tokenizer
 
     torch.set_num_threads(os.cpu_count() or 1)
-    device, dtype = pick_device(args.device), getattr(torch, args.dtype)
-    target = load_model(resolve(args.model), dtype=dtype, device=device)
-    tok = load_tokenizer(resolve(args.model))
-    drafter = load_drafter(resolve(args.drafter), target)
+    target, tok, drafter = load(args.model, args.drafter, device=args.device, dtype=args.dtype)
+    device = str(target.device)
     prompts = encode_prompts(generate_problems(ChainTaskConfig(), args.prompts, seed=2026), tok)
     tune_sets = [encode_prompts(generate_problems(ChainTaskConfig(), args.prompts, seed=7 + i), tok)
                  for i in range(max(1, args.tune_rollouts))]

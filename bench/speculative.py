@@ -21,15 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ensure_malloc_env, interleaved_medians, machine_info, markdown_table, write_results  # noqa: E402
 
 
-def parse_strategy(text: str):
-    from tltlib.speculative import SpecStrategy
-    kind, _, rest = text.partition(":")
-    nums = [int(x) for x in rest.split(",")] if rest else []
-    if kind == "chain":
-        return SpecStrategy("chain", *nums[:1])
-    return SpecStrategy("tree", *nums[:3])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="data/tiny-reasoner")
@@ -39,8 +30,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256,512")
     ap.add_argument("--temperatures", default="0,0.9")
-    ap.add_argument("--strategies", default="chain:4;chain:10;chain:16;tree:10,2,16",
-                    help="';'-separated: chain:DEPTH, tree:DEPTH,TOPK,BUDGET")
+    ap.add_argument("--strategies", default="chain-4;chain-10;chain-16;tree-10x2-16",
+                    help="';'-separated strategy names: chain-DEPTH, tree-DEPTHxTOPK-BUDGET, ngram-DEPTH")
     ap.add_argument("--steps", type=int, default=10, help="chain-task steps per problem (11 tokens each)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
@@ -50,21 +41,17 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from tltlib.drafter import load_drafter
-    from tltlib.checkpoint import load_model
-    from tltlib.notebook import pick_device, resolve
+    from tltlib.checkpoint import load
     from tltlib.rollout import RolloutConfig, RolloutEngine
     from tltlib.sampling import SamplingConfig
     from tltlib.speculative import alpha_from_accept_length, leviathan_speedup
+    from tltlib.speculative import SpecStrategy
     from tltlib.tasks import ChainTaskConfig, encode_prompts, generate_problems
-    from tltlib.tokenizer import load_tokenizer
 
     torch.set_num_threads(os.cpu_count() or 1)
-    device, dtype = pick_device(args.device), getattr(torch, args.dtype)
-    target = load_model(resolve(args.model), dtype=dtype, device=device)
-    tok = load_tokenizer(resolve(args.model))
-    drafter = load_drafter(resolve(args.drafter), target)
-    strategies = [parse_strategy(x) for x in args.strategies.split(";")]
+    target, tok, drafter = load(args.model, args.drafter, device=args.device, dtype=args.dtype)
+    device, dtype = str(target.device), target.embed.weight.dtype
+    strategies = [SpecStrategy.parse(x) for x in args.strategies.split(";")]
     max_new = args.steps * 11 + 8
 
     results, rows = [], []
@@ -140,7 +127,7 @@ def _assisted_peer(args, device, dtype, tok, max_new):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tltlib.notebook import resolve
+    from tltlib.params import resolve
     from tltlib.tasks import ChainTaskConfig, encode_prompts, generate_problems
     path = resolve(args.assistant)
     if not (path / "config.json").is_file():

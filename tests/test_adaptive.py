@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tltlib.adaptive import (BEGMAB, AdaptiveConfig, AdaptiveController, CostModel, TunerConfig, default_threshold,
-                             expected_tokens, measure_costs)
+                             expected_tokens, measure_costs, timed_rollout)
 from tltlib.drafter import Drafter, DrafterConfig
 from tltlib.model import ModelConfig, Transformer
 from tltlib.rollout import RolloutConfig, RolloutEngine
@@ -279,3 +279,26 @@ def test_prior_follows_measured_acceptance():
         ctl.observe(shallow, 4, 4, 0.01)
     assert ctl.alpha["learned"] < 0.1
     assert ctl._prior(deep, 1) < ctl._prior(shallow, 1) < 1.0
+
+
+def test_best_by_bucket_names_the_best_measured_arm_of_each_bucket():
+    bandit = BEGMAB(TunerConfig(arms=("chain-2", "chain-6"), buckets=(1, 4, 16), min_samples=1))
+    for arm, batch, reward in (("chain-2", 2, 1.5), ("chain-6", 2, 2.5), ("chain-2", 8, 1.2), ("chain-6", 8, 0.9)):
+        bandit.update(batch, SpecStrategy.parse(arm), reward)
+    rows = bandit.best_by_bucket()
+    assert [(r["batch_lo"], r["batch_hi"], r["arm"], r["median_reward"]) for r in rows] == [
+        (1, 3, "chain-6", 2.5), (4, 15, "chain-2", 1.2)]                  # bucket 16+ has no measurement
+
+
+def test_accept_prior_per_arm_family():
+    cfg = AdaptiveConfig(accept_prior=(0.9, 0.7), ngram_accept_prior=0.2)
+    assert cfg.accept_for(SpecStrategy.parse("chain-4")) == (0.9, 0.7)
+    assert cfg.accept_for(SpecStrategy.parse("ngram-4")) == 0.2
+
+
+def test_timed_rollout_runs_the_named_strategy_seeded(small_pair):
+    target, drafter = small_pair
+    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0.9, max_new_tokens=12)), drafter=drafter)
+    a, sa = timed_rollout(eng, [[1, 5, 6]], "chain-3", seed=4)
+    b, _ = timed_rollout(eng, [[1, 5, 6]], SpecStrategy.parse("chain-3"), seed=4)
+    assert sa > 0 and torch.equal(a.tokens, b.tokens) and set(a.timeline["strategy"]) == {"chain-3"}

@@ -108,7 +108,7 @@ def test_cache_errors():
         KVCache(1, 0, 1, 4, 2)
     cache = KVCache(1, 2, 1, 4, 2)
     with pytest.raises(ValueError, match="overflow.*larger max_len"):
-        cache.step_mask(5)
+        cache.prepare(5)
     with pytest.raises(ValueError, match="cannot remove more"):
         cache.rollback(1)
 

@@ -289,3 +289,15 @@ def test_single_file_beside_a_shard_index_is_ambiguous(tmp_path):
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
     with pytest.raises(ValueError, match="holds both model.safetensors and model.safetensors.index.json"):
         load_model(path)
+
+
+def test_the_one_loader_resolves_paths_and_checks_device_and_dtype():
+    from tltlib.checkpoint import load, parse_dtype, pick_device
+    model, tok, drafter = load("data/tiny-reasoner", "data/tiny-reasoner-drafter", device="cpu", dtype="float32")
+    assert drafter.is_attached_to(model) and tok.eos_token_id in model.config.eos_token_ids
+    assert model.device.type == "cpu" and load("data/tiny-reasoner").drafter is None
+    assert pick_device("auto") in ("cpu", "cuda") and parse_dtype("bfloat16") is torch.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype 'bf16'; use one of float32, bfloat16, float16"):
+        parse_dtype("bf16")
+    with pytest.raises(ValueError, match="unknown device 'gpu'"):
+        pick_device("gpu")

@@ -160,3 +160,12 @@ def test_non_utf8_dataset_and_bad_limit_are_named(tmp_path):
     path.write_text(json.dumps({"prompt": "12 34 a?", "answer": "1"}) + "\n")
     with pytest.raises(ValueError, match="limit must be >= 1"):
         load_problems(path, limit=0)
+
+
+def test_problems_for_generates_or_reads_rows_with_an_offset(tmp_path):
+    from tltlib.tasks import problems_for
+    assert problems_for("", 3, seed=5) == generate_problems(ChainTaskConfig(), 3, seed=5)
+    path = save_problems(generate_problems(ChainTaskConfig(), 5, seed=1), tmp_path / "d.jsonl")
+    rows = load_problems(path)
+    got = problems_for(str(path), 4, seed=0, skip=3)
+    assert [p.prompt for p in got] == [rows[i].prompt for i in (3, 4, 0, 1)]    # wraps around a short file

@@ -11,7 +11,9 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "ModelConfig": "model", "Transformer": "model", "load_model": "model", "save_model": "model",
+    "ModelConfig": "model", "Transformer": "model",
+    "load": "checkpoint", "load_model": "checkpoint", "save_model": "checkpoint",
+    "PairBuffer": "pairs",
     "KVCache": "kvcache",
     "SamplingConfig": "sampling",
     "RolloutConfig": "rollout", "RolloutEngine": "rollout", "RolloutResult": "rollout",

@@ -199,6 +199,14 @@ class BEGMAB:
                 if which is None or which(a):
                     w.clear()
 
+    def best_by_bucket(self) -> list[dict]:
+        """Per bucket with measurements: its batch range, the arm with the best median reward, and that reward."""
+        best: dict[int, dict] = {}
+        for row in self.summary():
+            if row["samples"] and (row["bucket"] not in best or row["median_reward"] > best[row["bucket"]]["median_reward"]):
+                best[row["bucket"]] = row
+        return [best[b] for b in sorted(best)]
+
     def summary(self) -> list[dict]:
         """Per bucket and arm: batch range, plays, samples in the window, median reward."""
         out = []
@@ -356,6 +364,10 @@ class AdaptiveConfig:
     ngram_accept_prior: float = 0.3
     """Acceptance per depth assumed by the prior for n-gram arms."""
 
+    def accept_for(self, arm: SpecStrategy) -> tuple[float, ...] | float:
+        """The acceptance the cost-model prior assumes for ``arm`` (n-gram arms have their own)."""
+        return self.ngram_accept_prior if arm.kind == "ngram" else self.accept_prior
+
     def __post_init__(self):
         if self.threshold < 0:
             raise ValueError(f"threshold must be >= 0 running rows (0 = SD never on), got {self.threshold}")
@@ -388,8 +400,7 @@ class AdaptiveController(StrategySource):
 
     def _prior(self, arm: SpecStrategy, batch: int) -> float:
         family = "ngram" if arm.kind == "ngram" else "learned"
-        acc = self.alpha.get(family, self.config.ngram_accept_prior if family == "ngram" else self.config.accept_prior)
-        return self.costs.predict(arm, batch, acc)
+        return self.costs.predict(arm, batch, self.alpha.get(family, self.config.accept_for(arm)))
 
     def choose(self, step: int, active: int) -> SpecStrategy:
         """The strategy of the next step at ``active`` running rows."""
@@ -421,3 +432,17 @@ class AdaptiveController(StrategySource):
         self.tuner.update(active, strategy, reward)
         for k, v in (("active", active), ("arm", strategy.name), ("reward", reward), ("tokens_per_s", rate)):
             self.log[k].append(v)
+
+
+def timed_rollout(engine, prompts, strategy=None, seed: int = 0, progress: bool = False):
+    """(result, wall seconds) of one rollout of ``prompts`` with ``strategy`` and a generator seeded ``seed``
+    (CUDA synchronised at both ends)."""
+    dev = engine.model.device
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    t = time.perf_counter()
+    res = engine.generate(prompts, torch.Generator(device=dev).manual_seed(seed), progress=progress,
+                          strategy=strategy)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return res, time.perf_counter() - t

@@ -19,6 +19,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -230,3 +231,51 @@ def save_model(model: Transformer, path: str | os.PathLike, extra_files: dict[st
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
     return Path(path)
+
+
+# ------------------------------------------------------------------------------------------- the one loader
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def pick_device(name: str = "auto") -> str:
+    """``"auto"`` -> ``"cuda"`` when available, else ``"cpu"``; other names are checked and returned."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} but CUDA is not available here; use 'cpu' or 'auto'")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise ValueError(f"unknown device {name!r}; use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    return name
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"float32"`` / ``"bfloat16"`` / ``"float16"`` (or a torch dtype) -> the torch dtype."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}")
+    return getattr(torch, name)
+
+
+class Loaded(NamedTuple):
+    """What :func:`load` returns: ``model, tokenizer, drafter = load(...)``."""
+
+    model: Transformer
+    tokenizer: object
+    drafter: object
+
+
+def load(model_path: str | os.PathLike, drafter_path: str | os.PathLike | None = None, device: str = "auto",
+         dtype: str | torch.dtype = "float32") -> Loaded:
+    """The policy, its tokenizer and (optionally) its drafter, as notebooks, benches and the CLI load them.
+
+    Paths are resolved against the project root when they do not exist as given (``data/tiny-reasoner`` works
+    from ``notebooks/``); ``device`` is ``auto``/``cpu``/``cuda[:N]``; the drafter is attached to the model."""
+    from .drafter import load_drafter
+    from .params import resolve
+    from .tokenizer import load_tokenizer
+    dev, dt = pick_device(device), parse_dtype(dtype)
+    path = resolve(model_path)
+    model = load_model(path, dtype=dt, device=dev)
+    drafter = load_drafter(resolve(drafter_path), model) if drafter_path else None
+    return Loaded(model, load_tokenizer(path), drafter)

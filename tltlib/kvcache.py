@@ -106,11 +106,6 @@ class KVCache:
             new_ok = (rel >= 0) & (rel < width) & torch.gather(tree_mask, 2, idx)
         return CacheStep(index, ((rel < 0) | new_ok).unsqueeze(1), span)
 
-    def step_mask(self, num_new: int, tree_mask: torch.Tensor | None = None,
-                  offset: int = 0) -> torch.Tensor | None:
-        """The attention mask of :meth:`prepare` alone."""
-        return self.prepare(num_new, tree_mask, offset).mask
-
     def write(self, layer: int, step: CacheStep, k_new: torch.Tensor,
               v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k_new, v_new [rows, T, kv_heads, head_dim]`` at the step's slots; return the readable views

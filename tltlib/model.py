@@ -371,6 +371,11 @@ class Transformer(nn.Module):
                     nn.init.normal_(p, std=init_std)
 
     @property
+    def device(self) -> torch.device:
+        """Where the weights live."""
+        return self.embed.weight.device
+
+    @property
     def head_weight(self) -> torch.Tensor:
         """The ``[vocab, H]`` LM-head matrix (the embedding when tied)."""
         return self.embed.weight if self.lm_head is None else self.lm_head.weight

@@ -22,17 +22,7 @@ from pathlib import Path
 from .fileio import atomic_file, atomic_folder, atomic_write_text, check_writable, read_json
 from .params import ROOT, plan_run, resolve
 
-__all__ = ["resolve", "pick_device", "write_metrics", "read_metrics", "save_figure", "run_notebooks"]
-
-
-def pick_device(name: str = "auto") -> str:
-    """``"auto"`` -> ``"cuda"`` when available, else ``"cpu"``; other names are checked and returned."""
-    import torch
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"DEVICE={name!r} but CUDA is not available here; use DEVICE='cpu' or 'auto'")
-    return name
+__all__ = ["resolve", "write_metrics", "read_metrics", "save_figure", "run_notebooks"]
 
 
 def _jsonable(x):

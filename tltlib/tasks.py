@@ -218,6 +218,17 @@ def load_problems(path: str | os.PathLike, limit: int | None = None) -> list[Pro
     return out
 
 
+def problems_for(dataset: str | os.PathLike, count: int, seed: int, skip: int = 0,
+                 task: ChainTaskConfig | None = None) -> list[Problem]:
+    """``count`` problems: from ``dataset`` (rows ``skip .. skip + count``, wrapping around a short file) or, when
+    ``dataset`` is empty, freshly generated chain problems seeded ``seed`` (``task`` shapes them)."""
+    from .params import resolve
+    if not dataset:
+        return generate_problems(task or ChainTaskConfig(), count, seed)
+    rows = load_problems(resolve(dataset))
+    return [rows[(skip + i) % len(rows)] for i in range(count)]
+
+
 def _verl_row(p: Problem, index: int) -> dict:
     prompt = list(p.prompt) if not isinstance(p.prompt, str) else [{"role": "user", "content": p.prompt}]
     return {"data_source": p.meta.get("source", "tltlib"), "prompt": prompt, "ability": "math",
