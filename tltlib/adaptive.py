@@ -199,6 +199,25 @@ class BEGMAB:
                 if which is None or which(a):
                     w.clear()
 
+    def state_dict(self) -> dict:
+        """Windows, play counts and the exploration RNG (JSON-able), to resume tuning where it stopped."""
+        return {"windows": [{a.name: list(w) for a, w in wins.items()} for wins in self.windows],
+                "plays": [{a.name: n for a, n in p.items()} for p in self.plays],
+                "rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, d: dict) -> None:
+        names = [[a.name for a in arms] for arms in self.bucket_arms]
+        if [sorted(w) for w in d["windows"]] != [sorted(n) for n in names]:
+            raise ValueError("the saved tuner has other buckets or arms than this one; use the same TunerConfig")
+        for wins, saved in zip(self.windows, d["windows"]):
+            for a, w in wins.items():
+                w.clear()
+                w.extend(saved[a.name])
+        for plays, saved in zip(self.plays, d["plays"]):
+            for a in plays:
+                plays[a] = saved[a.name]
+        self.rng.bit_generator.state = d["rng"]
+
     def best_by_bucket(self) -> list[dict]:
         """Per bucket with measurements: its batch range, the arm with the best median reward, and that reward."""
         best: dict[int, dict] = {}
@@ -397,6 +416,16 @@ class AdaptiveController(StrategySource):
         self.alpha: dict[str, float] = {}         # measured per-token acceptance by family ("learned", "ngram")
         self.log: dict[str, list] = {"active": [], "arm": [], "reward": [], "tokens_per_s": []}
         self.resets = 0
+
+    def state_dict(self) -> dict:
+        """The tuner, the measured acceptance, the drafter version seen and the log (JSON-able)."""
+        return {"tuner": self.tuner.state_dict(), "alpha": dict(self.alpha), "version": self._version,
+                "resets": self.resets, "log": {k: list(v) for k, v in self.log.items()}}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.tuner.load_state_dict(d["tuner"])
+        self.alpha, self._version, self.resets = dict(d["alpha"]), d["version"], d["resets"]
+        self.log = {k: list(v) for k, v in d["log"].items()}
 
     def _prior(self, arm: SpecStrategy, batch: int) -> float:
         family = "ngram" if arm.kind == "ngram" else "learned"

@@ -52,12 +52,17 @@ class DrafterTrainConfig:
     """Gradient-norm clip."""
     eval_depth: int = 5
     """Depths at which top-1 accuracy is reported."""
+    schedule: str = "cosine"
+    """``"cosine"`` (warm-up, then cosine to 10% over ``steps``: offline) or ``"constant"`` (after the warm-up:
+    online training, which has no end)."""
     seed: int = 0
     """Seeds batch sampling."""
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_sequences < 1 or self.eval_depth < 1:
             raise ValueError("steps, batch_sequences and eval_depth must be >= 1")
+        if self.schedule not in ("cosine", "constant"):
+            raise ValueError(f"schedule must be 'cosine' or 'constant', got {self.schedule!r}")
         if self.lr <= 0 or self.hidden_weight < 0 or self.token_weight < 0:
             raise ValueError("lr must be > 0 and the loss weights >= 0")
 
@@ -174,6 +179,8 @@ class DrafterTrainer:
         c = self.cfg
         if step < c.warmup_steps:
             return c.lr * (step + 1) / c.warmup_steps
+        if c.schedule == "constant":
+            return c.lr
         frac = min(1.0, (step - c.warmup_steps) / max(1, c.steps - c.warmup_steps))
         return c.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 

@@ -384,15 +384,21 @@ class Transformer(nn.Module):
         """LM head applied to final (post-norm) hidden states ``[..., H] -> [..., vocab]``."""
         return F.linear(hidden, self.head_weight)
 
-    def forward(self, tokens: torch.Tensor, return_hidden: bool = False):
-        """Training forward: ``tokens [B, T]`` (right-padded) -> logits ``[B, T, V]`` (and hidden ``[B, T, H]``)."""
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Training forward without the head: ``tokens [B, T]`` (right-padded) -> final hidden ``[B, T, H]``.
+
+        RL computes the log-probabilities of chosen tokens from these in chunks, never all ``[B, T, V]`` logits."""
         b, t = tokens.shape
         positions = torch.arange(t, device=tokens.device).expand(b, t)
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.embed.weight.dtype)
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin)
-        hidden = self.norm(x)
+        return self.norm(x)
+
+    def forward(self, tokens: torch.Tensor, return_hidden: bool = False):
+        """Training forward: ``tokens [B, T]`` (right-padded) -> logits ``[B, T, V]`` (and hidden ``[B, T, H]``)."""
+        hidden = self.hidden_states(tokens)
         logits = self.logits(hidden)
         return (logits, hidden) if return_hidden else logits
 

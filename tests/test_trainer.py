@@ -1,0 +1,114 @@
+"""The RL loop: the optimizer updates the module the engine decodes with, the online drafter trains on the rollout's
+pairs (and never touches the target), micro-batched updates equal one full batch, a resumed run is bit-identical,
+and bad input is one clear error."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tltlib.checkpoint import load
+from tltlib.grpo import GRPOConfig
+from tltlib.tasks import ChainTaskConfig, generate_problems
+from tltlib.trainer import GRPOTrainer, TLTConfig
+
+PROBLEMS = generate_problems(ChainTaskConfig(min_steps=3, max_steps=6), 40, seed=3)
+ARGS = GRPOConfig(num_generations=2, generation_batch_size=8, max_completion_length=72, temperature=1.5,
+                  learning_rate=1e-3, max_steps=3, seed=5, micro_batch_tokens=200)
+TLT = TLTConfig(speculative="chain-3", drafter_steps=2, drafter_batch=2, drafter_lr=1e-3)
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return load("data/tiny-reasoner", "data/tiny-reasoner-drafter")
+
+
+def _fresh(shipped, args=ARGS, tlt=TLT, drafter=True):
+    model, tok, d = shipped
+    model, d = copy.deepcopy(model), copy.deepcopy(d)
+    d.attach(model)
+    return GRPOTrainer(model, tok, PROBLEMS, args, drafter=d if drafter else None, tlt=tlt if drafter else None)
+
+
+def _state(trainer):
+    return {**{f"policy.{k}": v.clone() for k, v in trainer.model.state_dict().items()},
+            **{f"drafter.{k}": v.clone() for k, v in trainer.drafter.state_dict().items()}}
+
+
+def test_a_step_updates_the_decoding_module_and_the_drafter_trains_on_the_stream(shipped):
+    tr = _fresh(shipped)
+    assert tr.engine.model is tr.model and tr.drafter.is_attached_to(tr.model)
+    before = _state(tr)
+    m = tr.step()
+    after = _state(tr)
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert any(k.startswith("policy.") for k in changed) and any(k.startswith("drafter.") for k in changed)
+    assert tr.buffer.num_pairs > 0 and m["drafter/version"] == 2
+    for key in ("rl/reward_mean", "rl/loss", "rl/grad_norm", "rollout/time_s", "spec/accept_len_mean",
+                "drafter/loss", "time/rollout_s", "time/update_s", "time/drafter_s", "time/step_s"):
+        assert key in m, key
+
+
+def test_drafter_training_never_changes_the_target(shipped):
+    tr = _fresh(shipped)
+    tr.step()
+    policy = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    for _ in range(3):
+        tr.drafter_trainer.step(tr.buffer.sample(2))
+    assert all(torch.equal(policy[k], v) for k, v in tr.model.state_dict().items())
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_micro_batched_update_equals_one_full_batch(shipped, loss_type):
+    from dataclasses import replace
+    small = replace(ARGS, loss_type=loss_type, micro_batch_tokens=40, max_steps=1)
+    big = replace(small, micro_batch_tokens=10 ** 6)
+    a, b = _fresh(shipped, small, drafter=False), _fresh(shipped, big, drafter=False)
+    a.step(), b.step()
+    for (k, x), y in zip(a.model.state_dict().items(), b.model.state_dict().values()):
+        torch.testing.assert_close(x, y, atol=2e-6, rtol=1e-5, msg=k)
+
+
+def test_resumed_run_is_bit_identical(shipped, tmp_path):
+    straight = _fresh(shipped)
+    straight.train(3)
+    first = _fresh(shipped)
+    first.train(2, save_to=tmp_path / "ckpt")
+    resumed = _fresh(shipped).load(tmp_path / "ckpt")            # fresh objects, as after a killed process
+    assert resumed.step_count == 2
+    resumed.train(1)
+    a, b = _state(straight), _state(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
+    assert [h["rl/reward_mean"] for h in straight.history] == [h["rl/reward_mean"] for h in resumed.history]
+
+
+def test_resume_from_another_configuration_or_model_is_refused(shipped, tmp_path):
+    from dataclasses import replace
+    tr = _fresh(shipped)
+    tr.save(tmp_path / "ckpt")
+    other = _fresh(shipped, replace(ARGS, learning_rate=5e-4))
+    with pytest.raises(ValueError, match="another model or configuration \\(differs in grpo.learning_rate\\)"):
+        other.load(tmp_path / "ckpt")
+    with pytest.raises(FileNotFoundError, match="not a tltlib GRPO checkpoint"):
+        other.load(tmp_path)
+    _fresh(shipped, replace(ARGS, max_steps=9)).load(tmp_path / "ckpt")   # more steps: allowed
+
+
+def test_bad_input_is_one_clear_error(shipped):
+    model, tok, drafter = shipped
+    with pytest.raises(ValueError, match="drafter_steps is the drafter-training budget per RL step and must be >= 0"):
+        TLTConfig(drafter_steps=-1)
+    with pytest.raises(ValueError, match="3 training problems but a step needs 4"):
+        GRPOTrainer(model, tok, PROBLEMS[:3], ARGS)
+    with pytest.raises(ValueError, match="speculative='chain-3' needs a learned drafter"):
+        GRPOTrainer(model, tok, PROBLEMS, ARGS, tlt=TLT)
+    with pytest.raises(ValueError, match="cannot read speculative strategy 'fast'"):
+        TLTConfig(speculative="fast")
+
+    def bad_reward(prompts, completions, **kw):
+        return [1.0]
+
+    tr = GRPOTrainer(copy.deepcopy(model), tok, PROBLEMS, ARGS, reward_funcs=[bad_reward])
+    with pytest.raises(ValueError, match="reward function bad_reward returned 1 values for 8 completions"):
+        tr.step()
