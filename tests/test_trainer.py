@@ -45,6 +45,10 @@ def test_a_step_updates_the_decoding_module_and_the_drafter_trains_on_the_stream
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert any(k.startswith("policy.") for k in changed) and any(k.startswith("drafter.") for k in changed)
     assert tr.buffer.num_pairs > 0 and m["drafter/version"] == 2
+    from tltlib.profiling import is_metric
+    ev = tr.evaluate(PROBLEMS[:4])
+    assert all(is_metric(k) for k in [*m, *ev]), [k for k in [*m, *ev] if not is_metric(k)]
+    assert 0 <= ev["eval/accuracy"] <= 1
     for key in ("rl/reward_mean", "rl/loss", "rl/grad_norm", "rollout/time_s", "spec/accept_len_mean",
                 "drafter/loss", "time/rollout_s", "time/update_s", "time/drafter_s", "time/step_s"):
         assert key in m, key

@@ -126,6 +126,13 @@ def cmd_train_drafter(args) -> int:
     return 0
 
 
+def cmd_train_grpo(args) -> int:
+    from .rljob import run_job
+    run_job(args.params, output_dir=args.resume or args.output_dir, resume=bool(args.resume),
+            max_steps=args.max_steps, progress=not args.quiet)
+    return 0
+
+
 def cmd_bench(args) -> int:
     import runpy
     script = ROOT / "bench" / f"{args.name}.py"
@@ -185,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--steps", type=int, default=1500)
     td.add_argument("--seed", type=int, default=0)
     td.add_argument("--quiet", action="store_true")
+    tg = sub.add_parser("train-grpo", help="GRPO with TLT from a parameter file (one JSON line of metrics per step)")
+    tg.add_argument("--params", default="params/train/cpu-tiny.yaml", help="train-grpo parameter file")
+    tg.add_argument("--output-dir", help="checkpoints and metrics.jsonl (default runs/train-grpo/<params name>)")
+    tg.add_argument("--resume", metavar="DIR", help="continue the run checkpointed in DIR")
+    tg.add_argument("--max-steps", type=int, help="stop after this many RL steps (default: grpo.max_steps)")
+    tg.add_argument("--quiet", action="store_true", help="no progress bar (the JSON lines still print)")
     b = sub.add_parser("bench", help="run bench/NAME.py (e.g. decode)")
     b.add_argument("name")
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -204,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         i = argv.index(args.cmd)                      # the same command line inside .venv (run -> run-notebooks)
         _reexec_in_venv([*argv[:i], "run-notebooks" if args.cmd == "run" else args.cmd, *argv[i + 1:]])
     handlers = {"run": cmd_run_notebooks, "run-notebooks": cmd_run_notebooks, "test": cmd_test,
-                "train-reasoner": cmd_train_reasoner, "train-drafter": cmd_train_drafter, "bench": cmd_bench}
+                "train-reasoner": cmd_train_reasoner, "train-drafter": cmd_train_drafter, "train-grpo": cmd_train_grpo,
+                "bench": cmd_bench}
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return handlers[args.cmd](args)

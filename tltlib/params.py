@@ -266,9 +266,9 @@ def inferred(default) -> Param:
 
 
 def _spelling(key: str, names) -> str:
-    close = [n for n in sorted(names) if n.upper() == str(key).upper()] or difflib.get_close_matches(
-        str(key).upper(), sorted(names), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
+    by_upper = {n.upper(): n for n in names}
+    close = difflib.get_close_matches(str(key).upper(), sorted(by_upper), n=1, cutoff=0.6)
+    return f" (did you mean {by_upper[close[0]]}?)" if close else ""
 
 
 def plan_run(params: str | os.PathLike, notebooks: list[Path], selected: list[Path]) -> list[tuple[Path, dict]]:
@@ -324,3 +324,50 @@ def plan_run(params: str | os.PathLike, notebooks: list[Path], selected: list[Pa
         raise ValueError(f"{path}: " + (problems[0] if len(problems) == 1 else
                                         f"{len(problems)} problems:\n  - " + "\n  - ".join(problems)))
     return [(nb, plan[nb]) for nb in selected]
+
+
+# ------------------------------------------------------------------------------------------ config sections
+def dataclass_from_mapping(cls, values: dict | None, source: str):
+    """Build the frozen config dataclass ``cls`` from a YAML mapping, refusing (with ``source`` and the key named)
+    keys it does not have (with the closest spelling) and values whose type is not the field's (a list is
+    accepted for a tuple field). The dataclass's own checks then run as usual."""
+    import dataclasses
+    import typing
+    values = dict(values or {})
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(f"{source}: {unknown[0]!r} is not a {cls.__name__} setting"
+                         f"{_spelling(unknown[0], fields) or ''}; settings: {', '.join(fields)}")
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for k, v in values.items():
+        want = hints[k]
+        allowed = typing.get_args(want) if typing.get_origin(want) in (typing.Union, __import__("types").UnionType) \
+            else (want,)
+        ok = False
+        for t in allowed:
+            base = typing.get_origin(t) or t
+            if t is type(None):
+                ok |= v is None
+            elif base is bool:
+                ok |= isinstance(v, bool)
+            elif base is int:
+                ok |= isinstance(v, int) and not isinstance(v, bool)
+            elif base is float:
+                ok |= isinstance(v, (int, float)) and not isinstance(v, bool)
+            elif base is tuple:
+                ok |= isinstance(v, (list, tuple))
+                v = tuple(v) if ok and isinstance(v, list) else v
+            else:
+                ok |= isinstance(v, base)
+        if not ok:
+            names = {bool: "true/false", int: "an integer", float: "a number", str: "a string", tuple: "a list",
+                     type(None): "null"}
+            what = " or ".join(names.get(typing.get_origin(t) or t, str(t)) for t in allowed)
+            raise ValueError(f"{source}: {k} = {v!r} is not {what}")
+        out[k] = v
+    try:
+        return cls(**out)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{source}: {e}") from None

@@ -60,7 +60,33 @@ METRICS: dict[str, str] = {
     "spec/chi2_pvalue": "chi-square p-value of plain vs speculative samples (large = same distribution)",
     "rl/reward_mean": "mean reward of the rollout's responses",
     "rl/accuracy": "share of responses whose final answer is correct",
+    "rl/step": "RL steps done",
+    "rl/reward_std": "standard deviation of the rollout's rewards",
+    "rl/loss": "GRPO loss of the update (mean over iterations)",
+    "rl/kl": "mean per-token KL to the reference policy (beta > 0)",
+    "rl/clip_frac": "share of completion tokens whose ratio was clipped",
+    "rl/grad_norm": "policy gradient norm before clipping",
+    "rl/completion_len_mean": "mean completion length (tokens)",
+    **{f"rl/reward/{name}": f"mean reward of the reward function {name}" for name in ("accuracy_reward",)},
+    "drafter/version": "drafter weight version (moves with every training micro-step)",
+    "drafter/buffer_pairs": "(hidden, token) pairs held in the drafter's buffer",
+    "update/tokens": "tokens through the policy's forward and backward (all iterations)",
+    "update/padding_frac": "share of the update's forward tokens that were padding",
+    "update/tokens_per_s": "update tokens per second",
+    "time/rollout_s": "RL step phase: rollout (s)",
+    "time/reward_s": "RL step phase: rewards and advantages (s)",
+    "time/logprob_s": "RL step phase: reference / old-policy log-probabilities (s)",
+    "time/update_s": "RL step phase: policy update (s)",
+    "time/drafter_s": "RL step phase: drafter training (s)",
+    "time/step_s": "RL step wall time (s)",
+    "eval/accuracy": "held-out accuracy (greedy decoding)",
+    "eval/len_mean": "held-out mean response length (greedy decoding)",
 }
+
+
+def is_metric(key: str) -> bool:
+    """Whether ``key`` belongs to the vocabulary (``rl/reward/<function>`` keys are open-ended)."""
+    return key in METRICS or key.startswith("rl/reward/")
 
 
 def length_stats(lengths: Sequence[int] | np.ndarray) -> dict[str, float]:

@@ -33,7 +33,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -280,6 +280,19 @@ class GRPOTrainer:
         self.history.append(m)
         return m
 
+    @torch.no_grad()
+    def evaluate(self, problems, strategy: str | None = "chain-8") -> dict:
+        """Held-out accuracy with greedy decoding (``eval/*``). With a drafter the rollout uses ``strategy``
+        (speculative decoding is exact at temperature 0, so only the time changes); the tuner learns nothing."""
+        engine = RolloutEngine(self.model, RolloutConfig(replace(self.sampling, temperature=0.0), group_size=1),
+                               drafter=self.drafter)
+        res = engine.generate(encode_prompts(problems, self.tokenizer),
+                              strategy=strategy if self.drafter is not None else None)
+        texts = res.texts(self.tokenizer)
+        return {"eval/accuracy": float(np.mean([accuracy_reward([p.prompt], [t], [p.answer])[0]
+                                                for p, t in zip(problems, texts)])),
+                "eval/len_mean": float(res.lengths.float().mean())}
+
     def train(self, steps: int | None = None, on_step=None, save_to: str | os.PathLike | None = None) -> list[dict]:
         """Run ``steps`` more RL steps (default: up to ``args.max_steps``); ``on_step(metrics)`` after each; with
         ``save_to``, checkpoint every ``save_steps`` steps and at the end."""
@@ -303,11 +316,12 @@ class GRPOTrainer:
                 "drafter": self.drafter is not None, "rewards": [reward_name(f) for f in self.reward_funcs]}
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write a checkpoint folder atomically (a temporary folder renamed over ``path``)."""
+        """Write a checkpoint folder atomically (a temporary folder renamed over ``path``; other files there, such
+        as the run's metrics.jsonl, are carried over)."""
         from safetensors.torch import save_file
 
         from .fileio import atomic_folder
-        with atomic_folder(path) as tmp:
+        with atomic_folder(path, keep_existing=True) as tmp:
             meta = {"format": CHECKPOINT_FORMAT, "step": self.step_count, "fingerprint": self.fingerprint(),
                     "numpy_rng": self.rng.bit_generator.state, "history": self.history,
                     "controller": self.controller.state_dict() if self.controller is not None else None,

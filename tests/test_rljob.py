@@ -1,0 +1,84 @@
+"""``python -m tltlib train-grpo``: the parameter file is checked before anything loads, every step prints one JSON
+line, and a run killed mid-way and resumed ends with exactly the weights of an uninterrupted run."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tltlib.rljob import read_job, read_metrics_log
+
+ROOT = Path(__file__).resolve().parent.parent
+SMOKE = ROOT / "params" / "train" / "smoke.yaml"
+ENV = {**os.environ, "TLTLIB_NO_VENV": "1"}
+
+
+def _cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "tltlib", "train-grpo", "--quiet", *args], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, **kw)
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+    return load_file(str(Path(folder) / "policy.safetensors"))
+
+
+def test_shipped_files_parse():
+    for f in (ROOT / "params" / "train").glob("*.yaml"):
+        if "gpu" in f.name:
+            continue                                   # its paths exist only on a GPU node
+        spec = read_job(f)
+        assert spec.grpo.generation_batch_size % spec.grpo.num_generations == 0
+
+
+@pytest.mark.parametrize("text,error,match", [
+    ("model: data/tiny-reasoner\nlearning_rate: 1\n", ValueError, "'learning_rate' is not a train-grpo setting"),
+    ("model: data/tiny-reasoner\ngrpo: {learning_rat: 1.0e-5}\n", ValueError,
+     "grpo: 'learning_rat' is not a GRPOConfig setting \\(did you mean learning_rate\\?\\)"),
+    ("model: data/tiny-reasoner\ngrpo: {num_generations: lots}\n", ValueError, "num_generations = 'lots' is not an "
+                                                                              "integer"),
+    ("model: data/tiny-reasoner\ngrpo: {num_generations: 1}\n", ValueError, "num_generations must be >= 2"),
+    ("model: data/tiny-reasoner\ngrpo: {num_generations: 3, generation_batch_size: 8}\n", ValueError,
+     "must be a positive multiple of num_generations"),
+    ("model: data/tiny-reasoner\ntlt: {drafter_steps: -1}\n", ValueError, "drafter-training budget"),
+    ("model: data/tiny-reasoner\ntlt: {speculative: chain-4}\n", ValueError, "needs a learned drafter"),
+    ("model: /nope\n", FileNotFoundError, "model '/nope' does not exist"),
+    ("drafter: data/tiny-reasoner-drafter\n", ValueError, "'model' is missing"),
+])
+def test_bad_files_are_refused_before_anything_loads(tmp_path, text, error, match):
+    f = tmp_path / "job.yaml"
+    f.write_text(text)
+    with pytest.raises(error, match=match):
+        read_job(f)
+
+
+def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(tmp_path):
+    straight = _cli("--params", str(SMOKE), "--output-dir", str(tmp_path / "a"))
+    assert straight.returncode == 0, straight.stderr
+    lines = [json.loads(x) for x in straight.stdout.splitlines()]
+    assert [x["rl/step"] for x in lines] == [1, 2, 3] and "eval/accuracy" in lines[-1]
+    # the second run is killed (SIGKILL: no clean-up at all) once its first checkpoint exists
+    proc = subprocess.Popen([sys.executable, "-m", "tltlib", "train-grpo", "--quiet", "--params", str(SMOKE),
+                             "--output-dir", str(tmp_path / "b")], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (tmp_path / "b" / "trainer_state.json").is_file():
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (tmp_path / "b" / "trainer_state.json").is_file()
+    again = _cli("--params", str(SMOKE), "--output-dir", str(tmp_path / "b"))
+    assert again.returncode == 1 and "already holds a training run" in again.stderr
+    resumed = _cli("--params", str(SMOKE), "--resume", str(tmp_path / "b"))
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    steps = [m["rl/step"] for m in read_metrics_log(tmp_path / "b")]
+    assert steps == [1, 2, 3], steps                    # no step logged twice
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]   # no temporary folder left

@@ -1,0 +1,164 @@
+"""An RL job from a parameter file: ``python -m tltlib train-grpo --params FILE`` (the GPU-node entry point).
+
+The file (YAML) names the model, the drafter, the data and the two configuration sections::
+
+    model: data/tiny-reasoner              # local checkpoint folder
+    drafter: data/tiny-reasoner-drafter    # "" = no learned drafter
+    dataset: ""                            # .jsonl / .parquet; "" = the chain task
+    train_problems: 4096                   # prompts drawn from (chain task: generated; dataset: first rows)
+    eval_problems: 128                     # held-out prompts for eval/accuracy ("" dataset: generated apart)
+    eval_steps: 10                         # evaluate every N steps (0 = at the end only)
+    device: auto
+    dtype: float32
+    grpo: {num_generations: 8, ...}        # tltlib.grpo.GRPOConfig (TRL's names)
+    tlt: {speculative: adaptive, ...}      # tltlib.trainer.TLTConfig; null = the baseline (plain decoding)
+
+Every key and value is checked before anything loads (unknown keys with the closest spelling, wrong types, the
+dataclasses' own checks). The job prints one JSON line of metrics per step (``rl/*``, ``rollout/*``, ``spec/*``,
+``drafter/*``, ``time/*``) and appends it to ``OUTPUT/metrics.jsonl``; checkpoints go to ``OUTPUT`` every
+``grpo.save_steps`` steps and at the end; ``--resume OUTPUT`` continues a run exactly where it stopped.
+
+Departures: none (tooling).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .fileio import atomic_write_text, check_output_folder
+from .params import dataclass_from_mapping, params_path, resolve
+
+TOP_LEVEL = {"model": str, "drafter": str, "dataset": str, "train_problems": int, "eval_problems": int,
+             "eval_steps": int, "device": str, "dtype": str, "grpo": dict, "tlt": (dict, type(None))}
+
+
+@dataclass
+class JobSpec:
+    """A checked parameter file."""
+
+    source: str
+    model: str
+    drafter: str
+    dataset: str
+    train_problems: int
+    eval_problems: int
+    eval_steps: int
+    device: str
+    dtype: str
+    grpo: object
+    tlt: object
+
+
+def read_job(params: str | os.PathLike) -> JobSpec:
+    """Parse and check a train-grpo parameter file (no model is loaded)."""
+    import yaml
+
+    from .grpo import GRPOConfig
+    from .trainer import TLTConfig
+    path = params_path(params)
+    try:
+        d = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: expected a mapping with model, grpo, tlt, ...")
+    unknown = sorted(set(d) - set(TOP_LEVEL))
+    if unknown:
+        raise ValueError(f"{path}: {unknown[0]!r} is not a train-grpo setting; settings: {', '.join(TOP_LEVEL)}")
+    defaults = {"drafter": "", "dataset": "", "train_problems": 4096, "eval_problems": 128, "eval_steps": 0,
+                "device": "auto", "dtype": "float32", "grpo": {}, "tlt": {}}
+    values = {**defaults, **d}
+    if "model" not in d:
+        raise ValueError(f"{path}: 'model' is missing: give the local checkpoint folder of the policy")
+    for k, want in TOP_LEVEL.items():
+        v = values[k]
+        if isinstance(v, bool) or not isinstance(v, want):
+            raise ValueError(f"{path}: {k} = {v!r} has the wrong type; expected {getattr(want, '__name__', 'a mapping or null')}")
+    for k in ("train_problems", "eval_problems"):
+        if values[k] < (1 if k == "train_problems" else 0):
+            raise ValueError(f"{path}: {k} must be >= {1 if k == 'train_problems' else 0}, got {values[k]}")
+    for k, kind in (("model", "dir"), ("drafter", "dir"), ("dataset", "file")):
+        p = values[k]
+        if p and not (resolve(p).is_dir() if kind == "dir" else resolve(p).is_file()):
+            raise FileNotFoundError(f"{path}: {k} {p!r} does not exist")
+    grpo = dataclass_from_mapping(GRPOConfig, values["grpo"], f"{path}: grpo")
+    tlt = None if values["tlt"] is None else dataclass_from_mapping(TLTConfig, values["tlt"], f"{path}: tlt")
+    if tlt is not None and not values["drafter"] and tlt.speculative not in ("off",) and not \
+            tlt.speculative.startswith("ngram"):
+        raise ValueError(f"{path}: tlt.speculative = {tlt.speculative!r} needs a learned drafter: set 'drafter' (or "
+                         "use speculative: off / ngram-D, or tlt: null for the baseline)")
+    return JobSpec(str(path), values["model"], values["drafter"], values["dataset"], values["train_problems"],
+                   values["eval_problems"], values["eval_steps"], values["device"], values["dtype"], grpo, tlt)
+
+
+def build(spec: JobSpec, progress: bool = False):
+    """(trainer, held-out problems) for a job spec: loads the model, tokenizer, drafter and data."""
+    from .checkpoint import load
+    from .tasks import ChainTaskConfig, problems_for
+    from .trainer import GRPOTrainer
+    model, tok, drafter = load(spec.model, spec.drafter or None, device=spec.device, dtype=spec.dtype)
+    seed = spec.grpo.seed
+    train = problems_for(spec.dataset, spec.train_problems, seed)
+    held = []                                      # held-out: rows after the training ones / other seeds
+    if spec.eval_problems:
+        held = problems_for(spec.dataset, spec.eval_problems, seed + 10_000, skip=spec.train_problems,
+                            task=ChainTaskConfig(zipf_exponent=0.6))
+    trainer = GRPOTrainer(model, tok, train, spec.grpo, drafter=drafter if spec.tlt is not None else None,
+                          tlt=spec.tlt, progress=progress)
+    return trainer, held
+
+
+def run_job(params: str | os.PathLike, output_dir: str | os.PathLike | None = None, resume: bool = False,
+            max_steps: int | None = None, progress: bool = True, out=sys.stdout) -> list[dict]:
+    """Train as the file says, writing checkpoints and metrics.jsonl to ``output_dir`` (default
+    ``runs/train-grpo/<params name>``); ``resume``: continue the run saved there."""
+    from tqdm.auto import tqdm
+    spec = read_job(params)
+    output = Path(output_dir) if output_dir else resolve("runs") / "train-grpo" / Path(spec.source).stem
+    is_checkpoint = lambda p: (p / "trainer_state.json").is_file()        # noqa: E731
+    if resume:
+        if not is_checkpoint(output):
+            raise FileNotFoundError(f"nothing to resume in {str(output)!r}: it holds no checkpoint "
+                                    "(trainer_state.json); start the run without --resume")
+    else:
+        check_output_folder(output, False, is_checkpoint, "training run")
+    trainer, held = build(spec, progress=False)
+    log_file = output / "metrics.jsonl"
+    if resume:
+        trainer.load(output)
+        if log_file.is_file():                     # drop lines of steps done after the checkpoint (they re-run)
+            kept = [line for line in log_file.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("rl/step", 0) <= trainer.step_count]
+            atomic_write_text(log_file, "".join(f"{line}\n" for line in kept))
+    steps = (max_steps or spec.grpo.max_steps) - trainer.step_count
+    bar = tqdm(total=max(steps, 0), desc="GRPO steps", unit="step", disable=not progress)
+
+    def emit(m):
+        line = json.dumps(m, default=float)
+        print(line, file=out, flush=True)
+        output.mkdir(parents=True, exist_ok=True)
+        with open(log_file, "a", encoding="utf-8") as fh:
+            fh.write(line + "\n")
+
+    def on_step(m):
+        last = trainer.step_count == (max_steps or spec.grpo.max_steps)
+        if held and (last or spec.eval_steps and trainer.step_count % spec.eval_steps == 0):
+            m.update(trainer.evaluate(held))
+        emit(m)
+        bar.update(1)
+        bar.set_postfix(reward=f"{m['rl/reward_mean']:.3f}", step_s=f"{m['time/step_s']:.1f}")
+
+    history = trainer.train(max(steps, 0), on_step=on_step, save_to=output)
+    bar.close()
+    return history
+
+
+def read_metrics_log(output_dir: str | os.PathLike) -> list[dict]:
+    """The per-step metrics a run appended to ``metrics.jsonl``."""
+    path = Path(output_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics.jsonl in {str(output_dir)!r}")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
