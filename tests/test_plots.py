@@ -68,3 +68,28 @@ def test_predicted_speedups_plots_one_curve_per_arm():
     curves = [l for l in ax.lines if len(l.get_xdata()) == 3]
     assert len(curves) == 2
     np.testing.assert_allclose(curves[1].get_ydata(), [cm.predict(arms[1], b, 0.9) for b in (1, 8, 64)])
+
+
+def test_step_time_bars_stack_the_phases_and_label_the_rollout_share():
+    phases = {"baseline": {"rollout": 6.0, "update": 3.0, "logprob": 0.0, "drafter": 0.0, "reward": 1.0},
+              "TLT": {"rollout": 3.0, "update": 3.0, "logprob": 0.0, "drafter": 0.5, "reward": 0.5}}
+    ax = plots.step_time_bars(phases).axes[0]
+    tops = {}
+    for bar in ax.patches:
+        x = round(bar.get_x() + bar.get_width() / 2)
+        tops[x] = max(tops.get(x, 0), bar.get_y() + bar.get_height())
+    assert tops == {0: pytest.approx(10.0), 1: pytest.approx(7.0)}
+    assert [t.get_text() for t in ax.texts] == ["60%", "43%"]
+
+
+def test_reward_curves_draw_the_seed_mean():
+    ax = plots.reward_curves({"baseline": [[0.5, 0.7], [0.6, 0.8]], "TLT": [[0.4, 0.6], [1.0, 1.0]]}).axes[0]
+    np.testing.assert_allclose(ax.lines[0].get_ydata(), [0.6, 0.7])
+    np.testing.assert_allclose(ax.lines[1].get_ydata(), [0.5, 1.0])
+
+
+def test_acceptance_curves_one_line_per_drafter():
+    acc = [{"step": 1, "online": 3.0, "frozen": 2.0, "ngram": 1.1}, {"step": 2, "online": 4.0, "frozen": 2.0,
+                                                                       "ngram": 1.2}]
+    ax = plots.acceptance_curves(acc).axes[0]
+    assert [list(line.get_ydata()) for line in ax.lines] == [[3.0, 4.0], [2.0, 2.0], [1.1, 1.2]]

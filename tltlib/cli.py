@@ -48,10 +48,12 @@ def _pip(*args: str) -> None:
     subprocess.run(cmd, check=True, stdin=subprocess.DEVNULL)
 
 
-def setup(force: bool = False) -> None:
-    """Create ``.venv`` and install torch + ``tltlib[notebooks,dev]`` into it; a no-op when already done."""
+def setup(force: bool = False, extras: tuple[str, ...] = ()) -> None:
+    """Create ``.venv`` and install torch + ``tltlib[notebooks,dev]`` (+ ``extras``) into it; a no-op when done."""
     gpu = has_nvidia_gpu()
-    stamp_text = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest() + ("-gpu" if gpu else "-cpu")
+    wanted = ",".join(("notebooks", "dev", *extras))
+    stamp_text = (hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest() + ("-gpu" if gpu else "-cpu")
+                  + (f"-{wanted}" if extras else ""))
     stamp = VENV / ".tltlib-setup"
     if not force and stamp.is_file() and stamp.read_text() == stamp_text and _venv_python().exists():
         return
@@ -70,7 +72,7 @@ def setup(force: bool = False) -> None:
                 _pip(CPU_TORCH)
             except subprocess.CalledProcessError:
                 _pip(CPU_TORCH, "--index-url", CPU_TORCH_INDEX)
-    _pip(*extra, "-e", f"{ROOT}[notebooks,dev]")
+    _pip(*extra, "-e", f"{ROOT}[{wanted}]")
     stamp.write_text(stamp_text)
 
 
@@ -120,8 +122,10 @@ def cmd_train_reasoner(args) -> int:
 def cmd_train_drafter(args) -> int:
     from .draft_train import DrafterTrainConfig, train_warm_drafter
     out = args.out or str(ROOT / "runs" / "drafters" / f"{Path(args.model).resolve().name}-drafter")
+    command = "python -m tltlib train-drafter " + " ".join(a for a in sys.argv[2:] if a != "--quiet")
     print(train_warm_drafter(args.model, out, DrafterTrainConfig(steps=args.steps), seed=args.seed,
-                             progress=not args.quiet, overwrite=args.overwrite))
+                             progress=not args.quiet, overwrite=args.overwrite, task_max_steps=args.task_max_steps,
+                             command=command.strip()))
     print(f"saved {out}")
     return 0
 
@@ -164,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tltlib", description=__doc__.split("\n")[0])
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("setup", help="create .venv with torch (CPU build without an NVIDIA GPU) and tltlib")
+    su = sub.add_parser("setup", help="create .venv with torch (CPU build without an NVIDIA GPU) and tltlib")
+    su.add_argument("--extras", nargs="+", default=[], choices=["peers"],
+                    help="optional groups: peers = TRL, the GRPO peer of bench/e2e_grpo.py")
     r = sub.add_parser("run", help="set up, then execute every notebook headless (the main job)")
     r.add_argument("--params", default="params/cpu-tiny.yaml", help="papermill parameter file (default %(default)s)")
     r.add_argument("--only", nargs="+", metavar="PREFIX", help="notebook name prefixes to run, e.g. 01 03")
@@ -190,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--out", help="output folder (default runs/drafters/<model folder name>-drafter)")
     td.add_argument("--overwrite", action="store_true", help="replace an existing drafter in --out")
     td.add_argument("--steps", type=int, default=1500)
+    td.add_argument("--task-max-steps", type=int, default=52,
+                    help="train on chain problems of at most this many steps (a drafter warmed on another mix)")
     td.add_argument("--seed", type=int, default=0)
     td.add_argument("--quiet", action="store_true")
     tg = sub.add_parser("train-grpo", help="GRPO with TLT from a parameter file (one JSON line of metrics per step)")
@@ -211,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.cmd == "setup":
-        setup(force=True)
+        setup(force=True, extras=tuple(args.extras))
         return 0
     if not _in_venv() and not os.environ.get("TLTLIB_NO_VENV"):
         i = argv.index(args.cmd)                      # the same command line inside .venv (run -> run-notebooks)

@@ -260,14 +260,14 @@ def measure_acceptance(target, drafter, tokenizer, problems, strategy, temperatu
     return {k: v for k, v in res.stats.items() if k.startswith("spec/")}
 
 
-WARM_CARD = """# tiny-reasoner drafter
+WARM_CARD = """# {name}
 
 An EAGLE-1-style one-layer drafter ({params_k:.0f} K trainable parameters: fc 2H->H + one decoder layer; the
-embedding and LM head are the target's, shared and frozen, not stored here) for `data/tiny-reasoner`.
+embedding and LM head are the target's, shared and frozen, not stored here) for `{target}`.
 
 ## How it was made
-`python -m tltlib train-drafter` — offline warm-up on the target's own rollouts: {n_train} sampled responses
-(temperature 0.9) of chain problems, {pairs} training pairs; {steps} AdamW steps (lr {lr}, batch {batch}
+`{command}` — offline warm-up on the target's own rollouts: {n_train} sampled responses
+(temperature 0.9) of chain problems{mix}, {pairs} training pairs; {steps} AdamW steps (lr {lr}, batch {batch}
 sequences, loss = SmoothL1(hidden) + 0.1 x soft CE), {minutes:.1f} minutes on {threads} CPU threads.
 
 ## Quality on {n_eval} held-out responses
@@ -280,13 +280,18 @@ bonus token): {accept_lines}
 
 
 def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = None, n_train: int = 512,
-                       n_eval: int = 64, seed: int = 0, progress: bool = True, overwrite: bool = False) -> str:
+                       n_eval: int = 64, seed: int = 0, progress: bool = True, overwrite: bool = False,
+                       task_max_steps: int = 52, command: str = "python -m tltlib train-drafter") -> str:
     """Build, train and save the warm drafter for a local target; returns its card.
+
+    ``task_max_steps`` < 52 trains on short chain problems only (a drafter warmed on another problem mix than the
+    one RL then produces: the drift notebook 05 measures).
 
     The output folder is checked before any work (writable; an existing drafter is replaced only with
     ``overwrite``; anything else is never replaced) and written as a whole in one atomic step: weights, config,
     card (README.md) and train_log.json."""
     import json
+    from pathlib import Path
 
     from .checkpoint import load_model
     from .drafter import Drafter, DrafterConfig, is_drafter_folder, save_drafter
@@ -297,8 +302,9 @@ def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = Non
     check_output_folder(out_dir, overwrite, is_drafter_folder, "drafter")
     cfg = cfg or DrafterTrainConfig()
     target, tok = load_model(model_path), load_tokenizer(model_path)
-    train_probs = (generate_problems(ChainTaskConfig(), n_train * 3 // 4, seed=seed + 1000)
-                   + generate_problems(ChainTaskConfig(zipf_exponent=0.3), n_train // 4, seed=seed + 2000))
+    mix = dict(max_steps=task_max_steps)
+    train_probs = (generate_problems(ChainTaskConfig(**mix), n_train * 3 // 4, seed=seed + 1000)
+                   + generate_problems(ChainTaskConfig(zipf_exponent=0.3, **mix), n_train // 4, seed=seed + 2000))
     eval_probs = generate_problems(ChainTaskConfig(zipf_exponent=0.6), n_eval, seed=seed + 3000)
     data = rollout_dataset(target, tok, train_probs, seed=seed, progress=progress)
     eval_data = rollout_dataset(target, tok, eval_probs, seed=seed + 1)
@@ -310,6 +316,8 @@ def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = Non
               for st in (SpecStrategy("chain", 4), SpecStrategy("tree", 6, 4, 24))}
     accs = log["eval_acc"][-1]
     card = WARM_CARD.format(
+        name=f"{Path(out_dir).name}: EAGLE drafter", target=Path(model_path).name, command=command,
+        mix=f" of at most {task_max_steps} steps" if task_max_steps < 52 else "",
         params_k=sum(p.numel() for p in drafter.parameters()) / 1e3, n_train=len(data), pairs=data.num_pairs,
         steps=cfg.steps, lr=cfg.lr, batch=cfg.batch_sequences, minutes=log["train_seconds"] / 60,
         threads=torch.get_num_threads(), n_eval=len(eval_data),

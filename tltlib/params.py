@@ -181,6 +181,15 @@ SCHEMA: dict[str, Param] = {
     "EVAL_DEPTH": _COUNT,
     "N_ACCEPT": _COUNT,
     "ACCEPT_DEPTH": _COUNT,
+    # GRPO with TLT
+    "SEEDS": _COUNT,
+    "MICRO_BATCH_TOKENS": _COUNT,
+    "DRAFTER_STEPS": Param("int", lo=0),
+    "DRAFTER_BATCH": _COUNT,
+    "HELD_OUT": _COUNT,
+    "PROBE_PROMPTS": Param("int", lo=0),
+    "PROBE_STRATEGY": Param("strategy"),
+    "TRL_RESULTS": Param("path", exists="file", empty_ok=True),
 }
 
 

@@ -319,3 +319,61 @@ def predicted_speedups(costs, arms, accept, batches=None, title: str = "Cost mod
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def step_time_bars(phases: dict[str, dict], title: str = "Time of one RL step by phase"):
+    """Stacked bars, one per policy: ``phases = {policy: {"rollout": s, "logprob": s, "update": s, "drafter": s,
+    "reward": s}}``; the rollout's share is written on its segment."""
+    fig, ax = _fig(6.4, 3.6)
+    colors = {"rollout": "#4C72B0", "reward": "#8172B3", "logprob": "#CCB974", "update": "#DD8452",
+              "drafter": "#55A868"}
+    names = list(phases)
+    bottom = np.zeros(len(names))
+    for part, color in colors.items():
+        vals = np.array([float(phases[n].get(part, 0.0)) for n in names])
+        ax.bar(names, vals, bottom=bottom, color=color, label=part)
+        if part == "rollout":
+            totals = np.array([sum(float(v) for k, v in phases[n].items() if k in colors) for n in names])
+            for i, (v, tot) in enumerate(zip(vals, totals)):
+                ax.text(i, v / 2, f"{v / tot:.0%}", ha="center", va="center", color="white", fontsize=8)
+        bottom += vals
+    ax.set_ylabel("seconds per step")
+    ax.set_yscale("log" if bottom.max() > 20 * bottom.min() else "linear")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def reward_curves(reward_by_step: dict[str, list[list[float]]], title: str = "Reward per RL step (mean +- std over seeds)"):
+    """One line per policy with a band of one standard deviation: ``{policy: [[reward of each seed] per step]}``."""
+    fig, ax = _fig()
+    for name, rows in reward_by_step.items():
+        r = np.asarray(rows, dtype=float)
+        x = np.arange(1, len(r) + 1)
+        mean, std = r.mean(1), r.std(1)
+        ax.plot(x, mean, marker="o", markersize=3, label=name)
+        ax.fill_between(x, mean - std, mean + std, alpha=0.25)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("mean reward")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def acceptance_curves(acceptance: list[dict], strategy: str = "chain-8",
+                      title: str = "Accepted length per RL step: the drafter the policy leaves behind"):
+    """Accepted tokens per SD step after every RL step, for the online, frozen and n-gram drafters."""
+    fig, ax = _fig()
+    steps = [a["step"] for a in acceptance]
+    for key, label, style in (("online", "online drafter (trained each step)", "-o"),
+                              ("frozen", "frozen warm drafter", "--s"), ("ngram", "n-gram drafter", ":^")):
+        ax.plot(steps, [a[key] for a in acceptance], style, markersize=3, label=label)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel(f"accepted length ({strategy}, bonus included)")
+    ax.set_ylim(bottom=1.0)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig

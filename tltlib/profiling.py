@@ -80,6 +80,17 @@ METRICS: dict[str, str] = {
     "time/drafter_s": "RL step phase: drafter training (s)",
     "time/step_s": "RL step wall time (s)",
     "eval/accuracy": "held-out accuracy (greedy decoding)",
+    "eval/accuracy_baseline": "held-out accuracy of the baseline runs (mean over seeds)",
+    "eval/accuracy_tlt": "held-out accuracy of the TLT runs (mean over seeds)",
+    "e2e/step_speedup": "baseline RL step time / TLT RL step time",
+    "e2e/rollout_speedup": "baseline rollout time / TLT rollout time",
+    "e2e/amdahl_bound": "step speedup if only the rollout got faster: 1 / ((1 - share) + share / rollout speedup)",
+    "e2e/rollout_share": "share of the baseline RL step spent in the rollout",
+    "e2e/drafter_share": "share of the TLT RL step spent training the drafter",
+    "e2e/reward_overlap": "share of RL steps whose baseline and TLT reward means lie within their summed stds",
+    "spec/accept_len_online_last": "accepted length of the online drafter after the last RL step (probe)",
+    "spec/accept_len_frozen_last": "accepted length of the frozen warm drafter after the last RL step (probe)",
+    "spec/accept_len_ngram_last": "accepted length of the n-gram drafter after the last RL step (probe)",
     "eval/len_mean": "held-out mean response length (greedy decoding)",
 }
 

@@ -1,0 +1,59 @@
+"""The end-to-end comparison: Amdahl's bound, the summary of two policies' histories, TRL's phases from a bench
+file, and one tiny comparison run."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tltlib.e2e import amdahl_bound, compare, summarize, trl_phases
+
+
+def _run(seed, rollout, update, drafter, rewards, acc):
+    steps = [{"time/rollout_s": rollout, "time/reward_s": 0.0, "time/logprob_s": 0.0, "time/update_s": update,
+              "time/drafter_s": drafter, "time/step_s": rollout + update + drafter, "rl/reward_mean": r}
+             for r in rewards]
+    return {"seed": seed, "steps": steps, "eval/accuracy": acc}
+
+
+def test_amdahl_bound():
+    assert amdahl_bound(0.5, 2.0) == pytest.approx(1 / 0.75)
+    assert amdahl_bound(1.0, 3.0) == pytest.approx(3.0) and amdahl_bound(0.0, 9.0) == 1.0
+
+
+def test_summary_of_two_policies():
+    runs = {"baseline": [_run(0, 6.0, 4.0, 0.0, [0.5, 0.6], 0.70), _run(1, 6.0, 4.0, 0.0, [0.4, 0.7], 0.72)],
+            "tlt": [_run(0, 3.0, 4.0, 0.5, [0.5, 0.65], 0.71), _run(1, 3.0, 4.0, 0.5, [0.45, 0.6], 0.69)]}
+    s = summarize(runs, trl_step_s=100.0)
+    c = s["comparison"]
+    assert c["rollout_share_baseline"] == pytest.approx(0.6) and c["rollout_speedup"] == pytest.approx(2.0)
+    assert c["amdahl_bound"] == pytest.approx(1 / 0.7) and c["step_speedup"] == pytest.approx(10 / 7.5)
+    assert c["of_bound"] == pytest.approx((10 / 7.5) * 0.7) and c["drafter_share_of_tlt_step"] == pytest.approx(0.5 / 7.5)
+    assert c["reward_curves_overlap_frac"] == 1.0 and 0 < c["held_out_welch_p"] <= 1
+    assert c["baseline_vs_trl_step"] == pytest.approx(10.0)
+    assert s["baseline"]["reward_by_step"] == [[0.5, 0.4], [0.6, 0.7]]
+
+
+def test_trl_phases_from_a_bench_file(tmp_path):
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps({"trl": {"step_s": [300.0, 250.0], "generate_s": [200.0, 180.0]}}))
+    assert trl_phases(f) == {"rollout": 180.0, "update": 70.0}
+    f.write_text(json.dumps({"trl": None}))
+    assert trl_phases(f) is None
+
+
+def test_a_tiny_comparison_runs_both_policies_and_probes_the_drafters():
+    from tltlib.checkpoint import load
+    from tltlib.grpo import GRPOConfig
+    from tltlib.tasks import ChainTaskConfig, generate_problems
+    from tltlib.trainer import TLTConfig
+    model, tok, drafter = load("data/tiny-reasoner", "data/tiny-reasoner-drafter")
+    train = generate_problems(ChainTaskConfig(max_steps=4), 20, seed=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out = compare(model, tok, drafter, train, train[:3], lambda s: GRPOConfig(
+        num_generations=2, generation_batch_size=4, max_completion_length=40, learning_rate=1e-4, seed=s),
+        TLTConfig(speculative="chain-2", drafter_steps=1, drafter_batch=2), seeds=1, steps=2, probe=train[:2],
+        probe_strategy="chain-2", log=lambda s: None)
+    assert [len(r["steps"]) for r in out["runs"]["tlt"]] == [2] and len(out["runs"]["baseline"]) == 1
+    assert [a["step"] for a in out["acceptance"]] == [1, 2] and out["acceptance"][0]["frozen"] >= 1.0
+    assert all((before[k] == v).all() for k, v in model.state_dict().items())     # the input model is untouched

@@ -1,0 +1,143 @@
+"""The end-to-end comparison of RL with and without TLT (bench/e2e_grpo.py and notebook 05 run it).
+
+:func:`compare` trains the baseline (plain decoding, no drafter) and TLT (adaptive SD + online drafter) from the same
+initial policy, seed by seed, on the same prompts (the prompt order depends only on the seed), their steps
+interleaved so that a slow spell of a shared machine hits both alike. For the first seed it also measures, after
+every RL step and outside the timed phases, the accepted length on fixed probe prompts of the drafter TLT trains
+online, of the same warm drafter kept frozen, and of the n-gram drafter: the drift of a drafter the policy leaves
+behind. :func:`summarize` turns the histories into the numbers the paper reports: per-phase step time, speedup, the
+rollout share and the Amdahl bound, reward curves and held-out accuracy with a significance test.
+
+Paper: TLT §7 (end-to-end speedup with the same reward curves, Fig. 11-12; drafter adaptation, Fig. 15).
+Departures: the paper compares against verl on 8-64 H100s; this runs in one process (see :mod:`tltlib.trainer`).
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+import numpy as np
+import torch
+
+PHASES = ("rollout", "reward", "logprob", "update", "drafter")
+
+
+def compare(model, tokenizer, drafter, train, held_out, grpo_for_seed, tlt, seeds: int, steps: int,
+            probe=(), probe_strategy: str = "chain-8", log=print) -> dict:
+    """Train baseline and TLT side by side; returns ``{"runs": {policy: [per seed: {"steps": [...],
+    "eval/accuracy": ...}]}, "acceptance": [per step: {"step", "online", "frozen", "ngram"}]}``.
+
+    Args:
+        model, tokenizer, drafter: the initial policy and its warm drafter (copied per seed, never modified).
+        train, held_out: problems to train on and to measure the final greedy accuracy on.
+        grpo_for_seed: ``seed -> GRPOConfig``; tlt: the :class:`TLTConfig` of the TLT runs.
+        probe: problems for the accepted-length curves (seed 0 only; empty: skipped).
+    """
+    from .draft_train import measure_acceptance
+    from .speculative import SpecStrategy
+    from .trainer import GRPOTrainer
+    runs, acceptance = {"baseline": [], "tlt": []}, []
+    for seed in range(seeds):
+        base_model, tlt_model = copy.deepcopy(model), copy.deepcopy(model)
+        online = copy.deepcopy(drafter).attach(tlt_model)
+        frozen = copy.deepcopy(drafter).attach(tlt_model)              # the warm drafter, never trained
+        cfg = grpo_for_seed(seed)
+        trainers = {"baseline": GRPOTrainer(base_model, tokenizer, train, cfg),
+                    "tlt": GRPOTrainer(tlt_model, tokenizer, train, cfg, drafter=online, tlt=tlt)}
+        hist = {k: [] for k in trainers}
+        for step in range(steps):
+            for name in (("baseline", "tlt") if step % 2 == 0 else ("tlt", "baseline")):
+                m = trainers[name].step()
+                hist[name].append(m)
+                log(f"seed {seed} step {step + 1} {name:8s} step {m['time/step_s']:6.2f} s  rollout "
+                    f"{m['time/rollout_s']:6.2f} s  update {m['time/update_s']:5.2f} s  drafter "
+                    f"{m['time/drafter_s']:5.2f} s  reward {m['rl/reward_mean']:.3f}")
+            if seed == 0 and probe:
+                st = SpecStrategy.parse(probe_strategy)
+                row = {"step": step + 1}
+                for label, d, s in (("online", online, st), ("frozen", frozen, st),
+                                    ("ngram", None, SpecStrategy("ngram", st.depth))):
+                    row[label] = measure_acceptance(tlt_model, d, tokenizer, probe, s, cfg.temperature,
+                                                    cfg.max_completion_length)["spec/accept_len_mean"]
+                acceptance.append(row)
+                log(f"  accepted length ({st.name}): online {row['online']:.2f}  frozen {row['frozen']:.2f}  "
+                    f"n-gram {row['ngram']:.2f}")
+        for name, tr in trainers.items():
+            runs[name].append({"seed": seed, "steps": hist[name], **tr.evaluate(held_out)})
+            log(f"seed {seed} {name}: held-out accuracy {runs[name][-1]['eval/accuracy']:.3f}")
+    return {"runs": runs, "acceptance": acceptance}
+
+
+def summarize(runs: dict, trl_step_s: float | None = None) -> dict:
+    """Mean phase times per policy, the speedup, the rollout share and Amdahl bound, reward curves, held-out
+    accuracy with Welch's t-test, and (given TRL's step time) the baseline's speedup over TRL."""
+    from scipy.stats import ttest_ind
+    out = {}
+    for name, rs in runs.items():
+        steps = [m for r in rs for m in r["steps"]]
+        out[name] = {p: float(np.mean([m[f"time/{p}_s"] for m in steps])) for p in PHASES}
+        out[name]["step"] = float(np.mean([m["time/step_s"] for m in steps]))
+        out[name]["reward_by_step"] = [[r["steps"][k]["rl/reward_mean"] for r in rs]
+                                       for k in range(len(rs[0]["steps"]))]
+        out[name]["held_out"] = [r["eval/accuracy"] for r in rs]
+        acc = [m["spec/accept_len_mean"] for m in steps if "spec/accept_len_mean" in m]
+        out[name]["accept_len"] = float(np.mean(acc)) if acc else None
+    b, t = out["baseline"], out["tlt"]
+    share, speed = b["rollout"] / b["step"], b["rollout"] / t["rollout"]
+    bound = amdahl_bound(share, speed)
+    overlap = [abs(np.mean(x) - np.mean(y)) <= np.std(x) + np.std(y)
+               for x, y in zip(b["reward_by_step"], t["reward_by_step"])]
+    p = (float(ttest_ind(b["held_out"], t["held_out"], equal_var=False).pvalue)
+         if len(b["held_out"]) > 1 and np.std(b["held_out"] + t["held_out"]) > 0 else None)
+    out["comparison"] = {"rollout_share_baseline": share, "rollout_speedup": speed,
+                         "step_speedup": b["step"] / t["step"], "amdahl_bound": bound,
+                         "of_bound": (b["step"] / t["step"]) / bound, "drafter_share_of_tlt_step": t["drafter"] / t["step"],
+                         "reward_curves_overlap_frac": float(np.mean(overlap)), "held_out_welch_p": p}
+    if trl_step_s:
+        out["comparison"]["trl_step_s"] = trl_step_s
+        out["comparison"]["baseline_vs_trl_step"] = trl_step_s / b["step"]
+    return out
+
+
+def amdahl_bound(rollout_share: float, rollout_speedup: float) -> float:
+    """Step speedup when only the rollout (``rollout_share`` of the step) gets ``rollout_speedup`` faster."""
+    return 1.0 / ((1.0 - rollout_share) + rollout_share / rollout_speedup)
+
+
+def update_speed(trainer, prompt_ids: list[list[int]], rows: int = 16, repeats: int = 2) -> dict:
+    """Tokens/s of the update's forward + backward on one rollout of ``prompt_ids``: length-bucketed micro-batches
+    (``trainer.args.micro_batch_tokens``) vs padded micro-batches of ``rows`` sequences in arrival order."""
+    from .logprobs import SequenceBatch, micro_batches, padded_tokens, response_logprobs
+    res = trainer.engine.generate(prompt_ids, torch.Generator(device=trainer.device).manual_seed(123))
+    G = trainer.args.num_generations
+    prompts = [res.prompt_ids[i // G] for i in range(res.num_sequences)]
+    responses = [res.response_ids(i) for i in range(res.num_sequences)]
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    plans = {"length-bucketed": micro_batches(lengths, trainer.args.micro_batch_tokens),
+             f"padded, {rows} rows in arrival order": [list(range(i, min(i + rows, len(lengths))))
+                                                       for i in range(0, len(lengths), rows)]}
+    out, model = {"tokens": sum(lengths)}, trainer.model
+    for name, groups in plans.items():
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            for g in groups:
+                mb = SequenceBatch.build(prompts, responses, g, trainer.engine.pad_id, trainer.device)
+                response_logprobs(model, mb, trainer.sampling, trainer.args.logprob_chunk).sum().backward()
+            times.append(time.perf_counter() - t)
+        model.zero_grad(set_to_none=True)
+        out[name] = {"seconds": min(times), "tokens_per_s": sum(lengths) / min(times),
+                     "padded_tokens": padded_tokens(lengths, groups), "micro_batches": len(groups)}
+    return out
+
+
+def trl_phases(results_json) -> dict | None:
+    """TRL's last measured step from a bench/e2e_grpo result file, as phases: ``{"rollout": generate seconds,
+    "update": the rest}`` (None when the file has no TRL run)."""
+    from .fileio import read_json
+    trl = read_json(results_json, "run python -m tltlib bench e2e_grpo again").get("trl")
+    if not trl or not trl.get("step_s") or not trl.get("generate_s"):
+        return None
+    step, gen = float(trl["step_s"][-1]), float(trl["generate_s"][-1])
+    return {"rollout": gen, "update": max(step - gen, 0.0)}
