@@ -10,7 +10,6 @@ from tltlib.logprobs import SequenceBatch, micro_batches, padded_tokens, respons
 from tltlib.model import ModelConfig, Transformer
 from tltlib.rollout import RolloutConfig, RolloutEngine
 from tltlib.sampling import SamplingConfig
-from tltlib.speculative import SpecStrategy
 
 CFG = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   eos_token_ids=(2,), pad_token_id=0, max_position_embeddings=128)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import random
 
-import numpy as np
 import pytest
 import torch
 

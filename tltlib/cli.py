@@ -171,15 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     su = sub.add_parser("setup", help="create .venv with torch (CPU build without an NVIDIA GPU) and tltlib")
     su.add_argument("--extras", nargs="+", default=[], choices=["peers"],
                     help="optional groups: peers = TRL, the GRPO peer of bench/e2e_grpo.py")
-    r = sub.add_parser("run", help="set up, then execute every notebook headless (the main job)")
-    r.add_argument("--params", default="params/cpu-tiny.yaml", help="papermill parameter file (default %(default)s)")
-    r.add_argument("--only", nargs="+", metavar="PREFIX", help="notebook name prefixes to run, e.g. 01 03")
-    r.add_argument("--out", default="runs", help="folder for executed notebooks, figures, metrics.json")
-    r.add_argument("--notebooks", help="folder of NN_*.ipynb notebooks to run (default: the suite's notebooks/)")
-    r.add_argument("--quiet", action="store_true")
-    rn = sub.add_parser("run-notebooks", help="execute notebooks with papermill (inside an installed env)")
-    for a in r._actions[1:]:
-        rn._add_action(a)
+    for name, text in (("run", "set up, then execute every notebook headless (the main job)"),
+                       ("run-notebooks", "execute notebooks with papermill (inside an installed env)")):
+        r = sub.add_parser(name, help=text)
+        r.add_argument("--params", default="params/cpu-tiny.yaml", help="papermill parameter file (default %(default)s)")
+        r.add_argument("--only", nargs="+", metavar="PREFIX", help="notebook name prefixes to run, e.g. 01 03")
+        r.add_argument("--out", default="runs", help="folder for executed notebooks, figures, metrics.json")
+        r.add_argument("--notebooks", help="folder of NN_*.ipynb notebooks to run (default: the suite's notebooks/)")
+        r.add_argument("--quiet", action="store_true")
     t = sub.add_parser("test", help="set up, then run the test suite (CPU tiers: unit + notebook smoke)")
     t.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
     tr = sub.add_parser("train-reasoner", help="train a tiny reasoner like the one in data/ (SFT on generated traces)")

@@ -28,9 +28,13 @@ Departures:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from .draft_train import PairBatch
 
 
 @dataclass(frozen=True)

@@ -281,7 +281,7 @@ class Rollout:
     def _record(self, out: StepOut) -> None:
         """Write what a step emitted (cut at the first EOS and at each row's budget), retire finished rows, extend
         the timeline, report to the strategy source, stream the pairs."""
-        cfg, dev = self.engine.config, self.device
+        cfg = self.engine.config
         seq, alive = self.seq, self.alive
         m = out.tokens.shape[1]
         j = self._j[:m]

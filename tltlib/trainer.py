@@ -60,11 +60,12 @@ class TLTConfig:
     every step (``"chain-8"``)."""
     threshold: int = 0
     """SD runs at or below this many running rows (0 = the measured default for the device)."""
-    arms: tuple = DEFAULT_ARMS
-    """The adaptive tuner's strategies."""
+    arms: tuple = ("off", *DEFAULT_ARMS)
+    """The adaptive tuner's strategies; ``off`` lets it keep plain decoding where no SD strategy pays (a drafter
+    that RL has left behind, or a compute-bound batch)."""
     online_drafter: bool = True
     """Train the drafter on every rollout's pairs (False: the drafter stays as loaded, "frozen")."""
-    drafter_steps: int = 8
+    drafter_steps: int = 6
     """Drafter micro-steps after each rollout (the one-process training budget)."""
     drafter_lr: float = 3e-4
     """Drafter AdamW learning rate (constant after 10 warm-up steps)."""
