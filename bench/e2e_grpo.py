@@ -51,7 +51,12 @@ def main() -> None:
     ap.add_argument("--trl-steps", type=int, default=2, help="TRL GRPOTrainer steps (0 = skip the peer)")
     ap.add_argument("--tag", default="", help="suffix of the result files (e.g. -drift)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--replot", metavar="JSON", help="only redraw the figures of an earlier result file")
     args = ap.parse_args()
+    if args.replot:
+        from tltlib.fileio import read_json
+        _figures(read_json(args.replot, "give a bench/results/e2e_grpo-*.json file"), Path(args.replot))
+        return
     ensure_malloc_env()
 
     import torch
@@ -85,7 +90,21 @@ def main() -> None:
     table = _tables(summary, result["acceptance"], upd, trl, args, device)
     payload = {"bench": "e2e_grpo", "machine": machine_info(device), "settings": vars(args), "summary": summary,
                "acceptance": result["acceptance"], "update_speed": upd, "trl": trl, "runs": result["runs"]}
-    write_results(f"e2e_grpo-{device.split(':')[0]}-{args.dtype}{args.tag}", payload, table, args.out)
+    path = write_results(f"e2e_grpo-{device.split(':')[0]}-{args.dtype}{args.tag}", payload, table, args.out)
+    _figures(payload, path)
+
+
+def _figures(payload: dict, json_path: Path) -> None:
+    """``<result>-acceptance.png`` (accepted length per RL step, online / frozen / n-gram) beside the result file."""
+    if not payload.get("acceptance"):
+        return
+    from tltlib.plots import acceptance_curves
+    fig = acceptance_curves(payload["acceptance"], payload["settings"]["probe_strategy"])
+    out = json_path.with_name(json_path.stem + "-acceptance.png")
+    tmp = out.with_name(f".{out.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    tmp.replace(out)
+    print(f"figure: {out}")
 
 
 def _trl_peer(args, train) -> dict | None:
@@ -115,24 +134,37 @@ def _trl_peer(args, train) -> dict | None:
                     disable_tqdm=True)
     trainer = TRLTrainer(model=model, reward_funcs=accuracy_reward, args=cfg, train_dataset=ds,
                          processing_class=load_tokenizer(resolve(args.model)))
-    gen = []
-    generate = model.generate
+    # Where TRL's step goes: wrap its phases with timers (the wrapped callables are called exactly as before).
+    phases = {"generate": [], "generate_and_score": [], "loss_forward": [], "training_step": []}
 
-    def timed_generate(*a, **k):
-        t = time.perf_counter()
-        out = generate(*a, **k)
-        gen.append(time.perf_counter() - t)
-        return out
+    def timed(fn, key):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            phases[key].append(time.perf_counter() - t)
+            return out
+        return wrapper
 
-    model.generate = timed_generate
+    model.generate = timed(model.generate, "generate")
+    trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, "generate_and_score")
+    trainer.compute_loss = timed(trainer.compute_loss, "loss_forward")
+    trainer.training_step = timed(trainer.training_step, "training_step")
     t = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - t
     steps = [h for h in trainer.state.log_history if "step_time" in h]
+    micro = cfg.gradient_accumulation_steps       # one generation per RL step, then one training_step per micro-batch
+
+    def per_step(key):
+        v = phases[key]
+        return [sum(v[i * micro:(i + 1) * micro]) for i in range(len(steps))] if key in ("loss_forward",
+                                                                                          "training_step") else v
+    gs, lf, ts = per_step("generate_and_score"), per_step("loss_forward"), per_step("training_step")
     import trl
     return {"version": trl.__version__, "total_s": total, "step_s": [h["step_time"] for h in steps],
-            "generate_s": gen, "reward": [h.get("reward") for h in steps],
-            "gradient_checkpointing": bool(cfg.gradient_checkpointing)}
+            "generate_s": per_step("generate"), "generate_and_score_s": gs, "loss_forward_s": lf,
+            "backward_s": [t - g - f for t, g, f in zip(ts, gs, lf)], "micro_batches": micro,
+            "reward": [h.get("reward") for h in steps], "gradient_checkpointing": bool(cfg.gradient_checkpointing)}
 
 
 def _tables(s, acceptance, upd, trl, args, device) -> str:
@@ -166,10 +198,14 @@ def _tables(s, acceptance, upd, trl, args, device) -> str:
             ["micro-batches", "count", "padded tokens", "tokens/s"],
             [[k, v["micro_batches"], v["padded_tokens"], v["tokens_per_s"]] for k, v in upd.items() if k != "tokens"])
     if trl and trl["step_s"]:
-        gen = ", ".join(f"{x:.1f}" for x in trl["generate_s"])
-        text += (f"\n\nTRL {trl['version']} GRPOTrainer, same workload: step times "
-                 f"{', '.join(f'{x:.1f}' for x in trl['step_s'])} s (of which generate: {gen} s); tltlib's baseline "
-                 f"step is {c['baseline_vs_trl_step']:.1f}x faster than TRL's last step.")
+        def s_(key):
+            return ", ".join(f"{x:.1f}" for x in trl.get(key, []))
+        text += (f"\n\nTRL {trl['version']} GRPOTrainer, same workload (gradient checkpointing "
+                 f"{'on, its default' if trl['gradient_checkpointing'] else 'off'}): step times {s_('step_s')} s, of "
+                 f"which generate {s_('generate_s')} s, generate + reward + bookkeeping {s_('generate_and_score_s')} s, "
+                 f"loss forward {s_('loss_forward_s')} s, backward {s_('backward_s')} s (over "
+                 f"{trl.get('micro_batches', '?')} micro-batches); tltlib's baseline step is "
+                 f"{c['baseline_vs_trl_step']:.1f}x faster than TRL's last step.")
     return text
 
 

@@ -38,6 +38,9 @@ def test_trl_phases_from_a_bench_file(tmp_path):
     f = tmp_path / "r.json"
     f.write_text(json.dumps({"trl": {"step_s": [300.0, 250.0], "generate_s": [200.0, 180.0]}}))
     assert trl_phases(f) == {"rollout": 180.0, "update": 70.0}
+    f.write_text(json.dumps({"trl": {"step_s": [300.0, 250.0], "generate_s": [200.0, 180.0],
+                                     "generate_and_score_s": [210.0, 185.0]}}))
+    assert trl_phases(f) == {"rollout": 180.0, "reward": 5.0, "update": 65.0}
     f.write_text(json.dumps({"trl": None}))
     assert trl_phases(f) is None
 

@@ -134,10 +134,14 @@ def update_speed(trainer, prompt_ids: list[list[int]], rows: int = 16, repeats: 
 
 def trl_phases(results_json) -> dict | None:
     """TRL's last measured step from a bench/e2e_grpo result file, as phases: ``{"rollout": generate seconds,
-    "update": the rest}`` (None when the file has no TRL run)."""
+    "reward": the rest of TRL's generate-and-score (rewards, tokenising, bookkeeping), "update": the rest}``; files
+    without the generate-and-score timing give rollout and update only. None when the file has no TRL run."""
     from .fileio import read_json
     trl = read_json(results_json, "run python -m tltlib bench e2e_grpo again").get("trl")
     if not trl or not trl.get("step_s") or not trl.get("generate_s"):
         return None
     step, gen = float(trl["step_s"][-1]), float(trl["generate_s"][-1])
-    return {"rollout": gen, "update": max(step - gen, 0.0)}
+    if not trl.get("generate_and_score_s"):
+        return {"rollout": gen, "update": max(step - gen, 0.0)}
+    scored = float(trl["generate_and_score_s"][-1])
+    return {"rollout": gen, "reward": max(scored - gen, 0.0), "update": max(step - scored, 0.0)}
