@@ -45,6 +45,8 @@ def main() -> None:
     ap.add_argument("--drafter-steps", type=int, default=6)
     ap.add_argument("--drafter-batch", type=int, default=4)
     ap.add_argument("--threshold", type=int, default=0, help="SD switch (0 = the device default)")
+    ap.add_argument("--on-drafter-change", default="reset", choices=["reset", "keep"],
+                    help="the tuner's reward windows of the drafter's arms after it trains: re-explore or keep")
     ap.add_argument("--held-out", type=int, default=128, help="held-out problems for the final accuracy")
     ap.add_argument("--probe", type=int, default=16, help="probe prompts for the accepted-length curves (0 = off)")
     ap.add_argument("--probe-strategy", default="chain-8")
@@ -74,7 +76,7 @@ def main() -> None:
     held = generate_problems(ChainTaskConfig(zipf_exponent=0.6), args.held_out, seed=10_001)
     probe = generate_problems(ChainTaskConfig(zipf_exponent=0.6), args.probe, seed=20_002) if args.probe else []
     tlt = TLTConfig(speculative="adaptive", threshold=args.threshold, drafter_steps=args.drafter_steps,
-                    drafter_batch=args.drafter_batch)
+                    drafter_batch=args.drafter_batch, on_drafter_change=args.on_drafter_change)
 
     def grpo(seed):
         return GRPOConfig(num_generations=args.group, generation_batch_size=args.prompts * args.group,

@@ -163,6 +163,19 @@ def test_controller_switches_on_at_the_threshold_and_back_off_when_rows_grow():
     assert AdaptiveController(AdaptiveConfig(threshold=0)).choose(0, 1) == OFF
 
 
+def test_controller_can_keep_its_windows_when_the_drafter_changes():
+    d = _Versioned()
+    ctl = AdaptiveController(AdaptiveConfig(threshold=8, tuner=TunerConfig(arms=("chain-4",), buckets=(1,)),
+                                            on_drafter_change="keep"), drafter=d)
+    arm = ctl.choose(0, 4)
+    ctl.observe(arm, 4, 20, 0.01)
+    d.version += 1
+    ctl.choose(1, 4)
+    assert ctl.resets == 0 and len(ctl.tuner.windows[0][arm]) == 1
+    with pytest.raises(ValueError, match="on_drafter_change must be 'reset' or 'keep', got 'clear'"):
+        AdaptiveConfig(on_drafter_change="clear")
+
+
 def test_default_thresholds():
     assert default_threshold("cpu") == 512 and default_threshold("cuda:0") == 32
 

@@ -80,6 +80,10 @@ def test_step_time_bars_stack_the_phases_and_label_the_rollout_share():
         tops[x] = max(tops.get(x, 0), bar.get_y() + bar.get_height())
     assert tops == {0: pytest.approx(10.0), 1: pytest.approx(7.0)}
     assert [t.get_text() for t in ax.texts] == ["60%", "43%"]
+    # a peer 50x slower gets its own linear panel instead of squashing the others
+    fig = plots.step_time_bars({**phases, "TRL": {"rollout": 100.0, "update": 400.0}})
+    assert len(fig.axes) == 2 and [t.get_text() for t in fig.axes[1].texts] == ["20%"]
+    assert fig.axes[0].get_yscale() == fig.axes[1].get_yscale() == "linear"
 
 
 def test_reward_curves_draw_the_seed_mean():

@@ -378,6 +378,10 @@ class AdaptiveConfig:
     """SD runs while at most this many rows are generating (see :func:`default_threshold` for measured values)."""
     tuner: TunerConfig = field(default_factory=TunerConfig)
     """The BEG-MAB arms, buckets and exploration."""
+    on_drafter_change: str = "reset"
+    """When the drafter's version changes (the online drafter trained): ``"reset"`` clears the reward windows of the
+    arms that use it, which are then re-explored (``min_samples`` in every bucket); ``"keep"`` keeps them, and the
+    sliding window and epsilon-exploration follow the new drafter (no forced exploration)."""
     accept_prior: tuple[float, ...] = (0.8,)
     """Acceptance per draft depth assumed by the cost-model prior for learned-drafter arms (last value repeats)."""
     ngram_accept_prior: float = 0.3
@@ -394,6 +398,8 @@ class AdaptiveConfig:
             raise ValueError(f"accept_prior must hold rates in [0, 1], got {self.accept_prior}")
         if not 0.0 <= self.ngram_accept_prior <= 1.0:
             raise ValueError(f"ngram_accept_prior must be in [0, 1], got {self.ngram_accept_prior}")
+        if self.on_drafter_change not in ("reset", "keep"):
+            raise ValueError(f"on_drafter_change must be 'reset' or 'keep', got {self.on_drafter_change!r}")
 
 
 class AdaptiveController(StrategySource):
@@ -438,9 +444,10 @@ class AdaptiveController(StrategySource):
             return OFF
         version = getattr(self.drafter, "version", None)
         if version != self._version:
-            self.tuner.reset(lambda a: a.uses_drafter)
+            if self.config.on_drafter_change == "reset":
+                self.tuner.reset(lambda a: a.uses_drafter)
+                self.resets += 1
             self._version = version
-            self.resets += 1
         return self.tuner.select(active)
 
     def observe(self, strategy: SpecStrategy, active: int, tokens: int, seconds: float,

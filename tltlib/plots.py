@@ -323,24 +323,29 @@ def predicted_speedups(costs, arms, accept, batches=None, title: str = "Cost mod
 
 def step_time_bars(phases: dict[str, dict], title: str = "Time of one RL step by phase"):
     """Stacked bars, one per policy: ``phases = {policy: {"rollout": s, "logprob": s, "update": s, "drafter": s,
-    "reward": s}}``; the rollout's share is written on its segment."""
-    fig, ax = _fig(6.4, 3.6)
+    "reward": s}}``; the rollout's share is written on its segment. Policies more than 20x slower than the fastest
+    (a peer such as TRL on a CPU) get a panel of their own, so every panel keeps a linear scale."""
+    import matplotlib.pyplot as plt
     colors = {"rollout": "#4C72B0", "reward": "#8172B3", "logprob": "#CCB974", "update": "#DD8452",
               "drafter": "#55A868"}
-    names = list(phases)
-    bottom = np.zeros(len(names))
-    for part, color in colors.items():
-        vals = np.array([float(phases[n].get(part, 0.0)) for n in names])
-        ax.bar(names, vals, bottom=bottom, color=color, label=part)
-        if part == "rollout":
-            totals = np.array([sum(float(v) for k, v in phases[n].items() if k in colors) for n in names])
-            for i, (v, tot) in enumerate(zip(vals, totals)):
-                ax.text(i, v / 2, f"{v / tot:.0%}", ha="center", va="center", color="white", fontsize=8)
-        bottom += vals
-    ax.set_ylabel("seconds per step")
-    ax.set_yscale("log" if bottom.max() > 20 * bottom.min() else "linear")
-    ax.set_title(title)
-    ax.legend(fontsize=7)
+    total = {n: sum(float(v) for k, v in phases[n].items() if k in colors) for n in phases}
+    fastest = min(total.values())
+    groups = [[n for n in phases if total[n] <= 20 * fastest], [n for n in phases if total[n] > 20 * fastest]]
+    groups = [g for g in groups if g]
+    fig, axes = plt.subplots(1, len(groups), figsize=(6.4, 3.6), squeeze=False,
+                             gridspec_kw={"width_ratios": [len(g) for g in groups]})
+    for ax, names in zip(axes[0], groups):
+        bottom = np.zeros(len(names))
+        for part, color in colors.items():
+            vals = np.array([float(phases[n].get(part, 0.0)) for n in names])
+            ax.bar(names, vals, bottom=bottom, color=color, label=part)
+            if part == "rollout":
+                for i, (v, n) in enumerate(zip(vals, names)):
+                    ax.text(i, v / 2, f"{v / total[n]:.0%}", ha="center", va="center", color="white", fontsize=8)
+            bottom += vals
+        ax.set_ylabel("seconds per step")
+    fig.suptitle(title, fontsize=11)
+    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     return fig
 

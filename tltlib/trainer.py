@@ -63,6 +63,9 @@ class TLTConfig:
     arms: tuple = ("off", *DEFAULT_ARMS)
     """The adaptive tuner's strategies; ``off`` lets it keep plain decoding where no SD strategy pays (a drafter
     that RL has left behind, or a compute-bound batch)."""
+    on_drafter_change: str = "reset"
+    """What the adaptive tuner does when the online drafter has trained: ``"reset"`` re-explores the drafter's arms,
+    ``"keep"`` keeps their reward windows (see :class:`~tltlib.adaptive.AdaptiveConfig`)."""
     online_drafter: bool = True
     """Train the drafter on every rollout's pairs (False: the drafter stays as loaded, "frozen")."""
     drafter_steps: int = 6
@@ -83,6 +86,9 @@ class TLTConfig:
         if self.drafter_steps < 0:
             raise ValueError(f"drafter_steps is the drafter-training budget per RL step and must be >= 0, got "
                              f"{self.drafter_steps}")
+        if self.on_drafter_change not in ("reset", "keep"):
+            raise ValueError(f"on_drafter_change must be 'reset' (re-explore the drafter's arms after it trains) or "
+                             f"'keep', got {self.on_drafter_change!r}")
         if self.threshold < 0 or self.drafter_batch < 1 or not self.drafter_lr > 0:
             raise ValueError("threshold must be >= 0, drafter_batch >= 1 and drafter_lr > 0")
 
@@ -165,7 +171,7 @@ class GRPOTrainer:
                 raise ValueError("speculative='adaptive' without a drafter needs n-gram arms (e.g. ngram-4)")
             costs = measure_costs(model, drafter, max_batch=max(1, min(threshold, args.generation_batch_size)))
             self.controller = AdaptiveController(AdaptiveConfig(threshold=threshold, tuner=TunerConfig(
-                arms=arms, seed=args.seed)), costs, drafter)
+                arms=arms, seed=args.seed), on_drafter_change=self.tlt.on_drafter_change), costs, drafter)
         self.generator = torch.Generator(device=dev).manual_seed(args.seed)
         self.rng = np.random.default_rng(args.seed)
         self.step_count = 0
