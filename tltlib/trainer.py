@@ -86,9 +86,7 @@ class TLTConfig:
         if self.drafter_steps < 0:
             raise ValueError(f"drafter_steps is the drafter-training budget per RL step and must be >= 0, got "
                              f"{self.drafter_steps}")
-        if self.on_drafter_change not in ("reset", "keep"):
-            raise ValueError(f"on_drafter_change must be 'reset' (re-explore the drafter's arms after it trains) or "
-                             f"'keep', got {self.on_drafter_change!r}")
+        AdaptiveConfig(on_drafter_change=self.on_drafter_change)     # raises naming the allowed values
         if self.threshold < 0 or self.drafter_batch < 1 or not self.drafter_lr > 0:
             raise ValueError("threshold must be >= 0, drafter_batch >= 1 and drafter_lr > 0")
 
