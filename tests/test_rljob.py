@@ -47,6 +47,13 @@ def test_shipped_files_parse():
     ("model: data/tiny-reasoner\ngrpo: {num_generations: 3, generation_batch_size: 8}\n", ValueError,
      "must be a positive multiple of num_generations"),
     ("model: data/tiny-reasoner\ntlt: {drafter_steps: -1}\n", ValueError, "drafter-training budget"),
+    ("model: data/tiny-reasoner\ngrpo: {max_grad_norm: .nan}\n", ValueError, "max_grad_norm = nan is not a finite"),
+    ("model: data/tiny-reasoner\ngrpo: {adam_beta1: 1.5}\n", ValueError, "adam_beta1 and adam_beta2 must be in"),
+    ("model: data/tiny-reasoner\ngrpo: {reward_weights: [a]}\n", ValueError, "reward_weights must be finite numbers"),
+    ("model: data/tiny-reasoner\neval_steps: -1\n", ValueError, "eval_steps must be >= 0, got -1"),
+    ("model: data/tiny-reasoner/config.json\n", FileNotFoundError, "config.json' is a file; give its folder"),
+    ("model: data/tiny-reasoner\ntlt: {buffer_decay: -1}\n", ValueError, "buffer_decay must be in \\(0, 1\\]"),
+    ("model: data/tiny-reasoner\ngrpo: {learning_rate: 1e-4}\n", ValueError, "YAML reads 1e-4 as text: write 1.0e-4"),
     ("model: data/tiny-reasoner\ntlt: {speculative: chain-4}\n", ValueError, "needs a learned drafter"),
     ("model: /nope\n", FileNotFoundError, "model '/nope' does not exist"),
     ("drafter: data/tiny-reasoner-drafter\n", ValueError, "'model' is missing"),
@@ -63,6 +70,7 @@ def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(tmp_path):
     assert straight.returncode == 0, straight.stderr
     lines = [json.loads(x) for x in straight.stdout.splitlines()]
     assert [x["rl/step"] for x in lines] == [1, 2, 3] and "eval/accuracy" in lines[-1]
+    assert sum(x["rl/grad_norm"] > 0 for x in lines) >= 2   # the policy really moves: equal weights mean something
     # the second run is killed (SIGKILL: no clean-up at all) once its first checkpoint exists
     proc = subprocess.Popen([sys.executable, "-m", "tltlib", "train-grpo", "--quiet", "--params", str(SMOKE),
                              "--output-dir", str(tmp_path / "b")], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
@@ -74,11 +82,22 @@ def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(tmp_path):
     proc.wait()
     assert (tmp_path / "b" / "trainer_state.json").is_file()
     again = _cli("--params", str(SMOKE), "--output-dir", str(tmp_path / "b"))
-    assert again.returncode == 1 and "already holds a training run" in again.stderr
+    assert again.returncode == 1 and "already holds a training run; continue it with --params" in again.stderr
+    other = tmp_path / "other.yaml"                     # same GRPO settings, other data: refused on resume
+    other.write_text(SMOKE.read_text().replace("train_problems: 64", "train_problems: 32"))
+    refused = _cli("--params", str(other), "--resume", str(tmp_path / "b"))
+    assert refused.returncode == 1 and "other data or files (train_problems: 64 there, 32 in" in refused.stderr
     resumed = _cli("--params", str(SMOKE), "--resume", str(tmp_path / "b"))
     assert resumed.returncode == 0, resumed.stderr
     a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     steps = [m["rl/step"] for m in read_metrics_log(tmp_path / "b")]
     assert steps == [1, 2, 3], steps                    # no step logged twice
+    done = _cli("--params", str(SMOKE), "--resume", str(tmp_path / "b"))
+    assert done.returncode == 0 and "nothing to do: the run in" in done.stderr and not done.stdout
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]   # no temporary folder left
+
+
+def test_resume_refuses_a_second_output_folder(tmp_path):
+    r = _cli("--params", str(SMOKE), "--resume", str(tmp_path / "a"), "--output-dir", str(tmp_path / "b"))
+    assert r.returncode == 1 and "drop --output-dir" in r.stderr and not (tmp_path / "b").exists()

@@ -169,3 +169,17 @@ def test_problems_for_generates_or_reads_rows_with_an_offset(tmp_path):
     rows = load_problems(path)
     got = problems_for(str(path), 4, seed=0, skip=3)
     assert [p.prompt for p in got] == [rows[i].prompt for i in (3, 4, 0, 1)]    # wraps around a short file
+
+
+def test_split_problems_keeps_held_out_prompts_out_of_training(tmp_path):
+    from tltlib.tasks import save_problems, split_problems
+    rows = generate_problems(ChainTaskConfig(), 20, seed=4)
+    save_problems(rows, tmp_path / "d.jsonl")
+    train, held = split_problems(tmp_path / "d.jsonl", 16, 8, seed=0)
+    assert len(train) == 16 and len(held) == 8
+    assert not {p.prompt for p in train} & {p.prompt for p in held}
+    assert [p.prompt for p in held] == [p.prompt for p in rows[12:]]
+    with pytest.raises(ValueError, match="20 rows cannot hold 20 held-out problems .* lower eval_problems"):
+        split_problems(tmp_path / "d.jsonl", 4, 20, seed=0)
+    gen_train, gen_held = split_problems("", 5, 3, seed=1)
+    assert len(gen_train) == 5 and len(gen_held) == 3

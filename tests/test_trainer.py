@@ -118,3 +118,13 @@ def test_bad_input_is_one_clear_error(shipped):
     tr = GRPOTrainer(copy.deepcopy(model), tok, PROBLEMS, ARGS, reward_funcs=[bad_reward])
     with pytest.raises(ValueError, match="reward function bad_reward returned 1 values for 8 completions"):
         tr.step()
+
+
+def test_a_diverged_update_stops_the_run_without_touching_the_policy(shipped):
+    trainer = _fresh(shipped)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    for p in trainer.model.parameters():
+        p.register_hook(lambda g: g * float("nan"))
+    with pytest.raises(FloatingPointError, match="gradient norm is nan .* lower learning_rate \\(now 0.001\\)"):
+        trainer.step()
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())

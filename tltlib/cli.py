@@ -132,6 +132,9 @@ def cmd_train_drafter(args) -> int:
 
 def cmd_train_grpo(args) -> int:
     from .rljob import run_job
+    if args.resume and args.output_dir and Path(args.resume).resolve() != Path(args.output_dir).resolve():
+        raise ValueError(f"--resume {args.resume} continues the run in that folder; drop --output-dir "
+                         f"{args.output_dir} (a resumed run writes where it was saved)")
     run_job(args.params, output_dir=args.resume or args.output_dir, resume=bool(args.resume),
             max_steps=args.max_steps, progress=not args.quiet)
     return 0

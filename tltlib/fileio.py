@@ -110,11 +110,12 @@ def check_writable(path: str | os.PathLike, what: str = "output") -> Path:
 
 
 def check_output_folder(path: str | os.PathLike, overwrite: bool, is_ours: Callable[[Path], bool],
-                        what: str) -> Path:
+                        what: str, hint: str = "") -> Path:
     """Before any work: ``path`` can be written, and replacing it loses nothing that was not asked for.
 
     A non-empty existing folder is replaced only with ``overwrite`` and only if ``is_ours(path)`` says it holds a
-    ``what`` (never, say, a model folder passed by mistake). Errors say what to pass instead."""
+    ``what`` (never, say, a model folder passed by mistake). Errors say what to pass instead (``hint``: how this
+    command replaces or continues one; default ``--overwrite``)."""
     path = Path(path)
     check_writable(path, what)
     if path.is_dir() and any(path.iterdir()):
@@ -122,8 +123,8 @@ def check_output_folder(path: str | os.PathLike, overwrite: bool, is_ours: Calla
             raise FileExistsError(f"{str(path)!r} exists and does not hold a {what}; refusing to replace it: choose a "
                                   "new or empty folder")
         if not overwrite:
-            raise FileExistsError(f"{str(path)!r} already holds a {what}; pass --overwrite (overwrite=True) to "
-                                  "replace it, or choose another folder")
+            hint = hint or "pass --overwrite (overwrite=True) to replace it"
+            raise FileExistsError(f"{str(path)!r} already holds a {what}; {hint}, or choose another folder")
     return path
 
 

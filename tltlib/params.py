@@ -336,6 +336,15 @@ def plan_run(params: str | os.PathLike, notebooks: list[Path], selected: list[Pa
 
 
 # ------------------------------------------------------------------------------------------ config sections
+def _yaml_number_hint(v) -> str:
+    """For a string YAML 1.1 did not read as a number (``1e-4``): how to write it."""
+    try:
+        float(v) if isinstance(v, str) else None
+    except ValueError:
+        return ""
+    return " (YAML reads 1e-4 as text: write 1.0e-4)" if isinstance(v, str) else ""
+
+
 def dataclass_from_mapping(cls, values: dict | None, source: str):
     """Build the frozen config dataclass ``cls`` from a YAML mapping, refusing (with ``source`` and the key named)
     keys it does not have (with the closest spelling) and values whose type is not the field's (a list is
@@ -364,17 +373,17 @@ def dataclass_from_mapping(cls, values: dict | None, source: str):
             elif base is int:
                 ok |= isinstance(v, int) and not isinstance(v, bool)
             elif base is float:
-                ok |= isinstance(v, (int, float)) and not isinstance(v, bool)
+                ok |= isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
             elif base is tuple:
                 ok |= isinstance(v, (list, tuple))
                 v = tuple(v) if ok and isinstance(v, list) else v
             else:
                 ok |= isinstance(v, base)
         if not ok:
-            names = {bool: "true/false", int: "an integer", float: "a number", str: "a string", tuple: "a list",
+            names = {bool: "true/false", int: "an integer", float: "a finite number", str: "a string", tuple: "a list",
                      type(None): "null"}
             what = " or ".join(names.get(typing.get_origin(t) or t, str(t)) for t in allowed)
-            raise ValueError(f"{source}: {k} = {v!r} is not {what}")
+            raise ValueError(f"{source}: {k} = {v!r} is not {what}{_yaml_number_hint(v)}")
         out[k] = v
     try:
         return cls(**out)

@@ -5,8 +5,8 @@ The file (YAML) names the model, the drafter, the data and the two configuration
     model: data/tiny-reasoner              # local checkpoint folder
     drafter: data/tiny-reasoner-drafter    # "" = no learned drafter
     dataset: ""                            # .jsonl / .parquet; "" = the chain task
-    train_problems: 4096                   # prompts drawn from (chain task: generated; dataset: first rows)
-    eval_problems: 128                     # held-out prompts for eval/accuracy ("" dataset: generated apart)
+    train_problems: 4096                   # prompts per epoch (dataset: cycling over the rows before the held-out)
+    eval_problems: 128                     # held-out prompts for eval/accuracy, never trained on
     eval_steps: 10                         # evaluate every N steps (0 = at the end only)
     device: auto
     dtype: float32
@@ -16,7 +16,9 @@ The file (YAML) names the model, the drafter, the data and the two configuration
 Every key and value is checked before anything loads (unknown keys with the closest spelling, wrong types, the
 dataclasses' own checks). The job prints one JSON line of metrics per step (``rl/*``, ``rollout/*``, ``spec/*``,
 ``drafter/*``, ``time/*``) and appends it to ``OUTPUT/metrics.jsonl``; checkpoints go to ``OUTPUT`` every
-``grpo.save_steps`` steps and at the end; ``--resume OUTPUT`` continues a run exactly where it stopped.
+``grpo.save_steps`` steps and at the end; ``--resume OUTPUT`` continues a run exactly where it stopped (with the
+same file: ``OUTPUT/job.json`` records the model, drafter and data, the checkpoint the configurations). An update
+whose gradient norm is not finite stops the run before it touches the policy or the last checkpoint.
 
 Departures: none (tooling).
 """
@@ -28,7 +30,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .fileio import atomic_write_text, check_output_folder
+from .fileio import atomic_write_text, check_output_folder, read_json
 from .params import dataclass_from_mapping, params_path, resolve
 
 TOP_LEVEL = {"model": str, "drafter": str, "dataset": str, "train_problems": int, "eval_problems": int,
@@ -77,13 +79,15 @@ def read_job(params: str | os.PathLike) -> JobSpec:
         v = values[k]
         if isinstance(v, bool) or not isinstance(v, want):
             raise ValueError(f"{path}: {k} = {v!r} has the wrong type; expected {getattr(want, '__name__', 'a mapping or null')}")
-    for k in ("train_problems", "eval_problems"):
-        if values[k] < (1 if k == "train_problems" else 0):
-            raise ValueError(f"{path}: {k} must be >= {1 if k == 'train_problems' else 0}, got {values[k]}")
+    for k, lo in (("train_problems", 1), ("eval_problems", 0), ("eval_steps", 0)):
+        if values[k] < lo:
+            raise ValueError(f"{path}: {k} must be >= {lo}, got {values[k]}")
     for k, kind in (("model", "dir"), ("drafter", "dir"), ("dataset", "file")):
         p = values[k]
         if p and not (resolve(p).is_dir() if kind == "dir" else resolve(p).is_file()):
-            raise FileNotFoundError(f"{path}: {k} {p!r} does not exist")
+            what = "is a file; give its folder" if kind == "dir" and resolve(p).is_file() else \
+                "is a folder; give the data file" if kind == "file" and resolve(p).is_dir() else "does not exist"
+            raise FileNotFoundError(f"{path}: {k} {p!r} {what}")
     grpo = dataclass_from_mapping(GRPOConfig, values["grpo"], f"{path}: grpo")
     tlt = None if values["tlt"] is None else dataclass_from_mapping(TLTConfig, values["tlt"], f"{path}: tlt")
     if tlt is not None and not values["drafter"] and tlt.speculative not in ("off",) and not \
@@ -97,15 +101,11 @@ def read_job(params: str | os.PathLike) -> JobSpec:
 def build(spec: JobSpec, progress: bool = False):
     """(trainer, held-out problems) for a job spec: loads the model, tokenizer, drafter and data."""
     from .checkpoint import load
-    from .tasks import ChainTaskConfig, problems_for
+    from .tasks import ChainTaskConfig, split_problems
     from .trainer import GRPOTrainer
     model, tok, drafter = load(spec.model, spec.drafter or None, device=spec.device, dtype=spec.dtype)
-    seed = spec.grpo.seed
-    train = problems_for(spec.dataset, spec.train_problems, seed)
-    held = []                                      # held-out: rows after the training ones / other seeds
-    if spec.eval_problems:
-        held = problems_for(spec.dataset, spec.eval_problems, seed + 10_000, skip=spec.train_problems,
-                            task=ChainTaskConfig(zipf_exponent=0.6))
+    train, held = split_problems(spec.dataset, spec.train_problems, spec.eval_problems, spec.grpo.seed,
+                                 task=ChainTaskConfig(zipf_exponent=0.6))
     trainer = GRPOTrainer(model, tok, train, spec.grpo, drafter=drafter if spec.tlt is not None else None,
                           tlt=spec.tlt, progress=progress)
     return trainer, held
@@ -119,13 +119,26 @@ def run_job(params: str | os.PathLike, output_dir: str | os.PathLike | None = No
     spec = read_job(params)
     output = Path(output_dir) if output_dir else resolve("runs") / "train-grpo" / Path(spec.source).stem
     is_checkpoint = lambda p: (p / "trainer_state.json").is_file()        # noqa: E731
+    # what the trainer's own checkpoint does not pin: the data and the files the run started from
+    job = {k: getattr(spec, k) for k in ("model", "drafter", "dataset", "train_problems", "eval_problems")}
     if resume:
         if not is_checkpoint(output):
             raise FileNotFoundError(f"nothing to resume in {str(output)!r}: it holds no checkpoint "
                                     "(trainer_state.json); start the run without --resume")
+        saved = read_json(output / "job.json", "resume with the parameter file that started the run") \
+            if (output / "job.json").is_file() else job
+        if saved != job:
+            diff = ", ".join(f"{k}: {saved.get(k)!r} there, {job[k]!r} in {spec.source}" for k in job
+                             if saved.get(k) != job[k])
+            raise ValueError(f"{str(output)!r} was written by a run on other data or files ({diff}); resume with "
+                             "the parameter file that started it (--params), or start a new run elsewhere")
     else:
-        check_output_folder(output, False, is_checkpoint, "training run")
+        check_output_folder(output, False, is_checkpoint, "training run",
+                            hint=f"continue it with --params {spec.source} --resume {output}")
     trainer, held = build(spec, progress=False)
+    if not resume:
+        output.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(output / "job.json", json.dumps(job, indent=1) + "\n")
     log_file = output / "metrics.jsonl"
     if resume:
         trainer.load(output)
@@ -134,6 +147,9 @@ def run_job(params: str | os.PathLike, output_dir: str | os.PathLike | None = No
                     if line.strip() and json.loads(line).get("rl/step", 0) <= trainer.step_count]
             atomic_write_text(log_file, "".join(f"{line}\n" for line in kept))
     steps = (max_steps or spec.grpo.max_steps) - trainer.step_count
+    if steps <= 0:
+        print(f"nothing to do: the run in {str(output)!r} is at step {trainer.step_count} of "
+              f"{max_steps or spec.grpo.max_steps}; pass --max-steps N to train further", file=sys.stderr)
     bar = tqdm(total=max(steps, 0), desc="GRPO steps", unit="step", disable=not progress)
 
     def emit(m):

@@ -229,6 +229,27 @@ def problems_for(dataset: str | os.PathLike, count: int, seed: int, skip: int = 
     return [rows[(skip + i) % len(rows)] for i in range(count)]
 
 
+def split_problems(dataset: str | os.PathLike, train: int, held_out: int, seed: int,
+                   task: ChainTaskConfig | None = None) -> tuple[list[Problem], list[Problem]]:
+    """(``train`` training problems, ``held_out`` held-out problems) that never share a prompt.
+
+    From ``dataset``: the held-out problems are the rows after the training rows, and the training problems cycle
+    (as epochs) over at most ``rows - held_out`` rows; a file with no more than ``held_out`` rows is refused. Without
+    a dataset: chain problems generated with seeds ``seed`` and ``seed + 10_000`` (``task`` shapes the held-out ones).
+    """
+    from .params import resolve
+    if not dataset:
+        return (generate_problems(ChainTaskConfig(), train, seed),
+                generate_problems(task or ChainTaskConfig(), held_out, seed + 10_000) if held_out else [])
+    rows = load_problems(resolve(dataset))
+    n_train = min(train, len(rows) - held_out)
+    if n_train < 1:
+        raise ValueError(f"{dataset}: {len(rows)} rows cannot hold {held_out} held-out problems and at least one "
+                         f"training problem apart; lower eval_problems (at most {len(rows) - 1}) or use a larger "
+                         "dataset")
+    return ([rows[i % n_train] for i in range(train)], rows[n_train:n_train + held_out])
+
+
 def _verl_row(p: Problem, index: int) -> dict:
     prompt = list(p.prompt) if not isinstance(p.prompt, str) else [{"role": "user", "content": p.prompt}]
     return {"data_source": p.meta.get("source", "tltlib"), "prompt": prompt, "ability": "math",

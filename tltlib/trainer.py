@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, replace
@@ -87,6 +88,9 @@ class TLTConfig:
             raise ValueError(f"drafter_steps is the drafter-training budget per RL step and must be >= 0, got "
                              f"{self.drafter_steps}")
         AdaptiveConfig(on_drafter_change=self.on_drafter_change)     # raises naming the allowed values
+        if not 0 < self.buffer_decay <= 1 or self.buffer_tokens < 2:
+            raise ValueError(f"buffer_decay must be in (0, 1] and buffer_tokens >= 2 pairs, got {self.buffer_decay}, "
+                             f"{self.buffer_tokens}")
         if self.threshold < 0 or self.drafter_batch < 1 or not self.drafter_lr > 0:
             raise ValueError("threshold must be >= 0, drafter_batch >= 1 and drafter_lr > 0")
 
@@ -252,6 +256,12 @@ class GRPOTrainer:
                 stats["clipped"] += float((clipped & mask).sum()) / max(batch_tokens, 1) / args.num_iterations
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                   args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
+            if not math.isfinite(float(norm)):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise FloatingPointError(
+                    f"RL step {self.step_count + 1}: the policy's gradient norm is {float(norm)} (loss "
+                    f"{stats['loss']:.4g}): the update diverged and was not applied; lower learning_rate (now "
+                    f"{args.learning_rate:g}) or set max_grad_norm, and resume from the last checkpoint")
             self.optimizer.step()
         model.eval()
         self.optimizer.zero_grad(set_to_none=True)
@@ -347,7 +357,8 @@ class GRPOTrainer:
             torch.save(tensors, tmp / "state.pt")
             digest = hashlib.sha256(json.dumps(meta["fingerprint"], sort_keys=True).encode()).hexdigest()[:16]
             (tmp / "README.md").write_text(f"# tltlib GRPO checkpoint\n\nStep {self.step_count}; configuration "
-                                           f"{digest}. Resume with `--resume {Path(path).name}`.\n")
+                                           f"{digest}. Resume with `python -m tltlib train-grpo --params <the file that "
+                                           f"started it> --resume {path}`.\n")
         return Path(path)
 
     def load(self, path: str | os.PathLike) -> "GRPOTrainer":
