@@ -338,11 +338,13 @@ def plan_run(params: str | os.PathLike, notebooks: list[Path], selected: list[Pa
 # ------------------------------------------------------------------------------------------ config sections
 def _yaml_number_hint(v) -> str:
     """For a string YAML 1.1 did not read as a number (``1e-4``): how to write it."""
+    if not isinstance(v, str):
+        return ""
     try:
-        float(v) if isinstance(v, str) else None
+        float(v)
     except ValueError:
         return ""
-    return " (YAML reads 1e-4 as text: write 1.0e-4)" if isinstance(v, str) else ""
+    return " (YAML reads 1e-4 as text: write 1.0e-4)"
 
 
 def dataclass_from_mapping(cls, values: dict | None, source: str):

@@ -239,8 +239,7 @@ def split_problems(dataset: str | os.PathLike, train: int, held_out: int, seed: 
     """
     from .params import resolve
     if not dataset:
-        return (generate_problems(ChainTaskConfig(), train, seed),
-                generate_problems(task or ChainTaskConfig(), held_out, seed + 10_000) if held_out else [])
+        return problems_for("", train, seed), problems_for("", held_out, seed + 10_000, task=task)
     rows = load_problems(resolve(dataset))
     n_train = min(train, len(rows) - held_out)
     if n_train < 1:
