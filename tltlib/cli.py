@@ -132,6 +132,23 @@ def cmd_train_drafter(args) -> int:
 
 def cmd_train_grpo(args) -> int:
     from .rljob import run_job
+    from .scheduler import launched_by_torchrun, torchrun_command
+    if args.workers and launched_by_torchrun():
+        raise ValueError("--workers starts torchrun itself; under torchrun drop --workers (the world size is "
+                         "torchrun's --nproc-per-node)")
+    if args.workers:
+        argv = sys.argv[1:]
+        i = argv.index("train-grpo")
+        rest, skip = [], False
+        for a in argv[i + 1:]:                        # the same command without --workers / --max-restarts
+            if skip:
+                skip = False
+            elif a in ("--workers", "--max-restarts"):
+                skip = True
+            elif not a.startswith(("--workers=", "--max-restarts=")):
+                rest.append(a)
+        cmd = torchrun_command(args.workers, ["train-grpo", *rest], args.max_restarts)
+        return subprocess.run(cmd, env={**os.environ, "TLTLIB_NO_VENV": "1"}).returncode
     if args.resume and args.output_dir and Path(args.resume).resolve() != Path(args.output_dir).resolve():
         raise ValueError(f"--resume {args.resume} continues the run in that folder; drop --output-dir "
                          f"{args.output_dir} (a resumed run writes where it was saved)")
@@ -208,6 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
     tg.add_argument("--resume", metavar="DIR", help="continue the run checkpointed in DIR")
     tg.add_argument("--max-steps", type=int, help="stop after this many RL steps (default: grpo.max_steps)")
     tg.add_argument("--quiet", action="store_true", help="no progress bar (the JSON lines still print)")
+    tg.add_argument("--workers", type=int, default=0,
+                    help="data-parallel workers on this node: runs this command under torchrun --nproc-per-node W "
+                         "(the spot trainer trains the drafter on workers whose rollout is over)")
+    tg.add_argument("--max-restarts", type=int, default=0, help="with --workers: torchrun restarts a failed group "
+                    "this many times; the job resumes from its last checkpoint")
     b = sub.add_parser("bench", help="run bench/NAME.py (e.g. decode)")
     b.add_argument("name")
     b.add_argument("bench_args", nargs=argparse.REMAINDER)

@@ -251,6 +251,37 @@ class PairBuffer:
         pick = self.rng.choice(members, size=k, replace=False, p=w[members] / w[members].sum())
         return self.batch([seqs[i] for i in sorted(pick)])
 
+    # ----------------------------------------------------------------------------- exchange between workers
+    def export_step(self, step: int) -> dict:
+        """The sequences generated at RL step ``step`` with their prompts' pairs (CPU tensors), for :meth:`ingest`
+        into another worker's buffer."""
+        self._index()
+        seqs = [s for s in self.sequences() if self.seq_step[s] == step]
+        prompts = sorted({self.seq_prompt[s] for s in seqs})
+        spans = [self._span[o] for o in prompts + seqs if o in self._span]
+        idx = torch.cat([self._order[a: a + c] for a, c in spans]) if spans else torch.zeros(0, dtype=torch.long)
+        return {"step": step, "h": self.h[idx].cpu(), "tok": self.tok[idx].cpu(), "owner": self.owner[idx].cpu(),
+                "pos": self.pos[idx].cpu(), "seq_prompt": {s: self.seq_prompt[s] for s in seqs},
+                "prompt_len": {p: self.prompt_len[p] for p in prompts}}
+
+    def ingest(self, part: dict) -> None:
+        """Add the sequences of another buffer's :meth:`export_step` (new ids here; their RL step is kept)."""
+        remap = {}
+        for pid, length in part["prompt_len"].items():
+            remap[pid] = self._next_prompt
+            self.prompt_len[self._next_prompt] = length
+            self._next_prompt -= 1
+        for seq, pid in part["seq_prompt"].items():
+            remap[seq] = len(self.seq_prompt)
+            self.seq_prompt.append(remap[pid])
+            self.seq_step.append(part["step"])
+            self.seq_prio.append(float(self.rng.random()))
+            self.seq_live.append(True)
+        if part["tok"].numel():
+            owner = torch.tensor([remap[o] for o in part["owner"].tolist()], dtype=torch.long, device=self.device)
+            self.add(owner, part["pos"].to(self.device), part["h"].to(self.device), part["tok"].to(self.device))
+        self._order = None
+
     @property
     def num_pairs(self) -> int:
         """Pairs held (prompt pairs counted once per prompt)."""

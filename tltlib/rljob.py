@@ -34,7 +34,8 @@ from .fileio import atomic_write_text, check_output_folder, read_json
 from .params import dataclass_from_mapping, params_path, resolve
 
 TOP_LEVEL = {"model": str, "drafter": str, "dataset": str, "train_problems": int, "eval_problems": int,
-             "eval_steps": int, "device": str, "dtype": str, "grpo": dict, "tlt": (dict, type(None))}
+             "eval_steps": int, "device": str, "dtype": str, "grpo": dict, "tlt": (dict, type(None)),
+             "scheduler": dict}
 
 
 @dataclass
@@ -52,6 +53,7 @@ class JobSpec:
     dtype: str
     grpo: object
     tlt: object
+    scheduler: object = None
 
 
 def read_job(params: str | os.PathLike) -> JobSpec:
@@ -71,7 +73,7 @@ def read_job(params: str | os.PathLike) -> JobSpec:
     if unknown:
         raise ValueError(f"{path}: {unknown[0]!r} is not a train-grpo setting; settings: {', '.join(TOP_LEVEL)}")
     defaults = {"drafter": "", "dataset": "", "train_problems": 4096, "eval_problems": 128, "eval_steps": 0,
-                "device": "auto", "dtype": "float32", "grpo": {}, "tlt": {}}
+                "device": "auto", "dtype": "float32", "grpo": {}, "tlt": {}, "scheduler": {}}
     values = {**defaults, **d}
     if "model" not in d:
         raise ValueError(f"{path}: 'model' is missing: give the local checkpoint folder of the policy")
@@ -90,35 +92,53 @@ def read_job(params: str | os.PathLike) -> JobSpec:
             raise FileNotFoundError(f"{path}: {k} {p!r} {what}")
     grpo = dataclass_from_mapping(GRPOConfig, values["grpo"], f"{path}: grpo")
     tlt = None if values["tlt"] is None else dataclass_from_mapping(TLTConfig, values["tlt"], f"{path}: tlt")
+    from .scheduler import SchedulerConfig
+    scheduler = dataclass_from_mapping(SchedulerConfig, values["scheduler"], f"{path}: scheduler")
     if tlt is not None and not values["drafter"] and tlt.speculative not in ("off",) and not \
             tlt.speculative.startswith("ngram"):
         raise ValueError(f"{path}: tlt.speculative = {tlt.speculative!r} needs a learned drafter: set 'drafter' (or "
                          "use speculative: off / ngram-D, or tlt: null for the baseline)")
     return JobSpec(str(path), values["model"], values["drafter"], values["dataset"], values["train_problems"],
-                   values["eval_problems"], values["eval_steps"], values["device"], values["dtype"], grpo, tlt)
+                   values["eval_problems"], values["eval_steps"], values["device"], values["dtype"], grpo, tlt,
+                   scheduler)
 
 
-def build(spec: JobSpec, progress: bool = False):
-    """(trainer, held-out problems) for a job spec: loads the model, tokenizer, drafter and data."""
+def build(spec: JobSpec, progress: bool = False, reward_funcs=None, workers=None):
+    """(trainer, held-out problems) for a job spec: loads the model, tokenizer, drafter and data. Under torchrun
+    (``workers``: a :class:`tltlib.scheduler.Workers`) the trainer is one data-parallel worker."""
     from .checkpoint import load
+    from .grpo import accuracy_reward
     from .tasks import ChainTaskConfig, split_problems
     from .trainer import GRPOTrainer
-    model, tok, drafter = load(spec.model, spec.drafter or None, device=spec.device, dtype=spec.dtype)
+    device = workers.device if workers is not None else spec.device
+    model, tok, drafter = load(spec.model, spec.drafter or None, device=device, dtype=spec.dtype)
     train, held = split_problems(spec.dataset, spec.train_problems, spec.eval_problems, spec.grpo.seed,
                                  task=ChainTaskConfig(zipf_exponent=0.6))
-    trainer = GRPOTrainer(model, tok, train, spec.grpo, drafter=drafter if spec.tlt is not None else None,
-                          tlt=spec.tlt, progress=progress)
-    return trainer, held
+    kw = dict(reward_funcs=reward_funcs or (accuracy_reward,), drafter=drafter if spec.tlt is not None else None,
+              tlt=spec.tlt, progress=progress)
+    if workers is None:
+        return GRPOTrainer(model, tok, train, spec.grpo, **kw), held
+    from .scheduler import DistributedGRPOTrainer
+    return DistributedGRPOTrainer(model, tok, train, spec.grpo, scheduler=spec.scheduler, workers=workers, **kw), held
 
 
 def run_job(params: str | os.PathLike, output_dir: str | os.PathLike | None = None, resume: bool = False,
-            max_steps: int | None = None, progress: bool = True, out=sys.stdout) -> list[dict]:
+            max_steps: int | None = None, progress: bool = True, out=sys.stdout, reward_funcs=None) -> list[dict]:
     """Train as the file says, writing checkpoints and metrics.jsonl to ``output_dir`` (default
-    ``runs/train-grpo/<params name>``); ``resume``: continue the run saved there."""
+    ``runs/train-grpo/<params name>``); ``resume``: continue the run saved there. Under torchrun every process is
+    one data-parallel worker (:mod:`tltlib.scheduler`); rank 0 writes the log; a group restarted by torchrun
+    (``--max-restarts``) resumes from the last checkpoint by itself."""
     from tqdm.auto import tqdm
+
+    from .scheduler import Workers, launched_by_torchrun
     spec = read_job(params)
     output = Path(output_dir) if output_dir else resolve("runs") / "train-grpo" / Path(spec.source).stem
     is_checkpoint = lambda p: (p / "trainer_state.json").is_file()        # noqa: E731
+    workers = Workers(spec.device, spec.scheduler.hang_timeout_s) if launched_by_torchrun() else None
+    lead = workers is None or workers.rank == 0
+    restarted = workers is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if restarted and is_checkpoint(output):
+        resume = True                              # torchrun restarted the group: continue from the last checkpoint
     # what the trainer's own checkpoint does not pin: the data and the files the run started from
     job = {k: getattr(spec, k) for k in ("model", "drafter", "dataset", "train_problems", "eval_problems")}
     if resume:
@@ -132,27 +152,31 @@ def run_job(params: str | os.PathLike, output_dir: str | os.PathLike | None = No
                              if saved.get(k) != job[k])
             raise ValueError(f"{str(output)!r} was written by a run on other data or files ({diff}); resume with "
                              "the parameter file that started it (--params), or start a new run elsewhere")
-    else:
+    elif not restarted:
         check_output_folder(output, False, is_checkpoint, "training run",
                             hint=f"continue it with --params {spec.source} --resume {output}")
-    trainer, held = build(spec, progress=False)
-    if not resume:
+    if workers is not None:
+        workers.barrier()                          # every rank has checked the folder before rank 0 writes to it
+    trainer, held = build(spec, progress=False, reward_funcs=reward_funcs, workers=workers)
+    log_file = output / "metrics.jsonl"
+    if not resume and lead:
         output.mkdir(parents=True, exist_ok=True)
         atomic_write_text(output / "job.json", json.dumps(job, indent=1) + "\n")
-    log_file = output / "metrics.jsonl"
     if resume:
         trainer.load(output)
-        if log_file.is_file():                     # drop lines of steps done after the checkpoint (they re-run)
-            kept = [line for line in log_file.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("rl/step", 0) <= trainer.step_count]
-            atomic_write_text(log_file, "".join(f"{line}\n" for line in kept))
+    if lead and log_file.is_file():                # drop lines of steps done after the checkpoint (they re-run)
+        kept = [line for line in log_file.read_text().splitlines()
+                if line.strip() and json.loads(line).get("rl/step", 0) <= trainer.step_count]
+        atomic_write_text(log_file, "".join(f"{line}\n" for line in kept))
     steps = (max_steps or spec.grpo.max_steps) - trainer.step_count
-    if steps <= 0:
+    if steps <= 0 and lead:
         print(f"nothing to do: the run in {str(output)!r} is at step {trainer.step_count} of "
               f"{max_steps or spec.grpo.max_steps}; pass --max-steps N to train further", file=sys.stderr)
-    bar = tqdm(total=max(steps, 0), desc="GRPO steps", unit="step", disable=not progress)
+    bar = tqdm(total=max(steps, 0), desc="GRPO steps", unit="step", disable=not (progress and lead))
 
     def emit(m):
+        if not lead:
+            return
         line = json.dumps(m, default=float)
         print(line, file=out, flush=True)
         output.mkdir(parents=True, exist_ok=True)
@@ -169,6 +193,8 @@ def run_job(params: str | os.PathLike, output_dir: str | os.PathLike | None = No
 
     history = trainer.train(max(steps, 0), on_step=on_step, save_to=output)
     bar.close()
+    if workers is not None:
+        workers.close()
     return history
 
 

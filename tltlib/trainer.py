@@ -191,11 +191,42 @@ class GRPOTrainer:
         idx = self.rng.choice(len(self.problems), size=self.args.prompts_per_step, replace=False)
         return [self.problems[i] for i in sorted(idx)]
 
+    def _shard_offset(self, n: int) -> int:
+        """Index of this process's first completion in the whole batch (one process: 0)."""
+        return 0
+
     def _policy_logprobs(self, model, batches, prompts, responses) -> list[torch.Tensor]:
         with torch.no_grad():
             return [response_logprobs(model, SequenceBatch.build(prompts, responses, g, self.engine.pad_id,
                                                                  self.device), self.sampling, self.args.logprob_chunk)
                     for g in batches]
+
+    # ------------------------------------------------------- what data-parallel workers override (scheduler.py)
+    def _rollout(self, prompt_ids):
+        """This process's rollout of ``prompt_ids`` (the data-parallel trainer adds the spot trainer around it)."""
+        return self.engine.generate(prompt_ids, self.generator, progress=self.progress, strategy=self.strategy,
+                                    pairs=self.buffer)
+
+    def _gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Per-completion rows [n, k] of this process -> the whole batch's [N, k] (one process: the same)."""
+        return rows
+
+    def _reduce_gradients(self) -> None:
+        """Sum the policy's gradients over the data-parallel workers (one process: nothing to do)."""
+
+    def _train_drafter(self) -> dict:
+        """The drafter's training for this step: ``drafter_steps`` micro-steps after the update."""
+        dstats: dict = {}
+        if self.drafter_trainer is not None and self.buffer.sequences():
+            for _ in range(self.tlt.drafter_steps):
+                dstats = self.drafter_trainer.step(self.buffer.sample(self.tlt.drafter_batch))
+        return dstats
+
+    def _extra_metrics(self) -> dict:
+        return {}
+
+    def _save_extra(self, folder: Path) -> None:
+        """Write more files into a checkpoint folder being saved (data-parallel workers: each rank's own state)."""
 
     # --------------------------------------------------------------------------------------------------- step
     def step(self) -> dict:
@@ -208,8 +239,7 @@ class GRPOTrainer:
         if self.buffer is not None:
             self.buffer.step = self.step_count
         model.eval()
-        res = self.engine.generate(prompt_ids, self.generator, progress=self.progress, strategy=self.strategy,
-                                   pairs=self.buffer)
+        res = self._rollout(prompt_ids)
         t_rollout = time.perf_counter() - t_step
 
         t0 = time.perf_counter()
@@ -221,15 +251,20 @@ class GRPOTrainer:
         columns = {"answer": [problems[i // G].answer for i in range(n)],
                    "completion_ids": [res.response_ids(i) for i in range(n)]}
         per_func, rewards = compute_rewards(self.reward_funcs, prompts, completions, columns, args.reward_weights)
-        advantages = group_advantages(rewards, G, args.scale_rewards).to(self.device)
+        responses = [res.response_ids(i) for i in range(n)]
+        counted = torch.tensor([not (args.mask_truncated_completions and t) for t in res.truncated])
+        # the whole batch (all workers' completions): advantages, loss normalisation and metrics are global
+        rows = self._gather_rows(torch.cat([rewards[:, None].double(), per_func.double(), torch.tensor(
+            [[len(r), len(r) * bool(c)] for r, c in zip(responses, counted)], dtype=torch.float64)], 1))
+        all_rewards, all_per_func = rows[:, 0].float(), rows[:, 1:-2].float()
+        first = self._shard_offset(n)
+        advantages = group_advantages(all_rewards, G, args.scale_rewards)[first:first + n].to(self.device)
+        n_total, batch_tokens = rows.shape[0], int(rows[:, -1].sum())
         t_reward = time.perf_counter() - t0
 
-        responses = [res.response_ids(i) for i in range(n)]
         seq_prompts = [prompt_ids[i // G] for i in range(n)]
         lengths = [len(p) + len(r) for p, r in zip(seq_prompts, responses)]
         batches = micro_batches(lengths, args.micro_batch_tokens)
-        counted = torch.tensor([not (args.mask_truncated_completions and t) for t in res.truncated])
-        batch_tokens = int(sum(len(r) for r, c in zip(responses, counted) if c))
         t0 = time.perf_counter()
         ref_lp = self._policy_logprobs(self.reference, batches, seq_prompts, responses) if self.reference else None
         old_lp = self._policy_logprobs(model, batches, seq_prompts, responses) if args.num_iterations > 1 else None
@@ -237,7 +272,7 @@ class GRPOTrainer:
 
         t0 = time.perf_counter()
         model.train()
-        stats = {"loss": 0.0, "kl": 0.0, "clipped": 0.0}
+        stats = torch.zeros(3, dtype=torch.float64)          # loss, kl, clipped tokens (sums over this worker)
         for _ in range(args.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
             for k, g in enumerate(batches):
@@ -249,40 +284,41 @@ class GRPOTrainer:
                 if ref_lp is not None:
                     kl = kl_k3(lp, ref_lp[k])
                     per_token = per_token + args.beta * kl
-                    stats["kl"] += float((kl.detach() * mask).sum()) / max(batch_tokens, 1) / args.num_iterations
-                loss = aggregate_loss(per_token, mask, args.loss_type, n, batch_tokens, args.max_completion_length)
+                    stats[1] += float((kl.detach() * mask).sum()) / max(batch_tokens, 1) / args.num_iterations
+                loss = aggregate_loss(per_token, mask, args.loss_type, n_total, batch_tokens,
+                                      args.max_completion_length)
                 loss.backward()
-                stats["loss"] += float(loss.detach()) / args.num_iterations
-                stats["clipped"] += float((clipped & mask).sum()) / max(batch_tokens, 1) / args.num_iterations
+                stats[0] += float(loss.detach()) / args.num_iterations
+                stats[2] += float((clipped & mask).sum()) / max(batch_tokens, 1) / args.num_iterations
+            self._reduce_gradients()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                   args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
             if not math.isfinite(float(norm)):
                 self.optimizer.zero_grad(set_to_none=True)
                 raise FloatingPointError(
                     f"RL step {self.step_count + 1}: the policy's gradient norm is {float(norm)} (loss "
-                    f"{stats['loss']:.4g}): the update diverged and was not applied; lower learning_rate (now "
+                    f"{float(stats[0]):.4g}): the update diverged and was not applied; lower learning_rate (now "
                     f"{args.learning_rate:g}) or set max_grad_norm, and resume from the last checkpoint")
             self.optimizer.step()
         model.eval()
         self.optimizer.zero_grad(set_to_none=True)
         t_update = time.perf_counter() - t0
+        stats = self._gather_rows(stats[None]).sum(0)
 
         t0 = time.perf_counter()
-        dstats: dict = {}
-        if self.drafter_trainer is not None and self.buffer.sequences():
-            for _ in range(self.tlt.drafter_steps):
-                dstats = self.drafter_trainer.step(self.buffer.sample(self.tlt.drafter_batch))
+        dstats = self._train_drafter()
         t_drafter = time.perf_counter() - t0
 
         self.step_count += 1
         update_tokens = sum(lengths) * args.num_iterations
         acc = next((j for j, f in enumerate(self.reward_funcs) if f is accuracy_reward), None)
-        m = {"rl/step": self.step_count, "rl/reward_mean": float(rewards.mean()), "rl/reward_std": float(rewards.std()),
-             "rl/accuracy": float((per_func[:, acc] >= 1.0).float().mean()) if acc is not None else float("nan"),
-             "rl/loss": stats["loss"], "rl/kl": stats["kl"],
-             "rl/clip_frac": stats["clipped"], "rl/grad_norm": float(norm),
-             "rl/completion_len_mean": float(np.mean([len(r) for r in responses])),
-             **{f"rl/reward/{reward_name(f)}": float(np.nanmean(per_func[:, j].numpy()))
+        m = {"rl/step": self.step_count, "rl/reward_mean": float(all_rewards.mean()),
+             "rl/reward_std": float(all_rewards.std()),
+             "rl/accuracy": float((all_per_func[:, acc] >= 1.0).float().mean()) if acc is not None else float("nan"),
+             "rl/loss": float(stats[0]), "rl/kl": float(stats[1]),
+             "rl/clip_frac": float(stats[2]), "rl/grad_norm": float(norm),
+             "rl/completion_len_mean": float(rows[:, -2].mean()),
+             **{f"rl/reward/{reward_name(f)}": float(np.nanmean(all_per_func[:, j].numpy()))
                 for j, f in enumerate(self.reward_funcs)},
              **res.stats, **{k: v for k, v in dstats.items()},
              "drafter/version": float(getattr(self.drafter, "version", 0)),
@@ -291,7 +327,8 @@ class GRPOTrainer:
              "update/padding_frac": 1 - sum(lengths) / padded_tokens(lengths, batches),
              "update/tokens_per_s": update_tokens / max(t_update, 1e-9),
              "time/rollout_s": t_rollout, "time/reward_s": t_reward, "time/logprob_s": t_logprob,
-             "time/update_s": t_update, "time/drafter_s": t_drafter, "time/step_s": time.perf_counter() - t_step}
+             "time/update_s": t_update, "time/drafter_s": t_drafter, "time/step_s": time.perf_counter() - t_step,
+             **self._extra_metrics()}
         self.history.append(m)
         return m
 
@@ -355,6 +392,7 @@ class GRPOTrainer:
             if self.buffer is not None:
                 tensors["buffer"] = self.buffer.state_dict()
             torch.save(tensors, tmp / "state.pt")
+            self._save_extra(tmp)
             digest = hashlib.sha256(json.dumps(meta["fingerprint"], sort_keys=True).encode()).hexdigest()[:16]
             (tmp / "README.md").write_text(f"# tltlib GRPO checkpoint\n\nStep {self.step_count}; configuration "
                                            f"{digest}. Resume with `python -m tltlib train-grpo --params <the file that "
