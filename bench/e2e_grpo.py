@@ -13,6 +13,14 @@ micro-batches of a fixed row count in arrival order (TRL's per-device batches).
     python -m tltlib bench e2e_grpo                                  # CPU, tiny reasoner, 3 seeds x 8 steps
     python -m tltlib bench e2e_grpo --drafter data/tiny-reasoner-drafter-early   # the drifted warm-up
     python -m tltlib bench e2e_grpo --device cuda --dtype bfloat16 --model ... --drafter ...
+    python -m tltlib bench e2e_grpo --workers 2     # data-parallel workers under torchrun, with the spot trainer
+
+With ``--workers W`` the script starts itself under torchrun (W processes, one thread each on the CPU) and runs, per
+RL step and in turn, the baseline, TLT with the spot trainer and TLT with the warm drafter frozen, all data-parallel
+(:func:`tltlib.e2e.compare_workers`); then, back in one process, TLT with the one-process online drafter for the
+same steps, for the accepted-length comparison. Reported besides the table above: each step's idle share of the
+workers' rollout time, the share of it harvested for drafter training, the preemption latency (also in micro-steps),
+the drafter sync and the spot trainer's overhead on the step's critical path (preemption latency + sync).
 """
 from __future__ import annotations
 
@@ -51,6 +59,9 @@ def main() -> None:
     ap.add_argument("--probe", type=int, default=16, help="probe prompts for the accepted-length curves (0 = off)")
     ap.add_argument("--probe-strategy", default="chain-8")
     ap.add_argument("--trl-steps", type=int, default=2, help="TRL GRPOTrainer steps (0 = skip the peer)")
+    ap.add_argument("--workers", type=int, default=0, help="data-parallel workers under torchrun (0 = one process)")
+    ap.add_argument("--spot-max", type=int, default=200, help="with --workers: the spot trainer's micro-step budget")
+    ap.add_argument("--pairs", default="own", choices=["own", "all"], help="with --workers: the spot trainer's data")
     ap.add_argument("--tag", default="", help="suffix of the result files (e.g. -drift)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--replot", metavar="JSON", help="only redraw the figures of an earlier result file")
@@ -60,6 +71,9 @@ def main() -> None:
         _figures(read_json(args.replot, "give a bench/results/e2e_grpo-*.json file"), Path(args.replot))
         return
     ensure_malloc_env()
+    if args.workers:
+        from tltlib.scheduler import launched_by_torchrun
+        return _worker(args) if launched_by_torchrun() else _launch_workers(args)
 
     import torch
 
@@ -96,17 +110,157 @@ def main() -> None:
     _figures(payload, path)
 
 
+def _grpo(args, seed=0):
+    from tltlib.grpo import GRPOConfig
+    return GRPOConfig(num_generations=args.group, generation_batch_size=args.prompts * args.group,
+                      max_completion_length=args.max_new, temperature=args.temperature, learning_rate=args.lr,
+                      max_steps=args.steps, seed=seed, micro_batch_tokens=args.micro_batch_tokens)
+
+
+def _data(args):
+    from tltlib.tasks import ChainTaskConfig, generate_problems
+    train = generate_problems(ChainTaskConfig(), 4096, seed=1)
+    held = generate_problems(ChainTaskConfig(zipf_exponent=0.6), args.held_out, seed=10_001)
+    probe = generate_problems(ChainTaskConfig(zipf_exponent=0.6), args.probe, seed=20_002) if args.probe else []
+    return train, held, probe
+
+
+def _tlt(args):
+    from tltlib.trainer import TLTConfig
+    return TLTConfig(speculative="adaptive", threshold=args.threshold, drafter_steps=args.drafter_steps,
+                     drafter_batch=args.drafter_batch, on_drafter_change=args.on_drafter_change)
+
+
+def _worker(args) -> None:
+    """One torchrun rank of ``--workers W``: the data-parallel comparison; rank 0 writes the raw result."""
+    import json
+
+    from tltlib.checkpoint import load
+    from tltlib.e2e import compare_workers
+    from tltlib.scheduler import SchedulerConfig, Workers
+    sched = SchedulerConfig(max_micro_steps=args.spot_max, pairs=args.pairs)
+    workers = Workers(args.device, sched.hang_timeout_s)
+    model, tok, drafter = load(args.model, args.drafter, device=workers.device, dtype=args.dtype)
+    train, held, probe = _data(args)
+    out = compare_workers(model, tok, drafter, train, held, _grpo(args), _tlt(args), sched, args.steps, probe,
+                          args.probe_strategy, workers, log=lambda s: print(s, flush=True))
+    if out is not None:
+        Path(os.environ["TLTLIB_E2E_RAW"]).write_text(json.dumps(out, default=float))
+    workers.close()
+
+
+def _launch_workers(args) -> None:
+    """Run the W ranks under torchrun, then the one-process online drafter for the accepted-length comparison."""
+    import json
+    import subprocess
+
+    import torch
+
+    from tltlib.checkpoint import load
+    from tltlib.draft_train import measure_acceptance
+    from tltlib.e2e import schedule_summary, summarize
+    from tltlib.scheduler import torchrun_command
+    from tltlib.speculative import SpecStrategy
+    from tltlib.trainer import GRPOTrainer
+    raw = Path(tempfile.mkdtemp()) / "raw.json"
+    cmd = torchrun_command(args.workers, ["bench", "e2e_grpo", *sys.argv[1:]])
+    t = time.perf_counter()
+    rc = subprocess.run(cmd, env={**os.environ, "TLTLIB_NO_VENV": "1", "TLTLIB_E2E_RAW": str(raw)}).returncode
+    if rc != 0 or not raw.is_file():
+        raise SystemExit(f"the {args.workers}-worker run failed (exit {rc})")
+    result = json.loads(raw.read_text())
+    print(f"{args.workers} workers: {time.perf_counter() - t:.0f} s; now the one-process online drafter", flush=True)
+    torch.set_num_threads(os.cpu_count() or 1)
+    model, tok, drafter = load(args.model, args.drafter, device=args.device, dtype=args.dtype)
+    train, held, probe = _data(args)
+    online = copy.deepcopy(drafter).attach(model)
+    tr = GRPOTrainer(model, tok, train, _grpo(args), drafter=online, tlt=_tlt(args))
+    one = []
+    for step in range(args.steps):
+        m = tr.step()
+        acc = measure_acceptance(model, online, tok, probe, SpecStrategy.parse(args.probe_strategy),
+                                 args.temperature, args.max_new)["spec/accept_len_mean"] if probe else None
+        one.append({"step": step + 1, "accept": acc, "step_s": m["time/step_s"]})
+        print(f"one process, step {step + 1}: {m['time/step_s']:.2f} s, accepted length {acc}", flush=True)
+    device = "cuda" if args.device.startswith("cuda") else "cpu"
+    runs = result["runs"]
+    summary = summarize({"baseline": runs["baseline"], "tlt": runs["tlt"]})
+    frozen = summarize({"baseline": runs["baseline"], "tlt": runs["tlt-frozen"]})
+    summary["tlt-frozen"], summary["comparison-frozen"] = frozen["tlt"], frozen["comparison"]
+    summary["schedule"] = schedule_summary(runs["tlt"][0]["steps"])
+    summary["schedule_baseline"] = schedule_summary(runs["baseline"][0]["steps"])
+    last = result["acceptance"][-1] if result["acceptance"] else None
+    summary["accept_last"] = {"spot": last and last["online"], "frozen": last and last["frozen"],
+                              "one_process_online": one[-1]["accept"] if one else None}
+    table = _worker_tables(summary, result["acceptance"], one, args, device, runs["tlt"][0]["steps"])
+    payload = {"bench": "e2e_grpo", "workers": args.workers, "machine": machine_info(device), "settings": vars(args),
+               "summary": summary, "acceptance": result["acceptance"], "one_process": one, "runs": runs}
+    path = write_results(f"e2e_grpo-{device}-{args.dtype}-w{args.workers}{args.tag}", payload, table, args.out)
+    _figures(payload, path)
+
+
+def _worker_tables(s, acceptance, one, args, device, tlt_steps) -> str:
+    b, t, f, c, sc = s["baseline"], s["tlt"], s["tlt-frozen"], s["comparison"], s["schedule"]
+    rows = [[name, v["rollout"], v["logprob"], v["update"], v["drafter"], v["step"], f"{b['step'] / v['step']:.2f}x",
+             f"{v['rollout'] / v['step']:.0%}"] for name, v in (("baseline", b), ("TLT, spot trainer", t),
+                                                                 ("TLT, drafter frozen", f))]
+    text = (f"GRPO end to end on {args.workers} data-parallel workers (torchrun), {args.prompts} prompts x "
+            f"{args.group} completions per step, up to {args.max_new} tokens, T={args.temperature}, lr {args.lr}, "
+            f"{args.steps} steps, {args.dtype} on {device} (mean seconds per step, rank 0's phases)\n\n"
+            + markdown_table(["policy", "rollout", "log-prob", "update", "drafter", "step", "speedup",
+                              "rollout share"], rows))
+    text += (f"\n\nTLT with the spot trainer: step {c['step_speedup']:.2f}x, rollout {c['rollout_speedup']:.2f}x, "
+             f"{c['of_bound']:.0%} of the Amdahl bound {c['amdahl_bound']:.2f}x. Held-out accuracy: baseline "
+             f"{b['held_out'][0]:.3f}, TLT {t['held_out'][0]:.3f}, TLT frozen {f['held_out'][0]:.3f}.")
+    pct = lambda x: "n/a" if x is None else f"{x:.0%}"      # noqa: E731
+    text += ("\n\nSpot trainer, per step (TLT run):\n\n" + markdown_table(
+        ["step", "idle share", "harvested", "micro-steps", "micro-step s", "preemption s", "in micro-steps",
+         "sync s", "overhead s", "step s"],
+        [[k + 1, pct(sc["idle_frac_by_step"][k]), pct(sc["harvested_by_step"][k]), sc["micro_steps_by_step"][k],
+          sc["micro_step_s_by_step"][k], sc["preempt_s_by_step"][k], sc["preempt_micro_steps_by_step"][k],
+          sc["sync_s_by_step"][k], sc["overhead_s_by_step"][k], t_["time/step_s"]]
+         for k, t_ in enumerate(tlt_steps)]))
+    text += (f"\n\nIdle share of the workers' rollout time: {pct(sc['idle_frac'])} (baseline run: "
+             f"{pct(s['schedule_baseline']['idle_frac'])}); harvested for drafter training: "
+             f"{pct(sc['harvested_total'])} of the idle worker-time (goal >= 80%); spot-trainer overhead on the "
+             f"critical path (preemption + sync): {sc['overhead_share']:.2%} of the step (goal <= 1%); preemption "
+             f"latency at most {sc['preempt_micro_steps_max']:.2f} micro-steps (goal <= 1).")
+    if acceptance:
+        ref = {o["step"]: o["accept"] for o in one}
+        text += (f"\n\nAccepted length per RL step ({args.probe_strategy} on {args.probe} probe prompts, TLT's "
+                 "policy):\n\n" + markdown_table(
+                     ["step", "spot-trained", "frozen", "one-process online (own run)"],
+                     [[a["step"], a["online"], a["frozen"], ref.get(a["step"])] for a in acceptance]))
+        al = s["accept_last"]
+        if al["one_process_online"]:
+            text += (f"\n\nLast step: spot-trained {al['spot']:.2f} vs one-process online "
+                     f"{al['one_process_online']:.2f} ({al['spot'] / al['one_process_online'] - 1:+.1%}; goal within "
+                     f"5%) vs frozen {al['frozen']:.2f}.")
+    return text
+
+
 def _figures(payload: dict, json_path: Path) -> None:
-    """``<result>-acceptance.png`` (accepted length per RL step, online / frozen / n-gram) beside the result file."""
-    if not payload.get("acceptance"):
-        return
-    from tltlib.plots import acceptance_curves
-    fig = acceptance_curves(payload["acceptance"], payload["settings"]["probe_strategy"])
-    out = json_path.with_name(json_path.stem + "-acceptance.png")
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(out)
-    print(f"figure: {out}")
+    """``<result>-acceptance.png`` (accepted length per RL step) beside the result file; with ``--workers`` also
+    ``-gantt.png`` (the TLT run's last step on every worker) and ``-harvest.png`` (idle and harvested time)."""
+    from tltlib.plots import acceptance_curves, harvest_bars, worker_gantt
+    figs = {}
+    rows = payload.get("acceptance") or []
+    if payload.get("workers"):
+        one = {o["step"]: o["accept"] for o in payload.get("one_process", [])}
+        rows = [{**a, "one_process": one.get(a["step"])} for a in rows]
+        steps = payload["runs"]["tlt"][0]["steps"]
+        figs["gantt"] = worker_gantt(steps[-1]["sched/timeline"], f"TLT, step {len(steps)}, "
+                                     f"{payload['workers']} workers: rollout, spot training, sync, update")
+        figs["harvest"] = harvest_bars(steps)
+    if rows:
+        figs["acceptance"] = acceptance_curves(rows, payload["settings"]["probe_strategy"], online_label=(
+            "spot-trained drafter" if payload.get("workers") else "online drafter (trained each step)"))
+    for name, fig in figs.items():
+        out = json_path.with_name(f"{json_path.stem}-{name}.png")
+        tmp = out.with_name(f".{out.name}.tmp.png")
+        fig.savefig(tmp, dpi=110)
+        tmp.replace(out)
+        print(f"figure: {out}")
 
 
 def _trl_peer(args, train) -> dict | None:

@@ -145,3 +145,75 @@ def trl_phases(results_json) -> dict | None:
         return {"rollout": gen, "update": max(step - gen, 0.0)}
     scored = float(trl["generate_and_score_s"][-1])
     return {"rollout": gen, "reward": max(scored - gen, 0.0), "update": max(step - scored, 0.0)}
+
+
+def compare_workers(model, tokenizer, drafter, train, held_out, grpo, tlt, scheduler, steps: int, probe=(),
+                    probe_strategy: str = "chain-8", workers=None, log=print) -> dict | None:
+    """:func:`compare` for data-parallel workers (call it on every rank under torchrun): the baseline, TLT with the
+    spot trainer, and TLT with the same warm drafter frozen, stepped in turn on the same prompts. After every RL
+    step rank 0 measures, outside the timed phases, the accepted length of the spot-trained and the frozen drafter on
+    TLT's current policy; the ranks then start the next step together. Returns on rank 0 ``{"runs": {policy:
+    {"steps": [...], "eval/accuracy"}}, "acceptance": [...]}`` (None elsewhere).
+
+    Args: as :func:`compare`, with ``grpo`` one :class:`GRPOConfig`, ``scheduler`` the TLT run's
+    :class:`~tltlib.scheduler.SchedulerConfig` and ``workers`` a :class:`~tltlib.scheduler.Workers`.
+    """
+    from dataclasses import replace
+
+    from .draft_train import measure_acceptance
+    from .scheduler import DistributedGRPOTrainer, SchedulerConfig, Workers
+    from .speculative import SpecStrategy
+    workers = workers or Workers(str(model.device), scheduler.hang_timeout_s)
+    models = {k: copy.deepcopy(model) for k in ("baseline", "tlt", "tlt-frozen")}
+    online = copy.deepcopy(drafter).attach(models["tlt"])
+    probe_frozen = copy.deepcopy(drafter).attach(models["tlt"])     # the warm drafter on TLT's policy, for probes
+    trainers = {
+        "baseline": DistributedGRPOTrainer(models["baseline"], tokenizer, train, grpo, workers=workers,
+                                           scheduler=replace(scheduler, spot_trainer=False)),
+        "tlt": DistributedGRPOTrainer(models["tlt"], tokenizer, train, grpo, drafter=online, tlt=tlt,
+                                      scheduler=scheduler, workers=workers),
+        "tlt-frozen": DistributedGRPOTrainer(models["tlt-frozen"], tokenizer, train, grpo,
+                                             drafter=copy.deepcopy(drafter).attach(models["tlt-frozen"]),
+                                             tlt=replace(tlt, online_drafter=False), workers=workers,
+                                             scheduler=SchedulerConfig(spot_trainer=False))}
+    hist, acceptance, lead = {k: [] for k in trainers}, [], workers.rank == 0
+    names = list(trainers)
+    for step in range(steps):
+        for name in names[step % len(names):] + names[:step % len(names)]:     # rotate who goes first
+            m = trainers[name].step()
+            hist[name].append(m)
+            if lead:
+                log(f"step {step + 1} {name:10s} step {m['time/step_s']:6.2f} s  rollout {m['time/rollout_s']:6.2f} s"
+                    f"  idle {m['sched/idle_frac']:.0%}  harvested {m['sched/harvested']:.0%}  reward "
+                    f"{m['rl/reward_mean']:.3f}")
+        if lead and probe:
+            st = SpecStrategy.parse(probe_strategy)
+            row = {"step": step + 1}
+            for label, d in (("online", online), ("frozen", probe_frozen)):
+                row[label] = measure_acceptance(models["tlt"], d, tokenizer, probe, st, grpo.temperature,
+                                                grpo.max_completion_length)["spec/accept_len_mean"]
+            acceptance.append(row)
+            log(f"  accepted length ({st.name}): spot-trained {row['online']:.2f}  frozen {row['frozen']:.2f}")
+        workers.barrier()
+    evals = {name: tr.evaluate(held_out) for name, tr in trainers.items()}
+    if not lead:
+        return None
+    return {"runs": {name: [{"seed": grpo.seed, "steps": hist[name], **evals[name]}] for name in trainers},
+            "acceptance": acceptance}
+
+
+def schedule_summary(steps: list[dict]) -> dict:
+    """Means over steps of the spot trainer's ``sched/*`` metrics (NaN-free ones), plus the per-step lists the
+    notebook plots."""
+    keys = ("idle_frac", "idle_s", "train_s", "harvested", "preempt_s", "preempt_micro_steps", "micro_step_s",
+            "signal_s", "sync_s", "overhead_s", "micro_steps")
+    out = {}
+    for k in keys:
+        v = [m[f"sched/{k}"] for m in steps if np.isfinite(m.get(f"sched/{k}", float("nan")))]
+        out[k] = float(np.mean(v)) if v else None
+        out[f"{k}_by_step"] = [m.get(f"sched/{k}") for m in steps]
+    out["harvested_total"] = (sum(m["sched/train_s"] for m in steps) / sum(m["sched/idle_s"] for m in steps)
+                              if sum(m["sched/idle_s"] for m in steps) > 0 else None)
+    out["overhead_share"] = float(np.mean([m["sched/overhead_s"] / m["time/step_s"] for m in steps]))
+    out["preempt_micro_steps_max"] = max((m["sched/preempt_micro_steps"] for m in steps), default=None)
+    return out

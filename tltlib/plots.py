@@ -368,16 +368,66 @@ def reward_curves(reward_by_step: dict[str, list[list[float]]], title: str = "Re
 
 
 def acceptance_curves(acceptance: list[dict], strategy: str = "chain-8",
-                      title: str = "Accepted length per RL step: the drafter the policy leaves behind"):
-    """Accepted tokens per SD step after every RL step, for the online, frozen and n-gram drafters."""
+                      title: str = "Accepted length per RL step: the drafter the policy leaves behind",
+                      online_label: str = "online drafter (trained each step)"):
+    """Accepted tokens per SD step after every RL step, for the drafters the rows hold: ``online``, ``frozen``,
+    ``ngram``, ``one_process`` (the one-process online drafter beside a spot-trained one)."""
     fig, ax = _fig()
     steps = [a["step"] for a in acceptance]
-    for key, label, style in (("online", "online drafter (trained each step)", "-o"),
+    for key, label, style in (("online", online_label, "-o"), ("one_process", "one-process online drafter", "-.d"),
                               ("frozen", "frozen warm drafter", "--s"), ("ngram", "n-gram drafter", ":^")):
-        ax.plot(steps, [a[key] for a in acceptance], style, markersize=3, label=label)
+        if all(a.get(key) is not None for a in acceptance):
+            ax.plot(steps, [a[key] for a in acceptance], style, markersize=3, label=label)
     ax.set_xlabel("RL step")
     ax.set_ylabel(f"accepted length ({strategy}, bonus included)")
     ax.set_ylim(bottom=1.0)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+PHASE_COLORS = {"rollout": "tab:blue", "training": "tab:green", "sync": "tab:red", "update": "tab:gray",
+                "update sync": "tab:orange", "drafter": "tab:olive"}
+
+
+def worker_gantt(timeline: list[list], title: str = "One RL step on every worker"):
+    """Gantt chart of one step: per worker (rank) the spans ``(phase, start_s, end_s)`` of its rollout, the spot
+    trainer's drafter training in the idle window, the drafter sync and the update (``sched/timeline``)."""
+    fig, ax = _fig(7.0, 1.4 + 0.55 * len(timeline))
+    seen = set()
+    for r, events in enumerate(timeline):
+        for name, a, b in events:
+            ax.barh(r, b - a, left=a, height=0.6, color=PHASE_COLORS.get(name, "black"),
+                    label=None if name in seen else name, edgecolor="white", linewidth=0.3)
+            seen.add(name)
+        end = max(b for n, a, b in events if n == "rollout")
+        last = max(max(b for n, a, b in ev if n == "rollout") for ev in timeline)
+        if last > end:
+            ax.plot([end, last], [r - 0.38, r - 0.38], color="black", lw=0.8)    # the idle window
+    ax.set_yticks(range(len(timeline)), [f"rank {r}" for r in range(len(timeline))])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the step's rollout started")
+    ax.set_title(title)
+    ax.legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.45), frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def harvest_bars(steps: list[dict], title: str = "Idle worker-time and what the spot trainer harvested"):
+    """Per RL step: the workers' idle seconds (summed over ranks) and the seconds of it spent training the drafter,
+    with the harvested share on top."""
+    fig, ax = _fig()
+    x = np.arange(1, len(steps) + 1)
+    idle = [m["sched/idle_s"] for m in steps]
+    train = [m["sched/train_s"] for m in steps]
+    ax.bar(x, idle, color="lightgray", label="idle worker-seconds")
+    ax.bar(x, train, width=0.5, color="tab:green", label="drafter training in them")
+    for xi, i, t in zip(x, idle, train):
+        if i > 0:
+            ax.text(xi, i, f"{t / i:.0%}", ha="center", va="bottom", fontsize=7)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("seconds (summed over workers)")
     ax.set_title(title)
     ax.legend(fontsize=7)
     fig.tight_layout()

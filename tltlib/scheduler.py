@@ -318,7 +318,7 @@ class DistributedGRPOTrainer(GRPOTrainer):
         self._events.append(("update sync", t, time.time()))
 
     def _rollout(self, prompt_ids):
-        W, r = self.workers.world, self.workers.rank
+        W = self.workers.world
         self._events = []
         t_start = time.time()
         res = super()._rollout(prompt_ids)
