@@ -71,7 +71,7 @@ trainer._sync_drafter = checked_sync
 metrics = [trainer.step() for _ in range(2)]
 mine = {"rank": RANK, "policy": trainer.weights_digest(),
         "drafter": digest([p for p in trainer.drafter.parameters() if p.requires_grad]),
-        "drafter_version": trainer.drafter.version, "syncs": syncs,
+        "drafter_version": trainer.drafter.version, "syncs": syncs, "buffer_sequences": len(trainer.buffer),
         "problems": [p.prompt for p in trainer._next_problems()]}
 every = workers.gather_objects(mine)
 if RANK == 0:

@@ -16,6 +16,9 @@ EXPECTED = {
                             "spec/accept_len_mean"],
     "05_grpo_with_tlt": ["e2e/step_speedup", "e2e/amdahl_bound", "e2e/rollout_share", "eval/accuracy_tlt",
                          "spec/accept_len_online_last", "spec/accept_len_frozen_last"],
+    "06_idle_time_drafter_training": ["sched/idle_frac", "sched/harvested", "sched/preempt_micro_steps",
+                                      "sched/overhead_share", "spec/accept_len_spot_last",
+                                      "spec/accept_len_frozen_last"],
 }
 
 

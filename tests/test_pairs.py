@@ -100,3 +100,15 @@ def test_config_errors():
         PairBufferConfig(decay=0.0)
     with pytest.raises(ValueError, match="holds no sequence yet"):
         PairBuffer(H).sample(2)
+
+
+def test_sample_with_max_pairs_bounds_the_batch():
+    from tltlib.pairs import PairBuffer
+    buf = PairBuffer(4)
+    g = torch.Generator().manual_seed(0)
+    pids, first = buf.begin([[1, 2]], group_size=6, step=0)
+    for s in range(first, first + 6):            # six sequences of 100 response pairs each (one length bucket)
+        buf.add(torch.tensor([s] * 100), torch.arange(100), torch.randn(100, 4, generator=g), torch.ones(100).long())
+    assert buf.sample(4).hidden.shape[0] == 4
+    assert buf.sample(4, max_pairs=250).hidden.shape[0] == 2
+    assert buf.sample(4, max_pairs=10).hidden.shape[0] == 1       # never empty

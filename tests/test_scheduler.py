@@ -36,14 +36,17 @@ def test_scheduler_config_refuses_a_zero_budget_and_unknown_pairs():
         SchedulerConfig(pairs="mine")
     with pytest.raises(ValueError, match="hang_timeout_s"):
         SchedulerConfig(hang_timeout_s=0)
+    with pytest.raises(ValueError, match="micro_step_pairs"):
+        SchedulerConfig(micro_step_pairs=-1)
 
 
 def test_schedule_metrics_by_hand():
     # rank 0 rolls out 0-10 s; rank 1 ends at 4, trains 4.5-10.2 (preempted 0.2 s late, last micro-step 0.5 s)
-    w0 = {"start": 0.0, "end": 10.0, "train": None, "stop": None, "steps": 0, "micro": [], "sync_s": 0.1,
-          "signal_s": 0.01, "events": [("rollout", 0.0, 10.0)]}
+    w0 = {"start": 0.0, "end": 10.0, "train": None, "stop": None, "steps": 0, "micro": [], "sync_s": 0.3,
+          "signal_s": 0.01, "events": [("rollout", 0.0, 10.0), ("sync", 10.0, 10.3)]}
     w1 = {"start": 0.0, "end": 4.0, "train": 4.5, "stop": 10.2, "steps": 12, "micro": [0.4] * 11 + [0.5],
-          "sync_s": 0.3, "signal_s": None, "events": [("rollout", 0.0, 4.0), ("training", 4.5, 10.2)]}
+          "sync_s": 0.1, "signal_s": None, "events": [("rollout", 0.0, 4.0), ("training", 4.5, 10.2),
+                                                      ("sync", 10.2, 10.3)]}
     m = schedule_metrics([w0, w1])
     assert m["sched/idle_s"] == pytest.approx(6.0)
     assert m["sched/idle_frac"] == pytest.approx(6.0 / 20.0)
@@ -51,9 +54,9 @@ def test_schedule_metrics_by_hand():
     assert m["sched/harvested"] == pytest.approx(5.5 / 6.0)
     assert m["sched/preempt_s"] == pytest.approx(0.2)
     assert m["sched/preempt_micro_steps"] == pytest.approx(0.4)
-    assert m["sched/overhead_s"] == pytest.approx(0.2 + 0.3)
+    assert m["sched/overhead_s"] == pytest.approx(0.3)             # rank 0 waited for rank 1's micro-step + sync
     assert m["sched/micro_steps"] == 12
-    assert m["sched/timeline"][1] == [("rollout", 0.0, 4.0), ("training", 4.5, 10.2)]
+    assert m["sched/timeline"][1] == [("rollout", 0.0, 4.0), ("training", 4.5, 10.2), ("sync", 10.2, 10.3)]
 
 
 def test_pair_buffer_export_and_ingest_move_one_steps_sequences():
@@ -119,8 +122,9 @@ def _torchrun(args, workers=2, max_restarts=0, env=None, timeout=240):
     return proc, time.time() - t
 
 
-def test_two_workers_end_each_step_with_identical_weights(tmp_path):
-    proc, _ = _torchrun([WORKER, "check", ROOT / "params/train/smoke.yaml", tmp_path])
+@pytest.mark.parametrize("pairs", ["own", "all"])
+def test_two_workers_end_each_step_with_identical_weights(tmp_path, pairs):
+    proc, _ = _torchrun([WORKER, "check", _params(tmp_path, scheduler={"pairs": pairs}), tmp_path])
     assert proc.returncode == 0, proc.stderr[-3000:]
     d = json.loads((tmp_path / "check.json").read_text())
     r0, r1 = d["ranks"]
@@ -132,6 +136,10 @@ def test_two_workers_end_each_step_with_identical_weights(tmp_path):
     assert m["sched/workers"] == 2 and m["sched/micro_steps"] >= 1
     assert 0 < m["sched/harvested"] <= 1 and m["sched/idle_frac"] > 0
     assert len(m["sched/timeline"]) == 2
+    if pairs == "all":                                             # every rank holds every rank's sequences
+        assert r0["buffer_sequences"] == r1["buffer_sequences"] == 2 * 16
+    else:
+        assert r0["buffer_sequences"] == r1["buffer_sequences"] == 16
 
 
 def test_killed_rank_restarts_and_resumes_exactly(tmp_path):

@@ -235,9 +235,10 @@ class PairBuffer:
         age = self.step - np.asarray([self.seq_step[s] for s in seqs], dtype=np.float64)
         return self.config.decay ** age
 
-    def sample(self, batch_sequences: int) -> "PairBatch":
+    def sample(self, batch_sequences: int, max_pairs: int = 0) -> "PairBatch":
         """A training batch: a length bucket by weighted pair count, then up to ``batch_sequences`` of its
-        sequences by weight, without replacement."""
+        sequences by weight, without replacement (and, with ``max_pairs``, no more than fit in that many pairs;
+        at least one)."""
         seqs = self.sequences()
         if not seqs:
             raise ValueError("the pair buffer holds no sequence yet: stream a rollout into it first")
@@ -248,6 +249,8 @@ class PairBuffer:
         b = int(self.rng.choice(len(mass), p=mass / mass.sum()))
         members = np.flatnonzero(bucket == b)
         k = min(batch_sequences, len(members))
+        if max_pairs:
+            k = max(1, min(k, max_pairs // int(lengths[members].max())))
         pick = self.rng.choice(members, size=k, replace=False, p=w[members] / w[members].sum())
         return self.batch([seqs[i] for i in sorted(pick)])
 

@@ -190,6 +190,10 @@ SCHEMA: dict[str, Param] = {
     "PROBE_PROMPTS": Param("int", lo=0),
     "PROBE_STRATEGY": Param("strategy"),
     "TRL_RESULTS": Param("path", exists="file", empty_ok=True),
+    # idle-time drafter training
+    "SPOT_MAX_STEPS": _COUNT,
+    "PAIRS": Param("str", choices=("own", "all")),
+    "RUN_DIR": Param("path", exists="dir", empty_ok=True),
 }
 
 

@@ -432,3 +432,40 @@ def harvest_bars(steps: list[dict], title: str = "Idle worker-time and what the 
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def idle_share_curve(estimated: dict, measured: dict | None = None,
+                     title: str = "Idle share of the rollout vs data-parallel workers"):
+    """Idle share of worker-time against W: ``estimated`` {W: share} (the step-count model on measured response
+    lengths) as a line, ``measured`` {W: share} (data-parallel runs) as points."""
+    fig, ax = _fig()
+    ws = sorted(estimated)
+    ax.plot(ws, [100 * estimated[w] for w in ws], "-o", markersize=3, label="step-count model, measured lengths")
+    if measured:
+        ax.plot(sorted(measured), [100 * measured[w] for w in sorted(measured)], "s", color="tab:red",
+                label="measured (wall time, data-parallel run)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ws, [str(w) for w in ws])
+    ax.set_xlabel("workers W (whole GRPO groups per worker)")
+    ax.set_ylabel("idle share of worker-time (%)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def accept_bars(values: dict, strategy: str = "chain-8", title: str = "Accepted length of the drafters"):
+    """One bar per drafter/policy pairing: ``{label: accepted length}``."""
+    fig, ax = _fig()
+    labels = list(values)
+    bars = ax.bar(range(len(labels)), [values[k] for k in labels], color=["tab:gray", "tab:orange", "tab:green",
+                                                                           "tab:blue"][:len(labels)])
+    for b, k in zip(bars, labels):
+        ax.text(b.get_x() + b.get_width() / 2, b.get_height(), f"{values[k]:.2f}", ha="center", va="bottom",
+                fontsize=8)
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_ylabel(f"accepted length ({strategy}, bonus included)")
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig

@@ -35,8 +35,23 @@ METRICS: dict[str, str] = {
     "rollout/tail_time_frac_10": "share of decode time with <= 10% of the rows still running",
     "rollout/tail_time_frac_25": "share of decode time with <= 25% of the rows still running",
     "rollout/truncated_frac": "share of responses cut at max_new_tokens",
-    "sched/idle_frac": "share of worker-time idle when the batch is split across W workers (step-count model)",
-    "sched/workers": "W, the number of workers in the idle-time estimate",
+    "sched/idle_frac": "share of the workers' rollout time spent idle, waiting for the last worker (measured by the "
+                       "scheduler; the step-count model in profiling)",
+    "sched/workers": "W, the number of data-parallel workers (or of workers in the idle-time estimate)",
+    "sched/rollout_worker_s": "worker-seconds of the rollout phase: W x (last rollout end - start), summed",
+    "sched/idle_s": "idle worker-seconds: each worker's wait from its rollout end to the last one's, summed",
+    "sched/train_s": "seconds of drafter training inside the idle windows, summed over workers",
+    "sched/harvested": "share of the idle worker-time spent training the drafter (sched/train_s / sched/idle_s)",
+    "sched/micro_steps": "spot-trainer micro-steps in the step, summed over workers",
+    "sched/micro_step_s": "median seconds of one spot-trainer micro-step",
+    "sched/preempt_s": "seconds from the last rollout's end until the spot trainer stopped (worst worker)",
+    "sched/preempt_micro_steps": "preemption latency over the length of the micro-step it interrupted (<= 1: "
+                                 "stopped within one micro-step)",
+    "sched/signal_s": "seconds for the end of the last rollout to reach a waiting worker",
+    "sched/sync_s": "seconds of the drafter sync after the idle window (worst worker)",
+    "sched/overhead_s": "what the spot trainer adds to the step's critical path: from the last rollout's end until "
+                        "every worker holds the merged drafter (signal, interrupted micro-step, sync)",
+    "sched/timeline": "per worker, the (phase, start s, end s) spans of the step",
     "sched/empty_slot_frac": "share of row x decode-step slots of a static batch left empty by finished responses",
     "spec/steps": "decode steps that ran speculative decoding",
     "spec/time_frac": "share of decode time spent in speculative steps",
@@ -92,6 +107,11 @@ METRICS: dict[str, str] = {
     "spec/accept_len_frozen_last": "accepted length of the frozen warm drafter after the last RL step (probe)",
     "spec/accept_len_ngram_last": "accepted length of the n-gram drafter after the last RL step (probe)",
     "eval/len_mean": "held-out mean response length (greedy decoding)",
+    "sched/overhead_share": "spot-trainer overhead on the critical path as a share of the step (mean over steps)",
+    **{f"sched/idle_frac_model_w{w}": f"idle share with {w} workers (step-count model on one rollout's lengths)"
+       for w in (1, 2, 4, 8, 16, 32, 64, 128)},
+    "spec/accept_len_warm_initial": "accepted length of the warm drafter on the initial policy (probe)",
+    "spec/accept_len_spot_last": "accepted length of the spot-trained drafter on the final policy (probe)",
 }
 
 

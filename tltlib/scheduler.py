@@ -69,6 +69,9 @@ class SchedulerConfig:
     pairs: str = "own"
     """The spot trainer's data: ``"own"`` (this worker's rollouts) or ``"all"`` (the step's pairs of every worker are
     exchanged after the rollout, so each buffer holds every worker's earlier steps plus its own current one)."""
+    micro_step_pairs: int = 1024
+    """Most (hidden, token) pairs in one spot-trainer micro-step (at least one sequence): bounds a micro-step's
+    time and so the preemption latency (0 = the one-process batch, ``tlt.drafter_batch`` sequences)."""
     hang_timeout_s: float = 1800.0
     """A rank that has not finished its rollout (or reached the update) this long after the others is named in an
     error and the job stops (torchrun restarts it with ``--max-restarts``)."""
@@ -79,6 +82,8 @@ class SchedulerConfig:
         if self.spot_trainer and self.max_micro_steps < 1:
             raise ValueError(f"the spot trainer is on but its budget max_micro_steps is {self.max_micro_steps}: give "
                              "it >= 1 micro-step per idle window, or set spot_trainer: false")
+        if self.micro_step_pairs < 0:
+            raise ValueError(f"micro_step_pairs must be >= 0 (0 = no bound), got {self.micro_step_pairs}")
         if not self.hang_timeout_s > 0:
             raise ValueError(f"hang_timeout_s must be > 0 seconds, got {self.hang_timeout_s}")
 
@@ -101,20 +106,56 @@ def torchrun_command(workers: int, args: list[str], max_restarts: int = 0, pytho
 
 
 def launch(params: str | os.PathLike, workers: int, output_dir: str | os.PathLike, max_restarts: int = 0,
-           extra: tuple = (), timeout_s: float | None = None, log=None) -> Path:
-    """Run ``train-grpo --params PARAMS`` on ``workers`` torchrun processes (a notebook's way to start a job);
-    returns ``output_dir``. Raises with the end of the workers' output when the job fails."""
+           extra: tuple = (), progress: bool = True, timeout_s: float | None = None) -> Path:
+    """Run ``train-grpo --params PARAMS`` on ``workers`` torchrun processes and wait for it (a notebook's way to
+    start a job), with a progress bar over the RL steps; returns ``output_dir``. Raises with the end of the workers'
+    output when the job fails."""
     import subprocess
+    import tempfile
+
+    from tqdm.auto import tqdm
     cmd = torchrun_command(workers, ["train-grpo", "--params", str(params), "--output-dir", str(output_dir),
                                      "--quiet", *extra], max_restarts)
     env = {**os.environ, "TLTLIB_NO_VENV": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    if log is not None:
-        log(proc.stderr)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-        raise RuntimeError(f"the {workers}-worker job failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
+    bar = tqdm(desc=f"GRPO steps on {workers} workers", unit="step", disable=not progress)
+    t0 = time.time()
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        for line in proc.stdout:
+            if line.startswith("{"):
+                m = json.loads(line)
+                bar.update(1)
+                bar.set_postfix(step_s=f"{m['time/step_s']:.1f}", idle=f"{m.get('sched/idle_frac', 0):.0%}",
+                                harvested=f"{m.get('sched/harvested', float('nan')):.0%}")
+            if timeout_s is not None and time.time() - t0 > timeout_s:
+                proc.kill()
+        rc = proc.wait()
+        bar.close()
+        if rc != 0:
+            err.seek(0)
+            lines = [x for x in err.read().splitlines() if x.strip() and not x.startswith(("W", "*"))]
+            errors = [x for x in lines if x.startswith("error:") or "Error" in x]
+            raise RuntimeError(f"the {workers}-worker job failed (exit {rc}): {' '.join(cmd)}\n"
+                               + "\n".join((errors or lines)[-8:]))
     return Path(output_dir)
+
+
+def write_job_params(path: str | os.PathLike, model: str, drafter: str, grpo: dict, tlt: dict | None,
+                     scheduler: dict, device: str = "auto", dtype: str = "float32", train_problems: int = 4096,
+                     eval_problems: int = 128, eval_steps: int = 0) -> Path:
+    """Write a train-grpo parameter file (checked by reading it back: a bad value fails here, not in the workers)."""
+    import yaml
+
+    from .fileio import atomic_write_text
+    from .rljob import read_job
+    d = {"model": str(model), "drafter": str(drafter), "device": device, "dtype": dtype,
+         "train_problems": train_problems, "eval_problems": eval_problems, "eval_steps": eval_steps,
+         "grpo": dict(grpo), "tlt": None if tlt is None else dict(tlt), "scheduler": dict(scheduler)}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, yaml.safe_dump(d, sort_keys=False))
+    read_job(path)
+    return path
 
 
 def shard(num_prompts: int, world: int, rank: int) -> slice:
@@ -343,7 +384,8 @@ class DistributedGRPOTrainer(GRPOTrainer):
             t_train = time.time()
             while not arrival.done() and steps < self.sched.max_micro_steps:
                 t0 = time.perf_counter()
-                dstats = self.drafter_trainer.step(self.buffer.sample(self.tlt.drafter_batch))
+                dstats = self.drafter_trainer.step(self.buffer.sample(self.tlt.drafter_batch,
+                                                                      self.sched.micro_step_pairs))
                 micro.append(time.perf_counter() - t0)
                 steps += 1
                 arrival.check("finished their rollout")
@@ -494,6 +536,10 @@ def schedule_metrics(workers: list[dict]) -> dict:
     signal = [w["signal_s"] for w in workers if w.get("signal_s") is not None]
     micro = [x for w in workers for x in w["micro"]]
     sync = max(w["sync_s"] for w in workers)
+    # what the spot trainer adds to the critical path: from the last rollout's end until every rank has the merged
+    # drafter (signal, the interrupted micro-step, the sync); without it the ranks would go on at the last end
+    synced = [b for w in workers for name, a, b in w["events"] if name == "sync"]
+    overhead = max(0.0, max(synced) - last) if synced else 0.0
     return {"sched/workers": float(len(workers)), "sched/rollout_worker_s": busy + idle,
             "sched/idle_s": idle, "sched/idle_frac": idle / max(busy + idle, 1e-9),
             "sched/train_s": trained, "sched/harvested": trained / idle if idle > 0 else float("nan"),
@@ -502,5 +548,5 @@ def schedule_metrics(workers: list[dict]) -> dict:
             "sched/preempt_s": max(preempt) if preempt else 0.0,
             "sched/preempt_micro_steps": max(cut) if cut else 0.0,
             "sched/signal_s": max(signal) if signal else float("nan"), "sched/sync_s": sync,
-            "sched/overhead_s": (max(preempt) if preempt else 0.0) + sync,
+            "sched/overhead_s": overhead,
             "sched/timeline": [[(name, a - t0, b - t0) for name, a, b in w["events"]] for w in workers]}

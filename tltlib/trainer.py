@@ -438,3 +438,23 @@ class GRPOTrainer:
         self.rng.bit_generator.state = meta["numpy_rng"]
         self.step_count, self.history = meta["step"], list(meta["history"])
         return self
+
+
+def load_weights(path: str | os.PathLike, model, drafter=None) -> dict:
+    """Load the policy (and the drafter) of a checkpoint written by :meth:`GRPOTrainer.save` into ``model`` (and
+    ``drafter``) without a trainer, e.g. to probe a finished run; returns its ``trainer_state.json``."""
+    from safetensors.torch import load_file
+
+    from .fileio import read_json
+    path = Path(path)
+    if not (path / "trainer_state.json").is_file():
+        raise FileNotFoundError(f"{str(path)!r} is not a tltlib GRPO checkpoint (no trainer_state.json)")
+    meta = read_json(path / "trainer_state.json", "the checkpoint is damaged")
+    model.load_state_dict(load_file(str(path / "policy.safetensors"), device=str(model.embed.weight.device)))
+    if drafter is not None:
+        tensors = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+        if "drafter" not in tensors:
+            raise ValueError(f"{path} holds no drafter (the run had none): load the policy only")
+        drafter.load_state_dict(tensors["drafter"])
+        drafter.version = meta.get("drafter_version") or 0
+    return meta
