@@ -223,7 +223,8 @@ def _worker_tables(s, acceptance, one, args, device, tlt_steps) -> str:
     text += (f"\n\nIdle share of the workers' rollout time: {pct(sc['idle_frac'])} (baseline run: "
              f"{pct(s['schedule_baseline']['idle_frac'])}); harvested for drafter training: "
              f"{pct(sc['harvested_total'])} of the idle worker-time (goal >= 80%); spot-trainer overhead on the "
-             f"critical path (preemption + sync): {sc['overhead_share']:.2%} of the step (goal <= 1%); preemption "
+             f"critical path (from the last rollout's end until every worker holds the merged drafter): "
+             f"{sc['overhead_share']:.2%} of the step (goal <= 1%); preemption "
              f"latency at most {sc['preempt_micro_steps_max']:.2f} micro-steps (goal <= 1).")
     if acceptance:
         ref = {o["step"]: o["accept"] for o in one}
