@@ -235,8 +235,8 @@ def _worker_tables(s, acceptance, one, args, device, tlt_steps) -> str:
         al = s["accept_last"]
         if al["one_process_online"]:
             text += (f"\n\nLast step: spot-trained {al['spot']:.2f} vs one-process online "
-                     f"{al['one_process_online']:.2f} ({al['spot'] / al['one_process_online'] - 1:+.1%}; goal within "
-                     f"5%) vs frozen {al['frozen']:.2f}.")
+                     f"{al['one_process_online']:.2f} ({al['spot'] / al['one_process_online'] - 1:+.1%}; goal: no more "
+                     f"than 5% below) vs frozen {al['frozen']:.2f}.")
     return text
 
 
@@ -259,7 +259,7 @@ def _figures(payload: dict, json_path: Path) -> None:
     for name, fig in figs.items():
         out = json_path.with_name(f"{json_path.stem}-{name}.png")
         tmp = out.with_name(f".{out.name}.tmp.png")
-        fig.savefig(tmp, dpi=110)
+        fig.savefig(tmp, dpi=110, bbox_inches="tight")
         tmp.replace(out)
         print(f"figure: {out}")
 
