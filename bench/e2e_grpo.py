@@ -20,7 +20,8 @@ RL step and in turn, the baseline, TLT with the spot trainer and TLT with the wa
 (:func:`tltlib.e2e.compare_workers`); then, back in one process, TLT with the one-process online drafter for the
 same steps, for the accepted-length comparison. Reported besides the table above: each step's idle share of the
 workers' rollout time, the share of it harvested for drafter training, the preemption latency (also in micro-steps),
-the drafter sync and the spot trainer's overhead on the step's critical path (preemption latency + sync).
+the drafter sync and the spot trainer's overhead on the step's critical path (from the last rollout's end until
+every worker holds the merged drafter). ``--seeds`` and ``--trl-steps`` do not apply there (one seed, no TRL).
 """
 from __future__ import annotations
 
@@ -162,6 +163,7 @@ def _launch_workers(args) -> None:
     from tltlib.scheduler import torchrun_command
     from tltlib.speculative import SpecStrategy
     from tltlib.trainer import GRPOTrainer
+    args.seeds, args.trl_steps = 1, 0                 # what the data-parallel comparison runs (recorded as such)
     raw = Path(tempfile.mkdtemp()) / "raw.json"
     cmd = torchrun_command(args.workers, ["bench", "e2e_grpo", *sys.argv[1:]])
     t = time.perf_counter()

@@ -93,6 +93,28 @@ def test_torchrun_command_and_read_job_scheduler_section(tmp_path):
         read_job(p)
 
 
+def test_all_reduce_flat_buckets_keep_values_and_dtypes():
+    """One gloo rank: the sum is the identity, so what comes back shows the bucketing and copy-back are right."""
+    import torch.distributed as dist
+
+    from tltlib.scheduler import Workers
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        w = Workers.__new__(Workers)
+        ts = [torch.randn(5, 3), torch.randn(7).bfloat16(), torch.randn(2, 2, 2)]
+        before = [t.clone() for t in ts]
+        w.all_reduce_flat(ts, bucket=16)                  # 15 | 7 | 8 elements: three buckets
+        assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(ts, before))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_max_restarts_without_workers_is_refused(capsys):
+    from tltlib.cli import main
+    assert main(["train-grpo", "--params", "params/train/smoke.yaml", "--max-restarts", "2"]) == 1
+    assert "--max-restarts goes with --workers" in capsys.readouterr().err
+
+
 def test_workers_outside_torchrun_say_how_to_launch(monkeypatch):
     from tltlib.scheduler import Workers
     monkeypatch.delenv("RANK", raising=False)
@@ -124,7 +146,10 @@ def _torchrun(args, workers=2, max_restarts=0, env=None, timeout=240):
 
 @pytest.mark.parametrize("pairs", ["own", "all"])
 def test_two_workers_end_each_step_with_identical_weights(tmp_path, pairs):
-    proc, _ = _torchrun([WORKER, "check", _params(tmp_path, scheduler={"pairs": pairs}), tmp_path])
+    # drafter_steps 0: with the spot trainer on 2 workers the idle windows are the whole budget
+    params = _params(tmp_path, scheduler={"pairs": pairs}, tlt={"speculative": "chain-4", "drafter_steps": 0,
+                                                                "drafter_batch": 2})
+    proc, _ = _torchrun([WORKER, "check", params, tmp_path])
     assert proc.returncode == 0, proc.stderr[-3000:]
     d = json.loads((tmp_path / "check.json").read_text())
     r0, r1 = d["ranks"]

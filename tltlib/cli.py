@@ -136,6 +136,9 @@ def cmd_train_grpo(args) -> int:
     if args.workers and launched_by_torchrun():
         raise ValueError("--workers starts torchrun itself; under torchrun drop --workers (the world size is "
                          "torchrun's --nproc-per-node)")
+    if args.max_restarts and not args.workers:
+        raise ValueError("--max-restarts goes with --workers; under torchrun give it to torchrun (torchrun "
+                         "--max-restarts N ... -m tltlib train-grpo ...)")
     if args.workers:
         argv = sys.argv[1:]
         i = argv.index("train-grpo")

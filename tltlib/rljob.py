@@ -136,9 +136,18 @@ def run_job(params: str | os.PathLike, output_dir: str | os.PathLike | None = No
     is_checkpoint = lambda p: (p / "trainer_state.json").is_file()        # noqa: E731
     workers = Workers(spec.device, spec.scheduler.hang_timeout_s) if launched_by_torchrun() else None
     lead = workers is None or workers.rank == 0
-    restarted = workers is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if workers is not None:                        # every rank must run the same file (else collectives mismatch)
+        from dataclasses import asdict
+        workers.check_same("parameter file", {k: asdict(v) if hasattr(v, "__dataclass_fields__") else v
+                                              for k, v in vars(spec).items() if k != "source"})
+    # a group restarted by torchrun continues from the last checkpoint, but only a run this launch started or resumed
+    # (launch.json holds torchrun's run id), never one that attempt 0 refused to touch
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    ours = run_id and (output / "launch.json").is_file() and \
+        read_json(output / "launch.json", "start the run anew").get("run_id") == run_id
+    restarted = bool(workers is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and ours)
     if restarted and is_checkpoint(output):
-        resume = True                              # torchrun restarted the group: continue from the last checkpoint
+        resume = True
     # what the trainer's own checkpoint does not pin: the data and the files the run started from
     job = {k: getattr(spec, k) for k in ("model", "drafter", "dataset", "train_problems", "eval_problems")}
     if resume:
@@ -162,6 +171,9 @@ def run_job(params: str | os.PathLike, output_dir: str | os.PathLike | None = No
     if not resume and lead:
         output.mkdir(parents=True, exist_ok=True)
         atomic_write_text(output / "job.json", json.dumps(job, indent=1) + "\n")
+    if workers is not None and lead and run_id:
+        output.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(output / "launch.json", json.dumps({"run_id": run_id}) + "\n")
     if resume:
         trainer.load(output)
     if lead and log_file.is_file():                # drop lines of steps done after the checkpoint (they re-run)

@@ -13,8 +13,10 @@ the whole policy and drafter. One RL step:
    AdamW moments are averaged, weighted by the micro-steps each rank ran (one trainer: its weights are broadcast);
    every rank then holds the same drafter, whose ``version`` moves by one.
 4. **Rewards, advantages, update.** Rewards are all-gathered so that advantages, loss normalisation (completions
-   and tokens of the whole batch) and metrics are those of the whole batch; the policy's gradients are summed by one
-   all-reduce; every rank applies the same AdamW step, so all ranks hold identical weights (:meth:`weights_digest`).
+   and tokens of the whole batch) and the ``rl/*`` metrics are those of the whole batch (``rollout/*``, ``spec/*``,
+   ``update/*``, ``drafter/*`` and ``time/*`` are rank 0's; its ``time/rollout_s`` includes the idle window and the
+   sync); the policy's gradients are summed by all-reduce (fp32 buckets); every rank applies the same AdamW step,
+   so all ranks hold identical weights (:meth:`weights_digest`).
 5. **Timeline.** Per rank: rollout, idle, training, sync, update; gathered on rank 0 into ``sched/*`` metrics
    (idle share, harvested share = training time inside the idle window / idle time, preemption latency, sync time).
 
@@ -23,6 +25,10 @@ A rank that stops reporting is named: the rollout-end signal and the update wait
 its arrival to every other one point to point, so the missing ones are known). A killed rank makes torchrun stop
 the group; with ``--max-restarts`` the job restarts and resumes from its last checkpoint (:mod:`tltlib.rljob`),
 where every rank's own state (sampling generator, pair buffer, tuner) is saved beside the shared one.
+
+Several nodes: checkpoints are written by every rank into the output folder's parent and moved by rank 0, so the
+output folder must be on a filesystem all nodes share; ``sched/*`` latencies compare wall clocks across ranks, so
+they assume clocks synchronised well below the latencies (NTP: about a millisecond).
 
 Paper: TLT §5 (spot trainer on idle workers, BUSY -> IDLE -> TRAINING, preemptible; the drafter update reaches every
 rollout worker). Reference: ``worker_manager.py`` (ZMQ coordinator; stops almost at once; replicas never synced).
@@ -110,26 +116,37 @@ def launch(params: str | os.PathLike, workers: int, output_dir: str | os.PathLik
     """Run ``train-grpo --params PARAMS`` on ``workers`` torchrun processes and wait for it (a notebook's way to
     start a job), with a progress bar over the RL steps; returns ``output_dir``. Raises with the end of the workers'
     output when the job fails."""
+    import signal
     import subprocess
     import tempfile
+    import threading
 
     from tqdm.auto import tqdm
     cmd = torchrun_command(workers, ["train-grpo", "--params", str(params), "--output-dir", str(output_dir),
                                      "--quiet", *extra], max_restarts)
     env = {**os.environ, "TLTLIB_NO_VENV": "1"}
     bar = tqdm(desc=f"GRPO steps on {workers} workers", unit="step", disable=not progress)
-    t0 = time.time()
     with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
-        for line in proc.stdout:
-            if line.startswith("{"):
-                m = json.loads(line)
-                bar.update(1)
-                bar.set_postfix(step_s=f"{m['time/step_s']:.1f}", idle=f"{m.get('sched/idle_frac', 0):.0%}",
-                                harvested=f"{m.get('sched/harvested', float('nan')):.0%}")
-            if timeout_s is not None and time.time() - t0 > timeout_s:
-                proc.kill()
-        rc = proc.wait()
+        # its own session, so that a timeout or an interrupt stops torchrun and every worker it started
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+        timer = None
+        if timeout_s is not None:
+            timer = threading.Timer(timeout_s, lambda: os.killpg(proc.pid, signal.SIGTERM))
+            timer.start()
+        try:
+            for line in proc.stdout:
+                if line.startswith("{"):
+                    m = json.loads(line)
+                    bar.update(1)
+                    bar.set_postfix(step_s=f"{m['time/step_s']:.1f}", idle=f"{m.get('sched/idle_frac', 0):.0%}",
+                                    harvested=f"{m.get('sched/harvested', float('nan')):.0%}")
+            rc = proc.wait()
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGTERM)
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
         bar.close()
         if rc != 0:
             err.seek(0)
@@ -189,6 +206,7 @@ class Workers:
         if cuda:
             n = torch.cuda.device_count()
             self.device = f"cuda:{self.local_rank % max(n, 1)}"
+            torch.cuda.set_device(self.device)
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
             backend = "nccl" if n >= local_world else "gloo"     # nccl needs a GPU of its own per rank
         else:
@@ -221,16 +239,22 @@ class Workers:
         dist.all_gather_object(out, obj, group=self.ctrl)
         return out
 
-    def all_reduce_flat(self, tensors: list[torch.Tensor]) -> None:
-        """Sum ``tensors`` over the ranks in place, as one flat buffer (one collective)."""
-        if not tensors:
-            return
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        dist.all_reduce(flat)
-        i = 0
-        for t in tensors:
-            t.copy_(flat[i:i + t.numel()].view_as(t))
-            i += t.numel()
+    def all_reduce_flat(self, tensors: list[torch.Tensor], bucket: int = 1 << 25) -> None:
+        """Sum ``tensors`` over the ranks in place: flat fp32 buckets of at most ``bucket`` elements (few
+        collectives, bounded extra memory, no bf16 rounding in the sum)."""
+        group: list[torch.Tensor] = []
+        for t in [*tensors, None]:
+            if t is not None and (not group or sum(g.numel() for g in group) + t.numel() <= bucket):
+                group.append(t)
+                continue
+            if group:
+                flat = torch.cat([g.reshape(-1).float() for g in group])
+                dist.all_reduce(flat)
+                i = 0
+                for g in group:
+                    g.copy_(flat[i:i + g.numel()].view_as(g))
+                    i += g.numel()
+            group = [t] if t is not None else []
 
     def barrier(self) -> None:
         dist.barrier(group=self.ctrl)
@@ -323,14 +347,25 @@ class DistributedGRPOTrainer(GRPOTrainer):
                 raise ValueError(f"drafter parameters {shared} share storage with the target: they would be synced "
                                  "and trained as the drafter's; keep the target's tensors out of the drafter's "
                                  "parameters")
-        self.workers.check_same("configuration", {"fingerprint": self.fingerprint(),
+        self.workers.check_same("configuration", {"fingerprint": self.fingerprint(), "scheduler": asdict(self.sched),
+                                                  "max_steps": args.max_steps, "save_steps": args.save_steps,
                                                   "problems": [p.prompt for p in self.problems[:64]]})
         self._sched: dict = {}
         self._tag = 0                                  # point-to-point tags of the arrivals (same sequence on all ranks)
 
     # ------------------------------------------------------------------------------------------ overrides
     def fingerprint(self) -> dict:
-        return {**super().fingerprint(), "scheduler": asdict(self.sched), "world": self.workers.world}
+        """As the one-process trainer's, plus the world size (each rank's state is saved: W is fixed for a run) and
+        the scheduler settings that change what is trained (budgets and timeouts may change on resume)."""
+        return {**super().fingerprint(), "world": self.workers.world,
+                "scheduler": {"spot_trainer": self.sched.spot_trainer, "pairs": self.sched.pairs}}
+
+    def _spot(self) -> bool:
+        return self.sched.spot_trainer and self.workers.world > 1
+
+    def _trains_drafter(self) -> bool:
+        # with the spot trainer on several workers the budget is the idle window (tlt.drafter_steps is not used)
+        return self._spot() or super()._trains_drafter()
 
     def _next_problems(self) -> list:
         return super()._next_problems()[self.slice]
@@ -354,8 +389,11 @@ class DistributedGRPOTrainer(GRPOTrainer):
             return
         t = time.time()
         self._meet("reached the update's gradient all-reduce")
-        self.workers.all_reduce_flat([p.grad if p.grad is not None else torch.zeros_like(p)
-                                      for p in self.model.parameters() if p.requires_grad])
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:                     # a parameter this rank's batch did not reach: its share is 0
+                p.grad = torch.zeros_like(p)
+        self.workers.all_reduce_flat([p.grad for p in params])
         self._events.append(("update sync", t, time.time()))
 
     def _rollout(self, prompt_ids):
@@ -378,7 +416,7 @@ class DistributedGRPOTrainer(GRPOTrainer):
         grace = time.time() + GRACE_S
         while arrival.missing() and not arrival.done() and time.time() < grace:
             time.sleep(0.0002)
-        spot = (self.sched.spot_trainer and self.drafter_trainer is not None and arrival.missing()
+        spot = (self._spot() and self.drafter_trainer is not None and arrival.missing()
                 and not arrival.done() and self.buffer.sequences())
         if spot:
             t_train = time.time()
@@ -407,7 +445,7 @@ class DistributedGRPOTrainer(GRPOTrainer):
         return res
 
     def _train_drafter(self) -> dict:
-        if self.workers.world == 1 or not self.sched.spot_trainer:
+        if not self._spot():
             version = getattr(self.drafter, "version", 0)
             t = time.time()
             dstats = super()._train_drafter()
@@ -466,7 +504,7 @@ class DistributedGRPOTrainer(GRPOTrainer):
         """Held-out greedy accuracy, each rank evaluating its share of ``problems``."""
         W, r = self.workers.world, self.workers.rank
         mine = problems[r::W]
-        m = super().evaluate(mine) if mine else {"eval/accuracy": 0.0, "eval/len_mean": 0.0}
+        m = super().evaluate(mine, strategy) if mine else {"eval/accuracy": 0.0, "eval/len_mean": 0.0}
         parts = self.workers.gather_objects((len(mine), m)) if W > 1 else [(len(mine), m)]
         n = sum(k for k, _ in parts)
         return {key: sum(k * d[key] for k, d in parts) / max(n, 1) for key in ("eval/accuracy", "eval/len_mean")}

@@ -156,7 +156,7 @@ class GRPOTrainer:
         if args.beta > 0:                              # a frozen copy of the initial policy
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
         self.buffer = self.drafter_trainer = None
-        if drafter is not None and self.tlt.online_drafter and self.tlt.drafter_steps > 0:
+        if drafter is not None and self.tlt.online_drafter and self._trains_drafter():
             from .draft_train import DrafterTrainConfig, DrafterTrainer
             from .pairs import PairBuffer, PairBufferConfig
             w = model.embed.weight
@@ -190,6 +190,10 @@ class GRPOTrainer:
     def _next_problems(self) -> list:
         idx = self.rng.choice(len(self.problems), size=self.args.prompts_per_step, replace=False)
         return [self.problems[i] for i in sorted(idx)]
+
+    def _trains_drafter(self) -> bool:
+        """Whether the online drafter gets a training budget (here: ``drafter_steps`` after each update)."""
+        return self.tlt.drafter_steps > 0
 
     def _shard_offset(self, n: int) -> int:
         """Index of this process's first completion in the whole batch (one process: 0)."""
