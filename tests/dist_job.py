@@ -4,7 +4,8 @@ Modes:
     check     two RL steps; rank 0 writes OUT/check.json with every rank's policy digest, drafter digest and the
               target's digest before and after each drafter sync.
     job       the train-grpo job (rljob.run_job) with a reward that can kill or hang rank 1 at a given step,
-              driven by the environment: DIST_KILL_STEP (SIGKILL on the first attempt), DIST_HANG_STEP.
+              driven by the environment: DIST_KILL_STEP (SIGKILL on the first attempt), DIST_HANG_STEP; and
+              DIST_HANG_ROLLOUT_STEP: rank 1's rollout of that step never ends.
     mismatch  rank 1 gets another learning rate (the start-up config check must refuse it).
 """
 import json
@@ -46,6 +47,16 @@ def digest(tensors) -> str:
 
 if MODE == "job":
     from tltlib.rljob import run_job
+    from tltlib.scheduler import DistributedGRPOTrainer
+    rollout = DistributedGRPOTrainer._rollout
+
+    def hanging_rollout(self, prompt_ids):
+        """Rank 1's rollout of step DIST_HANG_ROLLOUT_STEP never ends."""
+        if RANK == 1 and str(self.step_count + 1) == os.environ.get("DIST_HANG_ROLLOUT_STEP"):
+            time.sleep(3600)
+        return rollout(self, prompt_ids)
+
+    DistributedGRPOTrainer._rollout = hanging_rollout
     run_job(PARAMS, output_dir=OUT, progress=False, reward_funcs=(faulty_reward,), out=open(os.devnull, "w"))
     sys.exit(0)
 

@@ -192,6 +192,15 @@ def test_hung_rank_is_named_within_the_timeout(tmp_path):
     assert took < 120
 
 
+def test_rank_hung_in_its_rollout_is_named_by_the_idle_one(tmp_path):
+    """Rank 0 finishes its rollout, trains the drafter, and names rank 1 when the timeout passes."""
+    params = _params(tmp_path, scheduler={"hang_timeout_s": 3})
+    proc, took = _torchrun([WORKER, "job", params, tmp_path / "hang"], env={"DIST_HANG_ROLLOUT_STEP": "2"})
+    assert proc.returncode != 0
+    assert "rank(s) [1] have not finished their rollout 3 s after this one" in proc.stderr + proc.stdout
+    assert took < 120
+
+
 def test_mismatched_configs_across_ranks_are_refused(tmp_path):
     proc, _ = _torchrun([WORKER, "mismatch", ROOT / "params/train/smoke.yaml", tmp_path])
     assert proc.returncode != 0
