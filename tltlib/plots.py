@@ -16,6 +16,19 @@ def _fig(width=6.0, height=3.6):
     return fig, ax
 
 
+def _finish(fig, ax, title: str, xlabel: str | None = None, ylabel: str | None = None, legend: dict | None = None):
+    """Labels, title, legend (``legend``: its keyword arguments; None = no legend) and a tight layout."""
+    if xlabel is not None:
+        ax.set_xlabel(xlabel)
+    if ylabel is not None:
+        ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if legend is not None:
+        ax.legend(**legend)
+    fig.tight_layout()
+    return fig
+
+
 def _log_x(ax):
     """Log x axis labelled with plain numbers (10, 20, 50, 100, ...)."""
     from matplotlib.ticker import NullFormatter, ScalarFormatter
@@ -249,12 +262,8 @@ def adaptive_timeline(timeline: dict, threshold: int, title: str = "Adaptive rol
         ax.scatter(t[sel], active[sel], s=9, color="0.3" if name == "off" else cmap(i % 10), label=name, zorder=2)
     ax.axhline(threshold, color="k", linestyle="--", linewidth=1, label=f"threshold = {threshold}")
     ax.set_yscale("log")
-    ax.set_xlabel("time since rollout start (s)")
-    ax.set_ylabel("running rows (log)")
-    ax.set_title(title)
-    ax.legend(fontsize=7, ncol=2, loc="upper right")
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, title, "time since rollout start (s)", "running rows (log)",
+                   legend={"fontsize": 7, "ncol": 2, "loc": "upper right"})
 
 
 def arm_rewards(log: dict, buckets, title: str = "BEG-MAB rewards per arm and batch-size bucket"):
@@ -278,12 +287,8 @@ def arm_rewards(log: dict, buckets, title: str = "BEG-MAB rewards per arm and ba
         ax.bar(np.arange(len(used)) + (j - (len(names) - 1) / 2) * width, med, width, color=cmap(j % 10), label=name)
     labels = [f"{buckets[b]}-{buckets[b + 1] - 1}" if b + 1 < len(buckets) else f"{buckets[b]}+" for b in used]
     ax.set_xticks(range(len(used)), labels)
-    ax.set_xlabel("running rows (bucket)")
-    ax.set_ylabel("median reward\n(tokens/s / cost-model plain)")
-    ax.set_title(title)
-    ax.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, title, "running rows (bucket)", "median reward\n(tokens/s / cost-model plain)",
+                   legend={"fontsize": 7, "ncol": 3})
 
 
 def policy_times(times: dict, title: str = "Total rollout time by policy"):
@@ -313,12 +318,7 @@ def predicted_speedups(costs, arms, accept, batches=None, title: str = "Cost mod
         ax.plot(b, [costs.predict(arm, int(x), acc) for x in b], label=arm.name)
     ax.axhline(1.0, color="k", linewidth=1, linestyle=":")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("running rows")
-    ax.set_ylabel("predicted speedup over plain")
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, title, "running rows", "predicted speedup over plain", legend={"fontsize": 7})
 
 
 def step_time_bars(phases: dict[str, dict], title: str = "Time of one RL step by phase"):
@@ -359,12 +359,7 @@ def reward_curves(reward_by_step: dict[str, list[list[float]]], title: str = "Re
         mean, std = r.mean(1), r.std(1)
         ax.plot(x, mean, marker="o", markersize=3, label=name)
         ax.fill_between(x, mean - std, mean + std, alpha=0.25)
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("mean reward")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, title, "RL step", "mean reward", legend={"fontsize": 8})
 
 
 def acceptance_curves(acceptance: list[dict], strategy: str = "chain-8",
@@ -378,13 +373,9 @@ def acceptance_curves(acceptance: list[dict], strategy: str = "chain-8",
                               ("frozen", "frozen warm drafter", "--s"), ("ngram", "n-gram drafter", ":^")):
         if all(a.get(key) is not None for a in acceptance):
             ax.plot(steps, [a[key] for a in acceptance], style, markersize=3, label=label)
-    ax.set_xlabel("RL step")
-    ax.set_ylabel(f"accepted length ({strategy}, bonus included)")
     ax.set_ylim(bottom=1.0)
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, title, "RL step", f"accepted length ({strategy}, bonus included)",
+                   legend={"fontsize": 7})
 
 
 PHASE_COLORS = {"rollout": "tab:blue", "training": "tab:green", "sync": "tab:red", "update": "tab:gray",
@@ -407,11 +398,8 @@ def worker_gantt(timeline: list[list], title: str = "One RL step on every worker
             ax.plot([end, last], [r - 0.38, r - 0.38], color="black", lw=0.8)    # the idle window
     ax.set_yticks(range(len(timeline)), [f"rank {r}" for r in range(len(timeline))])
     ax.invert_yaxis()
-    ax.set_xlabel("seconds since the step's rollout started")
-    ax.set_title(title)
-    ax.legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.45), frameon=False)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, title, "seconds since the step's rollout started", legend={
+        "fontsize": 7, "ncol": 6, "loc": "upper center", "bbox_to_anchor": (0.5, -0.45), "frameon": False})
 
 
 def harvest_bars(steps: list[dict], title: str = "Idle worker-time and what the spot trainer harvested"):
@@ -426,12 +414,7 @@ def harvest_bars(steps: list[dict], title: str = "Idle worker-time and what the 
     for xi, i, t in zip(x, idle, train):
         if i > 0:
             ax.text(xi, i, f"{t / i:.0%}", ha="center", va="bottom", fontsize=7)
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("seconds (summed over workers)")
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, title, "RL step", "seconds (summed over workers)", legend={"fontsize": 7})
 
 
 def idle_share_curve(estimated: dict, measured: dict | None = None,
@@ -446,13 +429,9 @@ def idle_share_curve(estimated: dict, measured: dict | None = None,
                 label="measured (wall time, data-parallel run)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(ws, [str(w) for w in ws])
-    ax.set_xlabel("workers W (whole GRPO groups per worker)")
-    ax.set_ylabel("idle share of worker-time (%)")
     ax.set_ylim(bottom=0)
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, title, "workers W (whole GRPO groups per worker)", "idle share of worker-time (%)",
+                   legend={"fontsize": 7})
 
 
 def accept_bars(values: dict, strategy: str = "chain-8", title: str = "Accepted length of the drafters"):
@@ -465,7 +444,4 @@ def accept_bars(values: dict, strategy: str = "chain-8", title: str = "Accepted 
         ax.text(b.get_x() + b.get_width() / 2, b.get_height(), f"{values[k]:.2f}", ha="center", va="bottom",
                 fontsize=8)
     ax.set_xticks(range(len(labels)), labels, fontsize=7)
-    ax.set_ylabel(f"accepted length ({strategy}, bonus included)")
-    ax.set_title(title)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, title, ylabel=f"accepted length ({strategy}, bonus included)")
