@@ -184,20 +184,15 @@ def test_killed_rank_restarts_and_resumes_exactly(tmp_path):
     assert steps == [1, 2, 3]
 
 
-def test_hung_rank_is_named_within_the_timeout(tmp_path):
+@pytest.mark.parametrize("env, what", [
+    ({"DIST_HANG_STEP": "2"}, "reached the all-gather of rewards and statistics"),     # hung in its reward function
+    ({"DIST_HANG_ROLLOUT_STEP": "2"}, "finished their rollout"),                       # named by the idle rank
+])
+def test_hung_rank_is_named_within_the_timeout(tmp_path, env, what):
     params = _params(tmp_path, scheduler={"hang_timeout_s": 3})
-    proc, took = _torchrun([WORKER, "job", params, tmp_path / "hang"], env={"DIST_HANG_STEP": "2"})
+    proc, took = _torchrun([WORKER, "job", params, tmp_path / "hang"], env=env)
     assert proc.returncode != 0
-    assert "rank(s) [1] have not reached the all-gather of rewards and statistics 3 s after this one" in proc.stderr + proc.stdout
-    assert took < 120
-
-
-def test_rank_hung_in_its_rollout_is_named_by_the_idle_one(tmp_path):
-    """Rank 0 finishes its rollout, trains the drafter, and names rank 1 when the timeout passes."""
-    params = _params(tmp_path, scheduler={"hang_timeout_s": 3})
-    proc, took = _torchrun([WORKER, "job", params, tmp_path / "hang"], env={"DIST_HANG_ROLLOUT_STEP": "2"})
-    assert proc.returncode != 0
-    assert "rank(s) [1] have not finished their rollout 3 s after this one" in proc.stderr + proc.stdout
+    assert f"rank(s) [1] have not {what} 3 s after this one" in proc.stderr + proc.stdout
     assert took < 120
 
 

@@ -216,14 +216,15 @@ class Workers:
             # prefix of their own, or the new ranks would read the dead ones' addresses
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", 29500)),
-                                  self.world, is_master=not agent and self.rank == 0,
+            store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                                  int(os.environ.get("MASTER_PORT", 29500)), self.world,
+                                  is_master=not agent and self.rank == 0,
                                   timeout=timedelta(seconds=timeout_s + MARGIN_S))
             # collectives time out MARGIN_S after the arrivals do, so a hang is reported by name (Arrival) first
             dist.init_process_group(backend, store=dist.PrefixStore(f"tltlib/attempt-{attempt}", store),
-                                    rank=self.rank, world_size=self.world, timeout=timedelta(seconds=timeout_s + MARGIN_S),
+                                    rank=self.rank, world_size=self.world,
+                                    timeout=timedelta(seconds=timeout_s + MARGIN_S),
                                     device_id=torch.device(self.device) if backend == "nccl" else None)
-        self.backend = dist.get_backend()
         self.ctrl = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s + MARGIN_S))
         self.timeout_s = timeout_s
 
@@ -242,19 +243,20 @@ class Workers:
     def all_reduce_flat(self, tensors: list[torch.Tensor], bucket: int = 1 << 25) -> None:
         """Sum ``tensors`` over the ranks in place: flat fp32 buckets of at most ``bucket`` elements (few
         collectives, bounded extra memory, no bf16 rounding in the sum)."""
-        group: list[torch.Tensor] = []
-        for t in [*tensors, None]:
-            if t is not None and (not group or sum(g.numel() for g in group) + t.numel() <= bucket):
-                group.append(t)
+        buckets, size = [[]], 0
+        for t in tensors:
+            if buckets[-1] and size + t.numel() > bucket:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(t)
+            size += t.numel()
+        for group in buckets:
+            if not group:
                 continue
-            if group:
-                flat = torch.cat([g.reshape(-1).float() for g in group])
-                dist.all_reduce(flat)
-                i = 0
-                for g in group:
-                    g.copy_(flat[i:i + g.numel()].view_as(g))
-                    i += g.numel()
-            group = [t] if t is not None else []
+            flat = torch.cat([g.reshape(-1).float() for g in group])
+            dist.all_reduce(flat)
+            for g, part in zip(group, flat.split([g.numel() for g in group])):
+                g.copy_(part.view_as(g))
 
     def barrier(self) -> None:
         dist.barrier(group=self.ctrl)
@@ -351,7 +353,7 @@ class DistributedGRPOTrainer(GRPOTrainer):
                                                   "max_steps": args.max_steps, "save_steps": args.save_steps,
                                                   "problems": [p.prompt for p in self.problems[:64]]})
         self._sched: dict = {}
-        self._tag = 0                                  # point-to-point tags of the arrivals (same sequence on all ranks)
+        self._tag = 0                                  # point-to-point tags of the arrivals
 
     # ------------------------------------------------------------------------------------------ overrides
     def fingerprint(self) -> dict:
@@ -373,10 +375,13 @@ class DistributedGRPOTrainer(GRPOTrainer):
     def _shard_offset(self, n: int) -> int:
         return self.workers.rank * n
 
+    def _arrive(self, value: float) -> Arrival:
+        self._tag += 1                             # the same sequence of tags on every rank
+        return self.workers.arrive(self._tag, value)
+
     def _meet(self, what: str) -> None:
         """Wait for every rank to get here, naming the ones that do not within ``hang_timeout_s``."""
-        self._tag += 1
-        self.workers.arrive(self._tag, time.time()).wait(what)
+        self._arrive(time.time()).wait(what)
 
     def _gather_rows(self, rows):
         if self.workers.world == 1:
@@ -404,11 +409,10 @@ class DistributedGRPOTrainer(GRPOTrainer):
         t_end = time.time()
         self._events.append(("rollout", t_start, t_end))
         if W == 1:
-            self._sched = {"start": t_start, "end": t_end, "last_end": t_end, "steps": 0, "train": None,
-                           "stop": None, "micro": [], "sync_s": 0.0}
+            self._sched = {"start": t_start, "end": t_end, "steps": 0, "train": None, "stop": None, "micro": [],
+                           "sync_s": 0.0}
             return res
-        self._tag += 1
-        arrival = self.workers.arrive(self._tag, t_end)
+        arrival = self._arrive(t_end)
         version = getattr(self.drafter, "version", 0)
         steps, micro, t_train, t_stop, dstats = 0, [], None, None, {}
         # the last rank to finish must not start a micro-step: it knows it is last when every other rank's
@@ -439,7 +443,7 @@ class DistributedGRPOTrainer(GRPOTrainer):
             self._exchange_pairs()
         t1 = time.time()
         self._events.append(("sync", t0, t1))
-        self._sched = {"start": t_start, "end": t_end, "last_end": last_end, "steps": steps, "train": t_train,
+        self._sched = {"start": t_start, "end": t_end, "steps": steps, "train": t_train,
                        "stop": t_stop, "micro": micro, "sync_s": t1 - t0, "dstats": dstats,
                        "signal_s": t_seen - last_end if not steps else None}
         return res
@@ -559,10 +563,9 @@ class DistributedGRPOTrainer(GRPOTrainer):
 
 
 def schedule_metrics(workers: list[dict]) -> dict:
-    """``sched/*`` metrics of one step from every rank's record (``start``, ``end``: its rollout; ``last_end``: the
-    last rank's rollout end; ``train``/``stop``: its training window or None; ``micro``: micro-step seconds;
-    ``sync_s``; ``events``: (phase, t0, t1) wall-clock spans). Times in the timeline are relative to the earliest
-    rollout start."""
+    """``sched/*`` metrics of one step from every rank's record (``start``, ``end``: its rollout; ``train``/``stop``:
+    its training window or None; ``micro``: micro-step seconds; ``sync_s``; ``events``: (phase, t0, t1) wall-clock
+    spans). Times in the timeline are relative to the earliest rollout start."""
     last = max(w["end"] for w in workers)
     t0 = min(w["start"] for w in workers)
     busy = sum(w["end"] - w["start"] for w in workers)
