@@ -301,3 +301,24 @@ def test_the_one_loader_resolves_paths_and_checks_device_and_dtype():
         parse_dtype("bf16")
     with pytest.raises(ValueError, match="unknown device 'gpu'"):
         pick_device("gpu")
+
+
+def test_casting_keeps_the_rotary_frequencies_float32():
+    from tltlib.drafter import Drafter, DrafterConfig
+    from tltlib.model import rope_inv_freq
+    cfg = preset("tiny-cpu")
+    for m in (Transformer(cfg).to(torch.bfloat16), Drafter(DrafterConfig.from_target(cfg)).bfloat16()):
+        assert m.inv_freq.dtype == torch.float32 and torch.equal(m.inv_freq, rope_inv_freq(cfg))
+        assert m.fc.weight.dtype == torch.bfloat16 if isinstance(m, Drafter) else m.embed.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_gqa_sdpa_equals_repeated_kv_attention(t):
+    from tltlib.model import gqa_sdpa
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*s, generator=g) for s in ((3, 6, t, 8), (3, 2, 11, 8), (3, 2, 11, 8)))
+    mask = torch.rand(3, 1, t, 11, generator=g) > 0.3
+    mask[..., 0] = True
+    for m in (mask, None):
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+        torch.testing.assert_close(gqa_sdpa(q, k, v, m), want, atol=1e-5, rtol=0)

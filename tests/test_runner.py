@@ -9,8 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-import nbformat
 import pytest
+
+nbformat = pytest.importorskip("nbformat")   # the notebooks extra (absent on a bare GPU image)
 
 from tltlib.fileio import atomic_folder, check_output_folder, remove_stale_temporaries
 from tltlib.notebook import NotebookError, read_metrics, run_notebooks

@@ -112,8 +112,11 @@ def cmd_test(args) -> int:
 
 def cmd_train_reasoner(args) -> int:
     from .reasoner import ReasonerTrainConfig, train_reasoner
-    cfg = ReasonerTrainConfig(preset=args.preset, steps=args.steps, minutes=args.minutes, seed=args.seed)
-    card = train_reasoner(cfg, args.out, progress=not args.quiet, overwrite=args.overwrite)
+    from .checkpoint import pick_device
+    extra = {k: v for k, v in (("lr", args.lr), ("eval_problems", args.eval_problems)) if v is not None}
+    cfg = ReasonerTrainConfig(preset=args.preset, steps=args.steps, minutes=args.minutes, seed=args.seed, **extra)
+    card = train_reasoner(cfg, args.out, progress=not args.quiet, overwrite=args.overwrite,
+                          device=pick_device(args.device))
     print(card)
     print(f"saved {args.out}")
     return 0
@@ -123,9 +126,10 @@ def cmd_train_drafter(args) -> int:
     from .draft_train import DrafterTrainConfig, train_warm_drafter
     out = args.out or str(ROOT / "runs" / "drafters" / f"{Path(args.model).resolve().name}-drafter")
     command = "python -m tltlib train-drafter " + " ".join(a for a in sys.argv[2:] if a != "--quiet")
+    from .checkpoint import pick_device
     print(train_warm_drafter(args.model, out, DrafterTrainConfig(steps=args.steps), seed=args.seed,
                              progress=not args.quiet, overwrite=args.overwrite, task_max_steps=args.task_max_steps,
-                             command=command.strip()))
+                             command=command.strip(), device=pick_device(args.device), dtype=args.dtype))
     print(f"saved {out}")
     return 0
 
@@ -209,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--preset", default="tiny-cpu", help="model preset (tiny-draft: the assistant for the benches)")
     tr.add_argument("--steps", type=int, default=1400)
     tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--lr", type=float, help="peak learning rate (default: the recipe's 2e-3; ~3e-4 for gpu-24l)")
+    tr.add_argument("--eval-problems", type=int, help="held-out problems for the card (default 512)")
+    tr.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default %(default)s)")
     tr.add_argument("--out", default=str(ROOT / "runs" / "tiny-reasoner"),
                     help="output folder (default %(default)s; the shipped model: data/tiny-reasoner --overwrite)")
     tr.add_argument("--overwrite", action="store_true", help="replace an existing model in --out")
@@ -221,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--task-max-steps", type=int, default=52,
                     help="train on chain problems of at most this many steps (a drafter warmed on another mix)")
     td.add_argument("--seed", type=int, default=0)
+    td.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default %(default)s)")
+    td.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="the target's dtype (auto: bfloat16 on CUDA, float32 on CPU); the drafter trains in float32 "
+                         "under autocast to it and is saved in it")
     td.add_argument("--quiet", action="store_true")
     tg = sub.add_parser("train-grpo", help="GRPO with TLT from a parameter file (one JSON line of metrics per step)")
     tg.add_argument("--params", default="params/train/cpu-tiny.yaml", help="train-grpo parameter file")

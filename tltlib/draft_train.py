@@ -132,6 +132,15 @@ def pairs_from_sequences(target, sequences: list[list[int]], prompt_lens: list[i
     return buf
 
 
+def autocast_to_target(drafter):
+    """A bf16/fp16 autocast context when the drafter's weights are float32 but its target's are not (float32 master
+    weights trained against a bf16 target on a GPU); a no-op context otherwise."""
+    low = drafter.target.embed.weight.dtype
+    dev = drafter.fc.weight.device.type
+    enabled = drafter.fc.weight.dtype == torch.float32 and low in (torch.bfloat16, torch.float16)
+    return torch.autocast(dev, dtype=low if enabled else torch.bfloat16, enabled=enabled)
+
+
 def drafter_loss(drafter, batch: PairBatch, cfg: DrafterTrainConfig) -> tuple[torch.Tensor, dict]:
     """EAGLE loss of one batch; returns (loss, ``drafter/*`` stats)."""
     hid_in, tok_in = batch.inputs
@@ -188,7 +197,8 @@ class DrafterTrainer:
         self.drafter.train()
         for g in self.opt.param_groups:
             g["lr"] = self.lr_at(self.steps_done)
-        loss, stats = drafter_loss(self.drafter, batch, self.cfg)
+        with autocast_to_target(self.drafter):
+            loss, stats = drafter_loss(self.drafter, batch, self.cfg)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
@@ -213,7 +223,8 @@ def train_offline(drafter, data, cfg: DrafterTrainConfig, eval_data=None, eval_e
         if eval_batch is None:
             return
         log["eval_step"].append(step)
-        log["eval_acc"].append(depth_accuracy(drafter, eval_batch, cfg.eval_depth))
+        with autocast_to_target(drafter):
+            log["eval_acc"].append(depth_accuracy(drafter, eval_batch, cfg.eval_depth))
         log["eval_extra"].append(on_eval(step, drafter) if on_eval else {})
 
     evaluate(0)
@@ -268,7 +279,7 @@ embedding and LM head are the target's, shared and frozen, not stored here) for 
 ## How it was made
 `{command}` — offline warm-up on the target's own rollouts: {n_train} sampled responses
 (temperature 0.9) of chain problems{mix}, {pairs} training pairs; {steps} AdamW steps (lr {lr}, batch {batch}
-sequences, loss = SmoothL1(hidden) + 0.1 x soft CE), {minutes:.1f} minutes on {threads} CPU threads.
+sequences, loss = SmoothL1(hidden) + 0.1 x soft CE), {minutes:.1f} minutes on {where}.
 
 ## Quality on {n_eval} held-out responses
 Top-1 agreement with the target's argmax by draft depth (predicted features, true tokens):
@@ -281,7 +292,8 @@ bonus token): {accept_lines}
 
 def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = None, n_train: int = 512,
                        n_eval: int = 64, seed: int = 0, progress: bool = True, overwrite: bool = False,
-                       task_max_steps: int = 52, command: str = "python -m tltlib train-drafter") -> str:
+                       task_max_steps: int = 52, command: str = "python -m tltlib train-drafter",
+                       device: str = "cpu", dtype: str = "auto") -> str:
     """Build, train and save the warm drafter for a local target; returns its card.
 
     ``task_max_steps`` < 52 trains on short chain problems only (a drafter warmed on another problem mix than the
@@ -289,7 +301,8 @@ def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = Non
 
     The output folder is checked before any work (writable; an existing drafter is replaced only with
     ``overwrite``; anything else is never replaced) and written as a whole in one atomic step: weights, config,
-    card (README.md) and train_log.json."""
+    card (README.md) and train_log.json. ``dtype`` is the target's (``auto``: bfloat16 on CUDA, else float32); the
+    drafter trains in float32 under autocast to it, then is measured and saved in it."""
     import json
     from pathlib import Path
 
@@ -301,7 +314,9 @@ def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = Non
     from .tokenizer import load_tokenizer
     check_output_folder(out_dir, overwrite, is_drafter_folder, "drafter")
     cfg = cfg or DrafterTrainConfig()
-    target, tok = load_model(model_path), load_tokenizer(model_path)
+    from .checkpoint import parse_dtype
+    dtype = parse_dtype(("bfloat16" if str(device).startswith("cuda") else "float32") if dtype == "auto" else dtype)
+    target, tok = load_model(model_path, dtype=dtype, device=device), load_tokenizer(model_path)
     mix = dict(max_steps=task_max_steps)
     train_probs = (generate_problems(ChainTaskConfig(**mix), n_train * 3 // 4, seed=seed + 1000)
                    + generate_problems(ChainTaskConfig(zipf_exponent=0.3, **mix), n_train // 4, seed=seed + 2000))
@@ -309,8 +324,9 @@ def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = Non
     data = rollout_dataset(target, tok, train_probs, seed=seed, progress=progress)
     eval_data = rollout_dataset(target, tok, eval_probs, seed=seed + 1)
     torch.manual_seed(seed)
-    drafter = Drafter(DrafterConfig.from_target(target.config)).attach(target)
+    drafter = Drafter(DrafterConfig.from_target(target.config)).to(device).attach(target)
     log = train_offline(drafter, data, cfg, eval_data, eval_every=max(1, cfg.steps // 10), progress=progress)
+    drafter.to(dtype)
     accept_probs = generate_problems(ChainTaskConfig(), 32, seed=seed + 4000)
     accept = {st.name: measure_acceptance(target, drafter, tok, accept_probs, st)
               for st in (SpecStrategy("chain", 4), SpecStrategy("tree", 6, 4, 24))}
@@ -320,7 +336,8 @@ def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = Non
         mix=f" of at most {task_max_steps} steps" if task_max_steps < 52 else "",
         params_k=sum(p.numel() for p in drafter.parameters()) / 1e3, n_train=len(data), pairs=data.num_pairs,
         steps=cfg.steps, lr=cfg.lr, batch=cfg.batch_sequences, minutes=log["train_seconds"] / 60,
-        threads=torch.get_num_threads(), n_eval=len(eval_data),
+        where=(torch.cuda.get_device_name(device) if str(device).startswith("cuda")
+               else f"{torch.get_num_threads()} CPU threads"), n_eval=len(eval_data),
         depth_table="| depth | " + " | ".join(str(d + 1) for d in range(len(accs))) + " |\n|---|"
                     + "---|" * len(accs) + "\n| top-1 | " + " | ".join(f"{a:.1%}" for a in accs) + " |",
         n_accept=len(accept_probs),

@@ -89,6 +89,12 @@ class Drafter(nn.Module):
                 if p.dim() > 1:
                     nn.init.normal_(p, std=init_std)
 
+    def _apply(self, fn, recurse=True):
+        """Casts keep the rotary frequencies float32 (see :meth:`tltlib.model.Transformer._apply`)."""
+        super()._apply(fn, recurse)
+        self.inv_freq = rope_inv_freq(self.config.target).to(self.inv_freq.device)
+        return self
+
     # ----------------------------------------------------------------------------------------------- target
     def attach(self, target: Transformer) -> "Drafter":
         """Share ``target``'s embedding and LM head (checked to fit); returns self."""
@@ -133,7 +139,7 @@ class Drafter(nn.Module):
 
     def forward_cached(self, hidden: torch.Tensor, tokens: torch.Tensor, cache: KVCache,
                        positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
-                       logits_at: torch.Tensor | None = None, offset: int = 0, rope=None):
+                       logits_at: torch.Tensor | None = None, offset: int = 0, rope=None, span: int | None = None):
         """Inference forward over the drafter's one-layer cache (same contract as Transformer.forward_cached).
 
         Pair j of a row sits at cache entry j and rotary position j, exactly as in :meth:`forward`. ``rope``:
@@ -145,7 +151,7 @@ class Drafter(nn.Module):
             if positions is None:
                 positions = cache.lengths[:b, None] + (offset + torch.arange(t, device=tokens.device))
             cos, sin = rope_cos_sin(self.inv_freq, positions, self.fc.weight.dtype)
-        step = cache.prepare(t, tree_mask, offset)
+        step = cache.prepare(t, tree_mask, offset, span)
         out = self.layer(self._input(hidden, tokens), cos, sin, cache, 0, step)
         if logits_at is not None:
             out_at = out[torch.arange(b, device=out.device), logits_at]

@@ -70,7 +70,8 @@ class KVCache:
                    config.dim_head, dtype, device)
 
     # ----------------------------------------------------------------------------------------------- one forward
-    def prepare(self, num_new: int, tree_mask: torch.Tensor | None = None, offset: int = 0) -> CacheStep:
+    def prepare(self, num_new: int, tree_mask: torch.Tensor | None = None, offset: int = 0,
+                span: int | None = None) -> CacheStep:
         """Slots and attention mask for ``num_new`` new tokens per row (rows with fewer real tokens pad on the right;
         their padding queries attend like real ones and the caller ignores their outputs).
 
@@ -80,6 +81,9 @@ class KVCache:
                 include the token itself). Default: every earlier uncommitted entry and the new tokens causally.
             offset: uncommitted entries already written after ``lengths`` (a draft being extended level by
                 level); the new tokens go after them.
+            span: attend over exactly this many slots (at least ``max_used + offset + num_new``) and always build
+                the mask from the device-side lengths: the shapes then depend on ``span`` alone, not on the host-side
+                bounds, which is what a captured CUDA graph needs (:mod:`tltlib.cudagraph`). Default: the used span.
         """
         if self.max_used + offset + num_new > self.max_len:
             raise ValueError(f"KV cache overflow: {self.max_used} used + {offset + num_new} new > max_len "
@@ -87,13 +91,17 @@ class KVCache:
                              "draft tokens)")
         rows, kvh, dev = self.rows, self.k.shape[2], self.lengths.device
         lengths = self.lengths[:rows]
-        span = self.max_used + offset + num_new
+        fixed = span is not None
+        if fixed and not self.max_used + offset + num_new <= span <= self.max_len:
+            raise ValueError(f"KVCache.prepare: span {span} must cover the {self.max_used + offset + num_new} used "
+                             f"slots and fit max_len {self.max_len}")
+        span = span if fixed else self.max_used + offset + num_new
         new = torch.arange(num_new, device=dev)
         base = torch.arange(rows, device=dev) * (kvh * self.max_len) + lengths + offset
         index = (base[:, None, None] + new[None, :, None]
                  + (torch.arange(kvh, device=dev) * self.max_len)[None, None, :])
         if num_new == 1 and tree_mask is None:                            # decode / chain drafting: cheap mask
-            uniform = self.min_used == self.max_used
+            uniform = self.min_used == self.max_used and not fixed
             mask = None if uniform else (torch.arange(span, device=dev) <= lengths[:, None] + offset)[:, None, None]
             return CacheStep(index, mask, span)
         slot = torch.arange(span, device=dev)

@@ -35,6 +35,9 @@ METRICS: dict[str, str] = {
     "rollout/tail_time_frac_10": "share of decode time with <= 10% of the rows still running",
     "rollout/tail_time_frac_25": "share of decode time with <= 25% of the rows still running",
     "rollout/truncated_frac": "share of responses cut at max_new_tokens",
+    "rollout/graph_replays": "CUDA graph replays (decode, verify and draft forwards; CUDA only)",
+    "rollout/graph_captures": "CUDA graphs captured during the rollout (first use of a row/span bucket)",
+    "rollout/graph_capture_s": "seconds spent capturing CUDA graphs (included in rollout/time_s)",
     "sched/idle_frac": "share of the workers' rollout time spent idle, waiting for the last worker (measured by the "
                        "scheduler; the step-count model in profiling)",
     "sched/workers": "W, the number of data-parallel workers (or of workers in the idle-time estimate)",

@@ -57,7 +57,7 @@ class ReasonerTrainConfig:
     long_fraction: float = 0.15
     """Share of training problems drawn with the flatter step distribution (exponent 0.3)."""
     bf16_autocast: bool = True
-    """Run forward/backward under CPU bf16 autocast (weights stay float32)."""
+    """Run forward/backward under bf16 autocast (weights stay float32)."""
     seed: int = 0
     """Seeds the training problems and the initial weights."""
     eval_problems: int = 512
@@ -99,12 +99,14 @@ def lr_at(step: int, cfg: ReasonerTrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
-def train_sft(cfg: ReasonerTrainConfig, tokenizer, progress: bool = True) -> tuple[Transformer, dict]:
-    """Train a fresh model on generated traces; return it and the training log."""
+def train_sft(cfg: ReasonerTrainConfig, tokenizer, progress: bool = True,
+              device: str = "cpu") -> tuple[Transformer, dict]:
+    """Train a fresh model on generated traces (float32 weights, bf16 autocast); return it and the training log."""
     torch.manual_seed(cfg.seed)
     mcfg = preset(cfg.preset, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                   eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id)
-    model = Transformer(mcfg)
+    model = Transformer(mcfg).to(device)
+    dev_type = torch.device(device).type
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = random.Random(cfg.seed)
     task, long_task = ChainTaskConfig(), ChainTaskConfig(zipf_exponent=0.3)
@@ -116,10 +118,10 @@ def train_sft(cfg: ReasonerTrainConfig, tokenizer, progress: bool = True) -> tup
                       key=lambda e: len(e[0]) + len(e[1]))
         end = rng.randrange(len(pool)) + 1                     # a run of similar lengths filling the budget
         per = max(1, cfg.tokens_per_batch // (len(pool[end - 1][0]) + len(pool[end - 1][1])))
-        x, y = sft_batch(pool[max(0, end - per): end], tokenizer.pad_token_id)
+        x, y = (t.to(device) for t in sft_batch(pool[max(0, end - per): end], tokenizer.pad_token_id))
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
+        with torch.autocast(dev_type, dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
             logits = model(x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
@@ -127,7 +129,7 @@ def train_sft(cfg: ReasonerTrainConfig, tokenizer, progress: bool = True) -> tup
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         elapsed = time.perf_counter() - t0
-        if step % 10 == 0 or step == cfg.steps - 1:
+        if step % 10 == 0 or step == cfg.steps - 1:          # (a device sync: every 10 steps only)
             log["step"].append(step), log["loss"].append(loss.item()), log["seconds"].append(elapsed)
             bar.set_postfix(loss=f"{loss.item():.3f}")
         if elapsed > cfg.minutes * 60:
@@ -165,8 +167,8 @@ task. It loads with `tltlib.checkpoint.load_model` and with `transformers.AutoMo
 
 ## How it was made
 `python -m tltlib train-reasoner --preset {preset} --steps {steps}` — SFT on freshly generated traces: {steps} AdamW steps of ~{tpb} tokens
-(lr {lr}, warm-up {warmup}, cosine to 10%, bf16 autocast on CPU), loss on response tokens only, {minutes:.1f} minutes
-on {threads} CPU threads. Recipe: `tltlib.reasoner.ReasonerTrainConfig` = `{recipe}`.
+(lr {lr}, warm-up {warmup}, cosine to 10%, bf16 autocast), loss on response tokens only, {minutes:.1f} minutes
+on {where}. Recipe: `tltlib.reasoner.ReasonerTrainConfig` = `{recipe}`.
 
 ## The task
 Prompt `47 18 c?` = two start values and the label of the last step; each step adds the two latest values digit
@@ -191,13 +193,13 @@ def _acc_row(name: str, ev: dict) -> str:
 
 
 def train_reasoner(cfg: ReasonerTrainConfig, out_dir: str | Path, progress: bool = True,
-                   overwrite: bool = False) -> str:
+                   overwrite: bool = False, device: str = "cpu") -> str:
     """Train, evaluate and save the tiny reasoner (model + tokenizer + README.md card + eval.json); return the card.
 
     The output folder is checked first (writable; an existing model is replaced only with ``overwrite``)."""
     check_output_folder(out_dir, overwrite, lambda p: (p / "config.json").is_file(), "model")
     tok = build_tokenizer()
-    model, log = train_sft(cfg, tok, progress)
+    model, log = train_sft(cfg, tok, progress, device)
     problems = generate_problems(ChainTaskConfig(), cfg.eval_problems, seed=cfg.eval_seed)
     ev_sample = evaluate(model, tok, problems, temperature=0.9, progress=progress)
     ev_greedy = evaluate(model, tok, problems, temperature=0.0, progress=progress)
@@ -205,7 +207,9 @@ def train_reasoner(cfg: ReasonerTrainConfig, out_dir: str | Path, progress: bool
     card = CARD.format(name=Path(out_dir).name, preset=cfg.preset, params_m=mc.num_parameters / 1e6, layers=mc.num_layers, hidden=mc.hidden_size,
                        heads=mc.num_heads, kv_heads=mc.num_kv_heads, inter=mc.intermediate_size, vocab=mc.vocab_size,
                        steps=log["steps_done"], tpb=cfg.tokens_per_batch, lr=cfg.lr, warmup=cfg.warmup_steps,
-                       minutes=log["train_seconds"] / 60, threads=torch.get_num_threads(),
+                       minutes=log["train_seconds"] / 60,
+                       where=(torch.cuda.get_device_name(device) if str(device).startswith("cuda")
+                              else f"{torch.get_num_threads()} CPU threads"),
                        recipe=json.dumps(asdict(cfg)), n_eval=cfg.eval_problems, eval_seed=cfg.eval_seed,
                        acc_rows=_acc_row("sampling, T=0.9", ev_sample) + "\n" + _acc_row("greedy", ev_greedy),
                        p50=ev_sample["rollout/len_p50"], p90=ev_sample["rollout/len_p90"],

@@ -29,6 +29,7 @@ Departures:
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from .cudagraph import GraphConfig, GraphPool
 from .ngram import NgramConfig, NgramDrafter
 from .profiling import rollout_stats, spec_stats
 from .sampling import SamplingConfig, sample_from_logits
@@ -59,6 +61,8 @@ class RolloutConfig:
     """Keep generating after EOS until max_new_tokens (benchmarks: every row decodes the same number of tokens)."""
     draft_margin: int = 72
     """Cache slots kept beyond the longest sequence for draft tokens (must exceed a strategy's verify tokens)."""
+    graphs: GraphConfig = field(default_factory=GraphConfig)
+    """CUDA graphs for the decode, verify and draft forwards of small batches (on CUDA; no effect on a CPU)."""
 
     def __post_init__(self):
         if self.group_size < 1:
@@ -145,6 +149,43 @@ class RolloutEngine:
             drafter.attach(model)
         self.drafter = drafter
         self.ngram_config = ngram or NgramConfig()
+        self._workspace: tuple | None = None      # (key, cache, spec decoder) kept between rollouts on CUDA
+
+    def _buffers(self, owner: "Rollout", rows: int, max_len: int) -> tuple:
+        """The target's KV cache and the SD state for a rollout of ``rows`` rows of at most ``max_len`` tokens.
+
+        With CUDA graphs they are kept for the next rollout of the same shape (graphs hold the buffers' addresses;
+        ``max_len`` is rounded up to a multiple of 256 so that rollouts of similar prompts share them), unless the
+        rollout that holds them is still running: call :meth:`release` to free that memory (e.g. before a training
+        update)."""
+        model, cfg = self.model, self.config
+        graphs = cfg.graphs.enabled and model.device.type == "cuda"
+        if graphs:
+            max_len = -(-max_len // 256) * 256
+            weights = (model.embed.weight.data_ptr(),
+                       None if self.drafter is None else self.drafter.fc.weight.data_ptr())
+            key = (rows, max_len, id(self.drafter), weights, model.embed.weight.dtype)
+            ws = self._workspace
+            holder = ws[3]() if ws is not None else None
+            if ws is not None and ws[0] == key and (holder is None or holder.done):
+                _, cache, spec, _ = ws
+                cache.reset(rows)
+                spec.reset(rows)
+                self._workspace = (key, cache, spec, weakref.ref(owner))
+                return cache, spec
+            if holder is None or holder.done:
+                self._workspace = None            # free the old buffers before allocating new ones
+        cache = model.new_cache(rows, max_len)
+        spec = SpecDecoder(model, self.drafter, cfg.sampling, rows, max_len, max_emit=cfg.draft_margin)
+        if graphs:
+            spec.graphs = GraphPool([cache] + ([spec.cache] if spec.cache is not None else []), cfg.graphs)
+            if self._workspace is None:
+                self._workspace = (key, cache, spec, weakref.ref(owner))
+        return cache, spec
+
+    def release(self) -> None:
+        """Free the KV cache and captured graphs kept between rollouts (they are rebuilt on the next rollout)."""
+        self._workspace = None
 
     def check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         """Clear errors for prompts this model cannot run (empty, too long, ids outside the vocabulary)."""
@@ -208,8 +249,10 @@ class Rollout:
         plen = torch.tensor([len(p) for p in prompts])
         self.budget = torch.clamp(ctx - plen, max=s.max_new_tokens).repeat_interleave(G).to(dev)
         max_len = int((plen + self.budget[::G].cpu()).max()) + cfg.draft_margin
-        self.cache = model.new_cache(N, max_len)
-        self.spec = SpecDecoder(model, engine.drafter, s, N, max_len, max_emit=cfg.draft_margin)
+        self.done = False
+        self.cache, self.spec = engine._buffers(self, N, max_len)
+        self.graphs = self.spec.graphs
+        self._graph_stats0 = dict(self.graphs.stats) if self.graphs is not None else {}
         self.ngram: NgramDrafter | None = None
         self.eos = torch.tensor(engine.eos_ids, device=dev)
         self.pairs = pairs
@@ -367,8 +410,13 @@ class Rollout:
         elif st.enabled:
             out = spec.step(st, self.last, self.cache, self.generator, grow=grow)
         else:
-            logits, h = self.engine.model.forward_cached(self.last[:, None], self.cache)
-            self.cache.advance(grow)
+            model, cache = self.engine.model, self.cache
+            if self.graphs is not None:
+                logits, h = self.graphs.run("decode", lambda span, x: model.forward_cached(x, cache, span=span),
+                                            cache.rows, cache, cache.max_used + 1, (self.last[:, None],))
+            else:
+                logits, h = model.forward_cached(self.last[:, None], cache)
+            cache.advance(grow)
             tok, logp = sample_from_logits(logits[:, 0], cfg.sampling, self.generator)
             out = StepOut(tok[:, None], torch.ones_like(tok), logp[:, None], h, torch.zeros_like(tok))
             spec.push(h, out.tokens, out.count, 1)
@@ -382,6 +430,7 @@ class Rollout:
         """The result (runs the remaining steps first if the rollout is not done)."""
         while self.step():
             pass
+        self.done = True
         self.bar.close()
         total = time.perf_counter() - self.t0
         N, dev = self.num_sequences, self.device
@@ -396,6 +445,10 @@ class Rollout:
         stats = rollout_stats(lengths_cpu.numpy(), timeline["step_time"], timeline["active"], N, truncated,
                               total, self.prefill_s)
         stats.update(spec_stats(timeline))
+        if self.graphs is not None:
+            g = {k: v - self._graph_stats0.get(k, 0) for k, v in self.graphs.stats.items()}
+            stats.update({"rollout/graph_replays": float(g["replays"]), "rollout/graph_captures": float(g["captures"]),
+                          "rollout/graph_capture_s": g["capture_s"]})
         if self.ngram is not None:
             stats["spec/ngram_match_rate"] = self.ngram.proposed / max(self.ngram.asked, 1)
         return RolloutResult(self.prompts, self.engine.config.group_size, self.out_tokens, lengths_cpu,

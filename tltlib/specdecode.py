@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cudagraph import GraphPool
 from .kvcache import KVCache
 from .model import rope_cos_sin
 from .sampling import SamplingConfig, inverse_cdf, probs_from_logits, token_logprobs
@@ -123,6 +124,15 @@ class SpecDecoder:
         self._grow = 1                            # the current step's row mask (see step)
         self.keep_trace = False                   # set True to keep the last step's StepTrace in self.trace
         self.trace: StepTrace | None = None
+        self.graphs: GraphPool | None = None      # set by the rollout on CUDA: replay drafts and verifies
+
+    def reset(self, rows: int) -> None:
+        """Forget every row (reuse the buffers for a new rollout of ``rows`` rows)."""
+        if self.cache is not None:
+            self.cache.reset(rows)
+        self.pend_n.zero_()
+        self.pend_max = 0
+        self.trace = None
 
     # --------------------------------------------------------------------------------------- pending pairs
     def prefill(self, rows: slice, prompt_tokens: torch.Tensor, prompt_hidden: torch.Tensor,
@@ -219,12 +229,12 @@ class SpecDecoder:
             drafts, qs = self._draft_chain(strategy.depth, q_logits, feat, generator)
             tree = chain_tree(root, drafts)
         else:
-            tree, scores = self._draft_tree(strategy, root, q_logits, feat)
+            tree, scores = self._draft_tree_graphed(strategy, root, q_logits, feat)
             qs = None
         t1 = time.perf_counter()
         positions = tcache.lengths[: tcache.rows, None] + tree.depth
         tree_mask = None if strategy.kind == "chain" else tree.mask()
-        logits, hidden = self.target.forward_cached(tree.tokens, tcache, positions=positions, tree_mask=tree_mask)
+        logits, hidden = self._verify_forward(strategy.kind, tree.tokens, tcache, positions, tree_mask)
         s = self.sampling
         if strategy.kind == "chain":
             if s.greedy:
@@ -251,7 +261,7 @@ class SpecDecoder:
         t1 = time.perf_counter()
         tree = chain_tree(root, drafts)
         positions = tcache.lengths[: tcache.rows, None] + tree.depth
-        logits, hidden = self.target.forward_cached(tree.tokens, tcache, positions=positions)
+        logits, hidden = self._verify_forward("chain", tree.tokens, tcache, positions, None)
         s, probs = self.sampling, None
         if s.greedy:
             accepted, nxt = verify_chain_greedy(logits.argmax(-1), drafts)
@@ -265,6 +275,16 @@ class SpecDecoder:
         out.draft_s, out.verify_s = t1 - t0, time.perf_counter() - t1
         return out
 
+    def _verify_forward(self, kind, tokens, tcache, positions, tree_mask):
+        """The target forward over the drafts (a captured graph per row and span bucket when :attr:`graphs`)."""
+        if self.graphs is None:
+            return self.target.forward_cached(tokens, tcache, positions=positions, tree_mask=tree_mask)
+        inputs = (tokens, positions) if tree_mask is None else (tokens, positions, tree_mask)
+
+        def fn(span, tok, pos, mask=None):
+            return self.target.forward_cached(tok, tcache, positions=pos, tree_mask=mask, span=span)
+        return self.graphs.run(f"verify-{kind}", fn, tcache.rows, tcache, tcache.max_used + tokens.shape[1], inputs)
+
     def _q(self, logits: torch.Tensor) -> torch.Tensor:
         s = self.sampling
         return probs_from_logits(logits, s.temperature if not s.greedy else 1.0, s.top_k, s.top_p)
@@ -272,10 +292,21 @@ class SpecDecoder:
     def _draft_chain(self, depth, q_logits, feat, generator):
         """``depth`` drafts sampled from q (argmax when greedy); returns (drafts [B, D], q [B, D, V] or None).
 
-        Sampling is inverse-CDF with uniforms drawn once per step (one kernel instead of a multinomial per depth)."""
+        Sampling is inverse-CDF with uniforms drawn once per step (one kernel instead of a multinomial per depth), so
+        the whole chain is a function of its inputs: one captured graph when :attr:`graphs` is set."""
         b, dev = feat.shape[0], feat.device
         greedy = self.sampling.greedy
         u = None if greedy else torch.rand(b, depth, 1, generator=generator, device=dev)
+        if self.graphs is None or self.keep_trace:
+            return self._chain(depth, q_logits, feat, u)
+        inputs = (q_logits, feat) if greedy else (q_logits, feat, u)
+        fn = lambda span, *x: tuple(t for t in self._chain(depth, *x, span=span) if t is not None)  # noqa: E731
+        out = self.graphs.run(f"chain-{depth}", fn, b, self.cache, self.cache.max_used + depth - 1, inputs)
+        return out[0], (out[1] if len(out) > 1 else None)
+
+    def _chain(self, depth, q_logits, feat, u=None, span=None):
+        b, dev = feat.shape[0], feat.device
+        greedy = u is None
         pos = self.cache.lengths[:b, None] + torch.arange(depth, device=dev)
         cos, sin = rope_cos_sin(self.drafter.inv_freq, pos, self.drafter.fc.weight.dtype)
         drafts, qs = [], []
@@ -291,11 +322,23 @@ class SpecDecoder:
             drafts.append(d)
             if i + 1 < depth:
                 q_logits, out = self.drafter.forward_cached(feat[:, None], d[:, None], self.cache, offset=i,
-                                                            rope=(cos[:, i:i + 1], sin[:, i:i + 1]))
+                                                            rope=(cos[:, i:i + 1], sin[:, i:i + 1]), span=span)
                 q_logits, feat = q_logits[:, 0], out[:, 0]
-        return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs else None)
+        return (torch.stack(drafts, 1), torch.stack(qs, 1)) if qs else (torch.stack(drafts, 1), None)
 
-    def _draft_tree(self, st: SpecStrategy, root, q_logits, feat) -> DraftTree:
+    def _draft_tree_graphed(self, st: SpecStrategy, root, q_logits, feat):
+        """:meth:`_draft_tree`, as one captured graph when :attr:`graphs` is set (it draws no random numbers)."""
+        if self.graphs is None:
+            return self._draft_tree(st, root, q_logits, feat)
+
+        def fn(span, r, ql, f):
+            tree, scores = self._draft_tree(st, r, ql, f, span)
+            return tree.tokens, tree.parents, tree.depth, scores
+        need = self.cache.max_used + st.top_k * (st.depth - 1)
+        tok, par, dep, scores = self.graphs.run(st.name, fn, root.shape[0], self.cache, need, (root, q_logits, feat))
+        return DraftTree(tok, par, dep), scores
+
+    def _draft_tree(self, st: SpecStrategy, root, q_logits, feat, span=None) -> DraftTree:
         """EAGLE-2-style dynamic tree: top-k expansion per level, best ``budget`` nodes by cumulative log q."""
         b, k, dev = root.shape[0], st.top_k, root.device
         logq = torch.log_softmax(q_logits.float(), -1)
@@ -313,7 +356,7 @@ class SpecDecoder:
             fscore = torch.cat(cand_score, 1).gather(1, front_idx)
             positions = self.cache.lengths[:b, None] + (level - 2)
             lg, out = self.drafter.forward_cached(front_feat, ftok, self.cache, positions=positions.expand(b, k),
-                                                  tree_mask=front_anc, offset=offset)
+                                                  tree_mask=front_anc, offset=offset, span=span)
             logq = torch.log_softmax(lg.float(), -1)                              # [B, k, V]
             s2, t2 = logq.topk(k, dim=-1)                                         # [B, k, k]
             s2 = (s2 + fscore[..., None]).reshape(b, k * k)
