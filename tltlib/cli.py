@@ -134,6 +134,27 @@ def cmd_train_drafter(args) -> int:
     return 0
 
 
+def cmd_get_model(args) -> int:
+    from .importers import MODELS, ensure_gguf, get_model, is_imported, cache_dir
+    if args.list or not args.name:
+        for name, m in MODELS.items():
+            where = Path(args.root or cache_dir()) / name
+            print(f"{name}: {m.about}\n    {where} ({'imported' if is_imported(where) else 'not imported yet'})")
+        return 0
+    ensure_gguf()
+    print(get_model(args.name, args.root, progress=not args.quiet))
+    return 0
+
+
+def cmd_import_gguf(args) -> int:
+    from .importers import ensure_gguf, import_gguf
+    ensure_gguf()
+    rec = import_gguf(args.file, args.out, overwrite=args.overwrite)
+    print(f"imported {rec['name'] or rec['gguf_file']} ({rec['architecture']}, {rec['parameters'] / 1e6:.1f} M "
+          f"parameters; logits within {rec['logits_max_abs_diff']:.1e} of transformers) -> {args.out}")
+    return 0
+
+
 def cmd_train_grpo(args) -> int:
     from .rljob import run_job
     from .scheduler import launched_by_torchrun, torchrun_command
@@ -233,6 +254,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the target's dtype (auto: bfloat16 on CUDA, float32 on CPU); the drafter trains in float32 "
                          "under autocast to it and is saved in it")
     td.add_argument("--quiet", action="store_true")
+    gm = sub.add_parser("get-model", help="import a known pretrained model (e.g. smollm2-135m) into the model cache")
+    gm.add_argument("name", nargs="?", help="model name (without one: list the known models)")
+    gm.add_argument("--root", help="folder to import into (default $TLTLIB_CACHE/models or ~/.cache/tltlib/models)")
+    gm.add_argument("--list", action="store_true", help="list the known models and where they are")
+    gm.add_argument("--quiet", action="store_true")
+    ig = sub.add_parser("import-gguf", help="convert a Llama/Qwen2-family GGUF file into a transformers folder")
+    ig.add_argument("file", help="the .gguf file")
+    ig.add_argument("out", help="output folder (written atomically after a logits check against transformers)")
+    ig.add_argument("--overwrite", action="store_true", help="replace an earlier import in OUT")
     tg = sub.add_parser("train-grpo", help="GRPO with TLT from a parameter file (one JSON line of metrics per step)")
     tg.add_argument("--params", default="params/train/cpu-tiny.yaml", help="train-grpo parameter file")
     tg.add_argument("--output-dir", help="checkpoints and metrics.jsonl (default runs/train-grpo/<params name>)")
@@ -264,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         _reexec_in_venv([*argv[:i], "run-notebooks" if args.cmd == "run" else args.cmd, *argv[i + 1:]])
     handlers = {"run": cmd_run_notebooks, "run-notebooks": cmd_run_notebooks, "test": cmd_test,
                 "train-reasoner": cmd_train_reasoner, "train-drafter": cmd_train_drafter, "train-grpo": cmd_train_grpo,
+                "get-model": cmd_get_model, "import-gguf": cmd_import_gguf,
                 "bench": cmd_bench}
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
