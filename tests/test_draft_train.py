@@ -96,3 +96,49 @@ def test_train_offline_logs_curves():
                         eval_every=3, on_eval=lambda step, d: {"seen": step}, progress=False)
     assert log["step"] == list(range(1, 7)) and log["eval_step"] == [0, 3, 6]
     assert [len(a) for a in log["eval_acc"]] == [2, 2, 2] and log["eval_extra"][-1] == {"seen": 6}
+
+
+def test_chunked_head_loss_equals_one_pass_over_all_logits():
+    import torch.nn.functional as F
+
+    from tltlib.draft_train import PairBatch
+    target, drafter = _pair()
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(3, 9, target.config.hidden_size, generator=g)
+    batch = PairBatch(h, torch.randint(0, target.config.vocab_size, (3, 9), generator=g),
+                      torch.rand(3, 8, generator=g) > 0.3)
+    cfg = DrafterTrainConfig()
+    grads = []
+    for chunk in (3, 10 ** 6):
+        drafter.zero_grad()
+        loss, stats = drafter_loss(drafter, batch, cfg, chunk=chunk)
+        loss.backward()
+        grads.append([p.grad.clone() for p in drafter.parameters()])
+        # the one-pass reference: [B, T, V] logits, masked mean
+        pred, logits = drafter(*batch.inputs)
+        p_t = torch.softmax(drafter.logits(h[:, 1:]).float(), -1)
+        m = batch.mask.float()
+        ref = ((F.smooth_l1_loss(pred, h[:, 1:], reduction="none").mean(-1) * m).sum() + 0.1 * (
+            -(p_t * torch.log_softmax(logits, -1)).sum(-1) * m).sum()) / m.sum()
+        torch.testing.assert_close(loss, ref, atol=1e-6, rtol=1e-5)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
+def test_subsampled_cross_entropy_is_an_unbiased_estimate_of_the_full_one():
+    from dataclasses import replace
+
+    from tltlib.draft_train import PairBatch
+    target, drafter = _pair()
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(4, 12, target.config.hidden_size, generator=g)
+    batch = PairBatch(h, torch.randint(0, target.config.vocab_size, (4, 12), generator=g),
+                      torch.ones(4, 11, dtype=torch.bool))
+    cfg = replace(DrafterTrainConfig(), hidden_weight=0.0, token_weight=1.0)
+    with torch.no_grad():
+        full = drafter_loss(drafter, batch, cfg)[0]
+        assert torch.equal(full, drafter_loss(drafter, batch, replace(cfg, ce_positions=44))[0])   # all 44 pairs
+        few = [drafter_loss(drafter, batch, replace(cfg, ce_positions=5), generator=torch.Generator().manual_seed(i))[0]
+               for i in range(400)]
+    assert len({float(x) for x in few}) > 50                     # really subsampled
+    assert abs(float(torch.stack(few).mean()) / float(full) - 1) < 0.02

@@ -142,3 +142,20 @@ def test_more_values_refused_before_running(tmp_path, text, match):
 def test_an_empty_only_prefix_is_refused():
     with pytest.raises(ValueError, match="an empty prefix would match all"):
         notebook_paths([""])
+
+
+def test_smollm2_file_plans_notebook_01_or_says_how_to_import_the_model(tmp_path, monkeypatch):
+    from tltlib.importers import is_imported
+    from tltlib.params import resolve
+    only = notebook_paths(["01"])
+    if is_imported(resolve("~/.cache/tltlib/models/smollm2-135m")):
+        assert dict(plan_run("cpu-smollm2", ALL, only))[only[0]]["TASK"] == "words"
+    else:
+        with pytest.raises(ValueError, match="import it first with python -m tltlib get-model smollm2-135m"):
+            plan_run("cpu-smollm2", ALL, only)
+    monkeypatch.setenv("TLTLIB_CACHE", str(tmp_path))
+    with pytest.raises(ValueError, match="smollm2-135m' does not exist: import it first with python -m tltlib "
+                                         "get-model smollm2-135m"):
+        _plan(tmp_path, f"MODEL_PATH: {tmp_path}/models/smollm2-135m\n", only=["01"])
+    with pytest.raises(ValueError, match="TASK = 'gsm8k'.*expected a string in 'chain', 'words'"):
+        _plan(tmp_path, "notebooks:\n  \"01\": {TASK: gsm8k}\n", only=["01"])

@@ -127,9 +127,14 @@ def cmd_train_drafter(args) -> int:
     out = args.out or str(ROOT / "runs" / "drafters" / f"{Path(args.model).resolve().name}-drafter")
     command = "python -m tltlib train-drafter " + " ".join(a for a in sys.argv[2:] if a != "--quiet")
     from .checkpoint import pick_device
-    print(train_warm_drafter(args.model, out, DrafterTrainConfig(steps=args.steps), seed=args.seed,
-                             progress=not args.quiet, overwrite=args.overwrite, task_max_steps=args.task_max_steps,
-                             command=command.strip(), device=pick_device(args.device), dtype=args.dtype))
+    recipe = DrafterTrainConfig(steps=args.steps, ce_positions=args.ce_positions, **({"lr": args.lr} if args.lr else {}),
+                                **({"batch_sequences": args.batch} if args.batch else {}))
+    print(train_warm_drafter(args.model, out, recipe, seed=args.seed, progress=not args.quiet,
+                             overwrite=args.overwrite, task_max_steps=args.task_max_steps, command=command.strip(),
+                             device=pick_device(args.device), dtype=args.dtype, dataset=args.dataset,
+                             init=args.init, n_train=args.n_train, n_eval=args.n_eval,
+                             max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             n_accept=args.n_accept))
     print(f"saved {out}")
     return 0
 
@@ -245,6 +250,19 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--model", default=str(ROOT / "data" / "tiny-reasoner"))
     td.add_argument("--out", help="output folder (default runs/drafters/<model folder name>-drafter)")
     td.add_argument("--overwrite", action="store_true", help="replace an existing drafter in --out")
+    td.add_argument("--dataset", default="", help="prompts: 'chain' (default: the chain task), 'words' (GSM8K-style "
+                    "word problems) or a local .jsonl/.parquet (rows with a 'response' are trained on as given)")
+    td.add_argument("--init", help="continue from this drafter (it must have been trained for this target's shape)")
+    td.add_argument("--n-train", type=int, default=512, help="training responses (default %(default)s)")
+    td.add_argument("--n-eval", type=int, default=64, help="held-out responses for the accuracies (default %(default)s)")
+    td.add_argument("--n-accept", type=int, default=32, help="held-out prompts of the measured accept lengths "
+                    "(default %(default)s)")
+    td.add_argument("--max-new-tokens", type=int, default=720, help="longest sampled response (default %(default)s)")
+    td.add_argument("--temperature", type=float, default=0.9, help="sampling temperature (default %(default)s)")
+    td.add_argument("--lr", type=float, help="peak learning rate (default 1e-3)")
+    td.add_argument("--batch", type=int, help="sequences per step (default 16)")
+    td.add_argument("--ce-positions", type=int, default=0, help="pairs per batch carrying the soft cross-entropy "
+                    "(0: all; e.g. 512 for a 49k vocabulary on a CPU, where the LM head dominates the cost)")
     td.add_argument("--steps", type=int, default=1500)
     td.add_argument("--task-max-steps", type=int, default=52,
                     help="train on chain problems of at most this many steps (a drafter warmed on another mix)")

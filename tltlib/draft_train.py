@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
 
@@ -57,6 +59,10 @@ class DrafterTrainConfig:
     online training, which has no end)."""
     seed: int = 0
     """Seeds batch sampling."""
+    ce_positions: int = 0
+    """At most this many randomly chosen pairs per batch carry the soft cross-entropy (an unbiased estimate of its
+    mean; the hidden-state loss keeps every pair); 0 = all. With a 49k vocabulary the LM head is ~90% of a step's
+    cost on a CPU, so e.g. 512 makes SmolLM2's drafter trainable there."""
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_sequences < 1 or self.eval_depth < 1:
@@ -65,6 +71,8 @@ class DrafterTrainConfig:
             raise ValueError(f"schedule must be 'cosine' or 'constant', got {self.schedule!r}")
         if self.lr <= 0 or self.hidden_weight < 0 or self.token_weight < 0:
             raise ValueError("lr must be > 0 and the loss weights >= 0")
+        if self.ce_positions < 0:
+            raise ValueError(f"ce_positions must be >= 0 (0: every pair), got {self.ce_positions}")
 
 
 @dataclass
@@ -141,35 +149,72 @@ def autocast_to_target(drafter):
     return torch.autocast(dev, dtype=low if enabled else torch.bfloat16, enabled=enabled)
 
 
-def drafter_loss(drafter, batch: PairBatch, cfg: DrafterTrainConfig) -> tuple[torch.Tensor, dict]:
-    """EAGLE loss of one batch; returns (loss, ``drafter/*`` stats)."""
-    hid_in, tok_in = batch.inputs
-    pred, logits = drafter(hid_in, tok_in)
-    target_f = batch.hidden[:, 1:]
+HEAD_CHUNK = 1024
+"""Pairs per LM-head chunk in the drafter's loss and accuracies (at vocabulary 49152: 200 MB of float32 logits)."""
+
+
+def _soft_ce(drafter, pred: torch.Tensor, target_f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Soft cross-entropy ``[N]`` of the drafter's next-token distribution (from ``pred [N, H]``) against the
+    target's (from ``target_f [N, H]``), and whether their argmaxes agree ``[N]``."""
     with torch.no_grad():
         p_target = torch.softmax(drafter.logits(target_f).float(), -1)
-    m = batch.mask.float()
-    denom = m.sum().clamp_min(1.0)
+    logits = drafter.logits(pred).float()
+    return -(p_target * torch.log_softmax(logits, -1)).sum(-1), logits.argmax(-1) == p_target.argmax(-1)
+
+
+def drafter_loss(drafter, batch: PairBatch, cfg: DrafterTrainConfig, chunk: int = HEAD_CHUNK,
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
+    """EAGLE loss of one batch; returns (loss, ``drafter/*`` stats).
+
+    The soft cross-entropy runs over the pairs that carry loss in chunks of ``chunk``, each under activation
+    checkpointing when gradients are on: at most one chunk's ``[chunk, V]`` logits exist at a time (the same maths
+    as one pass over ``[B, T, V]``). With ``cfg.ce_positions`` it runs on that many pairs drawn without replacement
+    (``generator``) and is scaled to the mean over all pairs."""
+    hid_in, tok_in = batch.inputs
+    pred = drafter.features(hid_in, tok_in)
+    target_f = batch.hidden[:, 1:]
+    m = batch.mask
+    denom = m.sum().clamp_min(1).float()
     vloss = F.smooth_l1_loss(pred.float(), target_f.float(), reduction="none").mean(-1)
-    ploss = -(p_target * torch.log_softmax(logits.float(), -1)).sum(-1)
-    loss = (cfg.hidden_weight * (vloss * m).sum() + cfg.token_weight * (ploss * m).sum()) / denom
-    with torch.no_grad():
-        acc = ((logits.argmax(-1) == p_target.argmax(-1)).float() * m).sum() / denom
-    return loss, {"drafter/loss": float(loss.detach()), "drafter/vloss": float((vloss.detach() * m).sum() / denom),
-                  "drafter/ploss": float((ploss.detach() * m).sum() / denom), "drafter/acc_1": float(acc)}
+    sel_pred, sel_target = pred[m], target_f[m]
+    n_pairs = sel_pred.shape[0]
+    if cfg.ce_positions and n_pairs > cfg.ce_positions:
+        pick = torch.randperm(n_pairs, generator=generator, device=generator.device if generator else "cpu")
+        pick = pick[: cfg.ce_positions].to(sel_pred.device)
+        sel_pred, sel_target = sel_pred[pick], sel_target[pick]
+    scale = n_pairs / max(sel_pred.shape[0], 1)
+    grad = torch.is_grad_enabled() and sel_pred.requires_grad
+    ploss, hits = [], []
+    for a in range(0, sel_pred.shape[0], chunk):
+        args = (drafter, sel_pred[a: a + chunk], sel_target[a: a + chunk])
+        pl, hit = checkpoint(_soft_ce, *args, use_reentrant=False) if grad else _soft_ce(*args)
+        ploss.append(pl), hits.append(hit)
+    ploss_sum = (torch.cat(ploss).sum() if ploss else pred.sum() * 0.0) * scale
+    vloss_sum = (vloss * m).sum()
+    loss = (cfg.hidden_weight * vloss_sum + cfg.token_weight * ploss_sum) / denom
+    acc = torch.cat(hits).float().sum() * scale / denom if hits else torch.zeros(())
+    return loss, {"drafter/loss": float(loss.detach()), "drafter/vloss": float(vloss_sum.detach() / denom),
+                  "drafter/ploss": float(ploss_sum.detach() / denom), "drafter/acc_1": float(acc)}
+
+
+def _head_argmax(drafter, x: torch.Tensor, chunk: int = HEAD_CHUNK) -> torch.Tensor:
+    """argmax of the LM head over ``x [B, T, H]`` -> ``[B, T]``, in chunks of positions."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.cat([drafter.logits(flat[a: a + chunk]).argmax(-1) for a in range(0, flat.shape[0], chunk)])
+    return out.view(x.shape[:-1])
 
 
 @torch.no_grad()
 def depth_accuracy(drafter, batch: PairBatch, depth: int) -> list[float]:
     """Top-1 agreement with the target's argmax at draft depths 1..depth (predicted features, true tokens)."""
     hid_in, tok_in = batch.inputs
-    target_arg = drafter.logits(batch.hidden[:, 1:]).argmax(-1)
+    target_arg = _head_argmax(drafter, batch.hidden[:, 1:])
     feats, accs = hid_in, []
     for d in range(1, depth + 1):
-        pred, logits = drafter(feats, tok_in)
+        pred = drafter.features(feats, tok_in)
         valid = batch.mask.clone()
         valid[:, : d - 1] = False                        # needs d-1 earlier predicted features
-        hit = (logits.argmax(-1) == target_arg) & valid
+        hit = (_head_argmax(drafter, pred) == target_arg) & valid
         accs.append(float(hit.sum() / valid.sum().clamp_min(1)))
         feats = torch.cat([hid_in[:, :1], pred[:, :-1]], 1)   # pair t now reads f̂_t predicted from pair t-1
     return accs
@@ -198,7 +243,8 @@ class DrafterTrainer:
         for g in self.opt.param_groups:
             g["lr"] = self.lr_at(self.steps_done)
         with autocast_to_target(self.drafter):
-            loss, stats = drafter_loss(self.drafter, batch, self.cfg)
+            g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.steps_done)   # resume-exact
+            loss, stats = drafter_loss(self.drafter, batch, self.cfg, generator=g)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
@@ -277,65 +323,118 @@ An EAGLE-1-style one-layer drafter ({params_k:.0f} K trainable parameters: fc 2H
 embedding and LM head are the target's, shared and frozen, not stored here) for `{target}`.
 
 ## How it was made
-`{command}` — offline warm-up on the target's own rollouts: {n_train} sampled responses
-(temperature 0.9) of chain problems{mix}, {pairs} training pairs; {steps} AdamW steps (lr {lr}, batch {batch}
-sequences, loss = SmoothL1(hidden) + 0.1 x soft CE), {minutes:.1f} minutes on {where}.
+`{command}` — offline warm-up, {start}, on the target's own responses: {n_train} responses (sampled at
+temperature {temperature}, or the dataset's) to {source}, {pairs} training pairs; {steps} AdamW steps (lr {lr}, batch
+{batch} sequences, loss = SmoothL1(hidden) + 0.1 x soft CE), {minutes:.1f} minutes on {where}.
 
 ## Quality on {n_eval} held-out responses
 Top-1 agreement with the target's argmax by draft depth (predicted features, true tokens):
 {depth_table}
 
-Measured in speculative rollouts of {n_accept} held-out prompts (temperature 0.9; accepted length includes the
-bonus token): {accept_lines}
+Measured in speculative rollouts of {n_accept} held-out prompts (temperature {temperature}; accepted length includes
+the bonus token): {accept_lines}
 """
+
+
+def drafter_problems(dataset: str, n_train: int, n_eval: int, n_accept: int, seed: int,
+                     task_max_steps: int = 52) -> tuple[list, list, list, str]:
+    """(train, eval, acceptance) problems and a description, from a generated task (``""``/``"chain"``: the chain
+    mix the shipped drafter was trained on; ``"words"``: word problems) or a JSONL/parquet file (the held-out
+    problems are its last ``n_eval`` rows; rows may carry a ``response`` to train on instead of sampling one)."""
+    from .params import resolve
+    from .tasks import ChainTaskConfig, generate_problems, generate_task, load_problems
+    if dataset in ("", "chain"):
+        mix = dict(max_steps=task_max_steps)
+        train = (generate_problems(ChainTaskConfig(**mix), n_train * 3 // 4, seed=seed + 1000)
+                 + generate_problems(ChainTaskConfig(zipf_exponent=0.3, **mix), n_train - n_train * 3 // 4,
+                                     seed=seed + 2000))
+        held = generate_problems(ChainTaskConfig(zipf_exponent=0.6), n_eval, seed=seed + 3000)
+        accept = generate_problems(ChainTaskConfig(), n_accept, seed=seed + 4000)
+        return train, held, accept, "chain problems" + (f" of at most {task_max_steps} steps"
+                                                         if task_max_steps < 52 else "")
+    if dataset == "words":
+        return (generate_task("words", n_train, seed + 1000), generate_task("words", n_eval, seed + 3000),
+                generate_task("words", n_accept, seed + 4000), "GSM8K-style word problems (tltlib.wordproblems)")
+    rows = load_problems(resolve(dataset))
+    if len(rows) <= n_eval:
+        raise ValueError(f"{dataset}: {len(rows)} rows cannot hold {n_eval} held-out problems and training problems "
+                         f"apart; lower --n-eval (at most {len(rows) - 1}) or use a larger dataset")
+    held = rows[-n_eval:]
+    return rows[:-n_eval][:n_train], held, held[:n_accept], f"the prompts of {Path(dataset).name}"
+
+
+def check_context(prompts: list[list[int]], context: int, source: str, model: str) -> None:
+    """One error for every prompt that leaves no room for a response in the model's context."""
+    long = [i for i, p in enumerate(prompts) if len(p) >= context]
+    if long:
+        worst = max(len(prompts[i]) for i in long)
+        more = "..." if len(long) > 5 else ""
+        raise ValueError(f"{source}: {len(long)} of {len(prompts)} prompts (rows {long[:5]}{more}) leave no room for "
+                         f"a response in the context of {model} ({context} tokens, max_position_embeddings; the "
+                         f"longest prompt has {worst}): shorten or drop them")
 
 
 def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = None, n_train: int = 512,
                        n_eval: int = 64, seed: int = 0, progress: bool = True, overwrite: bool = False,
                        task_max_steps: int = 52, command: str = "python -m tltlib train-drafter",
-                       device: str = "cpu", dtype: str = "auto") -> str:
-    """Build, train and save the warm drafter for a local target; returns its card.
+                       device: str = "cpu", dtype: str = "auto", dataset: str = "", init=None,
+                       max_new_tokens: int = 720, n_accept: int = 32, temperature: float = 0.9) -> str:
+    """Build (or continue from ``init``), train and save the warm drafter of any local target; returns its card.
 
-    ``task_max_steps`` < 52 trains on short chain problems only (a drafter warmed on another problem mix than the
-    one RL then produces: the drift notebook 05 measures).
+    Data (:func:`drafter_problems`): the target's own sampled responses (``temperature``, at most
+    ``max_new_tokens``; hidden states taken in the generation pass) to a generated task's or a dataset's prompts,
+    or the dataset's own ``response`` fields (hidden states from one forward). ``task_max_steps`` < 52 trains on
+    short chain problems only (the drift notebook 05 measures).
 
     The output folder is checked before any work (writable; an existing drafter is replaced only with
     ``overwrite``; anything else is never replaced) and written as a whole in one atomic step: weights, config,
     card (README.md) and train_log.json. ``dtype`` is the target's (``auto``: bfloat16 on CUDA, else float32); the
     drafter trains in float32 under autocast to it, then is measured and saved in it."""
     import json
-    from pathlib import Path
 
-    from .checkpoint import load_model
-    from .drafter import Drafter, DrafterConfig, is_drafter_folder, save_drafter
+    from .checkpoint import load_model, parse_dtype
+    from .drafter import Drafter, DrafterConfig, is_drafter_folder, load_drafter, save_drafter
     from .fileio import check_output_folder
     from .speculative import SpecStrategy
-    from .tasks import ChainTaskConfig, generate_problems
+    from .tasks import encode_prompts
     from .tokenizer import load_tokenizer
     check_output_folder(out_dir, overwrite, is_drafter_folder, "drafter")
     cfg = cfg or DrafterTrainConfig()
-    from .checkpoint import parse_dtype
     dtype = parse_dtype(("bfloat16" if str(device).startswith("cuda") else "float32") if dtype == "auto" else dtype)
     target, tok = load_model(model_path, dtype=dtype, device=device), load_tokenizer(model_path)
-    mix = dict(max_steps=task_max_steps)
-    train_probs = (generate_problems(ChainTaskConfig(**mix), n_train * 3 // 4, seed=seed + 1000)
-                   + generate_problems(ChainTaskConfig(zipf_exponent=0.3, **mix), n_train // 4, seed=seed + 2000))
-    eval_probs = generate_problems(ChainTaskConfig(zipf_exponent=0.6), n_eval, seed=seed + 3000)
-    data = rollout_dataset(target, tok, train_probs, seed=seed, progress=progress)
-    eval_data = rollout_dataset(target, tok, eval_probs, seed=seed + 1)
+    name = Path(model_path).name
+    if init:
+        drafter = load_drafter(init, target).float()             # refused here if it belongs to another target
+    train_probs, eval_probs, accept_probs, source = drafter_problems(dataset, n_train, n_eval, n_accept, seed,
+                                                                     task_max_steps)
+    ctx = target.config.max_position_embeddings
+    for probs in (train_probs, eval_probs):
+        check_context(encode_prompts(probs, tok), ctx, dataset or "the task", name)
+
+    def pairs(problems, seed_):
+        if problems and all(isinstance(p.meta.get("response"), str) for p in problems):
+            prompts = encode_prompts(problems, tok)
+            seqs = [p + tok(pr.meta["response"], add_special_tokens=False).input_ids + [target.config.eos_token_ids[0]]
+                    for p, pr in zip(prompts, problems)]
+            return pairs_from_sequences(target, [s_[:ctx] for s_ in seqs], [len(p) for p in prompts],
+                                        tok.pad_token_id or 0)
+        return rollout_dataset(target, tok, problems, temperature=temperature, max_new_tokens=max_new_tokens,
+                               seed=seed_, progress=progress)
+    data, eval_data = pairs(train_probs, seed), pairs(eval_probs, seed + 1)
     torch.manual_seed(seed)
-    drafter = Drafter(DrafterConfig.from_target(target.config)).to(device).attach(target)
+    if not init:
+        drafter = Drafter(DrafterConfig.from_target(target.config)).to(device).attach(target)
     log = train_offline(drafter, data, cfg, eval_data, eval_every=max(1, cfg.steps // 10), progress=progress)
     drafter.to(dtype)
-    accept_probs = generate_problems(ChainTaskConfig(), 32, seed=seed + 4000)
-    accept = {st.name: measure_acceptance(target, drafter, tok, accept_probs, st)
+    accept = {st.name: measure_acceptance(target, drafter, tok, accept_probs, st, temperature, max_new_tokens)
               for st in (SpecStrategy("chain", 4), SpecStrategy("tree", 6, 4, 24))}
     accs = log["eval_acc"][-1]
     card = WARM_CARD.format(
-        name=f"{Path(out_dir).name}: EAGLE drafter", target=Path(model_path).name, command=command,
-        mix=f" of at most {task_max_steps} steps" if task_max_steps < 52 else "",
-        params_k=sum(p.numel() for p in drafter.parameters()) / 1e3, n_train=len(data), pairs=data.num_pairs,
-        steps=cfg.steps, lr=cfg.lr, batch=cfg.batch_sequences, minutes=log["train_seconds"] / 60,
+        name=f"{Path(out_dir).name}: EAGLE drafter", target=name, command=command, source=source,
+        start="continued from " + str(init) if init else "from a random initialisation",
+        temperature=temperature, params_k=sum(p.numel() for p in drafter.parameters()) / 1e3, n_train=len(data),
+        pairs=data.num_pairs, steps=cfg.steps, lr=cfg.lr, batch=cfg.batch_sequences,
+        minutes=log["train_seconds"] / 60,
         where=(torch.cuda.get_device_name(device) if str(device).startswith("cuda")
                else f"{torch.get_num_threads()} CPU threads"), n_eval=len(eval_data),
         depth_table="| depth | " + " | ".join(str(d + 1) for d in range(len(accs))) + " |\n|---|"
@@ -343,6 +442,7 @@ def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = Non
         n_accept=len(accept_probs),
         accept_lines="; ".join(f"{name}: {s['spec/accept_len_mean']:.2f} tokens per step" for name, s in
                                accept.items()))
-    train_log = json.dumps({"recipe": cfg.__dict__, "log": log, "acceptance": accept}, indent=1) + "\n"
+    train_log = json.dumps({"recipe": cfg.__dict__, "data": {"dataset": dataset or "chain", "source": source},
+                            "log": log, "acceptance": accept}, indent=1) + "\n"
     save_drafter(drafter, out_dir, extra_files={"README.md": card, "train_log.json": train_log})
     return card

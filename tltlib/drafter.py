@@ -131,11 +131,16 @@ class Drafter(nn.Module):
         Returns:
             (predicted hidden ``[B, T, H]`` = f̂_1 .. f̂_T, logits ``[B, T, V]`` for x_2 .. x_{T+1}).
         """
+        out = self.features(hidden, tokens)
+        return out, self.logits(out)
+
+    def features(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` without the LM head: predicted hidden states ``[B, T, H]`` (training computes the head
+        in chunks, so no ``[B, T, V]`` logits are held for a large vocabulary)."""
         b, t = tokens.shape
         positions = torch.arange(t, device=tokens.device).expand(b, t)
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.fc.weight.dtype)
-        out = self.layer(self._input(hidden, tokens), cos, sin)
-        return out, self.logits(out)
+        return self.layer(self._input(hidden, tokens), cos, sin)
 
     def forward_cached(self, hidden: torch.Tensor, tokens: torch.Tensor, cache: KVCache,
                        positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,

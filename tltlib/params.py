@@ -104,6 +104,9 @@ class Param:
         elif k == "path" and self.exists:
             p = resolve(value)
             if not (p.is_dir() if self.exists == "dir" else p.is_file()):
+                from .importers import MODELS, cache_dir
+                if p.parent == cache_dir() and p.name in MODELS:
+                    return f"{str(p)!r} does not exist: import it first with python -m tltlib get-model {p.name}"
                 return f"{str(p)!r} does not exist"
         return self.check(value) if self.check else None
 
@@ -144,6 +147,7 @@ SCHEMA: dict[str, Param] = {
     "MODEL_PATH": Param("path", exists="dir"),
     "DRAFTER_PATH": Param("path", exists="dir"),
     "DATASET": Param("path", exists="file", empty_ok=True),
+    "TASK": Param("str", choices=("chain", "words")),
     "DEVICE": _DEVICE,
     "DTYPE": Param("str", choices=("float32", "bfloat16", "float16")),
     "SEED": Param("int", lo=0),

@@ -174,6 +174,9 @@ def _row_to_problem(row: dict, where: str) -> Problem:
     if not truth:
         raise ValueError(f"{where}: field {key!r} holds an empty ground truth")
     meta = {k: v for k, v in row.items() if k in ("data_source", "ability", "extra_info", "steps", "source")}
+    response = row.get("response", row.get("completion"))
+    if isinstance(response, str) and response.strip():
+        meta["response"] = response                            # a reference response (drafter training data)
     return Problem(prompt, normalize_answer(truth), meta)
 
 
@@ -218,19 +221,44 @@ def load_problems(path: str | os.PathLike, limit: int | None = None) -> list[Pro
     return out
 
 
-def problems_for(dataset: str | os.PathLike, count: int, seed: int, skip: int = 0,
-                 task: ChainTaskConfig | None = None) -> list[Problem]:
+TASKS = ("chain", "words")
+
+
+def task_config(task):
+    """The generated task's config: a name (``"chain"``: the tiny reasoner's chain task; ``"words"``: GSM8K-style
+    word problems for real models, :mod:`tltlib.wordproblems`) or a config (returned as it is)."""
+    from .wordproblems import WordTaskConfig
+    if task is None or task == "chain":
+        return ChainTaskConfig()
+    if task == "words":
+        return WordTaskConfig()
+    if isinstance(task, (ChainTaskConfig, WordTaskConfig)):
+        return task
+    raise ValueError(f"unknown task {task!r}; choose one of {TASKS} (or pass a dataset file)")
+
+
+def generate_task(task, count: int, seed: int) -> list[Problem]:
+    """``count`` problems of a generated task (a name or config, see :func:`task_config`), seeded ``seed``."""
+    from .wordproblems import WordTaskConfig, generate_word_problems
+    cfg = task_config(task)
+    if isinstance(cfg, WordTaskConfig):
+        return generate_word_problems(cfg, count, seed)
+    return generate_problems(cfg, count, seed)
+
+
+def problems_for(dataset: str | os.PathLike, count: int, seed: int, skip: int = 0, task=None) -> list[Problem]:
     """``count`` problems: from ``dataset`` (rows ``skip .. skip + count``, wrapping around a short file) or, when
-    ``dataset`` is empty, freshly generated chain problems seeded ``seed`` (``task`` shapes them)."""
+    ``dataset`` is empty, freshly generated problems of ``task`` (a name or config: chain by default) seeded
+    ``seed``."""
     from .params import resolve
     if not dataset:
-        return generate_problems(task or ChainTaskConfig(), count, seed)
+        return generate_task(task, count, seed)
     rows = load_problems(resolve(dataset))
     return [rows[(skip + i) % len(rows)] for i in range(count)]
 
 
 def split_problems(dataset: str | os.PathLike, train: int, held_out: int, seed: int,
-                   task: ChainTaskConfig | None = None) -> tuple[list[Problem], list[Problem]]:
+                   task=None) -> tuple[list[Problem], list[Problem]]:
     """(``train`` training problems, ``held_out`` held-out problems) that never share a prompt.
 
     From ``dataset``: the held-out problems are the rows after the training rows, and the training problems cycle

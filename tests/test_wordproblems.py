@@ -1,0 +1,82 @@
+"""The word-problem task: seeded, every count a non-negative integer that the story implies, GSM8K's answer format
+scored by the shared verifier, chat prompts through the tokenizer's template, Zipf-distributed steps."""
+from __future__ import annotations
+
+import random
+import re
+from collections import Counter
+
+import pytest
+
+from tltlib.tasks import encode_prompts, problems_for, prompt_text, reward, task_config
+from tltlib.wordproblems import LIMIT, WordTaskConfig, generate_word_problems, make_word_problem
+
+
+def _replay(text: str, start: int) -> int:
+    """Recompute the answer from the story's sentences alone (an independent reading of the templates)."""
+    count = start
+    for s in re.split(r"(?<=\.) ", text.split(" How many")[0])[1:]:
+        n = [int(x) for x in re.findall(r"\d+", s)]
+        if "buys" in s and "bags" in s:
+            count += n[0] * n[1]
+        elif "buys" in s or "finds" in s:
+            count += n[0]
+        elif "gives" in s or "loses" in s:
+            count -= n[0]
+        elif "shares" in s:
+            count //= n[0]
+        elif "doubles" in s:
+            count *= 2
+        else:
+            raise AssertionError(f"unknown sentence {s!r}")
+    return count
+
+
+def test_problems_are_seeded_and_their_answers_follow_from_the_story():
+    a = generate_word_problems(WordTaskConfig(), 300, seed=3)
+    assert a == generate_word_problems(WordTaskConfig(), 300, seed=3) != generate_word_problems(WordTaskConfig(),
+                                                                                                300, seed=4)
+    for p in a:
+        text = p.prompt[0]["content"]
+        assert p.prompt[0]["role"] == "user" and text.endswith('"#### <number>".')
+        counts = p.meta["counts"]
+        assert len(counts) == p.meta["steps"] + 1 and all(0 <= c < LIMIT for c in counts)
+        assert str(_replay(text, counts[0])) == p.answer == str(counts[-1])
+
+
+def test_steps_are_zipf_distributed_and_bounded():
+    steps = Counter(p.meta["steps"] for p in generate_word_problems(WordTaskConfig(), 4000, seed=0))
+    assert set(steps) == set(range(1, 9))
+    assert steps[1] > 2.5 * steps[4] and steps[1] > 5 * steps[8] > 0          # 1/n: 8x between 1 and 8 steps
+    assert make_word_problem(WordTaskConfig(), random.Random(0), steps=12).meta["steps"] == 12
+    with pytest.raises(ValueError, match="need 1 <= min_steps <= max_steps <= 20"):
+        WordTaskConfig(max_steps=30)
+
+
+def test_gsm8k_answer_line_is_scored_by_the_shared_verifier():
+    p = generate_word_problems(WordTaskConfig(), 1, seed=1)[0]
+    assert reward(f"First ... then ...\n#### {p.answer}", p.answer) == 1.0
+    assert reward(f"#### {int(p.answer) + 1}", p.answer) == 0.0 and reward("no answer", p.answer) == 0.0
+
+
+def test_chat_prompts_use_the_template_and_plain_prompts_do_not():
+    class Tok:
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            assert not tokenize and add_generation_prompt
+            return "<user>" + messages[0]["content"] + "<assistant>"
+    chat = generate_word_problems(WordTaskConfig(), 1, seed=2)[0]
+    plain = generate_word_problems(WordTaskConfig(chat=False), 1, seed=2)[0]
+    assert prompt_text(chat, Tok()) == "<user>" + plain.prompt + "<assistant>"
+
+
+def test_task_names_select_the_generator_and_a_character_tokenizer_is_refused():
+    from tltlib.tokenizer import build_tokenizer
+    words = problems_for("", 4, seed=0, task="words")
+    assert all(p.meta["source"] == "words" for p in words)
+    assert problems_for("", 4, seed=0) == problems_for("", 4, seed=0, task="chain")
+    with pytest.raises(ValueError, match="unknown task 'gsm8k'; choose one of \\('chain', 'words'\\)"):
+        task_config("gsm8k")
+    with pytest.raises(ValueError, match="unknown to the tokenizer.*a real checkpoint"):
+        encode_prompts(words, build_tokenizer())
