@@ -142,3 +142,25 @@ def test_subsampled_cross_entropy_is_an_unbiased_estimate_of_the_full_one():
                for i in range(400)]
     assert len({float(x) for x in few}) > 50                     # really subsampled
     assert abs(float(torch.stack(few).mean()) / float(full) - 1) < 0.02
+
+
+def test_train_drafter_refuses_long_prompts_and_a_drafter_of_another_shape(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    import pytest
+
+    from tltlib.checkpoint import save_model
+    from tltlib.draft_train import check_context, train_warm_drafter
+    from tltlib.model import preset
+    DATA = Path(__file__).resolve().parent.parent / "data"
+    with pytest.raises(ValueError, match=r"data.jsonl: 2 of 3 prompts \(rows \[0, 2\]\) leave no room for a response in "
+                                         r"the context of m \(8 tokens.*longest prompt has 9\)"):
+        check_context([[1] * 8, [1] * 3, [1] * 9], 8, "data.jsonl", "m")
+    other = tmp_path / "wide"
+    save_model(Transformer(preset("tiny-cpu", hidden_size=96, eos_token_ids=(2,))), other)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DATA / "tiny-reasoner" / f, other / f)
+    with pytest.raises(ValueError, match="its hidden size is 192 but the target's is 96"):
+        train_warm_drafter(other, tmp_path / "out", init=DATA / "tiny-reasoner-drafter", progress=False)
+    assert not (tmp_path / "out").exists()

@@ -198,18 +198,19 @@ def get_model(name: str, root: str | os.PathLike | None = None, progress: bool =
 
 
 def ensure_gguf(constraint_torch: bool = True) -> None:
-    """Install the ``gguf`` package into this environment when it is missing, keeping the installed torch."""
-    try:
-        import gguf  # noqa: F401
+    """Install what transformers' GGUF reader needs (``gguf``, ``accelerate``) into this environment when missing
+    (an environment set up before they were dependencies), keeping the installed torch."""
+    import importlib.util
+    missing = [pkg for mod, pkg in (("gguf", "gguf>=0.10"), ("accelerate", "accelerate>=1.0"))
+               if importlib.util.find_spec(mod) is None]
+    if not missing:
         return
-    except ImportError:
-        pass
     with tempfile.TemporaryDirectory() as tmp:
         extra = []
         if constraint_torch:
             c = Path(tmp) / "constraints.txt"
             c.write_text(f"torch=={torch.__version__.split('+')[0]}\n")
             extra = ["-c", str(c)]
-        print("installing the gguf package (reads GGUF files)", flush=True)
+        print(f"installing {', '.join(missing)} (transformers reads GGUF files with them)", flush=True)
         subprocess.run([sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q", *extra,
-                        "gguf>=0.10"], check=True, stdin=subprocess.DEVNULL)
+                        *missing], check=True, stdin=subprocess.DEVNULL)
