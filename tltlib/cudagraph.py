@@ -94,8 +94,7 @@ class GraphPool:
         if self.capture and dev.type != "cuda":
             raise ValueError("GraphPool(capture=True) needs caches on a CUDA device")
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self._entries: dict[tuple, tuple] = {}        # key -> (graph or None, static inputs, static outputs)
-        self._failed: set[tuple] = set()
+        self._entries: dict[tuple, tuple] = {}        # key -> (graph or None: eager, static inputs, static outputs)
         self.stats = {"captures": 0, "replays": 0, "eager": 0, "capture_s": 0.0}
 
     def run(self, name: str, fn: Callable, rows: int, cache: KVCache, need_span: int,
@@ -142,7 +141,7 @@ class GraphPool:
                 c.rows = r
 
     def _build(self, key, fn, span, statics):
-        if not self.capture or key in self._failed:
+        if not self.capture:
             return None, statics, None
         t0 = time.perf_counter()
         stream = torch.cuda.Stream()
@@ -155,8 +154,7 @@ class GraphPool:
         try:
             with torch.cuda.graph(graph, pool=self.pool):
                 outs = _as_tuple(fn(span, *statics))
-        except RuntimeError as e:                 # e.g. a host sync inside fn: run this key eagerly, say so once
-            self._failed.add(key)
+        except RuntimeError as e:                 # e.g. a host sync inside fn: this key runs eagerly from now on
             warnings.warn(f"CUDA graph capture of {key[0]!r} ({key[1]} rows) failed, running it eagerly: {e}",
                           RuntimeWarning, stacklevel=3)
             return None, statics, None
