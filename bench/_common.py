@@ -86,3 +86,20 @@ def write_results(name: str, payload: dict, table: str, out_dir: Path | None = N
         tmp.replace(out_dir / f"{name}{suffix}")
     print(md)
     return out_dir / f"{name}.json"
+
+
+TASK_HELP = ("prompts: 'chain' (the tiny reasoner's chain task) or 'words' (GSM8K-style word problems with the "
+             "model's chat template: the task for real models such as SmolLM2)")
+
+
+def task_prompts(task: str, tokenizer, count: int, seed: int, steps: int | None = None) -> list[list[int]]:
+    """Token ids of ``count`` seeded prompts of ``task`` ('chain': ``steps`` fixes every problem's step count)."""
+    from tltlib.tasks import ChainTaskConfig, encode_prompts, generate_problems, generate_task
+    if task == "chain":
+        return encode_prompts(generate_problems(ChainTaskConfig(), count, seed=seed, steps=steps), tokenizer)
+    return encode_prompts(generate_task(task, count, seed), tokenizer)
+
+
+def model_suffix(model: str, default: str = "data/tiny-reasoner") -> str:
+    """``""`` for the default model, else ``-<its folder name>``: results of another model get their own files."""
+    return "" if model == default else "-" + Path(model).expanduser().resolve().name

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ensure_malloc_env, interleaved_medians, machine_info, markdown_table, write_results  # noqa: E402
+from _common import (TASK_HELP, ensure_malloc_env, interleaved_medians, machine_info, markdown_table,  # noqa: E402
+                     model_suffix, task_prompts, write_results)
 
 
 def main() -> None:
@@ -25,6 +26,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--task", default="chain", choices=["chain", "words"], help=TASK_HELP)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
@@ -38,7 +40,6 @@ def main() -> None:
     from tltlib.params import resolve
     from tltlib.rollout import RolloutConfig, RolloutEngine
     from tltlib.sampling import SamplingConfig
-    from tltlib.tasks import ChainTaskConfig, encode_prompts, generate_problems
 
     torch.set_num_threads(os.cpu_count() or 1)
     ours, tok, _ = load(args.model, device=args.device, dtype=args.dtype)
@@ -52,7 +53,7 @@ def main() -> None:
 
     rows, results = [], []
     for b in [int(x) for x in args.batches.split(",")]:
-        prompts = encode_prompts(generate_problems(ChainTaskConfig(), b, seed=b), tok)
+        prompts = task_prompts(args.task, tok, b, seed=b)
         width = max(map(len, prompts))
         ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts], device=device)  # left pad
         mask = (ids != tok.pad_token_id).long()
@@ -81,8 +82,8 @@ def main() -> None:
         header.insert(3, "vLLM tok/s")
     payload = {"bench": "decode", "machine": machine_info(device), "model": str(args.model), "dtype": args.dtype,
                "settings": vars(args), "results": results}
-    write_results(f"decode-{device.split(':')[0]}-{args.dtype}", payload,
-                  f"Plain greedy decoding, {n} new tokens per row, {args.dtype} on {device} (median of "
+    write_results(f"decode-{device.split(':')[0]}-{args.dtype}{model_suffix(args.model)}", payload,
+                  f"Plain greedy decoding, model {args.model}, {args.task} prompts, {n} new tokens per row, {args.dtype} on {device} (median of "
                   f"{args.repeats} after a warm-up)\n\n" + markdown_table(header, rows), args.out)
 
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ensure_malloc_env, machine_info, markdown_table, timed, write_results  # noqa: E402
+from _common import TASK_HELP, ensure_malloc_env, machine_info, markdown_table, model_suffix, task_prompts, timed, write_results  # noqa: E402,E501
 
 
 def main() -> None:
@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--drafter", default="data/tiny-reasoner-drafter")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--task", default="chain", choices=["chain", "words"], help=TASK_HELP)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=0.9)
@@ -62,14 +63,12 @@ def main() -> None:
     from tltlib.rollout import RolloutConfig, RolloutEngine
     from tltlib.sampling import SamplingConfig
     from tltlib.speculative import SpecStrategy
-    from tltlib.tasks import ChainTaskConfig, encode_prompts, generate_problems
 
     torch.set_num_threads(os.cpu_count() or 1)
     target, tok, drafter = load(args.model, args.drafter, device=args.device, dtype=args.dtype)
     device = str(target.device)
-    prompts = encode_prompts(generate_problems(ChainTaskConfig(), args.prompts, seed=2026), tok)
-    tune_sets = [encode_prompts(generate_problems(ChainTaskConfig(), args.prompts, seed=7 + i), tok)
-                 for i in range(max(1, args.tune_rollouts))]
+    prompts = task_prompts(args.task, tok, args.prompts, seed=2026)
+    tune_sets = [task_prompts(args.task, tok, args.prompts, seed=7 + i) for i in range(max(1, args.tune_rollouts))]
     warm_prompts = tune_sets[0]
     threshold = args.threshold if args.threshold is not None else default_threshold(device)
     arms = [SpecStrategy.parse(a) for a in args.arms.split(";")]
@@ -209,6 +208,7 @@ def main() -> None:
                "threshold": threshold, "cost_model": costs.to_dict(), "cost_model_s": cost_s,
                "tuning_rollout_s": tuned, "results": out, "summary": summary}
     shape = "" if (args.prompts, args.group) == (64, 8) else f"-{args.prompts}x{args.group}"
+    shape += model_suffix(args.model) + ("" if args.task == "chain" else f"-{args.task}")
     write_results(f"long_tail_rollout-{device.split(':')[0]}-{args.dtype}{shape}", payload, table, args.out)
 
 

@@ -18,14 +18,17 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ensure_malloc_env, interleaved_medians, machine_info, markdown_table, write_results  # noqa: E402
+from _common import (TASK_HELP, ensure_malloc_env, interleaved_medians, machine_info, markdown_table,  # noqa: E402
+                     model_suffix, task_prompts, write_results)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="data/tiny-reasoner")
     ap.add_argument("--drafter", default="data/tiny-reasoner-drafter")
-    ap.add_argument("--assistant", default="data/tiny-assistant", help="small LM for transformers assisted generation")
+    ap.add_argument("--assistant", default="data/tiny-assistant",
+                    help="small LM for transformers assisted generation ('none': skip the peer)")
+    ap.add_argument("--task", default="chain", choices=["chain", "words"], help=TASK_HELP)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256,512")
@@ -33,6 +36,8 @@ def main() -> None:
     ap.add_argument("--strategies", default="chain-4;chain-10;chain-16;tree-10x2-16",
                     help="';'-separated strategy names: chain-DEPTH, tree-DEPTHxTOPK-BUDGET, ngram-DEPTH")
     ap.add_argument("--steps", type=int, default=10, help="chain-task steps per problem (11 tokens each)")
+    ap.add_argument("--new-tokens", type=int, default=128,
+                    help="words task: tokens per response (EOS ignored, so the batch stays at its size)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -46,20 +51,21 @@ def main() -> None:
     from tltlib.sampling import SamplingConfig
     from tltlib.speculative import alpha_from_accept_length, leviathan_speedup
     from tltlib.speculative import SpecStrategy
-    from tltlib.tasks import ChainTaskConfig, encode_prompts, generate_problems
 
     torch.set_num_threads(os.cpu_count() or 1)
     target, tok, drafter = load(args.model, args.drafter, device=args.device, dtype=args.dtype)
     device, dtype = str(target.device), target.embed.weight.dtype
     strategies = [SpecStrategy.parse(x) for x in args.strategies.split(";")]
-    max_new = args.steps * 11 + 8
+    words = args.task == "words"
+    max_new = args.new_tokens if words else args.steps * 11 + 8
 
     results, rows = [], []
     for temp in [float(t) for t in args.temperatures.split(",")]:
         sampling = SamplingConfig(temperature=temp, max_new_tokens=max_new)
         for b in [int(x) for x in args.batches.split(",")]:
-            prompts = encode_prompts(generate_problems(ChainTaskConfig(), b, seed=100 + b, steps=args.steps), tok)
-            eng = RolloutEngine(target, RolloutConfig(sampling, compact_fraction=0.0), drafter=drafter)
+            prompts = task_prompts(args.task, tok, b, seed=100 + b, steps=args.steps)
+            eng = RolloutEngine(target, RolloutConfig(sampling, compact_fraction=0.0, ignore_eos=words),
+                                drafter=drafter)
             runs = {}
 
             def run(strategy, key):
@@ -103,8 +109,10 @@ def main() -> None:
                                 "first_batch_where_sd_loses": next((b for b, s in best if s <= 1.0), None)}
     header = ["T", "batch", "strategy", "plain tok/s", "SD tok/s", "speedup", "accept len", "alpha", "c",
               "Leviathan", "identical"]
-    table = (f"Speculative vs plain decoding, {args.steps}-step chain problems ({max_new - 8 + 4} tokens per "
-             f"response), {args.dtype} on {device}, median of {args.repeats} after a warm-up\n\n"
+    workload = (f"{args.steps}-step chain problems ({max_new - 8 + 4} tokens per response)" if not words else
+                f"word problems, {max_new} tokens per response (EOS ignored)")
+    table = (f"Speculative vs plain decoding, {workload}, model {args.model}, drafter {args.drafter}, {args.dtype} "
+             f"on {device}, median of {args.repeats} after a warm-up\n\n"
              + markdown_table(header, rows))
     if peer:
         table += "\n\nBatch-1 peer, transformers `generate` with `assistant_model` (" + peer["assistant"] + "):\n\n"
@@ -119,7 +127,7 @@ def main() -> None:
         for t, v in crossover.items())
     payload = {"bench": "speculative", "machine": machine_info(device), "settings": vars(args),
                "results": results, "assisted_peer": peer, "crossover": crossover}
-    write_results(f"speculative-{device.split(':')[0]}-{args.dtype}", payload, table, args.out)
+    write_results(f"speculative-{device.split(':')[0]}-{args.dtype}{model_suffix(args.model)}", payload, table, args.out)
 
 
 def _assisted_peer(args, device, dtype, tok, max_new):
@@ -128,18 +136,20 @@ def _assisted_peer(args, device, dtype, tok, max_new):
     from transformers import AutoModelForCausalLM
 
     from tltlib.params import resolve
-    from tltlib.tasks import ChainTaskConfig, encode_prompts, generate_problems
+    if args.assistant.lower() == "none":
+        return None
     path = resolve(args.assistant)
     if not (path / "config.json").is_file():
         return None
     hf = AutoModelForCausalLM.from_pretrained(resolve(args.model), dtype=dtype).to(device).eval()
     asst = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    ids = torch.tensor(encode_prompts(generate_problems(ChainTaskConfig(), 1, seed=101, steps=args.steps), tok),
-                       device=device)
+    ids = torch.tensor(task_prompts(args.task, tok, 1, seed=101, steps=args.steps), device=device)
     out = {"assistant": f"{args.assistant}, {sum(p.numel() for p in asst.parameters()) / 1e6:.2f} M parameters",
            "by_temperature": {}}
     for temp in [float(t) for t in args.temperatures.split(",")]:
         kw = dict(do_sample=temp > 0, max_new_tokens=max_new, pad_token_id=tok.pad_token_id)
+        if args.task == "words":
+            kw.update(min_new_tokens=max_new)          # EOS ignored, as in the tltlib runs
         if temp > 0:
             kw["temperature"] = temp
         counts = {}

@@ -164,3 +164,37 @@ def test_train_drafter_refuses_long_prompts_and_a_drafter_of_another_shape(tmp_p
     with pytest.raises(ValueError, match="its hidden size is 192 but the target's is 96"):
         train_warm_drafter(other, tmp_path / "out", init=DATA / "tiny-reasoner-drafter", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_draft_vocabulary_trains_on_the_whole_head_and_measures_its_proposals():
+    """The loss (and its gradients) ignore the draft vocabulary: the drafter learns the target's whole distribution;
+    depth accuracy measures what it would propose, so excluding tokens the target picks lowers it."""
+    from tltlib.draft_train import PairBatch
+    target, drafter = _pair()
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(3, 10, target.config.hidden_size, generator=g)
+    batch = PairBatch(h, torch.randint(0, target.config.vocab_size, (3, 10), generator=g),
+                      torch.ones(3, 9, dtype=torch.bool))
+    cfg = DrafterTrainConfig()
+    out = []
+    for ids in (None, torch.tensor([0, 1, 2, 3])):
+        drafter.set_draft_vocab(ids)
+        drafter.zero_grad()
+        loss, _ = drafter_loss(drafter, batch, cfg)
+        loss.backward()
+        out.append((loss.detach(), [p.grad.clone() for p in drafter.parameters()], depth_accuracy(drafter, batch, 2)))
+    drafter.set_draft_vocab(None)
+    (l0, g0, a0), (l1, g1, a1) = out
+    assert torch.equal(l0, l1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
+    assert a1[0] < a0[0]
+
+
+def test_train_drafter_with_a_draft_vocabulary(tmp_path):
+    from tltlib.draft_train import train_warm_drafter
+    from tltlib.drafter import load_drafter
+    from tltlib.checkpoint import load_model
+    card = train_warm_drafter("data/tiny-reasoner", tmp_path / "d", DrafterTrainConfig(steps=2, batch_sequences=2),
+                              n_train=4, n_eval=2, n_accept=1, max_new_tokens=24, progress=False, draft_vocab=12)
+    assert "a draft vocabulary of 1" in card and "of the held-out pairs' tokens" in card
+    d = load_drafter(tmp_path / "d", load_model("data/tiny-reasoner"))
+    assert 12 <= d.config.draft_vocab_size <= 13 and 2 in d.draft_ids.tolist()      # the 12 most frequent + EOS

