@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -137,3 +138,33 @@ def test_cli_import_gguf_and_get_model_list(tmp_path, monkeypatch, capsys):
     assert main(["get-model", "--list"]) == 0
     listing = capsys.readouterr().out
     assert "smollm2-135m" in listing and "not imported yet" in listing
+
+
+SHIPPED_SMOL_DRAFTER = Path(__file__).resolve().parent.parent / "data" / "smollm2-135m-drafter"
+
+
+def test_shipped_smollm2_drafter_fits_smollm2():
+    """The drafter in data/ was trained for SmolLM2-135M-Instruct (checked without the model, which is not shipped)."""
+    from tltlib.drafter import DrafterConfig
+    cfg = DrafterConfig.from_dict(json.loads((SHIPPED_SMOL_DRAFTER / "drafter_config.json").read_text()))
+    t = cfg.target
+    assert (t.architecture, t.hidden_size, t.num_heads, t.num_kv_heads, t.vocab_size, t.intermediate_size) == (
+        "llama", 576, 9, 3, 49152, 1536)
+    assert 0 < cfg.draft_vocab_size < t.vocab_size
+    assert "tokens per step" in (SHIPPED_SMOL_DRAFTER / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_shipped_smollm2_drafter_is_lossless_and_accepts_on_smollm2():
+    from tltlib.rollout import RolloutConfig, RolloutEngine
+    from tltlib.sampling import SamplingConfig
+    from tltlib.speculative import SpecStrategy
+    from tltlib.tasks import encode_prompts, generate_task
+    path = importers.get_model("smollm2-135m", progress=False)
+    target, tok, drafter = load(path, SHIPPED_SMOL_DRAFTER, device="cpu")
+    prompts = encode_prompts(generate_task("words", 2, seed=123), tok)
+    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=48)), drafter=drafter)
+    plain = eng.generate(prompts)
+    spec = eng.generate(prompts, strategy=SpecStrategy("chain", 4))
+    assert torch.equal(plain.tokens, spec.tokens)
+    assert spec.stats["spec/accept_len_mean"] > 1.5

@@ -44,3 +44,9 @@ assert state() == before, (before, state())
 def test_cli_help():
     out = subprocess.run([sys.executable, "-m", "tltlib", "--help"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and "run-notebooks" in out.stdout
+
+
+def test_shipped_data_stays_small():
+    """data/ holds only the small shipped models and sample data (the project's budget: ~40 MB in all)."""
+    size = sum(f.stat().st_size for f in (ROOT / "data").rglob("*") if f.is_file())
+    assert size <= 40e6, f"data/ is {size / 1e6:.1f} MB; keep large artefacts out of git (runs/, a cache folder)"

@@ -49,8 +49,8 @@ class DrafterConfig:
     draft_vocab_size: int = 0
     """Tokens the drafter may propose; 0: the whole vocabulary. A reduced draft vocabulary (as EAGLE-3's) applies
     the LM head to those rows only (set by :meth:`Drafter.set_draft_vocab`, chosen by :func:`frequent_tokens`):
-    with a large vocabulary the head is most of a draft step's cost (SmolLM2: 28 M of the head's 32 M
-    multiply-adds). Lossless either way: the proposal q is a distribution over these tokens and verification uses
+    with a large vocabulary the head is most of a draft step's cost (SmolLM2: 28 M of the 32 M multiply-adds per
+    drafted token). Lossless either way: the proposal q is a distribution over these tokens and verification uses
     it as it is; a token outside them is never proposed, but the target still samples it."""
 
     def __post_init__(self):
