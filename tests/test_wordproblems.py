@@ -80,3 +80,11 @@ def test_task_names_select_the_generator_and_a_character_tokenizer_is_refused():
         task_config("gsm8k")
     with pytest.raises(ValueError, match="unknown to the tokenizer.*a real checkpoint"):
         encode_prompts(words, build_tokenizer())
+
+
+def test_an_echoed_answer_placeholder_does_not_hide_the_answer():
+    """SmolLM2 greedy, verbatim: the answer, then the prompt's instruction echoed (it scored 0 before the fix)."""
+    from tltlib.tasks import extract_answer, reward
+    text = 'She has 10 pencils left over.\n#### 10\nThe answer is "#### <number>".'
+    assert extract_answer(text) == "10" and reward(text, "10") == 1.0
+    assert extract_answer('The answer is "#### <number>".') is None

@@ -109,11 +109,14 @@ _HASH_RE = re.compile(r"#+\s*([^\s#]+)")
 
 
 def extract_answer(text: str) -> str | None:
-    """The final answer in a response: the last ``\\boxed{...}``, else the last ``#### x`` / ``#x``; None if absent."""
+    """The final answer in a response: the last ``\\boxed{...}``, else the last ``#### x`` / ``#x``; None if absent.
+
+    A marked placeholder such as ``#### <number>`` is not an answer: small chat models echo the prompt's instruction
+    after their answer (SmolLM2: ``#### 10`` then ``The answer is "#### <number>".``), which must not hide it."""
     boxed = _BOXED_RE.findall(text)
     if boxed:
         return normalize_answer(boxed[-1])
-    marked = _HASH_RE.findall(text)
+    marked = [m for m in _HASH_RE.findall(text) if not m.startswith(("<", '"<'))]
     return normalize_answer(marked[-1]) if marked else None
 
 
