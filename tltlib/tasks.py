@@ -105,7 +105,7 @@ def solve(prompt: str) -> str:
 
 
 _BOXED_RE = re.compile(r"\\boxed\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\}")
-_HASH_RE = re.compile(r"#+\s*([^\s#]+)")
+_HASH_RE = re.compile(r"#+\s*(?!\"?<)([^\s#]+)")      # not a placeholder echoed from the prompt: #### <number>
 
 
 def extract_answer(text: str) -> str | None:
@@ -116,7 +116,7 @@ def extract_answer(text: str) -> str | None:
     boxed = _BOXED_RE.findall(text)
     if boxed:
         return normalize_answer(boxed[-1])
-    marked = [m for m in _HASH_RE.findall(text) if not m.startswith(("<", '"<'))]
+    marked = _HASH_RE.findall(text)
     return normalize_answer(marked[-1]) if marked else None
 
 
