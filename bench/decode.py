@@ -56,7 +56,9 @@ def main() -> None:
         prompts = task_prompts(args.task, tok, b, seed=b)
         width = max(map(len, prompts))
         ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts], device=device)  # left pad
-        mask = (ids != tok.pad_token_id).long()
+        # from the lengths, not the token values: a chat prompt holds the pad id itself (SmolLM2 pads with
+        # <|im_end|>, which ends every chat turn), and masking those would change transformers' input
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         out = {}
         with torch.no_grad():
             run_ours = lambda: out.__setitem__("ours", engine.generate(prompts).tokens)

@@ -16,6 +16,10 @@ every batch-size bucket of the tuner, summed: the most any per-bucket tuner coul
     python -m tltlib bench long_tail_rollout                 # CPU, ~15 min
     python -m tltlib bench long_tail_rollout --prompts 16    # the paper's Fig. 14 case study size: 128 requests
     python -m tltlib bench long_tail_rollout --device cuda --dtype bfloat16
+
+An ``off`` arm (default) lets BEG-MAB play plain steps where no SD strategy pays; it is not run as a fixed policy
+(that is "no SD"). ``--no-always`` skips the always-SD policies, which on a real model on a CPU spend most of the
+run's time at batch sizes where SD loses.
 """
 from __future__ import annotations
 
@@ -40,8 +44,9 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=0.9)
     ap.add_argument("--max-new", type=int, default=720)
-    ap.add_argument("--arms", default="chain-4;chain-8;chain-16;chain-32;tree-6x4-24;ngram-4",
-                    help="';'-separated strategies of the learned-drafter adaptive policy (also run fixed)")
+    ap.add_argument("--arms", default="off;chain-4;chain-8;chain-16;chain-32;tree-6x4-24;ngram-4",
+                    help="';'-separated strategies of the learned-drafter adaptive policy (each SD one also runs "
+                         "fixed); 'off' lets the tuner fall back to plain steps, as TrainerConfig.arms does")
     ap.add_argument("--ngram-arms", default="off;ngram-2;ngram-4",
                     help="arms of the n-gram-only adaptive policy (no learned drafter)")
     ap.add_argument("--threshold", type=int, default=None, help="adaptive SD threshold (default: per device)")
@@ -50,6 +55,9 @@ def main() -> None:
     ap.add_argument("--tune-rollouts", type=int, default=3,
                     help="rollouts of other prompts the adaptive controllers learn on before they are timed")
     ap.add_argument("--no-identity", action="store_true", help="skip the temperature-0 identity check")
+    ap.add_argument("--no-always", action="store_true",
+                    help="skip the always-SD policies (slow where SD loses at large batches); the per-bucket oracle "
+                         "then takes the threshold policies, equal to always-SD below the threshold")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     ensure_malloc_env()
@@ -92,9 +100,11 @@ def main() -> None:
 
     # (name, family, kind, strategy factory); family picks the engine (learned drafter or none)
     policies = [("no SD", "none", "plain", lambda: None)]
-    for a in arms + [x for x in ngram_arms if x.kind == "ngram" and x not in arms]:
+    fixed_arms = [a for a in arms if a.enabled] + [x for x in ngram_arms if x.kind == "ngram" and x not in arms]
+    for a in fixed_arms:                          # an "off" arm is the no-SD policy, already in the list
         fam = "learned" if a.uses_drafter else "ngram"
-        policies.append((f"always {a.name}", fam, "fixed", lambda a=a: a))
+        if not args.no_always:
+            policies.append((f"always {a.name}", fam, "fixed", lambda a=a: a))
         thr = args.fixed_threshold
         policies.append((f"<= {thr} rows: {a.name}", fam, "fixed",
                          lambda a=a, thr=thr: (lambda step, active: a if active <= thr else SpecStrategy())))
@@ -170,7 +180,8 @@ def main() -> None:
                      "-" if name not in identical else identical[name]])
     ad, adn = [n for n, *_ in policies if n in controllers]
     # hindsight bound of any per-bucket tuner over the learned-drafter arms: fastest of no SD / always-arm per bucket
-    cands = ["no SD"] + [f"always {a.name}" for a in arms]
+    cands = ["no SD"] + [f"<= {args.fixed_threshold} rows: {a.name}" if args.no_always else f"always {a.name}"
+                         for a in fixed_arms if a.uses_drafter]
     bucket_med = {n: np.median(by_bucket[n], axis=0) for n in cands}
     oracle_decode, oracle_pick = per_bucket_oracle(bucket_med)
     # decode time only (the buckets hold decode steps): add the median prefill + first-token time of the candidates

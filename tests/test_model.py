@@ -322,3 +322,34 @@ def test_gqa_sdpa_equals_repeated_kv_attention(t):
     for m in (mask, None):
         want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
         torch.testing.assert_close(gqa_sdpa(q, k, v, m), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("shape", [(7,), (1, 7), (2, 7), (3, 5, 7), (4, 1, 7), (2, 40, 7)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_equals_f_linear_and_keeps_autograd(shape, bias, monkeypatch):
+    import tltlib.model as tm
+    from tltlib.model import linear
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(11, 7, generator=g)
+    b = torch.randn(11, generator=g) if bias else None
+    x = torch.randn(*shape, generator=g)
+    want = torch.nn.functional.linear(x, w, b)
+    rows = x.numel() // 7
+    with torch.inference_mode():
+        if tm.CPU_MM_MIN_ROWS <= rows <= tm.CPU_MM_MAX_ROWS:     # the W @ x.T path must be the one taken
+            with monkeypatch.context() as mp:
+                mp.setattr(tm.F, "linear", lambda *a: pytest.fail("F.linear used for a few-row inference input"))
+                linear(x, w, b)
+        got = linear(x, w, b)
+        assert got.shape == want.shape and got.is_contiguous()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        # a non-contiguous input (a slice of the last dim) gives the same
+        wide = torch.cat([x, x], -1)[..., :7]
+        torch.testing.assert_close(linear(wide, w, b), want, atol=1e-5, rtol=1e-5)
+    # under autograd the gradient reaches both the input and the weight, equal to F.linear's
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    linear(xg, wg, b).square().sum().backward()
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.nn.functional.linear(xr, wr, b).square().sum().backward()
+    torch.testing.assert_close(xg.grad, xr.grad)
+    torch.testing.assert_close(wg.grad, wr.grad)

@@ -34,7 +34,7 @@ from torch import nn
 from .fileio import atomic_folder, read_json
 from .kvcache import KVCache
 from .checkpoint import check_finite, check_tensors, hf_layer_names, read_safetensors, split_fused
-from .model import DecoderLayer, ModelConfig, Transformer, rope_cos_sin, rope_inv_freq
+from .model import DecoderLayer, ModelConfig, Transformer, linear, rope_cos_sin, rope_inv_freq
 
 CONFIG_FILE = "drafter_config.json"
 WEIGHTS_FILE = "drafter.safetensors"
@@ -135,8 +135,8 @@ class Drafter(nn.Module):
         and losses)."""
         w = self.target.head_weight.detach()
         if full or self.draft_ids is None:
-            return F.linear(hidden, w)
-        sub = F.linear(hidden, w.index_select(0, self.draft_ids))
+            return linear(hidden, w)
+        sub = linear(hidden, w.index_select(0, self.draft_ids))
         out = sub.new_full((*sub.shape[:-1], w.shape[0]), float("-inf"))
         return out.index_copy_(out.dim() - 1, self.draft_ids, sub)
 
@@ -161,7 +161,7 @@ class Drafter(nn.Module):
 
     def _input(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         emb = F.embedding(tokens, self.target.embed.weight.detach())
-        return F.linear(torch.cat([emb, hidden.to(emb.dtype)], dim=-1), self.fc.weight)
+        return linear(torch.cat([emb, hidden.to(emb.dtype)], dim=-1), self.fc.weight)
 
     # ---------------------------------------------------------------------------------------------- forwards
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

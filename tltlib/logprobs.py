@@ -27,9 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .model import linear
 from .sampling import SamplingConfig, probs_from_logits
 
 
@@ -117,7 +117,7 @@ def response_logprobs(model, batch: SequenceBatch, sampling: SamplingConfig, chu
     grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
 
     def chunk_logp(h_c, w_, t_c):
-        return sampling_logprobs(F.linear(h_c, w_), t_c, sampling)
+        return sampling_logprobs(linear(h_c, w_), t_c, sampling)
 
     parts = [checkpoint(chunk_logp, h[a: a + chunk], w, tok[a: a + chunk], use_reentrant=False) if grad
              else chunk_logp(h[a: a + chunk], w, tok[a: a + chunk]) for a in range(0, h.shape[0], chunk)]
