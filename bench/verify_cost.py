@@ -2,7 +2,7 @@
 
 For each batch size, one target forward of T new tokens per row over a ``--context``-token cache, T = 1 (a plain
 decode step) and each of ``--tokens``; median of ``--repeats`` after a warm-up, interleaved. Two projection kernels
-side by side: ``tltlib.model.linear`` (``weight @ x.T`` for 2+ rows in CPU float32 inference) and PyTorch's
+side by side: ``tltlib.model.linear`` (``weight @ x.T`` for 1-64 rows in CPU float32 inference) and PyTorch's
 ``F.linear`` (``x @ weight.T``). A verify of a k-token draft is worth it only while ``cost(k+1) / cost(1)`` stays
 well below the tokens a step accepts.
 
@@ -14,11 +14,10 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ensure_malloc_env, machine_info, markdown_table, model_suffix, write_results  # noqa: E402
+from _common import ensure_malloc_env, machine_info, markdown_table, model_suffix, timed, write_results  # noqa: E402
 
 
 def main() -> None:
@@ -59,14 +58,9 @@ def main() -> None:
                     for k, min_rows in kernels.items():
                         tm.CPU_MM_MIN_ROWS = min_rows
                         for t in widths:
-                            if device.startswith("cuda"):
-                                torch.cuda.synchronize()
-                            t0 = time.perf_counter()
-                            model.forward_cached(toks[t], cache)
-                            if device.startswith("cuda"):
-                                torch.cuda.synchronize()
+                            sec = timed(lambda: model.forward_cached(toks[t], cache), device)
                             if rep >= 2:
-                                times[(k, t)].append(time.perf_counter() - t0)
+                                times[(k, t)].append(sec)
             med = {key: statistics.median(v) for key, v in times.items()}
             for t in widths:
                 rec = {"batch": b, "tokens": t, **{f"{k}_ms": 1e3 * med[(k, t)] for k in kernels},
