@@ -34,6 +34,20 @@ def test_summary_of_two_policies():
     assert s["baseline"]["reward_by_step"] == [[0.5, 0.4], [0.6, 0.7]]
 
 
+def test_welch_p_with_one_policy_tied_across_seeds_is_quiet_and_valid():
+    """Two seeds of one policy may reach the same held-out accuracy (notebook 05 on the main job's settings):
+    scipy warns of precision loss there, which must not reach the notebook; the p-value is still computed."""
+    import warnings
+    runs = {"baseline": [_run(0, 6.0, 4.0, 0.0, [0.5], 0.4375), _run(1, 6.0, 4.0, 0.0, [0.6], 0.4375)],
+            "tlt": [_run(0, 3.0, 4.0, 0.5, [0.5], 0.4583), _run(1, 3.0, 4.0, 0.5, [0.6], 0.3958)]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p = summarize(runs)["comparison"]["held_out_welch_p"]
+    assert 0.5 < p < 1.0
+    runs["tlt"] = [_run(0, 3.0, 4.0, 0.5, [0.5], 0.4375), _run(1, 3.0, 4.0, 0.5, [0.6], 0.4375)]
+    assert summarize(runs)["comparison"]["held_out_welch_p"] is None      # no spread at all: no test
+
+
 def test_trl_phases_from_a_bench_file(tmp_path):
     f = tmp_path / "r.json"
     f.write_text(json.dumps({"trl": {"step_s": [300.0, 250.0], "generate_s": [200.0, 180.0]}}))
