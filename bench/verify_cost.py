@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ensure_malloc_env, machine_info, markdown_table, model_suffix, timed, write_results  # noqa: E402
+from _common import (ensure_malloc_env, interleaved_medians, machine_info, markdown_table, model_suffix,  # noqa: E402
+                     write_results)
 
 
 def main() -> None:
@@ -46,22 +46,22 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     rows, results = [], []
+
+    def forward_with(min_rows, tokens, cache):
+        def run():
+            tm.CPU_MM_MIN_ROWS = min_rows
+            model.forward_cached(tokens, cache)             # the same cache slots every call: nothing committed
+        return run
+
     try:
         for b in [int(x) for x in args.batches.split(",")]:
             cache = model.new_cache(b, args.context + max(widths) + 1)
             with torch.inference_mode():
                 model.forward_cached(torch.randint(0, vocab, (b, args.context), generator=g).to(device), cache)
                 cache.advance(args.context)
-                toks = {t: torch.randint(0, vocab, (b, t), generator=g).to(device) for t in widths}
-                times = {(k, t): [] for k in kernels for t in widths}
-                for rep in range(args.repeats + 2):                  # the first two rounds warm up
-                    for k, min_rows in kernels.items():
-                        tm.CPU_MM_MIN_ROWS = min_rows
-                        for t in widths:
-                            sec = timed(lambda: model.forward_cached(toks[t], cache), device)
-                            if rep >= 2:
-                                times[(k, t)].append(sec)
-            med = {key: statistics.median(v) for key, v in times.items()}
+                fns = {(k, t): forward_with(min_rows, torch.randint(0, vocab, (b, t), generator=g).to(device), cache)
+                       for k, min_rows in kernels.items() for t in widths}
+                med = {key: m for key, (m, _) in interleaved_medians(fns, device, args.repeats, warmup=2).items()}
             for t in widths:
                 rec = {"batch": b, "tokens": t, **{f"{k}_ms": 1e3 * med[(k, t)] for k in kernels},
                        **{f"{k}_vs_step": med[(k, t)] / med[(k, 1)] for k in kernels}}
