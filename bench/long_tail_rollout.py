@@ -10,8 +10,9 @@ the whole RL run), then are timed. Time = wall time of ``RolloutEngine.generate`
 policies interleaved; each repeat samples with its own seed, shared by all policies, so the median also spans
 different draws of the long tail: at temperature > 0 SD and plain decoding draw different, equally distributed,
 responses). "best fixed" = the fastest policy that plays one strategy (always, or below the threshold)
-with the same drafter family. "per-bucket oracle" = in hindsight, the fastest of no-SD and each always-strategy in
-every batch-size bucket of the tuner, summed: the most any per-bucket tuner could achieve on this workload.
+with the same drafter family. "per-bucket oracle" = in hindsight, the fastest of no-SD and each always-strategy
+(with --no-always: each threshold strategy) in every batch-size bucket of the tuner, summed: the most any per-bucket
+tuner could achieve on this workload.
 
     python -m tltlib bench long_tail_rollout                 # CPU, ~15 min
     python -m tltlib bench long_tail_rollout --prompts 16    # the paper's Fig. 14 case study size: 128 requests
@@ -202,6 +203,7 @@ def main() -> None:
     header = ["policy", "drafter", "rollout s", "vs no SD", "vs best fixed", "time in SD", "accept len",
               "identical at T=0"]
     r0 = results["no SD"]
+    oracle_of = f"'<= {args.fixed_threshold} rows' strategy" if args.no_always else "always-strategy"
     table = (f"Long-tail rollout: {args.prompts} prompts x {args.group} samples, temperature {args.temperature}, "
              f"max {args.max_new} new tokens, {args.dtype} on {device}; {int(r0.lengths.sum()):,} tokens, response "
              f"length median {int(np.median(r0.lengths.numpy()))} / max {int(r0.lengths.max())}; median of "
@@ -211,7 +213,7 @@ def main() -> None:
                f"({best_fixed['learned']}): **{summary['adaptive_vs_best_fixed']:.2f}x**. n-gram only: adaptive vs "
                f"no SD {summary['ngram_adaptive_vs_no_sd']:.2f}x, vs best fixed n-gram ({best_fixed['ngram']}) "
                f"{summary['ngram_adaptive_vs_best_fixed']:.2f}x. Per-bucket oracle (the fastest of no SD and each "
-               f"always-strategy in every tuner bucket, in hindsight): {summary['oracle_vs_no_sd']:.2f}x over no SD, "
+               f"{oracle_of} in every tuner bucket, in hindsight): {summary['oracle_vs_no_sd']:.2f}x over no SD, "
                f"{summary['oracle_vs_best_fixed']:.2f}x over the best fixed policy; adaptive reaches "
                f"{summary['adaptive_vs_oracle']:.2f}x of it. Oracle's pick by bucket: "
                + ", ".join(f"{k}: {v.removeprefix('always ')}" for k, v in summary["oracle_pick"].items()) + ".")
