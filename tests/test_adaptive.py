@@ -267,7 +267,7 @@ def test_engine_reports_only_continuing_rows(small_pair):
     assert all(rows <= active and tokens <= 4 * rows for active, tokens, rows in rec.calls)
     assert rec.calls[-1][2] == 0                         # the step that ended the last response
     assert any(rows < active for active, _, rows in rec.calls[:-1])      # responses end at different steps
-    assert len(rec.calls) == len(res.timeline["step_time"])
+    assert len(rec.calls) == len(res.timeline["iter_time"])
 
 
 def test_off_can_be_an_arm_and_is_rewarded():

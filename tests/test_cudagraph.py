@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tltlib.cudagraph import GraphConfig, GraphPool, row_bucket, span_bucket
+from tltlib.cudagraph import GraphConfig, GraphPool, Replay, row_bucket, span_bucket
 from tltlib.drafter import Drafter, DrafterConfig
 from tltlib.kvcache import KVCache
 from tltlib.model import ModelConfig, Transformer
@@ -38,10 +38,12 @@ def test_fixed_span_prepare_equals_the_used_span():
         with torch.no_grad():
             model.forward_cached(tokens[:, :3], cache)
             cache.advance(torch.tensor([3, 2, 1]))
-            outs.append(model.forward_cached(tokens[:, 3:], cache, span=span)[0])
+            cache.fixed_span = span
+            outs.append(model.forward_cached(tokens[:, 3:], cache)[0])
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="span 4 must cover the 5 used slots"):
-        cache.prepare(2, span=4)
+        cache.fixed_span = 4
+        cache.prepare(2)
 
 
 def test_pool_refuses_caches_of_different_row_counts():
@@ -69,7 +71,7 @@ def _run(engine, strategy, seed, pool_cfg=None):
     pool = None
     if pool_cfg is not None:
         pool = GraphPool([r.cache, r.spec.cache], pool_cfg, capture=False)
-        r.graphs = r.spec.graphs = pool
+        r.replay = r.spec.replay = Replay(pool)
     return r.finish(), pool
 
 

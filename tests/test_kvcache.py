@@ -114,7 +114,7 @@ def test_cache_errors():
 
 
 def test_matmul_attention_equals_sdpa_with_mask():
-    from tltlib.model import gqa_attention
+    from tltlib.kernels import gqa_attention
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(s, generator=g) for s in [(3, 6, 4, 8), (3, 2, 10, 8), (3, 2, 10, 8)])
     mask = torch.rand(3, 1, 4, 10, generator=g) > 0.3

@@ -314,7 +314,7 @@ def test_casting_keeps_the_rotary_frequencies_float32():
 
 @pytest.mark.parametrize("t", [1, 5])
 def test_gqa_sdpa_equals_repeated_kv_attention(t):
-    from tltlib.model import gqa_sdpa
+    from tltlib.kernels import gqa_sdpa
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(*s, generator=g) for s in ((3, 6, t, 8), (3, 2, 11, 8), (3, 2, 11, 8)))
     mask = torch.rand(3, 1, t, 11, generator=g) > 0.3
@@ -327,8 +327,8 @@ def test_gqa_sdpa_equals_repeated_kv_attention(t):
 @pytest.mark.parametrize("shape", [(7,), (1, 7), (2, 7), (3, 5, 7), (4, 1, 7), (2, 40, 7)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_equals_f_linear_and_keeps_autograd(shape, bias, monkeypatch):
-    import tltlib.model as tm
-    from tltlib.model import linear
+    import tltlib.kernels as tm
+    from tltlib.kernels import linear
     g = torch.Generator().manual_seed(0)
     w = torch.randn(11, 7, generator=g)
     b = torch.randn(11, generator=g) if bias else None

@@ -47,8 +47,8 @@ def test_rows_leave_the_batch_and_traces_add_up(model):
     assert np.all(np.diff(tl["rows"]) <= 0) and tl["rows"][-1] < 16
     assert np.array_equal(tl["rows"], tl["active"])                  # compacted at every finish
     lengths = res.lengths.numpy()
-    assert len(tl["step_time"]) == lengths.max() - 1 and res.stats["rollout/tokens"] == lengths.sum()
-    assert np.array_equal(res.finish_step, lengths - 1)
+    assert len(tl["iter_time"]) == lengths.max() - 1 and res.stats["rollout/tokens"] == lengths.sum()
+    assert np.array_equal(res.finish_iter, lengths - 1)
     assert np.all(np.diff(tl["time"]) >= 0) and res.finish_time.max() <= res.stats["rollout/time_s"]
     # rows still generating at step s = responses longer than s
     assert np.array_equal(tl["active"], [(lengths > s).sum() for s in range(1, lengths.max())])
@@ -72,7 +72,7 @@ def test_logprobs_and_streamed_hidden_states_match_a_full_forward(model):
                                    atol=1e-5, rtol=1e-5)
         h, t, plen = buf.pairs_of(i)
         assert plen == len(p) and t.tolist() == (p + r)[1:]
-        torch.testing.assert_close(h, hidden[0, :-1], atol=1e-5, rtol=0)
+        torch.testing.assert_close(h, hidden[0, :-1], atol=1e-5, rtol=1e-5)   # summation order differs by CPU
 
 
 def test_first_two_tokens_follow_the_model_chi_square(model):

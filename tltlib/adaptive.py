@@ -1,34 +1,34 @@
 """The adaptive rollout engine's control: SD on/off by the running batch size, and BEG-MAB, a bucketed epsilon-greedy
 bandit that picks the SD strategy (draft depth, top-k, tokens to verify, or the n-gram drafter) per batch size.
 
-* **The switch.** SD runs only while at most ``threshold`` rows are still generating (the tail); above it every step
-  is plain. Switching on costs no re-prefill: the drafter's pending pairs catch up from the target's hidden states
-  (:mod:`tltlib.specdecode`). It is re-evaluated every step, so SD switches back off if rows grow again.
+* **The switch.** SD runs only while at most ``threshold`` rows are still generating (the tail); above it every decode
+  iteration is plain. Switching on costs no re-prefill: the drafter catches up on its backlog of the target's hidden
+  states (:mod:`tltlib.specdecode`). It is re-evaluated every iteration, so SD switches back off if rows grow again.
 * **BEG-MAB.** Batch sizes fall into buckets (``buckets`` = their lower bounds); each bucket has several arms. In a
   bucket an arm with fewer than ``min_samples`` rewards is played first (fewest first, the cost-model prior breaks
   ties), then with probability ``epsilon`` a random arm, otherwise the arm with the best median reward over its last
-  ``window`` plays. Reward = tokens per second of the step, divided by plain decoding's tokens per second at that
-  batch size (from the cost model), i.e. the step's speedup; this makes samples from different batch sizes of one
-  bucket comparable. Tokens are counted per row over the rows that keep running: a response's last step emits only
-  what was left of it, whatever the arm (at one or two rows nearly every step is some response's last, which made
-  every arm look equally slow there).
+  ``window`` plays. Reward = tokens per second of the decode iteration, divided by plain decoding's tokens per
+  second at that batch size (from the cost model), i.e. the iteration's speedup; this makes samples from different
+  batch sizes of one bucket comparable. Tokens are counted per row over the rows that keep running: a response's last
+  iteration emits only what was left of it, whatever the arm (at one or two rows nearly every iteration is some
+  response's last, which made every arm look equally slow there).
 * **Drafter changes.** When the learned drafter's weights change (``drafter.version`` moves) the windows of the arms
   that use it are cleared, so the tuner re-explores.
 * **Cost model.** :func:`measure_costs` times target forwards of B rows x T tokens and drafter forwards on the real
   models; with a per-token acceptance it predicts each arm's speedup (:meth:`CostModel.predict`), the prior. The
-  acceptance starts from ``accept_prior`` and then follows what chain steps measure (per drafter family).
+  acceptance starts from ``accept_prior`` and then follows what chain SD steps measure (per drafter family).
 
-Timing adds no device synchronisation: rewards use host timestamps taken at the per-step sync the engine already
-needs to retire finished rows, and step k's reward is used from step k+1 on.
+Timing adds no device synchronisation: rewards use host timestamps taken at the per-iteration sync the engine
+already needs to retire finished rows, and iteration k's reward is used from iteration k+1 on.
 
 Paper: TLT §5.2 (Algorithm 1, BEG-MAB; thresholds [1, 2, 5, 21], epsilon 0.1, window 300, SD at <= 32 requests on
 H100). Reference: SGLang fork ``eagle_mab.py`` / ``scheduler.py``.
 
 Departures:
 1. Every bucket holds several arms (the reference maps one arm per bucket, so it never explores), and an arm's
-   median is trusted only from ``min_samples`` rewards on (one reward is too noisy: an unlucky first step kept
+   median is trusted only from ``min_samples`` rewards on (one reward is too noisy: an unlucky first iteration kept
    good arms unplayed for whole rollouts).
-2. The reward is normalised by the plain rate at the step's batch size (the reference uses raw tokens per second,
+2. The reward is normalised by the plain rate at the iteration's batch size (the reference uses raw tokens per second,
    which favours whichever arm happened to run at the larger batch inside a bucket).
 3. The switch is two-way and needs no re-prefill (the reference latches SD on after 10 small batches and
    re-prefills every running request).
@@ -241,8 +241,8 @@ class BEGMAB:
 # ------------------------------------------------------------------------------------------------ cost model
 @dataclass
 class CostModel:
-    """Measured step costs. ``target_s[i, j]``: seconds of a target forward of ``batches[i]`` rows x
-    ``tokens[j]`` tokens (1 = a plain step); ``draft_s[i, k]``: a drafter forward of ``batches[i]`` rows x
+    """Measured forward costs. ``target_s[i, j]``: seconds of a target forward of ``batches[i]`` rows x
+    ``tokens[j]`` tokens (1 = a plain decode iteration); ``draft_s[i, k]``: a drafter forward of ``batches[i]`` rows x
     ``draft_tokens[k]`` tokens. Between measured sizes it interpolates log-log in rows, linearly in tokens."""
 
     batches: np.ndarray
@@ -274,14 +274,14 @@ class CostModel:
         """Tokens per second of plain decoding at ``batch`` rows."""
         return batch / self.target_time(batch, 1)
 
-    def step_time(self, arm: SpecStrategy, batch: int) -> float:
-        """Predicted seconds of one step of ``arm`` at ``batch`` rows."""
+    def iteration_time(self, arm: SpecStrategy, batch: int) -> float:
+        """Predicted seconds of one decode iteration with ``arm`` at ``batch`` rows."""
         if not arm.enabled:
             return self.target_time(batch, 1)
         verify = self.target_time(batch, arm.verify_tokens + 1)
         if arm.kind == "ngram":
             return verify + self.ngram_s_per_row * batch
-        levels = arm.depth + 1                          # one extend over the pending pairs + one forward per level
+        levels = arm.depth + 1                          # one catch-up over the backlog + one forward per level
         width = 1 if arm.kind == "chain" else arm.top_k
         return verify + levels * self.draft_time(batch, width)
 
@@ -291,7 +291,7 @@ class CostModel:
         if not arm.enabled:
             return 1.0
         tokens = expected_tokens(arm, accept)
-        return tokens * batch / self.step_time(arm, batch) / self.plain_rate(batch)
+        return tokens * batch / self.iteration_time(arm, batch) / self.plain_rate(batch)
 
     def to_dict(self) -> dict:
         return {"batches": self.batches.tolist(), "tokens": self.tokens.tolist(), "target_s": self.target_s.tolist(),
@@ -437,8 +437,8 @@ class AdaptiveController(StrategySource):
         family = "ngram" if arm.kind == "ngram" else "learned"
         return self.costs.predict(arm, batch, self.alpha.get(family, self.config.accept_for(arm)))
 
-    def choose(self, step: int, active: int) -> SpecStrategy:
-        """The strategy of the next step at ``active`` running rows."""
+    def choose(self, iteration: int, active: int) -> SpecStrategy:
+        """The strategy of the next decode iteration at ``active`` running rows."""
         self._tuned = active <= self.config.threshold
         if not self._tuned:
             return OFF
@@ -452,9 +452,10 @@ class AdaptiveController(StrategySource):
 
     def observe(self, strategy: SpecStrategy, active: int, tokens: int, seconds: float,
                 rows: int | None = None) -> None:
-        """Reward of the step just finished: it ran ``active`` rows for ``seconds``, and the ``rows`` of them that
-        keep running (default: all) emitted ``tokens``. Rows that ended in the step are left out (their last step
-        emits only what was left of the response, whatever the arm); a step that ended every row is no evidence."""
+        """Reward of the decode iteration just finished: it ran ``active`` rows for ``seconds``, and the ``rows`` of
+        them that keep running (default: all) emitted ``tokens``. Rows that ended in it are left out (their last
+        iteration emits only what was left of the response, whatever the arm); an iteration that ended every row is
+        no evidence."""
         rows = active if rows is None else rows
         if not self._tuned or seconds <= 0 or rows < 1:
             return

@@ -10,15 +10,18 @@ per key and replays it afterwards. The key:
   rows (beyond :attr:`KVCache.rows`): their lengths are zeroed before the call, their inputs copy row 0's (always
   valid) and their outputs are dropped;
 * the **span bucket**: attention reads a fixed number of cache slots, the used span rounded up to ``min_span`` times a
-  power of two (:func:`span_bucket`), masked from the device-side lengths (``KVCache.prepare(span=...)``);
+  power of two (:func:`span_bucket`), masked from the device-side lengths (the pool sets the cache's
+  :attr:`~tltlib.kvcache.KVCache.fixed_span` around the call, so the functions themselves know nothing of graphs);
 * the inputs' shapes past the row dimension, their dtypes, and the function's name (which stands for its static
   arguments: strategy, offset, depth).
 
 Outputs are copied out right after a replay, so all graphs can share one memory pool (a graph's output is never
 read after another graph ran). Randomness stays outside: a captured function gets its uniforms as an input.
 
-On a CPU (or with ``capture=False``) :meth:`GraphPool.run` executes the same padded, fixed-span call eagerly: the
-tests check that this gives the eager path's results, which covers everything graph replay adds except the replay.
+Every forward of a rollout goes through one :class:`Replay` (``replay(name, fn, cache, new_slots, *inputs)``): without a
+pool it is ``fn(*inputs)``; with one, the graph of the bucket. On a CPU (or with ``capture=False``) :meth:`GraphPool.run`
+executes the same padded, fixed-span call eagerly: the tests check that this gives the eager path's results, which
+covers everything graph replay adds except the replay.
 
 Departure: the reference engine (SGLang) pads the batch inside a paged KV pool; here the dense cache's spare rows are
 the padding, so a bucket never exceeds the rows the cache was allocated with (the top bucket is that row count).
@@ -97,35 +100,39 @@ class GraphPool:
         self._entries: dict[tuple, tuple] = {}        # key -> (graph or None: eager, static inputs, static outputs)
         self.stats = {"captures": 0, "replays": 0, "eager": 0, "capture_s": 0.0}
 
-    def run(self, name: str, fn: Callable, rows: int, cache: KVCache, need_span: int,
+    def run(self, name: str, fn: Callable, cache: KVCache, new_slots: int,
             inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """``fn(span, *inputs)`` for ``rows`` running rows, padded to the row bucket and run at a fixed span.
+        """``fn(*inputs)`` for the running rows (``inputs[0].shape[0]``), padded to the row bucket and run at a fixed
+        attention span.
 
         Args:
             name: stands for ``fn``'s static arguments (two calls with one name and the same shapes must compute
                 the same function).
             fn: returns a tensor or a tuple of tensors, each with the row dimension first.
-            cache: the cache whose span is bucketed; ``need_span`` its slots this call reads (used + new).
-            inputs: tensors with ``rows`` rows first.
+            cache: the cache whose span is bucketed (its used slots plus ``new_slots``, the entries this call writes
+                after them) and fixed while ``fn`` runs.
+            inputs: tensors with the running rows first.
 
-        Returns the outputs' first ``rows`` rows (copies). Rows beyond :attr:`GraphConfig.max_rows` run ``fn(None,
-        *inputs)`` unpadded."""
+        Returns the outputs' first rows (copies). Rows beyond :attr:`GraphConfig.max_rows` run ``fn(*inputs)``
+        unpadded at the used span."""
+        rows = int(inputs[0].shape[0])
         bucket = row_bucket(rows, self.allocated, self.config.max_rows)
         if bucket is None:
             self.stats["eager"] += 1
-            return _as_tuple(fn(None, *inputs))
-        span = span_bucket(need_span, cache.max_len, self.config.min_span)
+            return _as_tuple(fn(*inputs))
+        span = span_bucket(cache.max_used + new_slots, cache.max_len, self.config.min_span)
         key = (name, bucket, span, tuple((tuple(x.shape[1:]), x.dtype) for x in inputs))
         saved = [c.rows for c in self.caches]
         for c in self.caches:                  # padded rows are dead rows: start them empty
             c.lengths[rows:bucket].zero_()
             c.rows = bucket
+        cache.fixed_span = span
         try:
             entry = self._entries.get(key)
             if entry is None:
                 statics = [x.new_empty((bucket, *x.shape[1:])) for x in inputs]
                 _fill(statics, inputs, rows)
-                entry = self._entries[key] = self._build(key, fn, span, statics)
+                entry = self._entries[key] = self._build(key, fn, statics)
             else:
                 _fill(entry[1], inputs, rows)
             graph, _, outs = entry
@@ -133,14 +140,15 @@ class GraphPool:
                 graph.replay()
                 self.stats["replays"] += 1
             else:
-                outs = _as_tuple(fn(span, *entry[1]))
+                outs = _as_tuple(fn(*entry[1]))
                 self.stats["eager"] += 1
             return tuple(o[:rows].clone() for o in outs)
         finally:
+            cache.fixed_span = None
             for c, r in zip(self.caches, saved):
                 c.rows = r
 
-    def _build(self, key, fn, span, statics):
+    def _build(self, key, fn, statics):
         if not self.capture:
             return None, statics, None
         t0 = time.perf_counter()
@@ -148,12 +156,12 @@ class GraphPool:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):           # warm-up off the capture (lazy init, autotuning)
             for _ in range(2):
-                fn(span, *statics)
+                fn(*statics)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
-                outs = _as_tuple(fn(span, *statics))
+                outs = _as_tuple(fn(*statics))
         except RuntimeError as e:                 # e.g. a host sync inside fn: this key runs eagerly from now on
             warnings.warn(f"CUDA graph capture of {key[0]!r} ({key[1]} rows) failed, running it eagerly: {e}",
                           RuntimeWarning, stacklevel=3)
@@ -162,6 +170,23 @@ class GraphPool:
         self.stats["captures"] += 1
         self.stats["capture_s"] += time.perf_counter() - t0
         return graph, statics, outs
+
+
+class Replay:
+    """The one door every forward of a rollout goes through (decode, verify, chain and tree drafts).
+
+    ``replay(name, fn, cache, new_slots, *inputs)`` is ``fn(*inputs)`` as a tuple; with a :class:`GraphPool` (a rollout
+    on CUDA) it is the captured graph of the row and span bucket instead (see :meth:`GraphPool.run` for the
+    arguments). Call sites look the same either way."""
+
+    def __init__(self, pool: GraphPool | None = None):
+        self.pool = pool
+
+    def __call__(self, name: str, fn: Callable, cache: KVCache, new_slots: int,
+                 *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.pool is None:
+            return _as_tuple(fn(*inputs))
+        return self.pool.run(name, fn, cache, new_slots, inputs)
 
 
 def _as_tuple(out) -> tuple[torch.Tensor, ...]:

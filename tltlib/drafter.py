@@ -34,7 +34,8 @@ from torch import nn
 from .fileio import atomic_folder, read_json
 from .kvcache import KVCache
 from .checkpoint import check_finite, check_tensors, hf_layer_names, read_safetensors, split_fused
-from .model import DecoderLayer, ModelConfig, Transformer, linear, rope_cos_sin, rope_inv_freq
+from .kernels import linear
+from .model import DecoderLayer, ModelConfig, Transformer, rope_cos_sin, rope_inv_freq
 
 CONFIG_FILE = "drafter_config.json"
 WEIGHTS_FILE = "drafter.safetensors"
@@ -187,7 +188,7 @@ class Drafter(nn.Module):
 
     def forward_cached(self, hidden: torch.Tensor, tokens: torch.Tensor, cache: KVCache,
                        positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
-                       logits_at: torch.Tensor | None = None, offset: int = 0, rope=None, span: int | None = None):
+                       logits_at: torch.Tensor | None = None, offset: int = 0, rope=None):
         """Inference forward over the drafter's one-layer cache (same contract as Transformer.forward_cached).
 
         Pair j of a row sits at cache entry j and rotary position j, exactly as in :meth:`forward`. ``rope``:
@@ -199,8 +200,8 @@ class Drafter(nn.Module):
             if positions is None:
                 positions = cache.lengths[:b, None] + (offset + torch.arange(t, device=tokens.device))
             cos, sin = rope_cos_sin(self.inv_freq, positions, self.fc.weight.dtype)
-        step = cache.prepare(t, tree_mask, offset, span)
-        out = self.layer(self._input(hidden, tokens), cos, sin, cache, 0, step)
+        write = cache.prepare(t, tree_mask, offset)
+        out = self.layer(self._input(hidden, tokens), cos, sin, cache, 0, write)
         if logits_at is not None:
             out_at = out[torch.arange(b, device=out.device), logits_at]
             return self.logits(out_at), out_at

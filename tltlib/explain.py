@@ -20,7 +20,7 @@ from .speculative import OFF, SpecStrategy
 
 def trace_step(target, drafter, prompt: list[int], strategy: SpecStrategy, sampling: SamplingConfig,
                context_steps: int = 8, seed: int = 0):
-    """Decode ``context_steps`` plain steps after the prompt, then one traced speculative step.
+    """Decode ``context_steps`` plain iterations after the prompt, then one traced SD step.
 
     Returns (trace, the response tokens emitted before the step). Uses a one-row rollout of the real engine."""
     if not strategy.enabled:
@@ -30,10 +30,10 @@ def trace_step(target, drafter, prompt: list[int], strategy: SpecStrategy, sampl
     rollout = RolloutEngine(target, cfg, drafter=drafter).start(
         [prompt], torch.Generator(device=target.embed.weight.device).manual_seed(seed))
     for _ in range(context_steps):
-        rollout.step(OFF)
+        rollout.iterate(OFF)
     before = rollout.out_tokens[0, : context_steps + 1].tolist()
     rollout.spec.keep_trace = True
-    rollout.step(strategy)
+    rollout.iterate(strategy)
     return rollout.spec.trace, before
 
 

@@ -23,7 +23,7 @@ import torch
 
 
 @dataclass
-class CacheStep:
+class CacheWrite:
     """Where one forward's new entries go, shared by all layers: computed once by :meth:`KVCache.prepare`.
 
     Attributes:
@@ -47,7 +47,10 @@ class KVCache:
         rows: number of active rows (rows ``0 .. rows-1``).
         max_used: host-side upper bound of ``lengths[:rows]``; bounds how much of the cache attention reads.
         min_used: host-side exact minimum of ``lengths[:rows]`` when known, else -1 (all rows equally long when it
-            equals ``max_used``, which lets single-token steps skip the mask).
+            equals ``max_used``, which lets single-token forwards skip the mask).
+        fixed_span: None, or the number of slots every forward attends over, masked from the device-side lengths:
+            the shapes then depend on it alone, not on the host-side bounds, which is what a captured CUDA graph
+            needs. Set only by :class:`tltlib.cudagraph.GraphPool` around the calls it captures or replays.
     """
 
     def __init__(self, num_layers: int, max_rows: int, num_kv_heads: int, max_len: int, head_dim: int,
@@ -61,6 +64,7 @@ class KVCache:
         self.rows = max_rows
         self.max_len = max_len
         self.max_used = self.min_used = 0
+        self.fixed_span: int | None = None
 
     @classmethod
     def for_model(cls, config, rows: int, max_len: int, dtype: torch.dtype = torch.float32,
@@ -70,8 +74,7 @@ class KVCache:
                    config.dim_head, dtype, device)
 
     # ----------------------------------------------------------------------------------------------- one forward
-    def prepare(self, num_new: int, tree_mask: torch.Tensor | None = None, offset: int = 0,
-                span: int | None = None) -> CacheStep:
+    def prepare(self, num_new: int, tree_mask: torch.Tensor | None = None, offset: int = 0) -> CacheWrite:
         """Slots and attention mask for ``num_new`` new tokens per row (rows with fewer real tokens pad on the right;
         their padding queries attend like real ones and the caller ignores their outputs).
 
@@ -81,9 +84,8 @@ class KVCache:
                 include the token itself). Default: every earlier uncommitted entry and the new tokens causally.
             offset: uncommitted entries already written after ``lengths`` (a draft being extended level by
                 level); the new tokens go after them.
-            span: attend over exactly this many slots (at least ``max_used + offset + num_new``) and always build
-                the mask from the device-side lengths: the shapes then depend on ``span`` alone, not on the host-side
-                bounds, which is what a captured CUDA graph needs (:mod:`tltlib.cudagraph`). Default: the used span.
+
+        Attention reads the used span (``max_used + offset + num_new`` slots), or :attr:`fixed_span` slots when set.
         """
         if self.max_used + offset + num_new > self.max_len:
             raise ValueError(f"KV cache overflow: {self.max_used} used + {offset + num_new} new > max_len "
@@ -91,10 +93,10 @@ class KVCache:
                              "draft tokens)")
         rows, kvh, dev = self.rows, self.k.shape[2], self.lengths.device
         lengths = self.lengths[:rows]
-        fixed = span is not None
+        span, fixed = self.fixed_span, self.fixed_span is not None
         if fixed and not self.max_used + offset + num_new <= span <= self.max_len:
-            raise ValueError(f"KVCache.prepare: span {span} must cover the {self.max_used + offset + num_new} used "
-                             f"slots and fit max_len {self.max_len}")
+            raise ValueError(f"KVCache.prepare: fixed_span {span} must cover the {self.max_used + offset + num_new} "
+                             f"used slots and fit max_len {self.max_len}")
         span = span if fixed else self.max_used + offset + num_new
         new = torch.arange(num_new, device=dev)
         base = torch.arange(rows, device=dev) * (kvh * self.max_len) + lengths + offset
@@ -103,7 +105,7 @@ class KVCache:
         if num_new == 1 and tree_mask is None:                            # decode / chain drafting: cheap mask
             uniform = self.min_used == self.max_used and not fixed
             mask = None if uniform else (torch.arange(span, device=dev) <= lengths[:, None] + offset)[:, None, None]
-            return CacheStep(index, mask, span)
+            return CacheWrite(index, mask, span)
         slot = torch.arange(span, device=dev)
         rel = slot[None, None, :] - lengths[:, None, None]               # [rows, 1, span]: index among uncommitted
         if tree_mask is None:
@@ -112,17 +114,17 @@ class KVCache:
             width = offset + num_new
             idx = rel.clamp(0, width - 1).expand(rows, num_new, span)
             new_ok = (rel >= 0) & (rel < width) & torch.gather(tree_mask, 2, idx)
-        return CacheStep(index, ((rel < 0) | new_ok).unsqueeze(1), span)
+        return CacheWrite(index, ((rel < 0) | new_ok).unsqueeze(1), span)
 
-    def write(self, layer: int, step: CacheStep, k_new: torch.Tensor,
+    def write(self, layer: int, where: CacheWrite, k_new: torch.Tensor,
               v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``k_new, v_new [rows, T, kv_heads, head_dim]`` at the step's slots; return the readable views
+        """Store ``k_new, v_new [rows, T, kv_heads, head_dim]`` at the prepared slots; return the readable views
         ``[rows, kv_heads, span, head_dim]``."""
         d = k_new.shape[-1]
-        flat = step.index.view(-1)
+        flat = where.index.view(-1)
         self.k[layer].view(-1, d).index_copy_(0, flat, k_new.reshape(-1, d))
         self.v[layer].view(-1, d).index_copy_(0, flat, v_new.reshape(-1, d))
-        return self.k[layer, : self.rows, :, : step.span], self.v[layer, : self.rows, :, : step.span]
+        return self.k[layer, : self.rows, :, : where.span], self.v[layer, : self.rows, :, : where.span]
 
     # ------------------------------------------------------------------------------------------- bookkeeping
     def _refresh(self) -> None:
@@ -189,7 +191,7 @@ class KVCache:
         Call :meth:`sync_from_views` on the parent afterwards."""
         sub = object.__new__(KVCache)
         sub.k, sub.v, sub.lengths = self.k[:, start:stop], self.v[:, start:stop], self.lengths[start:stop]
-        sub.rows, sub.max_len = stop - start, self.max_len
+        sub.rows, sub.max_len, sub.fixed_span = stop - start, self.max_len, None
         sub._refresh()
         return sub
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .model import linear
+from .kernels import linear
 from .sampling import SamplingConfig, probs_from_logits
 
 

@@ -12,12 +12,8 @@ reasoner shipped in ``data/``. Two forwards:
 Departures from transformers' implementation:
 1. q/k/v and gate/up projections are fused into one matrix each (fewer kernel launches per decode step, which is what
    bounds small-batch decoding on a CPU); :func:`load_model` / :func:`save_model` convert to and from the HF names.
-   On CPU the cached forward computes attention with two matmuls (:func:`gqa_attention`) for fewer than 9 queries
-   per row from 8 rows up (decode, chain drafting, short verifies: 10-30% faster than PyTorch's CPU flash kernel);
-   otherwise (long verifies, prefill, small batches), and on CUDA, ``scaled_dot_product_attention`` is used.
-   CPU float32 inference computes projections of 1-64 rows as ``weight @ x.T`` (:func:`linear`: 1.5-2.7x faster
-   than PyTorch's ``x @ weight.T`` for 2-16 rows, ~1.2x for one), which makes a few-token verify cost about one
-   decode step.
+   Projections and cached attention go through :mod:`tltlib.kernels`, which picks the fastest kernel for the device
+   and shape (same results up to float rounding).
 2. Only the rotary variants the paper's models use are implemented: default, ``linear`` and ``llama3``; other
    ``rope_type`` values (YaRN, dynamic NTK, ...) raise an error instead of silently producing wrong logits.
 3. Qwen2's sliding-window attention (``use_sliding_window: true``) is not implemented; such a config is refused.
@@ -31,15 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kvcache import CacheStep, KVCache
+from .kernels import cached_attention, linear
+from .kvcache import CacheWrite, KVCache
 
-# CPU attention kernel choice (measured on the 2-core dev machine; numbers in gqa_attention's docstring): the
-# matmul path wins from 8 rows up for fewer than 9 queries per row; PyTorch's SDPA kernel wins elsewhere.
-CPU_MATMUL_ATTENTION_MIN_ROWS = 8
-CPU_MATMUL_ATTENTION_MAX_QUERIES = 8
-# CPU float32 inference: projections of this many rows run as weight @ x.T (see linear(); 1 row is padded to 2)
-CPU_MM_MIN_ROWS = 1
-CPU_MM_MAX_ROWS = 64
 SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _HF_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "max_position_embeddings")
@@ -263,65 +253,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Attention of few queries over a cache with two matmuls (faster than PyTorch's CPU flash kernel for decode).
-
-    q ``[B, H, T, d]``; k, v ``[B, KVH, S, d]`` (query head i reads kv head ``i // (H // KVH)``); mask
-    ``[B, 1, T, S]`` bool or None. Returns ``[B, H, T, d]``. The scale goes on q (T x d values, not T x S scores)
-    and the mask is applied in place: at 128 rows x 600 cached positions that is ~15% of the attention's time.
-    Per layer, 2 threads: 128 rows x 1 query x 600: 2.6 ms (SDPA 3.2); 128 x 17 x 600: 15.4 ms (SDPA 13.5)."""
-    b, h, t, d = q.shape
-    kvh = k.shape[1]
-    g = h // kvh
-    scores = torch.matmul((q * d ** -0.5).reshape(b, kvh, g * t, d), k.transpose(-1, -2))
-    if mask is not None:
-        scores.view(b, kvh, g, t, -1).masked_fill_(~mask[:, :, None], float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v).view(b, h, t, d)
-
-
-def gqa_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Grouped-query attention as one ``scaled_dot_product_attention`` over the KV heads (the GPU path).
-
-    Same contract as :func:`gqa_attention`: the query heads sharing a KV head become extra queries of it (``[B, KVH,
-    G*T, d]``), so no K/V copy per query head is made and a masked call still runs a fused kernel (PyTorch's
-    ``enable_gqa`` with a mask falls back to the unfused maths)."""
-    b, h, t, d = q.shape
-    kvh = k.shape[1]
-    g = h // kvh
-    if mask is not None and t > 1:
-        mask = mask[:, :, None].expand(b, 1, g, t, mask.shape[-1]).reshape(b, 1, g * t, mask.shape[-1])
-    out = F.scaled_dot_product_attention(q.reshape(b, kvh, g * t, d), k, v, attn_mask=mask)
-    return out.reshape(b, h, t, d)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; in CPU float32 inference with 1-64 rows computed as ``weight @ x.T``.
-
-    x ``[..., K]``, weight ``[N, K]``, bias ``[N]`` or None -> ``[..., N]``. PyTorch's CPU ``x @ weight.T`` for a few
-    rows is much slower than a matrix-vector product per row would suggest (it re-lays out the weight), while
-    ``weight @ x.T`` streams the weight once. Measured on the 2-core dev machine, SmolLM2-135M's 30 layers with weights
-    read from memory (not cache), ms: 2 rows 94 -> 37, 5 rows 105 -> 52, 16 rows 113 -> 80, 64 rows 146 -> 119,
-    96 rows 176 -> 199 (the result's transposing copy now costs more than it saves: prefill keeps ``F.linear``);
-    its LM head (49152 x 576): 2 rows 27 -> 9, 5 rows 35 -> 12, 25 rows 54 -> 35. Even one row is faster as a
-    two-column product (the row twice) than as PyTorch's matrix-vector product: 30 layers 48-51 -> 39-45 ms, the head
-    14-16 -> 10 ms. Autograd (training) keeps ``F.linear``; so do CUDA and other dtypes (not measured). Results
-    equal ``F.linear``'s up to float rounding (a different summation order)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or (
-            torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        return F.linear(x, weight, bias)
-    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not CPU_MM_MIN_ROWS <= m <= CPU_MM_MAX_ROWS:
-        return F.linear(x, weight, bias)
-    x2 = x.reshape(m, x.shape[-1])
-    if m == 1:                                # one row, padded to two: faster than the matrix-vector product
-        out = torch.mm(weight, torch.cat([x2, x2]).t())[:, :1].t().contiguous()
-    else:
-        out = torch.mm(weight, x2.t()).t().contiguous()
-    if bias is not None:
-        out += bias
-    return out.view(*x.shape[:-1], weight.shape[0])
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, as transformers does, cast back to the input dtype before the gain.
 
@@ -351,7 +282,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.qkv_bias)
         self.o = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0, step: CacheStep | None = None):
+    def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0, write: CacheWrite | None = None):
         b, t, _ = x.shape
         h, kvh = self.h, self.kvh
         qkv = linear(x, self.qkv.weight, self.qkv.bias).view(b, t, h + 2 * kvh, self.d)
@@ -361,13 +292,8 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                                  enable_gqa=kvh != h)
         else:
-            k, v = cache.write(layer, step, k, v)
-            if x.is_cuda:
-                out = gqa_sdpa(q, k, v, step.mask)
-            elif b < CPU_MATMUL_ATTENTION_MIN_ROWS or t > CPU_MATMUL_ATTENTION_MAX_QUERIES:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, enable_gqa=kvh != h)
-            else:
-                out = gqa_attention(q, k, v, step.mask)
+            k, v = cache.write(layer, write, k, v)
+            out = cached_attention(q, k, v, write.mask)
         return linear(out.transpose(1, 2).reshape(b, t, h * self.d), self.o.weight, self.o.bias)
 
 
@@ -396,9 +322,9 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache=None, layer=0, step=None):
+    def forward(self, x, cos, sin, cache=None, layer=0, write=None):
         h = rms_norm(x, self.input_norm.weight, self.eps) if self.input_norm is not None else x
-        x = x + self.attn(h, cos, sin, cache, layer, step)
+        x = x + self.attn(h, cos, sin, cache, layer, write)
         return x + self.mlp(rms_norm(x, self.post_norm.weight, self.eps))
 
 
@@ -461,7 +387,7 @@ class Transformer(nn.Module):
 
     def forward_cached(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None,
                        tree_mask: torch.Tensor | None = None, logits_at: torch.Tensor | None = None,
-                       offset: int = 0, span: int | None = None):
+                       offset: int = 0):
         """Inference forward over the cache's active rows; writes K/V but does not commit (see KVCache.advance).
 
         Args:
@@ -470,7 +396,6 @@ class Transformer(nn.Module):
             tree_mask: optional ``[B, T, offset + T]`` bool visibility among uncommitted entries (default causal).
             logits_at: optional ``[B]`` index into T: compute logits only there (``[B, V]``).
             offset: uncommitted entries already written this round (see KVCache.prepare).
-            span: attend over this many cache slots, masked (fixed shapes for CUDA graphs; see KVCache.prepare).
 
         Returns:
             (logits ``[B, T, V]`` or ``[B, V]``, final hidden states ``[B, T, H]``).
@@ -479,10 +404,10 @@ class Transformer(nn.Module):
         if positions is None:
             positions = cache.lengths[:b, None] + (offset + torch.arange(t, device=tokens.device))
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.embed.weight.dtype)
-        step = cache.prepare(t, tree_mask, offset, span)
+        write = cache.prepare(t, tree_mask, offset)
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, step)
+            x = layer(x, cos, sin, cache, i, write)
         hidden = rms_norm(x, self.norm.weight, self.config.rms_norm_eps)
         if logits_at is not None:
             return self.logits(hidden[torch.arange(b, device=hidden.device), logits_at]), hidden

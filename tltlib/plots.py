@@ -253,7 +253,7 @@ def adaptive_timeline(timeline: dict, threshold: int, title: str = "Adaptive rol
     ax.step(t, active, where="post", color="0.6", linewidth=1, zorder=1)
     on = strategy != "off"
     if on.any():
-        ax.axvspan(t[on.argmax()] - float(np.asarray(timeline["step_time"])[on.argmax()]), t[-1], color="#55A868",
+        ax.axvspan(t[on.argmax()] - float(np.asarray(timeline["iter_time"])[on.argmax()]), t[-1], color="#55A868",
                    alpha=0.08, label="SD on")
     names = sorted(set(strategy), key=lambda n: (n != "off", n))
     cmap = __import__("matplotlib").colormaps["tab10"]

@@ -23,7 +23,7 @@ METRICS: dict[str, str] = {
     "rollout/tokens": "response tokens generated (EOS included)",
     "rollout/time_s": "wall time of the rollout, prefill included (s)",
     "rollout/prefill_s": "wall time of the prefill (s)",
-    "rollout/steps": "decode steps (target forwards after the prefill)",
+    "rollout/iterations": "decode iterations (target forwards after the prefill: plain or SD steps)",
     "rollout/tokens_per_s": "response tokens per second of rollout wall time",
     "rollout/len_mean": "mean response length (tokens)",
     "rollout/len_p50": "median response length",
@@ -56,7 +56,7 @@ METRICS: dict[str, str] = {
                         "every worker holds the merged drafter (signal, interrupted micro-step, sync)",
     "sched/timeline": "per worker, the (phase, start s, end s) spans of the step",
     "sched/empty_slot_frac": "share of row x decode-step slots of a static batch left empty by finished responses",
-    "spec/steps": "decode steps that ran speculative decoding",
+    "spec/steps": "SD steps: decode iterations that ran speculative decoding",
     "spec/time_frac": "share of decode time spent in speculative steps",
     "spec/accept_len_mean": "mean tokens emitted per row per speculative step (accepted drafts + 1, bonus included)",
     "spec/draft_time_s": "time spent drafting (drafter extend + draft forwards)",
@@ -137,36 +137,36 @@ def length_stats(lengths: Sequence[int] | np.ndarray) -> dict[str, float]:
     return out
 
 
-def tail_time_share(step_time: Sequence[float], active: Sequence[int], total_rows: int, fraction: float) -> float:
-    """Share of decode time spent in steps where at most ``fraction`` of ``total_rows`` were still running.
+def tail_time_share(iter_time: Sequence[float], active: Sequence[int], total_rows: int, fraction: float) -> float:
+    """Share of decode time spent in iterations where at most ``fraction`` of ``total_rows`` were still running.
 
     Args:
-        step_time: ``[S]`` seconds of each decode step.
-        active: ``[S]`` rows still generating during each step.
+        iter_time: ``[S]`` seconds of each decode iteration.
+        active: ``[S]`` rows still generating during each iteration.
         total_rows: rows at the start of the rollout.
     """
-    t = np.asarray(step_time, dtype=np.float64)
+    t = np.asarray(iter_time, dtype=np.float64)
     a = np.asarray(active, dtype=np.float64)
     if t.size == 0 or t.sum() <= 0:
         return 0.0
     return float(t[a <= fraction * total_rows].sum() / t.sum())
 
 
-def time_by_bucket(step_time: Sequence[float], active: Sequence[int], bounds: Sequence[int]) -> np.ndarray:
-    """Decode time spent in each batch-size bucket: ``out[i]`` sums the steps with
+def time_by_bucket(iter_time: Sequence[float], active: Sequence[int], bounds: Sequence[int]) -> np.ndarray:
+    """Decode time spent in each batch-size bucket: ``out[i]`` sums the iterations with
     ``bounds[i] <= active < bounds[i + 1]`` (the last bucket is open-ended).
 
     Args:
-        step_time: ``[S]`` seconds of each decode step.
-        active: ``[S]`` rows still generating during each step.
+        iter_time: ``[S]`` seconds of each decode iteration.
+        active: ``[S]`` rows still generating during each iteration.
         bounds: ``[K]`` lower bounds of the buckets, strictly increasing (e.g. a tuner's ``buckets``).
     Returns: ``[K]`` seconds."""
     b = np.asarray(bounds)
     if b.size == 0 or np.any(np.diff(b) <= 0):
         raise ValueError(f"bucket bounds must be non-empty and strictly increasing, got {list(bounds)}")
-    t = np.asarray(step_time, dtype=np.float64)
+    t = np.asarray(iter_time, dtype=np.float64)
     idx = np.searchsorted(b, np.asarray(active), side="right") - 1
-    keep = idx >= 0                                    # steps below the first bound belong to no bucket
+    keep = idx >= 0                                    # iterations below the first bound belong to no bucket
     return np.bincount(idx[keep], weights=t[keep], minlength=b.size)
 
 
@@ -216,31 +216,31 @@ def active_over_time(finish_time: Sequence[float], total_time: float, points: in
     return t, f.size - np.searchsorted(f, t, side="right")
 
 
-def rollout_stats(lengths, step_time, active, total_rows: int, truncated, time_s: float,
+def rollout_stats(lengths, iter_time, active, total_rows: int, truncated, time_s: float,
                   prefill_s: float) -> dict[str, float]:
     """All ``rollout/*`` statistics of one rollout (``truncated``: per-response bool, cut by the token budget)."""
     x = np.asarray(lengths)
     out = {"rollout/num_sequences": float(x.size), "rollout/tokens": float(x.sum()), "rollout/time_s": time_s,
-           "rollout/prefill_s": prefill_s, "rollout/steps": float(len(step_time)),
+           "rollout/prefill_s": prefill_s, "rollout/iterations": float(len(iter_time)),
            "rollout/tokens_per_s": float(x.sum() / time_s) if time_s > 0 else 0.0,
            "rollout/truncated_frac": float(np.mean(truncated))}
     out.update(length_stats(x))
-    out["rollout/tail_time_frac_10"] = tail_time_share(step_time, active, total_rows, 0.10)
-    out["rollout/tail_time_frac_25"] = tail_time_share(step_time, active, total_rows, 0.25)
+    out["rollout/tail_time_frac_10"] = tail_time_share(iter_time, active, total_rows, 0.10)
+    out["rollout/tail_time_frac_25"] = tail_time_share(iter_time, active, total_rows, 0.25)
     return out
 
 
 def spec_stats(timeline: dict) -> dict[str, float]:
-    """``spec/*`` statistics of a rollout from its timeline (empty when no step was speculative)."""
+    """``spec/*`` statistics of a rollout from its timeline (empty when no iteration was an SD step)."""
     strategy = np.asarray(timeline["strategy"])
     on = strategy != "off"
     if not on.any():
         return {"spec/steps": 0.0, "spec/time_frac": 0.0}
     active = np.asarray(timeline["active"], dtype=np.float64)[on]
-    step_time = np.asarray(timeline["step_time"], dtype=np.float64)
+    iter_time = np.asarray(timeline["iter_time"], dtype=np.float64)
     hist = np.asarray(timeline["accept_hist"])[on].sum(0).astype(np.float64)
     rows = hist.sum()
-    out = {"spec/steps": float(on.sum()), "spec/time_frac": float(step_time[on].sum() / max(step_time.sum(), 1e-12)),
+    out = {"spec/steps": float(on.sum()), "spec/time_frac": float(iter_time[on].sum() / max(iter_time.sum(), 1e-12)),
            "spec/accept_len_mean": float((np.asarray(timeline["accepted"])[on].sum() + active.sum()) / active.sum()),
            "spec/draft_time_s": float(np.asarray(timeline["draft_s"])[on].sum()),
            "spec/verify_time_s": float(np.asarray(timeline["verify_s"])[on].sum())}

@@ -1,28 +1,27 @@
-"""RolloutEngine: batched sampling of G responses per prompt with a shrinking active batch, traced step by step.
+"""RolloutEngine: batched sampling of G responses per prompt with a shrinking active batch, traced per iteration.
 
 The engine is a stepper: ``rollout = engine.start(prompts)`` prefills and samples the first tokens, each
-``rollout.step()`` runs one decode step (and returns whether rows are still running), ``rollout.finish()`` returns
-the :class:`RolloutResult`; ``engine.generate`` is the loop over them. Whatever acts during a rollout (the adaptive
-controller, the pair stream into the drafter's buffer, an idle-time trainer checking whether this worker is done,
-progress bars) hooks in between steps.
+``rollout.iterate()`` runs one *decode iteration* (one target forward over the running rows; returns whether rows are
+still running), ``rollout.finish()`` returns the :class:`RolloutResult`; ``engine.generate`` is the loop over them.
+Whatever acts during a rollout (the adaptive controller, the pair stream into the drafter's buffer, an idle-time
+trainer checking whether this worker is done, progress bars) hooks in between iterations.
 
 One rollout = prefill the unique prompts (in row chunks), copy each prompt's cache row G times (GRPO groups), sample
-every row's first token, then decode step by step. Each step is either *plain* (one target forward, one token per
-row) or *speculative* (a drafter proposes a chain or tree, one target forward verifies it, several tokens per row;
-:mod:`tltlib.specdecode`); the strategy may change from one step to the next. Rows that emit EOS or reach their
-token budget retire; the cache is compacted when enough have finished, so later
-forwards really run on fewer rows. Every step's wall time, running rows, strategy and acceptance go into a timeline,
-every response's finish step and time into a trace — the raw material of the long-tail analysis (notebook 01), the
-SD benchmarks and the adaptive switch. With a :class:`tltlib.pairs.PairBuffer` the (hidden, token) pairs the drafter
-consumes are streamed into it as they are produced (the drafter's online training data).
+every row's first token, then decode. Each iteration is either *plain* (one target forward, one token per row) or an
+*SD step* (a drafter proposes a chain or tree, one target forward verifies it, several tokens per row;
+:mod:`tltlib.specdecode`); the strategy may change from one iteration to the next. Rows that emit EOS or reach their
+token budget retire; the cache is compacted when enough have finished, so later forwards really run on fewer rows.
+Every iteration's wall time, running rows, strategy and acceptance go into a timeline, every response's finish
+iteration and time into a trace — the raw material of the long-tail analysis (notebook 01), the SD benchmarks and
+the adaptive switch. With a :class:`tltlib.pairs.PairBuffer` the (hidden, token) pairs the drafter trains on are
+streamed into it as they are produced (the drafter's online training data).
 
 Paper: TLT §2 (rollout dominates the RL step; long-tail responses), §5 (the adaptive rollout engine SD plugs into).
 
 Departures:
-1. A single process drives one batch (the data-parallel split across workers is modelled in
-   :func:`tltlib.profiling.split_idle_fraction`).
+1. A single process drives one batch (data-parallel workers each run their own rollout: :mod:`tltlib.world`).
 2. Finished rows are compacted away once at least ``compact_fraction`` of the batch has finished (default 1/8);
-   until then they stay in the batch (plain and speculative steps alike) without growing their cache.
+   until then they stay in the batch (plain and SD iterations alike) without growing their cache.
 3. A prompt that fits the context but leaves less room than ``max_new_tokens`` gets a smaller budget (its response
    is cut at the context and counted as truncated) instead of failing the whole rollout.
 """
@@ -37,11 +36,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .cudagraph import GraphConfig, GraphPool
+from .cudagraph import GraphConfig, GraphPool, Replay
 from .ngram import NgramConfig, NgramDrafter
 from .profiling import rollout_stats, spec_stats
 from .sampling import SamplingConfig, sample_from_logits
-from .specdecode import SpecDecoder, StepOut
+from .specdecode import Emitted, SpecDecoder
 from .speculative import OFF, SpecStrategy, StrategySource, strategy_source
 
 
@@ -84,11 +83,12 @@ class RolloutResult:
         lengths: ``[N]`` response lengths.
         logprobs: ``[N, max_new]`` log-probability of each sampled token under the sampling distribution (0 after
             the end).
-        finish_step, finish_time, truncated: per-sequence trace (decode step, seconds since start, cut by budget).
-        timeline: per decode step after the first token: ``time`` (s since start, at step end), ``step_time``
+        finish_iter, finish_time, truncated: per-sequence trace (decode iteration, seconds since start, cut by
+            budget).
+        timeline: per decode iteration after the first token: ``time`` (s since start, at its end), ``iter_time``
             (s), ``active`` (rows still generating), ``rows`` (rows in the forward, finished-but-not-compacted
             included), ``strategy`` (name), ``tokens`` (emitted), ``accepted`` (drafts accepted), ``drafted``
-            (draft tokens verified), ``draft_s`` / ``verify_s`` (s), ``accept_hist`` (``[steps, D+1]`` rows by
+            (draft tokens verified), ``draft_s`` / ``verify_s`` (s), ``accept_hist`` (``[iterations, D+1]`` rows by
             number of accepted drafts).
         stats: ``rollout/*`` metrics (see tltlib.profiling.METRICS).
     """
@@ -98,7 +98,7 @@ class RolloutResult:
     tokens: torch.Tensor
     lengths: torch.Tensor
     logprobs: torch.Tensor
-    finish_step: np.ndarray
+    finish_iter: np.ndarray
     finish_time: np.ndarray
     truncated: np.ndarray
     timeline: dict[str, np.ndarray]
@@ -121,6 +121,19 @@ def _pad(rows: Sequence[Sequence[int]], pad: int, device) -> torch.Tensor:
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
     return out.to(device)
+
+
+@dataclass
+class Workspace:
+    """A rollout's device buffers: the target's KV cache and the SD state (which holds the drafter's cache, its
+    backlog and the :class:`~tltlib.cudagraph.Replay` every graphed forward goes through)."""
+
+    cache: object
+    spec: SpecDecoder
+
+    @property
+    def replay(self) -> Replay:
+        return self.spec.replay
 
 
 class RolloutEngine:
@@ -149,10 +162,11 @@ class RolloutEngine:
             drafter.attach(model)
         self.drafter = drafter
         self.ngram_config = ngram or NgramConfig()
-        self._workspace: tuple | None = None      # (key, cache, spec decoder) kept between rollouts on CUDA
+        self._workspace: tuple | None = None      # (key, Workspace, weakref to its rollout) kept on CUDA
 
-    def _buffers(self, owner: "Rollout", rows: int, max_len: int) -> tuple:
-        """The target's KV cache and the SD state for a rollout of ``rows`` rows of at most ``max_len`` tokens.
+    def _workspace_for(self, owner: "Rollout", rows: int, max_len: int) -> "Workspace":
+        """The target's KV cache and the SD state (with the forward runner) for a rollout of ``rows`` rows of at
+        most ``max_len`` tokens.
 
         With CUDA graphs they are kept for the next rollout of the same shape (graphs hold the buffers' addresses;
         ``max_len`` is rounded up to a multiple of 256 so that rollouts of similar prompts share them), unless the
@@ -165,23 +179,24 @@ class RolloutEngine:
             weights = (model.embed.weight.data_ptr(),
                        None if self.drafter is None else self.drafter.fc.weight.data_ptr())
             key = (rows, max_len, id(self.drafter), weights, model.embed.weight.dtype)
-            ws = self._workspace
-            holder = ws[3]() if ws is not None else None
-            if ws is not None and ws[0] == key and (holder is None or holder.done):
-                _, cache, spec, _ = ws
-                cache.reset(rows)
-                spec.reset(rows)
-                self._workspace = (key, cache, spec, weakref.ref(owner))
-                return cache, spec
+            kept = self._workspace
+            holder = kept[2]() if kept is not None else None
+            if kept is not None and kept[0] == key and (holder is None or holder.done):
+                ws = kept[1]
+                ws.cache.reset(rows)
+                ws.spec.reset(rows)
+                self._workspace = (key, ws, weakref.ref(owner))
+                return ws
             if holder is None or holder.done:
                 self._workspace = None            # free the old buffers before allocating new ones
         cache = model.new_cache(rows, max_len)
         spec = SpecDecoder(model, self.drafter, cfg.sampling, rows, max_len, max_emit=cfg.draft_margin)
         if graphs:
-            spec.graphs = GraphPool([cache] + ([spec.cache] if spec.cache is not None else []), cfg.graphs)
-            if self._workspace is None:
-                self._workspace = (key, cache, spec, weakref.ref(owner))
-        return cache, spec
+            spec.replay = Replay(GraphPool([cache] + ([spec.cache] if spec.cache is not None else []), cfg.graphs))
+        ws = Workspace(cache, spec)
+        if graphs and self._workspace is None:
+            self._workspace = (key, ws, weakref.ref(owner))
+        return ws
 
     def release(self) -> None:
         """Free the KV cache and captured graphs kept between rollouts (they are rebuilt on the next rollout)."""
@@ -206,7 +221,7 @@ class RolloutEngine:
               progress: bool = False, strategy=None, pairs=None, hooks: Sequence = ()) -> "Rollout":
         """Prefill ``prompts`` and sample every row's first token; returns the :class:`Rollout` to step.
 
-        Args: as :meth:`generate`, plus ``hooks``: callables ``hook(rollout)`` run after every decode step."""
+        Args: as :meth:`generate`, plus ``hooks``: callables ``hook(rollout)`` run after every decode iteration."""
         return Rollout(self, prompts, generator, progress, strategy, pairs, hooks)
 
     def generate(self, prompts: Sequence[Sequence[int]], generator: torch.Generator | None = None,
@@ -217,20 +232,18 @@ class RolloutEngine:
             generator: drives all sampling (default: a new one seeded 0, so a rollout is reproducible); it must
                 live on the model's device.
             progress: show a tqdm bar of finished responses.
-            strategy: speculative decoding per step: a :class:`SpecStrategy` or its name (default off), a function
-                ``(step, active_rows) -> SpecStrategy``, or a :class:`tltlib.speculative.StrategySource` (the
-                adaptive controller: ``choose`` before each step, ``observe`` after it).
+            strategy: speculative decoding per decode iteration: a :class:`SpecStrategy` or its name (default off),
+                a function ``(iteration, active_rows) -> SpecStrategy``, or a
+                :class:`tltlib.speculative.StrategySource` (the adaptive controller: ``choose`` before each
+                iteration, ``observe`` after it).
             pairs: a :class:`tltlib.pairs.PairBuffer` to stream the drafter's (hidden, token) pairs into.
         """
-        rollout = self.start(prompts, generator, progress, strategy, pairs)
-        while rollout.step():
-            pass
-        return rollout.finish()
+        return self.start(prompts, generator, progress, strategy, pairs).finish()
 
 
 class Rollout:
-    """One rollout in progress (made by :meth:`RolloutEngine.start`): :meth:`step` until it returns False, then
-    :meth:`finish`. Between steps, :attr:`step_index`, :attr:`active` (rows still generating) and
+    """One rollout in progress (made by :meth:`RolloutEngine.start`): :meth:`iterate` until it returns False, then
+    :meth:`finish`. Between iterations, :attr:`iteration`, :attr:`active` (rows still generating) and
     :attr:`elapsed` say where it stands."""
 
     @torch.no_grad()
@@ -250,42 +263,59 @@ class Rollout:
         self.budget = torch.clamp(ctx - plen, max=s.max_new_tokens).repeat_interleave(G).to(dev)
         max_len = int((plen + self.budget[::G].cpu()).max()) + cfg.draft_margin
         self.done = False
-        self.cache, self.spec = engine._buffers(self, N, max_len)
-        self.graphs = self.spec.graphs
-        self._graph_stats0 = dict(self.graphs.stats) if self.graphs is not None else {}
+        ws = engine._workspace_for(self, N, max_len)
+        self.cache, self.spec, self.replay = ws.cache, ws.spec, ws.replay
+        self._graph_stats0 = dict(self.replay.pool.stats) if self.replay.pool is not None else {}
         self.ngram: NgramDrafter | None = None
         self.eos = torch.tensor(engine.eos_ids, device=dev)
         self.pairs = pairs
-        if pairs is not None:
-            prompt_owner, first_seq = pairs.begin(self.prompts, G)
-            self._pair_owner = torch.arange(first_seq, first_seq + N, device=dev)
 
         self.out_tokens = torch.full((N, s.max_new_tokens), engine.pad_id, dtype=torch.long, device=dev)
         self.out_logp = torch.zeros(N, s.max_new_tokens, device=dev)
         self.n_gen = torch.zeros(N, dtype=torch.long, device=dev)
         self.n_out = torch.zeros(N, dtype=torch.long, device=dev)     # tokens written per sequence (n-gram index)
         self.lengths = torch.zeros(N, dtype=torch.long, device=dev)
-        self.finish_step = np.zeros(N, dtype=np.int64)
+        self.finish_iter = np.zeros(N, dtype=np.int64)
         self.finish_time = np.zeros(N)
-        self.tl = {k: [] for k in ("time", "step_time", "active", "rows", "strategy", "tokens", "accepted",
+        self.tl = {k: [] for k in ("time", "iter_time", "active", "rows", "strategy", "tokens", "accepted",
                                    "drafted", "draft_s", "verify_s", "accept_hist")}
         self.bar = tqdm(total=N, desc="rollout", unit="seq", disable=not progress, leave=False)
 
         self.t0 = time.perf_counter()
+        first = self._prefill(plen)
+        self.prefill_s = time.perf_counter() - self.t0
+        self.seq = torch.arange(N, device=dev)              # sequence id of each cache row
+        self.alive = torch.ones(N, dtype=torch.bool, device=dev)
+        self._j = torch.arange(s.max_new_tokens + cfg.draft_margin + 1, device=dev)
+        self.iteration, self.strategy = 0, OFF
+        self.active = N
+        self.t_prev = time.perf_counter()
+        self.spec.record(first)
+        self._record(first)
+
+    def _prefill(self, plen: torch.Tensor) -> Emitted:
+        """Prefill the prompts in row chunks (streaming their pairs), copy each cache row G times, sample every
+        row's first token."""
+        engine, model, cfg = self.engine, self.engine.model, self.engine.config
+        dev, G, P = self.device, cfg.group_size, len(self.prompts)
+        N = P * G
+        if self.pairs is not None:
+            prompt_owner, first_seq = self.pairs.begin(self.prompts, G)
+            self._pair_owner = torch.arange(first_seq, first_seq + N, device=dev)
         last_logits, last_hidden = [], []
         for c0 in range(0, P, cfg.prefill_rows):
             c1 = min(P, c0 + cfg.prefill_rows)
             sub = self.cache.view(c0, c1)
             lens = plen[c0:c1].to(dev)
-            toks = _pad(prompts[c0:c1], engine.pad_id, dev)
+            toks = _pad(self.prompts[c0:c1], engine.pad_id, dev)
             logits, h = model.forward_cached(toks, sub, logits_at=lens - 1)
             sub.advance(lens)
             self.spec.prefill(slice(c0, c1), toks, h, lens)
-            if pairs is not None:                  # prompt pairs (f_t, x_{t+1}), t < L_p - 1, once per prompt
+            if self.pairs is not None:             # prompt pairs (f_t, x_{t+1}), t < L_p - 1, once per prompt
                 t = torch.arange(toks.shape[1] - 1, device=dev)
                 m = t[None, :] < (lens - 1)[:, None]
                 own = torch.tensor(prompt_owner[c0:c1], device=dev)[:, None].expand_as(m)
-                pairs.add(own[m], t.expand_as(m)[m], h[:, :-1][m], toks[:, 1:][m])
+                self.pairs.add(own[m], t.expand_as(m)[m], h[:, :-1][m], toks[:, 1:][m])
             last_logits.append(logits)
             last_hidden.append(h[torch.arange(c1 - c0, device=dev), lens - 1])
         self.cache.rows = P
@@ -295,20 +325,10 @@ class Rollout:
         self.spec.after_prefill(P)
         self.spec.select_rows(expand)
         logits = torch.cat(last_logits).repeat_interleave(G, 0)
-        first_hidden = torch.cat(last_hidden).repeat_interleave(G, 0)
-        tok, logp = sample_from_logits(logits, s, self.generator)
-        first = StepOut(tok[:, None], torch.ones(N, dtype=torch.long, device=dev), logp[:, None],
-                        first_hidden[:, None], torch.zeros(N, dtype=torch.long, device=dev))
-        self.spec.push(first.hidden, first.tokens, first.count, 1)
-        self.prefill_s = time.perf_counter() - self.t0
-
-        self.seq = torch.arange(N, device=dev)              # sequence id of each cache row
-        self.alive = torch.ones(N, dtype=torch.bool, device=dev)
-        self._j = torch.arange(s.max_new_tokens + cfg.draft_margin + 1, device=dev)
-        self.step_index, self.strategy = 0, OFF
-        self.active = N
-        self.t_prev = time.perf_counter()
-        self._record(first)
+        tok, logp = sample_from_logits(logits, cfg.sampling, self.generator)
+        return Emitted(tok[:, None], torch.ones(N, dtype=torch.long, device=dev), logp[:, None],
+                       torch.cat(last_hidden).repeat_interleave(G, 0)[:, None],
+                       torch.zeros(N, dtype=torch.long, device=dev))
 
     @property
     def running(self) -> bool:
@@ -320,17 +340,79 @@ class Rollout:
         """Seconds since the rollout started (prefill included)."""
         return time.perf_counter() - self.t0
 
+    # ------------------------------------------------------------------------------------------- iterate
+    @torch.no_grad()
+    def iterate(self, strategy: SpecStrategy | None = None) -> bool:
+        """One decode iteration, plain or an SD step as the strategy source chooses (``strategy`` overrides it for
+        this iteration); returns :attr:`running`."""
+        if not self.running:
+            return False
+        self.iteration += 1
+        st = self.strategy = strategy or self.source.choose(self.iteration, self.active)
+        self._check(st)
+        self._compact_if_due()
+        # rows that finished but are not compacted away yet are computed and commit nothing
+        commit = 1 if self.active == int(self.seq.numel()) else self.alive.long()
+        out = self._decode(commit) if not st.enabled else self._speculate(st, commit)
+        self.spec.record(out)                     # the drafter's backlog: every emitted (hidden, token)
+        self._record(out)
+        for hook in self.hooks:
+            hook(self)
+        return self.running
+
+    def _decode(self, commit) -> Emitted:
+        """Plain decoding: one target forward over each row's last token, one sampled token per row."""
+        cache = self.cache
+        logits, h = self.replay("decode", self._target_forward, cache, 1, self.last[:, None])
+        cache.advance(commit)
+        tok, logp = sample_from_logits(logits[:, 0], self.engine.config.sampling, self.generator)
+        return Emitted(tok[:, None], torch.ones_like(tok), logp[:, None], h, torch.zeros_like(tok))
+
+    def _target_forward(self, tokens):
+        return self.engine.model.forward_cached(tokens, self.cache)
+
+    def _speculate(self, st: SpecStrategy, commit) -> Emitted:
+        """One SD step: drafts from the learned drafter or, for ``ngram``, from earlier text; one verify forward."""
+        propose = None
+        if st.kind == "ngram":
+            if self.ngram is None:
+                self.ngram = NgramDrafter(self.prompts, self.engine.config.group_size, self.engine.ngram_config)
+            ids = self.seq.tolist()
+
+            def propose(depth):
+                self.ngram.update(ids, self.out_tokens, self.n_out)
+                return self.ngram.propose(ids, depth, self.device)
+        return self.spec.draft_and_verify(st, self.last, self.cache, self.generator, commit, propose)
+
+    def _check(self, st: SpecStrategy) -> None:
+        if st.uses_drafter and self.engine.drafter is None:
+            raise ValueError(f"strategy {st.name} needs a learned drafter: pass drafter=... to RolloutEngine, "
+                             "or use an ngram-DEPTH strategy (model-free)")
+        margin = self.engine.config.draft_margin
+        if st.enabled and st.verify_tokens + 1 > margin:
+            raise ValueError(f"strategy {st.name} verifies {st.verify_tokens} tokens but the cache leaves "
+                             f"room for {margin - 1}; raise RolloutConfig.draft_margin")
+
+    def _compact_if_due(self) -> None:
+        """Drop finished rows from the caches once enough have finished (later forwards run on fewer rows)."""
+        rows = int(self.seq.numel())
+        if rows > self.active and rows - self.active >= max(1, self.engine.config.compact_fraction * rows):
+            kept = self.alive.nonzero()[:, 0]
+            self.cache.select_rows(kept)
+            self.spec.select_rows(kept)
+            self.seq, self.last, self.alive, self.n_gen = (self.seq[kept], self.last[kept], self.alive[kept],
+                                                           self.n_gen[kept])
+
     # ----------------------------------------------------------------------------------------------- record
-    def _record(self, out: StepOut) -> None:
-        """Write what a step emitted (cut at the first EOS and at each row's budget), retire finished rows, extend
-        the timeline, report to the strategy source, stream the pairs."""
-        cfg = self.engine.config
+    def _record(self, out: Emitted) -> None:
+        """Write what an iteration emitted (cut at the first EOS and at each row's budget), retire finished rows,
+        stream the pairs, extend the timeline and report to the strategy source."""
         seq, alive = self.seq, self.alive
         m = out.tokens.shape[1]
         j = self._j[:m]
         valid = (j[None, :] < out.count[:, None]) & alive[:, None]
         keep = torch.minimum(out.count, self.budget[seq] - self.n_gen) * alive
-        if not cfg.ignore_eos:
+        if not self.engine.config.ignore_eos:
             is_eos = torch.isin(out.tokens, self.eos) & valid
             first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, m)
             keep = torch.minimum(keep, first_eos)
@@ -352,83 +434,35 @@ class Rollout:
         if n_done:
             self.lengths[seq[done]] = self.n_gen[done]
             done_ids = seq[done].cpu().numpy()
-            self.finish_step[done_ids] = self.step_index
+            self.finish_iter[done_ids] = self.iteration
             self.finish_time[done_ids] = time.perf_counter() - self.t0
             alive &= ~done
             self.bar.update(n_done)
         self.last = out.tokens.gather(1, (keep - 1).clamp_min(0)[:, None])[:, 0]
         t_now = time.perf_counter()
-        if self.step_index > 0:
-            st = self.strategy
-            counted = out.accepted[keep > 0]
-            acc = int(counted.sum()) if st.enabled else 0
-            hist = (torch.bincount(counted, minlength=out.drafted + 1).cpu().numpy() if st.enabled
-                    else np.zeros(1, dtype=np.int64))
-            for key, val in (("time", t_now - self.t0), ("step_time", t_now - self.t_prev),
-                             ("active", n_alive_before), ("rows", int(seq.numel())), ("strategy", st.name),
-                             ("tokens", int(keep.sum())), ("accepted", acc), ("drafted", out.drafted * n_alive_before),
-                             ("draft_s", out.draft_s), ("verify_s", out.verify_s), ("accept_hist", hist)):
-                self.tl[key].append(val)
-            self.source.observe(st, n_alive_before, int((out.count * alive).sum()), t_now - self.t_prev,
+        if self.iteration > 0:
+            self._extend_timeline(out, keep, n_alive_before, t_now)
+            self.source.observe(self.strategy, n_alive_before, int((out.count * alive).sum()), t_now - self.t_prev,
                                 n_alive_before - n_done)    # alive: the rows that keep running
         self.t_prev = t_now
         self.active = n_alive_before - n_done
 
-    # ------------------------------------------------------------------------------------------------- step
-    @torch.no_grad()
-    def step(self, strategy: SpecStrategy | None = None) -> bool:
-        """One decode step, plain or speculative as the strategy source chooses (``strategy`` overrides it for this
-        step); returns :attr:`running`."""
-        if not self.running:
-            return False
-        cfg, spec, dev = self.engine.config, self.spec, self.device
-        self.step_index += 1
-        st = self.strategy = strategy or self.source.choose(self.step_index, self.active)
-        if st.uses_drafter and self.engine.drafter is None:
-            raise ValueError(f"strategy {st.name} needs a learned drafter: pass drafter=... to RolloutEngine, "
-                             "or use an ngram-DEPTH strategy (model-free)")
-        if st.enabled and st.verify_tokens + 1 > cfg.draft_margin:
-            raise ValueError(f"strategy {st.name} verifies {st.verify_tokens} tokens but the cache leaves "
-                             f"room for {cfg.draft_margin - 1}; raise RolloutConfig.draft_margin")
-        rows = int(self.seq.numel())              # compact finished rows once enough have finished
-        if rows > self.active and rows - self.active >= max(1, cfg.compact_fraction * rows):
-            kept = self.alive.nonzero()[:, 0]
-            self.cache.select_rows(kept)
-            spec.select_rows(kept)
-            self.seq, self.last, self.alive, self.n_gen = (self.seq[kept], self.last[kept], self.alive[kept],
-                                                           self.n_gen[kept])
-        grow = 1 if self.active == int(self.seq.numel()) else self.alive.long()
-        if st.kind == "ngram":
-            if self.ngram is None:
-                self.ngram = NgramDrafter(self.prompts, cfg.group_size, self.engine.ngram_config)
-            ids = self.seq.tolist()
-
-            def propose(depth):
-                self.ngram.update(ids, self.out_tokens, self.n_out)
-                return self.ngram.propose(ids, depth, dev)
-            out = spec.step(st, self.last, self.cache, self.generator, propose=propose, grow=grow)
-        elif st.enabled:
-            out = spec.step(st, self.last, self.cache, self.generator, grow=grow)
-        else:
-            model, cache = self.engine.model, self.cache
-            if self.graphs is not None:
-                logits, h = self.graphs.run("decode", lambda span, x: model.forward_cached(x, cache, span=span),
-                                            cache.rows, cache, cache.max_used + 1, (self.last[:, None],))
-            else:
-                logits, h = model.forward_cached(self.last[:, None], cache)
-            cache.advance(grow)
-            tok, logp = sample_from_logits(logits[:, 0], cfg.sampling, self.generator)
-            out = StepOut(tok[:, None], torch.ones_like(tok), logp[:, None], h, torch.zeros_like(tok))
-            spec.push(h, out.tokens, out.count, 1)
-        self._record(out)
-        for hook in self.hooks:
-            hook(self)
-        return self.running
+    def _extend_timeline(self, out: Emitted, keep: torch.Tensor, active: int, t_now: float) -> None:
+        st = self.strategy
+        counted = out.accepted[keep > 0]
+        acc = int(counted.sum()) if st.enabled else 0
+        hist = (torch.bincount(counted, minlength=out.drafted + 1).cpu().numpy() if st.enabled
+                else np.zeros(1, dtype=np.int64))
+        for key, val in (("time", t_now - self.t0), ("iter_time", t_now - self.t_prev), ("active", active),
+                         ("rows", int(self.seq.numel())), ("strategy", st.name), ("tokens", int(keep.sum())),
+                         ("accepted", acc), ("drafted", out.drafted * active), ("draft_s", out.draft_s),
+                         ("verify_s", out.verify_s), ("accept_hist", hist)):
+            self.tl[key].append(val)
 
     # ----------------------------------------------------------------------------------------------- finish
     def finish(self) -> RolloutResult:
-        """The result (runs the remaining steps first if the rollout is not done)."""
-        while self.step():
+        """The result (runs the remaining iterations first if the rollout is not done)."""
+        while self.iterate():
             pass
         self.done = True
         self.bar.close()
@@ -442,14 +476,14 @@ class Rollout:
         width = max((len(h) for h in hists), default=1)
         timeline["accept_hist"] = np.array([np.pad(h, (0, width - len(h))) for h in hists]).reshape(len(hists),
                                                                                                      width)
-        stats = rollout_stats(lengths_cpu.numpy(), timeline["step_time"], timeline["active"], N, truncated,
+        stats = rollout_stats(lengths_cpu.numpy(), timeline["iter_time"], timeline["active"], N, truncated,
                               total, self.prefill_s)
         stats.update(spec_stats(timeline))
-        if self.graphs is not None:
-            g = {k: v - self._graph_stats0.get(k, 0) for k, v in self.graphs.stats.items()}
+        if self.replay.pool is not None:
+            g = {k: v - self._graph_stats0.get(k, 0) for k, v in self.replay.pool.stats.items()}
             stats.update({"rollout/graph_replays": float(g["replays"]), "rollout/graph_captures": float(g["captures"]),
                           "rollout/graph_capture_s": g["capture_s"]})
         if self.ngram is not None:
             stats["spec/ngram_match_rate"] = self.ngram.proposed / max(self.ngram.asked, 1)
         return RolloutResult(self.prompts, self.engine.config.group_size, self.out_tokens, lengths_cpu,
-                             self.out_logp, self.finish_step, self.finish_time, truncated, timeline, stats)
+                             self.out_logp, self.finish_iter, self.finish_time, truncated, timeline, stats)

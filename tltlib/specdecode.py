@@ -1,30 +1,31 @@
-"""One speculative-decoding step over a ragged batch: draft with the drafter, verify in one target forward, commit.
+"""One speculative-decoding (SD) step over a ragged batch: draft with the drafter, verify in one target forward, commit.
 
-State between steps, per row: the last emitted token x_n (not yet run through the target) and the drafter's
-*pending pairs* — (target hidden f_t, token x_{t+1}) pairs not yet fed to the drafter, the last of which ends in
-x_n. A speculative step:
+State between decode iterations, per row: the last emitted token x_n (not yet run through the target) and the
+drafter's *backlog* — the (target hidden f_t, token x_{t+1}) inputs emitted but not yet fed to the drafter, the last of
+which ends in x_n. The rollout hands every emitted token to :meth:`SpecDecoder.record` (plain and SD iterations
+alike), so the backlog is the SD state's own business. An SD step (:meth:`SpecDecoder.draft_and_verify`):
 
-1. **extend** — one drafter forward over the pending pairs (ragged) commits them to the drafter's cache; its output
-   at the last pair gives f̂_n and q(x_{n+1});
+1. **catch up** — one drafter forward over the backlog (ragged) commits it to the drafter's cache; its output at
+   the last entry gives f̂_n and q(x_{n+1});
 2. **draft** — a chain (``depth`` tokens sampled from q, or argmax at T=0) or a tree (top-k children of the top-k
    nodes per level, ``depth`` levels, the ``budget`` most probable nodes kept), with one drafter forward per level
    whose entries stay uncommitted (tree masks keep branches apart);
 3. **verify** — one target forward over [x_n, drafts] (a tree mask for trees), exact acceptance
    (:mod:`tltlib.speculative`), then the accepted path is lined up in the target cache and committed; the target's
-   hidden states along it become the next pending pairs, so the drafter always sees true target features.
+   hidden states along it are what the rollout records next, so the drafter always sees true target features.
 
-A plain step (strategy ``off``) just appends its one pair, so the strategy can change from one step to the next; when
-a row's pending pairs would exceed ``flush_at`` they are fed to the drafter, all but the last (which the next SD step
-needs to propose its first draft), which bounds their memory while SD is off.
-An ``ngram`` step takes its chain from a model-free proposer instead (:mod:`tltlib.ngram`) and verifies it with the
-point-mass rule (:func:`tltlib.speculative.verify_chain_point`); it needs no drafter, and with one the pending pairs
-simply accumulate.
+While SD is off the backlog grows by one entry per iteration; when a row's backlog would exceed ``flush_at`` it is fed
+to the drafter, all but the last entry (which the next SD step needs to propose its first draft), which bounds its
+memory. An ``ngram`` step takes its chain from a model-free proposer instead (:mod:`tltlib.ngram`) and verifies it
+with the point-mass rule (:func:`tltlib.speculative.verify_chain_point`); it needs no drafter, and with one the
+backlog simply grows. The verify and draft forwards go through :attr:`SpecDecoder.replay` (captured CUDA graphs on a
+GPU, :mod:`tltlib.cudagraph`).
 
 Paper: TLT §5 (adaptive rollout engine). Reference: SGLang's ``EAGLEWorker`` (draft extend, tree draft, verify).
 
 Departures:
-1. Switching SD on needs no re-prefill: the drafter catches up from the pending pairs (the reference re-prefills
-   every running request).
+1. Switching SD on needs no re-prefill: the drafter catches up from its backlog (the reference re-prefills every
+   running request).
 2. The drafter's KV entries for drafted tokens are dropped after each step and rebuilt from the target's true
    hidden states (EAGLE keeps the draft-time entries of accepted tokens, which were computed from drafted features).
 """
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cudagraph import GraphPool
+from .cudagraph import Replay
 from .kvcache import KVCache
 from .model import rope_cos_sin
 from .sampling import SamplingConfig, inverse_cdf, probs_from_logits, token_logprobs
@@ -44,8 +45,8 @@ from .speculative import (DraftTree, SpecStrategy, drop_children, chain_tree, re
 
 
 @dataclass
-class StepOut:
-    """What one decode step emitted, per row (the first ``count[r]`` entries are valid).
+class Emitted:
+    """What one decode iteration (plain or SD) emitted, per row (the first ``count[r]`` entries are valid).
 
     Attributes:
         tokens: ``[B, M]`` emitted tokens (accepted drafts, then the sampled token).
@@ -68,8 +69,8 @@ class StepOut:
 
 
 @dataclass
-class StepTrace:
-    """Everything one speculative step decided, for teaching and debugging (row-batched tensors).
+class SpecTrace:
+    """Everything one SD step decided, for teaching and debugging (row-batched tensors).
 
     Attributes:
         strategy: the strategy used.
@@ -96,45 +97,49 @@ class StepTrace:
 
 
 class SpecDecoder:
-    """The drafter side of a rollout: its cache, the pending pairs, and the speculative step.
+    """The drafter side of a rollout: its cache, its backlog, and the SD step.
 
     Args:
         target, drafter: the policy and an attached :class:`tltlib.drafter.Drafter` (None: n-gram steps only).
         sampling: the rollout's sampling settings (the distribution SD must reproduce).
         rows, max_len: the target cache's shape (max_len must leave room for the deepest draft).
         max_emit: the most tokens one step may emit per row (deepest chain + 1; ``RolloutConfig.draft_margin``).
-        flush_at: pending pairs per row above which they are fed to the drafter while SD is off.
+        flush_at: backlog entries per row above which they are fed to the drafter while SD is off.
+
+    Attributes:
+        replay: the :class:`tltlib.cudagraph.Replay` every draft and verify forward goes through (the rollout gives
+            it a graph pool on CUDA).
+        keep_trace: set True to keep the last SD step's :class:`SpecTrace` in :attr:`trace`.
     """
 
     def __init__(self, target, drafter, sampling: SamplingConfig, rows: int, max_len: int, max_emit: int,
                  flush_at: int = 32):
         if flush_at < 2:
-            raise ValueError(f"flush_at must be >= 2 (a flush keeps each row's last pair pending), got {flush_at}")
+            raise ValueError(f"flush_at must be >= 2 (a flush keeps each row's last backlog entry), got {flush_at}")
         self.target, self.drafter, self.sampling = target, drafter, sampling
         w = target.embed.weight
         self.flush_at = flush_at
-        # widest pending block: flush_at, or one kept pair + one step's max_emit pairs
+        # widest backlog: flush_at, or one kept entry + one step's max_emit entries
         self.cap = max(flush_at, max_emit + 1) if drafter is not None else 0
-        # the drafter writes a whole pending block after its shortest row's entries: room for one more block
+        # the drafter writes a whole backlog after its shortest row's entries: room for one more backlog
         self.cache: KVCache | None = drafter.new_cache(rows, max_len + self.cap) if drafter is not None else None
-        self.pend_h = torch.zeros(rows, self.cap, target.config.hidden_size, dtype=w.dtype, device=w.device)
-        self.pend_tok = torch.zeros(rows, self.cap, dtype=torch.long, device=w.device)
-        self.pend_n = torch.zeros(rows, dtype=torch.long, device=w.device)
-        self.pend_max = 0
-        self._grow = 1                            # the current step's row mask (see step)
-        self.keep_trace = False                   # set True to keep the last step's StepTrace in self.trace
-        self.trace: StepTrace | None = None
-        self.graphs: GraphPool | None = None      # set by the rollout on CUDA: replay drafts and verifies
+        self.backlog_h = torch.zeros(rows, self.cap, target.config.hidden_size, dtype=w.dtype, device=w.device)
+        self.backlog_tok = torch.zeros(rows, self.cap, dtype=torch.long, device=w.device)
+        self.backlog_n = torch.zeros(rows, dtype=torch.long, device=w.device)
+        self.backlog_max = 0
+        self.replay = Replay()
+        self.keep_trace = False
+        self.trace: SpecTrace | None = None
 
     def reset(self, rows: int) -> None:
         """Forget every row (reuse the buffers for a new rollout of ``rows`` rows)."""
         if self.cache is not None:
             self.cache.reset(rows)
-        self.pend_n.zero_()
-        self.pend_max = 0
+        self.backlog_n.zero_()
+        self.backlog_max = 0
         self.trace = None
 
-    # --------------------------------------------------------------------------------------- pending pairs
+    # --------------------------------------------------------------------------------------------- backlog
     def prefill(self, rows: slice, prompt_tokens: torch.Tensor, prompt_hidden: torch.Tensor,
                 lengths: torch.Tensor) -> None:
         """Feed the prompt pairs (f_t, x_{t+1}), t < len - 1, of prompts prefilled into cache rows ``rows``."""
@@ -153,51 +158,51 @@ class SpecDecoder:
         self.cache.rows = prompts
         self.cache.sync_from_views()
 
-    def push(self, hidden: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor, max_count: int) -> None:
-        """Append ``count[r]`` pairs (hidden ``[B, M, H]``, tokens ``[B, M]``) to each row's pending pairs."""
+    def record(self, out: Emitted) -> None:
+        """Add what an iteration emitted (``out.count[r]`` (hidden, token) entries per row) to the backlog."""
         if self.drafter is None:
             return
-        if self.pend_max + max_count > self.flush_at:   # no-op right after an SD step (its extend consumed them)
+        b, m = out.tokens.shape
+        if self.backlog_max + m > self.flush_at:   # no-op right after an SD step (its catch-up emptied it)
             self.flush()
-        b, m = tokens.shape
-        j = torch.arange(m, device=tokens.device)
-        valid = j[None, :] < count[:, None]
-        rows = torch.arange(b, device=tokens.device)[:, None].expand(b, m)[valid]
-        slots = (self.pend_n[:b, None] + j[None, :])[valid]
-        self.pend_h[rows, slots] = hidden[valid]
-        self.pend_tok[rows, slots] = tokens[valid]
-        self.pend_n[:b] += count
-        self.pend_max = int(self.pend_n[:b].max())
+        j = torch.arange(m, device=out.tokens.device)
+        valid = j[None, :] < out.count[:, None]
+        rows = torch.arange(b, device=out.tokens.device)[:, None].expand(b, m)[valid]
+        slots = (self.backlog_n[:b, None] + j[None, :])[valid]
+        self.backlog_h[rows, slots] = out.hidden[valid]
+        self.backlog_tok[rows, slots] = out.tokens[valid]
+        self.backlog_n[:b] += out.count
+        self.backlog_max = int(self.backlog_n[:b].max())
 
     def flush(self) -> None:
-        """Feed every row's pending pairs but its last to the drafter (keeps its cache current while SD is off).
+        """Feed every row's backlog but its last entry to the drafter (keeps its cache current while SD is off).
 
-        The last pair (f_{n-1}, x_n) stays pending: the next SD step's extend runs it to get q(x_{n+1})."""
-        if self.pend_max < 2:
+        The last entry (f_{n-1}, x_n) stays: the next SD step's catch-up runs it to get q(x_{n+1})."""
+        if self.backlog_max < 2:
             return
-        b, width = self.cache.rows, self.pend_max - 1
-        n = self.pend_n[:b]
+        b, width = self.cache.rows, self.backlog_max - 1
+        n = self.backlog_n[:b]
         fed = (n - 1).clamp_min(0)
-        self._feed(self.cache, self.pend_h[:b, :width], self.pend_tok[:b, :width], fed)
+        self._feed(self.cache, self.backlog_h[:b, :width], self.backlog_tok[:b, :width], fed)
         self.cache.advance(fed)
         rows = torch.arange(b, device=n.device)
-        self.pend_h[:b, 0] = self.pend_h[rows, fed]
-        self.pend_tok[:b, 0] = self.pend_tok[rows, fed]
-        self.pend_n[:b] = n.clamp(max=1)
-        self.pend_max = 1
+        self.backlog_h[:b, 0] = self.backlog_h[rows, fed]
+        self.backlog_tok[:b, 0] = self.backlog_tok[rows, fed]
+        self.backlog_n[:b] = n.clamp(max=1)
+        self.backlog_max = 1
 
     def _feed(self, cache: KVCache, hidden, tokens, n):
-        """Run ``n[r]`` pending pairs of each row through the drafter, after its committed entries."""
+        """Run ``n[r]`` backlog entries of each row through the drafter, after its committed entries."""
         return self.drafter.forward_cached(hidden, tokens, cache, logits_at=(n - 1).clamp_min(0))
 
-    def _extend(self):
-        """Feed pending pairs; return (logits of q(x_{n+1}) ``[B, V]``, f̂_n ``[B, H]``)."""
-        b, width = self.cache.rows, self.pend_max
-        n = self.pend_n[:b].clone()
-        logits, feat = self._feed(self.cache, self.pend_h[:b, :width], self.pend_tok[:b, :width], n)
+    def _catch_up(self):
+        """Feed the whole backlog; return (logits of q(x_{n+1}) ``[B, V]``, f̂_n ``[B, H]``)."""
+        b, width = self.cache.rows, self.backlog_max
+        n = self.backlog_n[:b].clone()
+        logits, feat = self._feed(self.cache, self.backlog_h[:b, :width], self.backlog_tok[:b, :width], n)
         self.cache.advance(n)
-        self.pend_n.zero_()
-        self.pend_max = 0
+        self.backlog_n.zero_()
+        self.backlog_max = 0
         return logits, feat
 
     def select_rows(self, index: torch.Tensor) -> None:
@@ -205,31 +210,30 @@ class SpecDecoder:
             return
         self.cache.select_rows(index)
         n = index.numel()
-        self.pend_h[:n] = self.pend_h[index]
-        self.pend_tok[:n] = self.pend_tok[index]
-        self.pend_n[:n] = self.pend_n[index]
+        self.backlog_h[:n] = self.backlog_h[index]
+        self.backlog_tok[:n] = self.backlog_tok[index]
+        self.backlog_n[:n] = self.backlog_n[index]
 
     # ------------------------------------------------------------------------------------------- the step
-    def step(self, strategy: SpecStrategy, root: torch.Tensor, tcache: KVCache,
-             generator: torch.Generator | None, propose=None, grow=1) -> StepOut:
-        """One speculative step for every row. ``root [B]``: each row's last emitted token (its pending pairs end
-        with it). ``propose(depth) -> [B, depth]`` drafts of an ``ngram`` strategy. ``grow``: 1, or a ``[B]`` 0/1
-        mask; rows with 0 (finished, not yet compacted away) are computed but commit nothing and emit nothing."""
+    def draft_and_verify(self, strategy: SpecStrategy, root: torch.Tensor, tcache: KVCache,
+                         generator: torch.Generator | None, commit_mask=1, propose=None) -> Emitted:
+        """One SD step for every row. ``root [B]``: each row's last emitted token (the backlog ends with it).
+        ``commit_mask``: 1, or a ``[B]`` 0/1 mask; rows with 0 (finished, not yet compacted away) are computed but
+        commit nothing and emit nothing. ``propose(depth) -> [B, depth]``: the drafts of an ``ngram`` strategy."""
         t0 = time.perf_counter()
-        self._grow = grow
         if strategy.kind == "ngram":
             if propose is None:
                 raise ValueError("an ngram step needs propose=...: run it through RolloutEngine.generate")
-            return self._step_point(strategy, root, tcache, generator, propose(strategy.depth), t0)
+            return self._verify_point(root, tcache, generator, propose(strategy.depth), commit_mask, t0)
         if self.drafter is None:
             raise ValueError(f"strategy {strategy.name} needs a learned drafter; pass drafter=... or use ngram-D")
         probs = None
-        q_logits, feat = self._extend()
+        q_logits, feat = self._catch_up()
         if strategy.kind == "chain":
             drafts, qs = self._draft_chain(strategy.depth, q_logits, feat, generator)
             tree = chain_tree(root, drafts)
         else:
-            tree, scores = self._draft_tree_graphed(strategy, root, q_logits, feat)
+            tree, scores = self._draft_tree_replayed(strategy, root, q_logits, feat)
             qs = None
         t1 = time.perf_counter()
         positions = tcache.lengths[: tcache.rows, None] + tree.depth
@@ -243,20 +247,20 @@ class SpecDecoder:
                 p = probs_from_logits(logits, s.temperature, s.top_k, s.top_p)
                 accepted, nxt = verify_chain(p, qs, drafts, generator)
                 probs = p
-            d = drafts.shape[1]
-            path = torch.arange(1, d + 1, device=root.device).expand(root.shape[0], d)
+            path = _chain_path(drafts)
         else:
             path, accepted, nxt = verify_tree(logits, tree, s.temperature, s.top_k, s.top_p, generator)
         if self.keep_trace:
             node_q = (qs.gather(-1, drafts[..., None])[..., 0] if strategy.kind == "chain"
                       else (scores[:, 1:] - scores.gather(1, tree.parents[:, 1:].clamp_min(0))).exp())
             self.trace = self._trace(strategy, tree, node_q, qs, path, accepted, nxt, logits)
-        out = self._commit(tree, path, accepted, nxt, logits, hidden, tcache, strategy.kind == "tree", probs)
+        out = self._commit(tree, path, accepted, nxt, logits, hidden, tcache, strategy.kind == "tree", commit_mask,
+                           probs)
         out.drafted = tree.size - 1
         out.draft_s, out.verify_s = t1 - t0, time.perf_counter() - t1
         return out
 
-    def _step_point(self, strategy, root, tcache, generator, drafts, t0) -> StepOut:
+    def _verify_point(self, root, tcache, generator, drafts, commit_mask, t0) -> Emitted:
         """Verify deterministic drafts ``[B, D]`` (a chain whose q is a point mass) and commit."""
         t1 = time.perf_counter()
         tree = chain_tree(root, drafts)
@@ -268,22 +272,18 @@ class SpecDecoder:
         else:
             probs = probs_from_logits(logits, s.temperature, s.top_k, s.top_p)
             accepted, nxt = verify_chain_point(probs, drafts, generator)
-        d = drafts.shape[1]
-        path = torch.arange(1, d + 1, device=root.device).expand(root.shape[0], d)
-        out = self._commit(tree, path, accepted, nxt, logits, hidden, tcache, False, probs)
-        out.drafted = d
+        out = self._commit(tree, _chain_path(drafts), accepted, nxt, logits, hidden, tcache, False, commit_mask,
+                           probs)
+        out.drafted = drafts.shape[1]
         out.draft_s, out.verify_s = t1 - t0, time.perf_counter() - t1
         return out
 
     def _verify_forward(self, kind, tokens, tcache, positions, tree_mask):
-        """The target forward over the drafts (a captured graph per row and span bucket when :attr:`graphs`)."""
-        if self.graphs is None:
-            return self.target.forward_cached(tokens, tcache, positions=positions, tree_mask=tree_mask)
+        """The target forward over the drafts."""
+        def forward(tok, pos, mask=None):
+            return self.target.forward_cached(tok, tcache, positions=pos, tree_mask=mask)
         inputs = (tokens, positions) if tree_mask is None else (tokens, positions, tree_mask)
-
-        def fn(span, tok, pos, mask=None):
-            return self.target.forward_cached(tok, tcache, positions=pos, tree_mask=mask, span=span)
-        return self.graphs.run(f"verify-{kind}", fn, tcache.rows, tcache, tcache.max_used + tokens.shape[1], inputs)
+        return self.replay(f"verify-{kind}", forward, tcache, tokens.shape[1], *inputs)
 
     def _q(self, logits: torch.Tensor) -> torch.Tensor:
         s = self.sampling
@@ -293,18 +293,18 @@ class SpecDecoder:
         """``depth`` drafts sampled from q (argmax when greedy); returns (drafts [B, D], q [B, D, V] or None).
 
         Sampling is inverse-CDF with uniforms drawn once per step (one kernel instead of a multinomial per depth), so
-        the whole chain is a function of its inputs: one captured graph when :attr:`graphs` is set."""
-        b, dev = feat.shape[0], feat.device
+        the whole chain is a function of its inputs: one captured graph on CUDA."""
         greedy = self.sampling.greedy
-        u = None if greedy else torch.rand(b, depth, 1, generator=generator, device=dev)
-        if self.graphs is None or self.keep_trace:
-            return self._chain(depth, q_logits, feat, u)
+        u = None if greedy else torch.rand(feat.shape[0], depth, 1, generator=generator, device=feat.device)
         inputs = (q_logits, feat) if greedy else (q_logits, feat, u)
-        fn = lambda span, *x: tuple(t for t in self._chain(depth, *x, span=span) if t is not None)  # noqa: E731
-        out = self.graphs.run(f"chain-{depth}", fn, b, self.cache, self.cache.max_used + depth - 1, inputs)
+        trace = self.keep_trace                   # a static argument: a traced chain also returns q when greedy
+
+        def draft(*x):
+            return tuple(t for t in self._chain(depth, *x) if t is not None)
+        out = self.replay(f"chain-{depth}" + ("-traced" if trace else ""), draft, self.cache, depth - 1, *inputs)
         return out[0], (out[1] if len(out) > 1 else None)
 
-    def _chain(self, depth, q_logits, feat, u=None, span=None):
+    def _chain(self, depth, q_logits, feat, u=None):
         b, dev = feat.shape[0], feat.device
         greedy = u is None
         pos = self.cache.lengths[:b, None] + torch.arange(depth, device=dev)
@@ -322,23 +322,20 @@ class SpecDecoder:
             drafts.append(d)
             if i + 1 < depth:
                 q_logits, out = self.drafter.forward_cached(feat[:, None], d[:, None], self.cache, offset=i,
-                                                            rope=(cos[:, i:i + 1], sin[:, i:i + 1]), span=span)
+                                                            rope=(cos[:, i:i + 1], sin[:, i:i + 1]))
                 q_logits, feat = q_logits[:, 0], out[:, 0]
         return (torch.stack(drafts, 1), torch.stack(qs, 1)) if qs else (torch.stack(drafts, 1), None)
 
-    def _draft_tree_graphed(self, st: SpecStrategy, root, q_logits, feat):
-        """:meth:`_draft_tree`, as one captured graph when :attr:`graphs` is set (it draws no random numbers)."""
-        if self.graphs is None:
-            return self._draft_tree(st, root, q_logits, feat)
-
-        def fn(span, r, ql, f):
-            tree, scores = self._draft_tree(st, r, ql, f, span)
+    def _draft_tree_replayed(self, st: SpecStrategy, root, q_logits, feat):
+        """:meth:`_draft_tree` through :attr:`replay` (it draws no random numbers: one captured graph on CUDA)."""
+        def draft(r, ql, f):
+            tree, scores = self._draft_tree(st, r, ql, f)
             return tree.tokens, tree.parents, tree.depth, scores
-        need = self.cache.max_used + st.top_k * (st.depth - 1)
-        tok, par, dep, scores = self.graphs.run(st.name, fn, root.shape[0], self.cache, need, (root, q_logits, feat))
+        tok, par, dep, scores = self.replay(st.name, draft, self.cache, st.top_k * (st.depth - 1), root, q_logits,
+                                            feat)
         return DraftTree(tok, par, dep), scores
 
-    def _draft_tree(self, st: SpecStrategy, root, q_logits, feat, span=None) -> DraftTree:
+    def _draft_tree(self, st: SpecStrategy, root, q_logits, feat) -> tuple[DraftTree, torch.Tensor]:
         """EAGLE-2-style dynamic tree: top-k expansion per level, best ``budget`` nodes by cumulative log q."""
         b, k, dev = root.shape[0], st.top_k, root.device
         logq = torch.log_softmax(q_logits.float(), -1)
@@ -356,7 +353,7 @@ class SpecDecoder:
             fscore = torch.cat(cand_score, 1).gather(1, front_idx)
             positions = self.cache.lengths[:b, None] + (level - 2)
             lg, out = self.drafter.forward_cached(front_feat, ftok, self.cache, positions=positions.expand(b, k),
-                                                  tree_mask=front_anc, offset=offset, span=span)
+                                                  tree_mask=front_anc, offset=offset)
             logq = torch.log_softmax(lg.float(), -1)                              # [B, k, V]
             s2, t2 = logq.topk(k, dim=-1)                                         # [B, k, k]
             s2 = (s2 + fscore[..., None]).reshape(b, k * k)
@@ -389,7 +386,7 @@ class SpecDecoder:
         node_scores = torch.cat([torch.zeros(b, 1, device=dev), scores.gather(1, keep)], 1)
         return DraftTree(tokens, parents, depth), node_scores
 
-    def _trace(self, strategy, tree, node_q, qs, path, accepted, nxt, logits) -> StepTrace:
+    def _trace(self, strategy, tree, node_q, qs, path, accepted, nxt, logits) -> SpecTrace:
         s = self.sampling
         b, dev = tree.tokens.shape[0], tree.tokens.device
         temp = s.temperature if not s.greedy else 1.0
@@ -410,15 +407,16 @@ class SpecDecoder:
             is_child = tree.parents == last[:, None]
             bonus = ~is_child.any(1)
             final = drop_children(p_last, tree, is_child)
-        return StepTrace(strategy, tree, torch.cat([ones, node_q], 1), node_p, path, accepted, nxt, final, bonus,
+        return SpecTrace(strategy, tree, torch.cat([ones, node_q], 1), node_p, path, accepted, nxt, final, bonus,
                          p_last)
 
-    def _commit(self, tree, path, accepted, nxt, logits, hidden, tcache, is_tree, probs=None) -> StepOut:
-        """Line the accepted path up in the target cache, commit it, and make it the next pending pairs."""
+    def _commit(self, tree, path, accepted, nxt, logits, hidden, tcache, is_tree, commit_mask,
+                probs=None) -> Emitted:
+        """Line the accepted path up in the target cache and commit it (``commit_mask`` rows only)."""
         b, dev = accepted.shape[0], accepted.device
         m = path.shape[1] + 1
         nodes = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev), path.clamp_min(0)], 1)  # [B, M]
-        count = (accepted + 1) * self._grow
+        count = (accepted + 1) * commit_mask
         j = torch.arange(m, device=dev)
         emitted = tree.tokens.gather(1, nodes[:, 1:].clamp(max=tree.size - 1))
         emitted = torch.cat([emitted, torch.zeros(b, 1, dtype=torch.long, device=dev)], 1)
@@ -432,5 +430,10 @@ class SpecDecoder:
             lp = probs[rows, nodes].gather(-1, emitted[..., None])[..., 0].log()
         else:
             lp = token_logprobs(logits[rows, nodes], emitted, self.sampling)
-        self.push(h, emitted, count, m)
-        return StepOut(emitted, count, lp, h, accepted)
+        return Emitted(emitted, count, lp, h, accepted)
+
+
+def _chain_path(drafts: torch.Tensor) -> torch.Tensor:
+    """The verification path of a chain ``[B, D]``: nodes 1..D in order."""
+    b, d = drafts.shape
+    return torch.arange(1, d + 1, device=drafts.device).expand(b, d)

@@ -126,40 +126,40 @@ OFF = SpecStrategy()
 
 
 class StrategySource:
-    """What the rollout asks before every decode step: ``choose(step, active_rows) -> SpecStrategy``; after it,
-    ``observe(...)`` reports what the step did (for tuners; the default ignores it). Subclass it, or pass a
-    :class:`SpecStrategy` or a function to the engine (:func:`strategy_source` wraps them)."""
+    """What the rollout asks before every decode iteration: ``choose(iteration, active_rows) -> SpecStrategy``;
+    after it, ``observe(...)`` reports what the iteration did (for tuners; the default ignores it). Subclass it, or
+    pass a :class:`SpecStrategy` or a function to the engine (:func:`strategy_source` wraps them)."""
 
-    def choose(self, step: int, active: int) -> SpecStrategy:
+    def choose(self, iteration: int, active: int) -> SpecStrategy:
         raise NotImplementedError
 
     def observe(self, strategy: SpecStrategy, active: int, tokens: int, seconds: float, rows: int) -> None:
-        """The step just run with ``strategy`` at ``active`` rows took ``seconds``; the ``rows`` of them that keep
-        running emitted ``tokens``."""
+        """The iteration just run with ``strategy`` at ``active`` rows took ``seconds``; the ``rows`` of them that
+        keep running emitted ``tokens``."""
 
 
 class FixedStrategy(StrategySource):
-    """The same strategy at every step."""
+    """The same strategy at every decode iteration."""
 
     def __init__(self, strategy: SpecStrategy):
         self.strategy = strategy
 
-    def choose(self, step: int, active: int) -> SpecStrategy:
+    def choose(self, iteration: int, active: int) -> SpecStrategy:
         return self.strategy
 
 
 class StrategyFunction(StrategySource):
-    """A function ``(step, active_rows) -> SpecStrategy`` as a strategy source."""
+    """A function ``(iteration, active_rows) -> SpecStrategy`` as a strategy source."""
 
     def __init__(self, fn):
         self.fn = fn
 
-    def choose(self, step: int, active: int) -> SpecStrategy:
-        return self.fn(step, active)
+    def choose(self, iteration: int, active: int) -> SpecStrategy:
+        return self.fn(iteration, active)
 
 
 def strategy_source(strategy) -> StrategySource:
-    """``None`` (off), a :class:`SpecStrategy`, a strategy name (``"chain-4"``), a function ``(step, active) ->
+    """``None`` (off), a :class:`SpecStrategy`, a strategy name (``"chain-4"``), a function ``(iteration, active) ->
     SpecStrategy`` or a :class:`StrategySource` (or any object with ``choose``) -> a StrategySource."""
     if strategy is None:
         return FixedStrategy(OFF)

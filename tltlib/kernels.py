@@ -1,0 +1,106 @@
+"""Which kernel computes a projection or a cached attention, chosen by device, dtype and shape, with the thresholds
+measured on the 2-core development machine. The model (:mod:`tltlib.model`) calls :func:`linear` and
+:func:`cached_attention` and never branches on the device itself.
+
+Choices (all return what the plain PyTorch call returns, up to float rounding: a different summation order):
+
+* **projections** (:func:`linear`): CPU float32 inference with ``CPU_MM_MIN_ROWS``-``CPU_MM_MAX_ROWS`` rows runs as
+  ``weight @ x.T`` (PyTorch's CPU ``x @ weight.T`` re-lays out the weight for a few rows; ``weight @ x.T`` streams it
+  once): 1.5-2.7x faster for 2-16 rows, ~1.2x for one, which makes a few-token verify cost about one decode step.
+  Autograd (training), CUDA and other dtypes use ``F.linear``.
+* **cached attention** (:func:`cached_attention`): on CUDA one fused ``scaled_dot_product_attention`` over the KV
+  heads (:func:`gqa_sdpa`); on a CPU two matmuls (:func:`gqa_attention`) from ``CPU_MATMUL_ATTENTION_MIN_ROWS`` rows
+  up for at most ``CPU_MATMUL_ATTENTION_MAX_QUERIES`` queries per row (decode, chain drafting, short verifies:
+  10-30% faster than PyTorch's CPU flash kernel), PyTorch's SDPA elsewhere (long verifies, prefill, small batches).
+
+The thresholds are module globals so that a benchmark (``bench/verify_cost.py``) can move them; the library never
+changes them.
+
+Departures: none (kernel selection only; every path computes the same function).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CPU_MATMUL_ATTENTION_MIN_ROWS = 8
+"""CPU cached attention: two matmuls from this many rows up (PyTorch's SDPA below)."""
+CPU_MATMUL_ATTENTION_MAX_QUERIES = 8
+"""CPU cached attention: two matmuls for at most this many new queries per row."""
+CPU_MM_MIN_ROWS = 1
+"""CPU float32 inference: projections of at least this many rows run as ``weight @ x.T`` (1 row is padded to 2)."""
+CPU_MM_MAX_ROWS = 64
+"""... and at most this many (beyond, the result's transposing copy costs more than it saves: prefill keeps
+``F.linear``)."""
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Grouped-query attention of new queries over a KV cache, by the fastest kernel for the device and shape.
+
+    q ``[B, H, T, d]``; k, v ``[B, KVH, S, d]``; mask ``[B, 1, T, S]`` bool (True = may attend) or None.
+    Returns ``[B, H, T, d]``."""
+    b, h, t, _ = q.shape
+    if q.is_cuda:
+        return gqa_sdpa(q, k, v, mask)
+    if b < CPU_MATMUL_ATTENTION_MIN_ROWS or t > CPU_MATMUL_ATTENTION_MAX_QUERIES:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != h)
+    return gqa_attention(q, k, v, mask)
+
+
+def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of few queries over a cache with two matmuls (faster than PyTorch's CPU flash kernel for decode).
+
+    q ``[B, H, T, d]``; k, v ``[B, KVH, S, d]`` (query head i reads kv head ``i // (H // KVH)``); mask
+    ``[B, 1, T, S]`` bool or None. Returns ``[B, H, T, d]``. The scale goes on q (T x d values, not T x S scores)
+    and the mask is applied in place: at 128 rows x 600 cached positions that is ~15% of the attention's time.
+    Per layer, 2 threads: 128 rows x 1 query x 600: 2.6 ms (SDPA 3.2); 128 x 17 x 600: 15.4 ms (SDPA 13.5)."""
+    b, h, t, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    scores = torch.matmul((q * d ** -0.5).reshape(b, kvh, g * t, d), k.transpose(-1, -2))
+    if mask is not None:
+        scores.view(b, kvh, g, t, -1).masked_fill_(~mask[:, :, None], float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v).view(b, h, t, d)
+
+
+def gqa_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Grouped-query attention as one ``scaled_dot_product_attention`` over the KV heads (the GPU path).
+
+    Same contract as :func:`gqa_attention`: the query heads sharing a KV head become extra queries of it (``[B, KVH,
+    G*T, d]``), so no K/V copy per query head is made and a masked call still runs a fused kernel (PyTorch's
+    ``enable_gqa`` with a mask falls back to the unfused maths)."""
+    b, h, t, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    if mask is not None and t > 1:
+        mask = mask[:, :, None].expand(b, 1, g, t, mask.shape[-1]).reshape(b, 1, g * t, mask.shape[-1])
+    out = F.scaled_dot_product_attention(q.reshape(b, kvh, g * t, d), k, v, attn_mask=mask)
+    return out.reshape(b, h, t, d)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; in CPU float32 inference with 1-64 rows computed as ``weight @ x.T``.
+
+    x ``[..., K]``, weight ``[N, K]``, bias ``[N]`` or None -> ``[..., N]``. PyTorch's CPU ``x @ weight.T`` for a few
+    rows is much slower than a matrix-vector product per row would suggest (it re-lays out the weight), while
+    ``weight @ x.T`` streams the weight once. Measured on the 2-core dev machine, SmolLM2-135M's 30 layers with weights
+    read from memory (not cache), ms: 2 rows 94 -> 37, 5 rows 105 -> 52, 16 rows 113 -> 80, 64 rows 146 -> 119,
+    96 rows 176 -> 199 (the result's transposing copy now costs more than it saves: prefill keeps ``F.linear``);
+    its LM head (49152 x 576): 2 rows 27 -> 9, 5 rows 35 -> 12, 25 rows 54 -> 35. Even one row is faster as a
+    two-column product (the row twice) than as PyTorch's matrix-vector product: 30 layers 48-51 -> 39-45 ms, the head
+    14-16 -> 10 ms. Autograd (training) keeps ``F.linear``; so do CUDA and other dtypes (not measured). Results
+    equal ``F.linear``'s up to float rounding (a different summation order)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or (
+            torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return F.linear(x, weight, bias)
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not CPU_MM_MIN_ROWS <= m <= CPU_MM_MAX_ROWS:
+        return F.linear(x, weight, bias)
+    x2 = x.reshape(m, x.shape[-1])
+    if m == 1:                                # one row, padded to two: faster than the matrix-vector product
+        out = torch.mm(weight, torch.cat([x2, x2]).t())[:, :1].t().contiguous()
+    else:
+        out = torch.mm(weight, x2.t()).t().contiguous()
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], weight.shape[0])
