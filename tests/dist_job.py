@@ -47,29 +47,29 @@ def digest(tensors) -> str:
 
 if MODE == "job":
     from tltlib.rljob import run_job
-    from tltlib.scheduler import DistributedGRPOTrainer
-    rollout = DistributedGRPOTrainer._rollout
+    from tltlib.trainer import GRPOTrainer
+    rollout = GRPOTrainer.rollout
 
-    def hanging_rollout(self, prompt_ids):
+    def hanging_rollout(self, problems, clock=None):
         """Rank 1's rollout of step DIST_HANG_ROLLOUT_STEP never ends."""
         if RANK == 1 and str(self.step_count + 1) == os.environ.get("DIST_HANG_ROLLOUT_STEP"):
             time.sleep(3600)
-        return rollout(self, prompt_ids)
+        return rollout(self, problems, clock)
 
-    DistributedGRPOTrainer._rollout = hanging_rollout
+    GRPOTrainer.rollout = hanging_rollout
     run_job(PARAMS, output_dir=OUT, progress=False, reward_funcs=(faulty_reward,), out=open(os.devnull, "w"))
     sys.exit(0)
 
 from tltlib.rljob import build, read_job          # noqa: E402
-from tltlib.scheduler import Workers              # noqa: E402
+from tltlib.world import DistributedWorld         # noqa: E402
 
-spec = read_job(PARAMS)
+job = read_job(PARAMS)
 if MODE == "mismatch" and RANK == 1:
-    spec = replace(spec, grpo=replace(spec.grpo, learning_rate=spec.grpo.learning_rate * 2))
-workers = Workers("cpu", spec.scheduler.hang_timeout_s)
-trainer, held = build(spec, workers=workers)
+    job = replace(job, grpo=replace(job.grpo, learning_rate=job.grpo.learning_rate * 2))
+world = DistributedWorld("cpu", job.scheduler.hang_timeout_s)
+trainer, held = build(job, world=world)
 syncs = []
-sync = trainer._sync_drafter
+sync = trainer.spot.sync
 
 
 def checked_sync(steps, version):
@@ -78,14 +78,14 @@ def checked_sync(steps, version):
     syncs.append({"steps": steps, "target_unchanged": trainer.weights_digest() == before})
 
 
-trainer._sync_drafter = checked_sync
+trainer.spot.sync = checked_sync
 metrics = [trainer.step() for _ in range(2)]
 mine = {"rank": RANK, "policy": trainer.weights_digest(),
         "drafter": digest([p for p in trainer.drafter.parameters() if p.requires_grad]),
         "drafter_version": trainer.drafter.version, "syncs": syncs, "buffer_sequences": len(trainer.buffer),
-        "problems": [p.prompt for p in trainer._next_problems()]}
-every = workers.gather_objects(mine)
+        "problems": [p.prompt for p in trainer.next_problems()]}
+every = world.gather_objects(mine)
 if RANK == 0:
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "check.json").write_text(json.dumps({"ranks": every, "metrics": metrics}, default=float))
-workers.close()
+world.close()

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from tltlib.draft_train import (DrafterTrainConfig, DrafterTrainer, depth_accuracy, drafter_loss, loss_mask,
-                                pairs_from_sequences, train_offline)
+from tltlib.draft_train import (DrafterTrainConfig, DrafterTrainer, depth_accuracy, drafter_loss, pairs_from_sequences,
+                                train_offline)
+from tltlib.pairs import loss_mask
 from tltlib.pairs import PairBuffer
 from tltlib.drafter import Drafter, DrafterConfig
 from tltlib.model import ModelConfig, Transformer
@@ -80,7 +81,7 @@ def test_training_lowers_the_loss_changes_the_drafter_and_not_the_target():
     loss0, stats0 = drafter_loss(drafter, batch, DrafterTrainConfig())
     trainer = DrafterTrainer(drafter, DrafterTrainConfig(steps=60, lr=3e-3, warmup_steps=5))
     for _ in range(60):
-        stats = trainer.step(batch)
+        stats = trainer.micro_step(batch)
     assert stats["drafter/loss"] < 0.7 * stats0["drafter/loss"]
     assert all(not torch.equal(before_d[k], v) for k, v in drafter.state_dict().items())
     assert all(torch.equal(before_t[k], v) for k, v in target.state_dict().items())
@@ -101,7 +102,7 @@ def test_train_offline_logs_curves():
 def test_chunked_head_loss_equals_one_pass_over_all_logits():
     import torch.nn.functional as F
 
-    from tltlib.draft_train import PairBatch
+    from tltlib.pairs import PairBatch
     target, drafter = _pair()
     g = torch.Generator().manual_seed(0)
     h = torch.randn(3, 9, target.config.hidden_size, generator=g)
@@ -128,7 +129,7 @@ def test_chunked_head_loss_equals_one_pass_over_all_logits():
 def test_subsampled_cross_entropy_is_an_unbiased_estimate_of_the_full_one():
     from dataclasses import replace
 
-    from tltlib.draft_train import PairBatch
+    from tltlib.pairs import PairBatch
     target, drafter = _pair()
     g = torch.Generator().manual_seed(1)
     h = torch.randn(4, 12, target.config.hidden_size, generator=g)
@@ -169,7 +170,7 @@ def test_train_drafter_refuses_long_prompts_and_a_drafter_of_another_shape(tmp_p
 def test_a_draft_vocabulary_trains_on_the_whole_head_and_measures_its_proposals():
     """The loss (and its gradients) ignore the draft vocabulary: the drafter learns the target's whole distribution;
     depth accuracy measures what it would propose, so excluding tokens the target picks lowers it."""
-    from tltlib.draft_train import PairBatch
+    from tltlib.pairs import PairBatch
     target, drafter = _pair()
     g = torch.Generator().manual_seed(2)
     h = torch.randn(3, 10, target.config.hidden_size, generator=g)

@@ -60,7 +60,7 @@ def test_trl_phases_from_a_bench_file(tmp_path):
 
 
 def test_a_tiny_comparison_runs_both_policies_and_probes_the_drafters():
-    from tltlib.checkpoint import load
+    from tltlib.loading import load
     from tltlib.grpo import GRPOConfig
     from tltlib.tasks import ChainTaskConfig, generate_problems
     from tltlib.trainer import TLTConfig

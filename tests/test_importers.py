@@ -12,7 +12,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from tltlib import importers  # noqa: E402
-from tltlib.checkpoint import load  # noqa: E402
+from tltlib.loading import load  # noqa: E402
 
 H, L, V, F = 32, 2, 40, 64
 

@@ -292,7 +292,8 @@ def test_single_file_beside_a_shard_index_is_ambiguous(tmp_path):
 
 
 def test_the_one_loader_resolves_paths_and_checks_device_and_dtype():
-    from tltlib.checkpoint import load, parse_dtype, pick_device
+    from tltlib.checkpoint import parse_dtype, pick_device
+    from tltlib.loading import load
     model, tok, drafter = load("data/tiny-reasoner", "data/tiny-reasoner-drafter", device="cpu", dtype="float32")
     assert drafter.is_attached_to(model) and tok.eos_token_id in model.config.eos_token_ids
     assert model.device.type == "cpu" and load("data/tiny-reasoner").drafter is None

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tltlib.draft_train import loss_mask
+from tltlib.pairs import loss_mask
 from tltlib.pairs import PairBuffer, PairBufferConfig
 
 H = 4
@@ -14,7 +14,7 @@ H = 4
 
 def _stream(buf, prompts, group, lengths, step):
     """Stream one rollout: prompt pairs, then response pairs (hidden = owner id + position/100, token = position)."""
-    pids, first = buf.begin(prompts, group, step=step)
+    pids, first = buf.begin(prompts, group, rl_step=step)
     for pid, p in zip(pids, prompts):
         t = torch.arange(len(p) - 1)
         buf.add(torch.full_like(t, pid), t, (pid + t[:, None] / 100.0).expand(-1, H).float(), t + 1)
@@ -106,7 +106,7 @@ def test_sample_with_max_pairs_bounds_the_batch():
     from tltlib.pairs import PairBuffer
     buf = PairBuffer(4)
     g = torch.Generator().manual_seed(0)
-    pids, first = buf.begin([[1, 2]], group_size=6, step=0)
+    pids, first = buf.begin([[1, 2]], group_size=6, rl_step=0)
     for s in range(first, first + 6):            # six sequences of 100 response pairs each (one length bucket)
         buf.add(torch.tensor([s] * 100), torch.arange(100), torch.randn(100, 4, generator=g), torch.ones(100).long())
     assert buf.sample(4).hidden.shape[0] == 4

@@ -13,7 +13,8 @@ import pytest
 import torch
 import yaml
 
-from tltlib.scheduler import SchedulerConfig, schedule_metrics, shard, torchrun_command
+from tltlib.scheduler import SchedulerConfig, schedule_metrics
+from tltlib.world import shard, torchrun_command
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "dist_job.py"
@@ -32,8 +33,8 @@ def test_scheduler_config_refuses_a_zero_budget_and_unknown_pairs():
     with pytest.raises(ValueError, match="spot trainer is on but its budget max_micro_steps is 0"):
         SchedulerConfig(max_micro_steps=0)
     SchedulerConfig(spot_trainer=False, max_micro_steps=0)        # no spot trainer: no budget needed
-    with pytest.raises(ValueError, match="pairs must be one of"):
-        SchedulerConfig(pairs="mine")
+    with pytest.raises(ValueError, match="train_on must be one of"):
+        SchedulerConfig(train_on="mine")
     with pytest.raises(ValueError, match="hang_timeout_s"):
         SchedulerConfig(hang_timeout_s=0)
     with pytest.raises(ValueError, match="micro_step_pairs"):
@@ -64,7 +65,7 @@ def test_pair_buffer_export_and_ingest_move_one_steps_sequences():
     a, b = PairBuffer(4), PairBuffer(4)
     g = torch.Generator().manual_seed(0)
     for buf, step in ((a, 0), (a, 1), (b, 0)):
-        pids, first = buf.begin([[1, 2, 3]], group_size=2, step=step)
+        pids, first = buf.begin([[1, 2, 3]], group_size=2, rl_step=step)
         buf.add(torch.tensor([pids[0]] * 2), torch.arange(2), torch.randn(2, 4, generator=g), torch.tensor([2, 3]))
         for s in (first, first + 1):
             buf.add(torch.tensor([s] * 3), torch.arange(3), torch.randn(3, 4, generator=g), torch.tensor([5, 6, 7]))
@@ -97,10 +98,10 @@ def test_all_reduce_flat_buckets_keep_values_and_dtypes():
     """One gloo rank: the sum is the identity, so what comes back shows the bucketing and copy-back are right."""
     import torch.distributed as dist
 
-    from tltlib.scheduler import Workers
+    from tltlib.world import DistributedWorld
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        w = Workers.__new__(Workers)
+        w = DistributedWorld.__new__(DistributedWorld)
         ts = [torch.randn(5, 3), torch.randn(7).bfloat16(), torch.randn(2, 2, 2)]
         before = [t.clone() for t in ts]
         w.all_reduce_flat(ts, bucket=16)                  # 15 | 7 | 8 elements: three buckets
@@ -116,10 +117,10 @@ def test_max_restarts_without_workers_is_refused(capsys):
 
 
 def test_workers_outside_torchrun_say_how_to_launch(monkeypatch):
-    from tltlib.scheduler import Workers
+    from tltlib.world import DistributedWorld
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(RuntimeError, match="torchrun --nproc-per-node"):
-        Workers("cpu")
+        DistributedWorld("cpu")
 
 
 # -------------------------------------------------------------------------------------------- torchrun launches
@@ -147,7 +148,7 @@ def _torchrun(args, workers=2, max_restarts=0, env=None, timeout=240):
 @pytest.mark.parametrize("pairs", ["own", "all"])
 def test_two_workers_end_each_step_with_identical_weights(tmp_path, pairs):
     # drafter_steps 0: with the spot trainer on 2 workers the idle windows are the whole budget
-    params = _params(tmp_path, scheduler={"pairs": pairs}, tlt={"speculative": "chain-4", "drafter_steps": 0,
+    params = _params(tmp_path, scheduler={"train_on": pairs}, tlt={"speculative": "chain-4", "drafter_steps": 0,
                                                                 "drafter_batch": 2})
     proc, _ = _torchrun([WORKER, "check", params, tmp_path])
     assert proc.returncode == 0, proc.stderr[-3000:]

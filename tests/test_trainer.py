@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from tltlib.checkpoint import load
+from tltlib.loading import load
 from tltlib.grpo import GRPOConfig
 from tltlib.tasks import ChainTaskConfig, generate_problems
 from tltlib.trainer import GRPOTrainer, TLTConfig
@@ -59,7 +59,7 @@ def test_drafter_training_never_changes_the_target(shipped):
     tr.step()
     policy = {k: v.clone() for k, v in tr.model.state_dict().items()}
     for _ in range(3):
-        tr.drafter_trainer.step(tr.buffer.sample(2))
+        tr.drafter_trainer.micro_step(tr.buffer.sample(2))
     assert all(torch.equal(policy[k], v) for k, v in tr.model.state_dict().items())
 
 

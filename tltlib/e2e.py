@@ -9,16 +9,27 @@ behind. :func:`summarize` turns the histories into the numbers the paper reports
 rollout share and the Amdahl bound, reward curves and held-out accuracy with a significance test.
 
 Paper: TLT §7 (end-to-end speedup with the same reward curves, Fig. 11-12; drafter adaptation, Fig. 15).
-Departures: the paper compares against verl on 8-64 H100s; this runs in one process (see :mod:`tltlib.trainer`).
+Departures: the paper compares against verl on 8-64 H100s; :func:`compare` runs in one process, :func:`compare_workers`
+on W torchrun workers of one machine.
 """
 from __future__ import annotations
 
 import copy
 import time
 import warnings
+from dataclasses import replace
 
 import numpy as np
 import torch
+from scipy.stats import ttest_ind
+
+from .draft_train import measure_acceptance
+from .fileio import read_json
+from .logprobs import SequenceBatch, micro_batches, padded_tokens, response_logprobs
+from .scheduler import SchedulerConfig
+from .speculative import SpecStrategy
+from .trainer import GRPOTrainer
+from .world import DistributedWorld
 
 PHASES = ("rollout", "reward", "logprob", "update", "drafter")
 
@@ -34,9 +45,6 @@ def compare(model, tokenizer, drafter, train, held_out, grpo_for_seed, tlt, seed
         grpo_for_seed: ``seed -> GRPOConfig``; tlt: the :class:`TLTConfig` of the TLT runs.
         probe: problems for the accepted-length curves (seed 0 only; empty: skipped).
     """
-    from .draft_train import measure_acceptance
-    from .speculative import SpecStrategy
-    from .trainer import GRPOTrainer
     runs, acceptance = {"baseline": [], "tlt": []}, []
     for seed in range(seeds):
         base_model, tlt_model = copy.deepcopy(model), copy.deepcopy(model)
@@ -72,7 +80,6 @@ def compare(model, tokenizer, drafter, train, held_out, grpo_for_seed, tlt, seed
 def summarize(runs: dict, trl_step_s: float | None = None) -> dict:
     """Mean phase times per policy, the speedup, the rollout share and Amdahl bound, reward curves, held-out
     accuracy with Welch's t-test, and (given TRL's step time) the baseline's speedup over TRL."""
-    from scipy.stats import ttest_ind
     out = {}
     for name, rs in runs.items():
         steps = [m for r in rs for m in r["steps"]]
@@ -111,7 +118,6 @@ def amdahl_bound(rollout_share: float, rollout_speedup: float) -> float:
 def update_speed(trainer, prompt_ids: list[list[int]], rows: int = 16, repeats: int = 2) -> dict:
     """Tokens/s of the update's forward + backward on one rollout of ``prompt_ids``: length-bucketed micro-batches
     (``trainer.args.micro_batch_tokens``) vs padded micro-batches of ``rows`` sequences in arrival order."""
-    from .logprobs import SequenceBatch, micro_batches, padded_tokens, response_logprobs
     res = trainer.engine.generate(prompt_ids, torch.Generator(device=trainer.device).manual_seed(123))
     G = trainer.args.num_generations
     prompts = [res.prompt_ids[i // G] for i in range(res.num_sequences)]
@@ -140,7 +146,6 @@ def trl_phases(results_json) -> dict | None:
     """TRL's last measured step from a bench/e2e_grpo result file, as phases: ``{"rollout": generate seconds,
     "reward": the rest of TRL's generate-and-score (rewards, tokenising, bookkeeping), "update": the rest}``; files
     without the generate-and-score timing give rollout and update only. None when the file has no TRL run."""
-    from .fileio import read_json
     trl = read_json(results_json, "run python -m tltlib bench e2e_grpo again").get("trl")
     if not trl or not trl.get("step_s") or not trl.get("generate_s"):
         return None
@@ -152,7 +157,7 @@ def trl_phases(results_json) -> dict | None:
 
 
 def compare_workers(model, tokenizer, drafter, train, held_out, grpo, tlt, scheduler, steps: int, probe=(),
-                    probe_strategy: str = "chain-8", workers=None, log=print) -> dict | None:
+                    probe_strategy: str = "chain-8", world=None, log=print) -> dict | None:
     """:func:`compare` for data-parallel workers (call it on every rank under torchrun): the baseline, TLT with the
     spot trainer, and TLT with the same warm drafter frozen, stepped in turn on the same prompts. After every RL
     step rank 0 measures, outside the timed phases, the accepted length of the spot-trained and the frozen drafter on
@@ -160,27 +165,22 @@ def compare_workers(model, tokenizer, drafter, train, held_out, grpo, tlt, sched
     {"steps": [...], "eval/accuracy"}}, "acceptance": [...]}`` (None elsewhere).
 
     Args: as :func:`compare`, with ``grpo`` one :class:`GRPOConfig`, ``scheduler`` the TLT run's
-    :class:`~tltlib.scheduler.SchedulerConfig` and ``workers`` a :class:`~tltlib.scheduler.Workers`.
+    :class:`~tltlib.scheduler.SchedulerConfig` and ``world`` a :class:`~tltlib.world.DistributedWorld`.
     """
-    from dataclasses import replace
-
-    from .draft_train import measure_acceptance
-    from .scheduler import DistributedGRPOTrainer, SchedulerConfig, Workers
-    from .speculative import SpecStrategy
-    workers = workers or Workers(str(model.device), scheduler.hang_timeout_s)
+    world = world or DistributedWorld(str(model.device), scheduler.hang_timeout_s)
     models = {k: copy.deepcopy(model) for k in ("baseline", "tlt", "tlt-frozen")}
     online = copy.deepcopy(drafter).attach(models["tlt"])
     probe_frozen = copy.deepcopy(drafter).attach(models["tlt"])     # the warm drafter on TLT's policy, for probes
     trainers = {
-        "baseline": DistributedGRPOTrainer(models["baseline"], tokenizer, train, grpo, workers=workers,
-                                           scheduler=replace(scheduler, spot_trainer=False)),
-        "tlt": DistributedGRPOTrainer(models["tlt"], tokenizer, train, grpo, drafter=online, tlt=tlt,
-                                      scheduler=scheduler, workers=workers),
-        "tlt-frozen": DistributedGRPOTrainer(models["tlt-frozen"], tokenizer, train, grpo,
-                                             drafter=copy.deepcopy(drafter).attach(models["tlt-frozen"]),
-                                             tlt=replace(tlt, online_drafter=False), workers=workers,
-                                             scheduler=SchedulerConfig(spot_trainer=False))}
-    hist, acceptance, lead = {k: [] for k in trainers}, [], workers.rank == 0
+        "baseline": GRPOTrainer(models["baseline"], tokenizer, train, grpo, world=world,
+                                scheduler=replace(scheduler, spot_trainer=False)),
+        "tlt": GRPOTrainer(models["tlt"], tokenizer, train, grpo, drafter=online, tlt=tlt, scheduler=scheduler,
+                           world=world),
+        "tlt-frozen": GRPOTrainer(models["tlt-frozen"], tokenizer, train, grpo,
+                                  drafter=copy.deepcopy(drafter).attach(models["tlt-frozen"]),
+                                  tlt=replace(tlt, online_drafter=False), world=world,
+                                  scheduler=SchedulerConfig(spot_trainer=False))}
+    hist, acceptance, lead = {k: [] for k in trainers}, [], world.rank == 0
     names = list(trainers)
     for step in range(steps):
         for name in names[step % len(names):] + names[:step % len(names)]:     # rotate who goes first
@@ -198,7 +198,7 @@ def compare_workers(model, tokenizer, drafter, train, held_out, grpo, tlt, sched
                                                 grpo.max_completion_length)["spec/accept_len_mean"]
             acceptance.append(row)
             log(f"  accepted length ({st.name}): spot-trained {row['online']:.2f}  frozen {row['frozen']:.2f}")
-        workers.barrier()
+        world.barrier()
     evals = {name: tr.evaluate(held_out) for name, tr in trainers.items()}
     if not lead:
         return None

@@ -1,5 +1,5 @@
-"""Atomic file and folder writes, and JSON reads that name the file: a reader never sees a half-written model,
-drafter, dataset, run folder or metrics file, and a broken file is reported by its path.
+"""Atomic file and folder writes, JSON reads that name the file, and where relative paths resolve: a reader never
+sees a half-written model, drafter, dataset, run folder or metrics file, and a broken file is reported by its path.
 
 Every writer of a folder goes through :func:`atomic_folder`: the content is written into a hidden temporary folder
 beside the destination (``.NAME.PID.tmp-XXXX``) and renamed over it only when complete. Temporary folders left by a
@@ -17,6 +17,18 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+"""The project root (notebooks, params, data, runs live under it)."""
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """A path as given if it exists (or is absolute), else relative to the project root (so notebooks work from
+    ``notebooks/`` in JupyterLab and from the root under papermill)."""
+    p = Path(path).expanduser()
+    if p.is_absolute() or p.exists():
+        return p
+    return ROOT / p
 
 
 def read_json(path: str | os.PathLike, fix: str = "fix or replace the file"):
@@ -63,29 +75,56 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _dead_writer(d: Path, name: str) -> bool:
+    """``d`` is a ``.NAME.PID.tmp-*`` folder of a process that is gone."""
+    pid = d.name[len(name) + 2:].split(".", 1)[0]
+    return d.is_dir() and pid.isdigit() and not _pid_alive(int(pid))
+
+
+def recover_interrupted(path: str | os.PathLike) -> Path | None:
+    """Put back a folder whose replacement was killed between its renames: ``path`` is gone but a dead writer's
+    complete copy lies beside it, the new one (``.NAME.PID.tmp-new``) or else the old one (``.tmp-old``). Returns
+    the path restored, or None when there was nothing to restore."""
+    path = Path(path)
+    if path.exists() or not path.parent.is_dir():
+        return None
+    for kind in ("new", "old"):
+        for d in sorted(path.parent.glob(f".{path.name}.*.tmp-{kind}")):
+            if _dead_writer(d, path.name):
+                d.rename(path)
+                return path
+    return None
+
+
 def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
-    """Remove ``.NAME.PID.tmp-*`` folders beside ``path`` whose writer process is gone; returns what was removed."""
+    """Remove ``.NAME.PID.tmp-*`` folders beside ``path`` whose writer process is gone (after
+    :func:`recover_interrupted` has put back a complete copy when ``path`` itself is gone); returns what was
+    removed."""
     path = Path(path)
     removed = []
+    recover_interrupted(path)
     if not path.parent.is_dir():
         return removed
     for d in path.parent.glob(f".{path.name}.*.tmp-*"):
-        pid = d.name[len(path.name) + 2:].split(".", 1)[0]
-        if d.is_dir() and pid.isdigit() and not _pid_alive(int(pid)):
+        if _dead_writer(d, path.name):
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d)
     return removed
 
 
 def _replace_folder(src: Path, dest: Path) -> None:
-    """Move folder ``src`` to ``dest``, replacing what is there (the old one is renamed aside, then removed)."""
+    """Move the complete folder ``src`` to ``dest``, replacing what is there. Each move is a rename, and at every
+    moment one complete copy exists under a name :func:`recover_interrupted` knows: ``src`` is first renamed
+    ``.NAME.PID.tmp-new`` (complete), the old ``dest`` ``.NAME.PID.tmp-old``, then the new one takes ``dest``."""
+    done = dest.with_name(f".{dest.name}.{os.getpid()}.tmp-new")
+    src.rename(done)
     if dest.exists():
         old = dest.with_name(f".{dest.name}.{os.getpid()}.tmp-old")
         dest.rename(old)
-        src.rename(dest)
+        done.rename(dest)
         shutil.rmtree(old)
     else:
-        src.rename(dest)
+        done.rename(dest)
 
 
 def check_writable(path: str | os.PathLike, what: str = "output") -> Path:

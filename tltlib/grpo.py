@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .problem import reward
+
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
 
@@ -185,7 +187,6 @@ def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, 
 # --------------------------------------------------------------------------------------------------- rewards
 def accuracy_reward(prompts, completions, answer, **columns) -> list[float]:
     """1.0 when a completion's final answer (``#### x``, ``\\boxed{x}``, ``#x``) equals the ground truth, else 0.0."""
-    from .tasks import reward
     return [reward(c if isinstance(c, str) else c[-1]["content"], a) for c, a in zip(completions, answer)]
 
 

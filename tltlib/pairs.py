@@ -15,7 +15,8 @@ long tail is kept in proportion rather than cut). A prompt's pairs go when its l
 **Sampling.** :meth:`PairBuffer.sample` draws training batches of whole sequences: a length bucket (powers of two)
 with probability proportional to its weighted pair count, then sequences in it by weight ``decay ** age`` (age in RL
 steps since the sequence was generated), so older policies' data fades and long responses are trained on as much as
-their tokens weigh. Batches are :class:`tltlib.draft_train.PairBatch` (same alignment as the offline data).
+their tokens weigh. Batches are :class:`PairBatch`: position t holds pair (f_t, x_{t+1}), and pairs whose f_{t+1}
+predicts a prompt token or lies past the end carry no loss (:func:`loss_mask`).
 
 Paper: TLT §4 (the adaptive drafter trains on the rollout's own hidden states; the spot trainer's data buffer).
 Reference: ``eagle_background_trainer`` collects hidden states per request after the rollout (see
@@ -28,13 +29,35 @@ Departures:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from .draft_train import PairBatch
+
+@dataclass
+class PairBatch:
+    """Padded training pairs of B sequences: position t holds pair (f_t, x_{t+1}) and its targets.
+
+    Attributes:
+        hidden: ``[B, T+1, H]`` target hidden states f_0 .. f_T (inputs are [:, :-1], targets [:, 1:]).
+        tokens: ``[B, T+1]`` tokens x_1 .. x_{T+1} aligned so that ``tokens[:, t]`` is x_{t+1}.
+        mask: ``[B, T]`` bool, pairs that carry loss.
+    """
+
+    hidden: torch.Tensor
+    tokens: torch.Tensor
+    mask: torch.Tensor
+
+    @property
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.hidden[:, :-1], self.tokens[:, :-1]
+
+
+def loss_mask(length: int, prompt_len: int, width: int) -> torch.Tensor:
+    """``[width]`` bool: pair t carries loss iff f_{t+1} predicts a response token (t + 1 >= prompt_len - 1) and
+    exists inside the sequence (t + 1 <= length - 2)."""
+    t = torch.arange(width)
+    return (t + 1 >= prompt_len - 1) & (t + 1 <= length - 2)
 
 
 @dataclass(frozen=True)
@@ -82,7 +105,7 @@ class PairBuffer:
         self.seq_prio: list[float] = []
         self.seq_live: list[bool] = []
         self.prompt_len: dict[int, int] = {}  # prompt owner id -> L_p
-        self.step = 0                         # the current RL step (set by begin)
+        self.rl_step = 0                      # the current RL step (set by begin)
         self._order: torch.Tensor | None = None
         self._span: dict[int, tuple[int, int]] = {}
         self._current: set[int] = set()       # sequences of the rollout being streamed
@@ -90,10 +113,11 @@ class PairBuffer:
         self._next_prompt = -1
 
     # ------------------------------------------------------------------------------------------ streaming
-    def begin(self, prompts: list[list[int]], group_size: int, step: int | None = None) -> tuple[list[int], int]:
-        """Register a rollout of ``prompts`` x ``group_size``; returns (prompt owner ids, first sequence id)."""
-        if step is not None:
-            self.step = step
+    def begin(self, prompts: list[list[int]], group_size: int, rl_step: int | None = None) -> tuple[list[int], int]:
+        """Register a rollout of ``prompts`` x ``group_size`` (at RL step ``rl_step``, default: :attr:`rl_step`);
+        returns (prompt owner ids, first sequence id)."""
+        if rl_step is not None:
+            self.rl_step = rl_step
         pids = [self._next_prompt - i for i in range(len(prompts))]
         self._next_prompt -= len(prompts)
         for pid, p in zip(pids, prompts):
@@ -101,7 +125,7 @@ class PairBuffer:
         first = len(self.seq_prompt)
         for i in range(len(prompts) * group_size):
             self.seq_prompt.append(pids[i // group_size])
-            self.seq_step.append(self.step)
+            self.seq_step.append(self.rl_step)
             self.seq_prio.append(float(self.rng.random()))
             self.seq_live.append(True)
         self._current = set(range(first, len(self.seq_prompt)))
@@ -215,9 +239,8 @@ class PairBuffer:
     def __len__(self) -> int:
         return len(self.sequences())
 
-    def batch(self, seqs) -> "PairBatch":
-        """The training batch of sequences ``seqs`` (right-padded; see :class:`tltlib.draft_train.PairBatch`)."""
-        from .draft_train import PairBatch, loss_mask
+    def batch(self, seqs) -> PairBatch:
+        """The training batch of sequences ``seqs`` (right-padded; see :class:`PairBatch`)."""
         seqs = list(seqs)
         parts = [self.pairs_of(s) for s in seqs]
         width = max(h.shape[0] for h, _, _ in parts)
@@ -232,10 +255,10 @@ class PairBuffer:
 
     def weights(self, seqs: list[int]) -> np.ndarray:
         """Sampling weight of each sequence: ``decay ** (current step - its step)``."""
-        age = self.step - np.asarray([self.seq_step[s] for s in seqs], dtype=np.float64)
+        age = self.rl_step - np.asarray([self.seq_step[s] for s in seqs], dtype=np.float64)
         return self.config.decay ** age
 
-    def sample(self, batch_sequences: int, max_pairs: int = 0) -> "PairBatch":
+    def sample(self, batch_sequences: int, max_pairs: int = 0) -> PairBatch:
         """A training batch: a length bucket by weighted pair count, then up to ``batch_sequences`` of its
         sequences by weight, without replacement (and, with ``max_pairs``, no more than fit in that many pairs;
         at least one)."""
@@ -294,7 +317,7 @@ class PairBuffer:
     def state_dict(self) -> dict:
         """Everything needed to resume (tensors on CPU)."""
         n = self.size
-        return {"config": self.config.__dict__, "hidden_size": self.hidden_size, "step": self.step,
+        return {"config": self.config.__dict__, "hidden_size": self.hidden_size, "step": self.rl_step,
                 "h": self.h[:n].cpu(), "tok": self.tok[:n].cpu(), "owner": self.owner[:n].cpu(),
                 "pos": self.pos[:n].cpu(), "seq_prompt": list(self.seq_prompt), "seq_step": list(self.seq_step),
                 "seq_prio": list(self.seq_prio), "seq_live": list(self.seq_live),
@@ -311,7 +334,7 @@ class PairBuffer:
         self.h[:n] = d["h"].to(self.device, self.dtype)
         for name in ("tok", "owner", "pos"):
             getattr(self, name)[:n] = d[name].to(self.device)
-        self.size, self.step = n, d["step"]
+        self.size, self.rl_step = n, d["step"]
         self.seq_prompt, self.seq_step = list(d["seq_prompt"]), list(d["seq_step"])
         self.seq_prio, self.seq_live = list(d["seq_prio"]), list(d["seq_live"])
         self.prompt_len = {int(k): v for k, v in d["prompt_len"].items()}

@@ -27,7 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parent.parent
+from .fileio import ROOT, resolve
+from .importers import MODELS, cache_dir
+from .speculative import SpecStrategy
+
 RUNNER_SET = ("OUT_DIR",)
 """Parameters the runner sets itself (a file may not: the value would be overwritten)."""
 
@@ -104,24 +107,13 @@ class Param:
         elif k == "path" and self.exists:
             p = resolve(value)
             if not (p.is_dir() if self.exists == "dir" else p.is_file()):
-                from .importers import MODELS, cache_dir
                 if p.parent == cache_dir() and p.name in MODELS:
                     return f"{str(p)!r} does not exist: import it first with python -m tltlib get-model {p.name}"
                 return f"{str(p)!r} does not exist"
         return self.check(value) if self.check else None
 
 
-def resolve(path: str | os.PathLike) -> Path:
-    """A path as given if it exists (or is absolute), else relative to the project root (so notebooks work from
-    ``notebooks/`` in JupyterLab and from the root under papermill)."""
-    p = Path(path).expanduser()
-    if p.is_absolute() or p.exists():
-        return p
-    return ROOT / p
-
-
 def _strategy_error(name) -> str | None:
-    from .speculative import SpecStrategy
     try:
         SpecStrategy.parse(name)
     except (ValueError, TypeError) as e:
@@ -196,32 +188,31 @@ SCHEMA: dict[str, Param] = {
     "TRL_RESULTS": Param("path", exists="file", empty_ok=True),
     # idle-time drafter training
     "SPOT_MAX_STEPS": _COUNT,
-    "PAIRS": Param("str", choices=("own", "all")),
+    "TRAIN_ON": Param("str", choices=("own", "all")),
     "RUN_DIR": Param("path", exists="dir", empty_ok=True),
 }
 
 
 # ----------------------------------------------------------------------------------------------- files
-def params_path(params: str | os.PathLike) -> Path:
-    """Resolve ``params/NAME.yaml``, ``NAME`` or a path; a clear error lists the available files otherwise."""
+def params_path(params: str | os.PathLike, folder: str = "params") -> Path:
+    """Resolve ``FOLDER/NAME.yaml``, ``NAME`` or a path; a clear error lists the files in ``folder`` otherwise
+    (``params``: notebook parameter files; ``params/train``: train-grpo job files)."""
     p = Path(params)
-    for c in (p, ROOT / p, ROOT / "params" / p, ROOT / "params" / f"{p}.yaml"):
+    for c in (p, ROOT / p, ROOT / folder / p, ROOT / folder / f"{p}.yaml"):
         if c.is_file():
             return c
-    available = sorted(f.name for f in (ROOT / "params").glob("*.yaml"))
-    raise FileNotFoundError(f"params file {str(params)!r} not found; available in params/: {available} "
+    available = sorted(f.name for f in (ROOT / folder).glob("*.yaml"))
+    raise FileNotFoundError(f"params file {str(params)!r} not found; available in {folder}/: {available} "
                             "(or pass a path to your own YAML file)")
 
 
-def load_params(params: str | os.PathLike) -> tuple[dict, dict[str, dict]]:
-    """(shared parameters, per-notebook overrides keyed by name prefix) from a YAML parameter file.
-
-    Keys must be strings: YAML reads an unquoted ``01:`` as the integer 1, which would match no notebook."""
+def load_yaml(path: Path):
+    """A YAML file's content, refusing (with the file and line named) a key given twice in one mapping, which
+    PyYAML would silently resolve to the last value, and YAML syntax errors."""
     import yaml
-    path = params_path(params)
 
     class StrictLoader(yaml.SafeLoader):
-        """Refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+        """Refuses a key given twice in one mapping."""
 
     def mapping(loader, node, deep=False):
         seen = set()
@@ -235,9 +226,17 @@ def load_params(params: str | os.PathLike) -> tuple[dict, dict[str, dict]]:
 
     StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
     try:
-        data = yaml.load(path.read_text(), Loader=StrictLoader) or {}
+        return yaml.load(path.read_text(), Loader=StrictLoader)
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+
+
+def load_params(params: str | os.PathLike) -> tuple[dict, dict[str, dict]]:
+    """(shared parameters, per-notebook overrides keyed by name prefix) from a YAML parameter file.
+
+    Keys must be strings: YAML reads an unquoted ``01:`` as the integer 1, which would match no notebook."""
+    path = params_path(params)
+    data = load_yaml(path) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of PARAMETER: value, got {type(data).__name__}")
     per_nb = data.pop("notebooks", None) or {}

@@ -14,6 +14,8 @@ Departures:
 """
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -135,6 +137,37 @@ def length_stats(lengths: Sequence[int] | np.ndarray) -> dict[str, float]:
     out["rollout/p99_over_p50"] = out["rollout/len_p99"] / max(p50, 1.0)
     out["rollout/max_over_p50"] = out["rollout/len_max"] / max(p50, 1.0)
     return out
+
+
+class StepClock:
+    """Where one RL step's time went on this worker: phase durations (``time/<phase>_s``, from
+    ``time.perf_counter``) and wall-clock spans (``time.time``: comparable across workers, for ``sched/timeline``)."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.phases: dict[str, float] = {}
+        self.spans: list[tuple[str, float, float]] = []
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Time the enclosed block as phase ``name``."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = time.perf_counter() - t
+
+    def span(self, name: str, start: float, end: float | None = None) -> None:
+        """Record the wall-clock span ``start``-``end`` (default: now) as ``name``."""
+        self.spans.append((name, start, time.time() if end is None else end))
+
+    def last(self, name: str) -> tuple[float, float]:
+        """(start, end) of the last span called ``name``."""
+        return next((a, b) for n, a, b in reversed(self.spans) if n == name)
+
+    def metrics(self) -> dict[str, float]:
+        """``time/<phase>_s`` of every phase and ``time/step_s`` (since the clock started)."""
+        return {**{f"time/{k}_s": v for k, v in self.phases.items()}, "time/step_s": time.perf_counter() - self.t0}
 
 
 def tail_time_share(iter_time: Sequence[float], active: Sequence[int], total_rows: int, fraction: float) -> float:

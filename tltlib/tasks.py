@@ -27,11 +27,13 @@ import json
 import os
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from .fileio import atomic_file
+from .fileio import atomic_file, resolve
+from .problem import Problem, extract_answer, normalize_answer, reward
 from .tokenizer import LABELS
+from .wordproblems import WordTaskConfig, generate_word_problems
 
 
 @dataclass(frozen=True)
@@ -54,15 +56,6 @@ class ChainTaskConfig:
     def step_weights(self) -> list[float]:
         """Unnormalised probabilities of min_steps..max_steps."""
         return [n ** -self.zipf_exponent for n in range(self.min_steps, self.max_steps + 1)]
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One prompt with its ground truth. ``prompt`` is text or chat messages (``[{"role", "content"}, ...]``)."""
-
-    prompt: str | tuple
-    answer: str
-    meta: dict = field(default_factory=dict, compare=False)
 
 
 # ------------------------------------------------------------------------------------------ the chain task
@@ -102,33 +95,6 @@ def solve(prompt: str) -> str:
         parts.append(f"{LABELS[i]}:{x:02d}+{z:02d}={y:02d}")
         x, z = z, y
     return " ".join(parts) + f" #{z:02d}"
-
-
-_BOXED_RE = re.compile(r"\\boxed\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\}")
-_HASH_RE = re.compile(r"#+\s*(?!\"?<)([^\s#]+)")      # not a placeholder echoed from the prompt: #### <number>
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer in a response: the last ``\\boxed{...}``, else the last ``#### x`` / ``#x``; None if absent.
-
-    A marked placeholder such as ``#### <number>`` is not an answer: small chat models echo the prompt's instruction
-    after their answer (SmolLM2: ``#### 10`` then ``The answer is "#### <number>".``), which must not hide it."""
-    boxed = _BOXED_RE.findall(text)
-    if boxed:
-        return normalize_answer(boxed[-1])
-    marked = _HASH_RE.findall(text)
-    return normalize_answer(marked[-1]) if marked else None
-
-
-def normalize_answer(ans: str) -> str:
-    """Strip spaces, ``$``, thousands separators and a trailing period (GSM8K-style numbers compare as strings)."""
-    return ans.strip().strip("$").replace(",", "").rstrip(".").strip()
-
-
-def reward(response: str, answer: str) -> float:
-    """1.0 when the extracted final answer equals the ground truth, else 0.0 (always in [0, 1])."""
-    got = extract_answer(response)
-    return float(got is not None and got == normalize_answer(answer))
 
 
 def prompt_text(problem: Problem, tokenizer=None) -> str:
@@ -230,7 +196,6 @@ TASKS = ("chain", "words")
 def task_config(task):
     """The generated task's config: a name (``"chain"``: the tiny reasoner's chain task; ``"words"``: GSM8K-style
     word problems for real models, :mod:`tltlib.wordproblems`) or a config (returned as it is)."""
-    from .wordproblems import WordTaskConfig
     if task is None or task == "chain":
         return ChainTaskConfig()
     if task == "words":
@@ -242,7 +207,6 @@ def task_config(task):
 
 def generate_task(task, count: int, seed: int) -> list[Problem]:
     """``count`` problems of a generated task (a name or config, see :func:`task_config`), seeded ``seed``."""
-    from .wordproblems import WordTaskConfig, generate_word_problems
     cfg = task_config(task)
     if isinstance(cfg, WordTaskConfig):
         return generate_word_problems(cfg, count, seed)
@@ -253,7 +217,6 @@ def problems_for(dataset: str | os.PathLike, count: int, seed: int, skip: int = 
     """``count`` problems: from ``dataset`` (rows ``skip .. skip + count``, wrapping around a short file) or, when
     ``dataset`` is empty, freshly generated problems of ``task`` (a name or config: chain by default) seeded
     ``seed``."""
-    from .params import resolve
     if not dataset:
         return generate_task(task, count, seed)
     rows = load_problems(resolve(dataset))
@@ -268,7 +231,6 @@ def split_problems(dataset: str | os.PathLike, train: int, held_out: int, seed: 
     (as epochs) over at most ``rows - held_out`` rows; a file with no more than ``held_out`` rows is refused. Without
     a dataset: chain problems generated with seeds ``seed`` and ``seed + 10_000`` (``task`` shapes the held-out ones).
     """
-    from .params import resolve
     if not dataset:
         return problems_for("", train, seed), problems_for("", held_out, seed + 10_000, task=task)
     rows = load_problems(resolve(dataset))

@@ -1,30 +1,38 @@
-"""The RL step loop with TLT in one process: rollout (adaptive SD), rewards, GRPO update of the very module the
-engine decodes with, then the online drafter trained on the pairs the rollout streamed; checkpoint and resume.
+"""The RL step with TLT: rollout (adaptive SD), rewards, GRPO update of the very module the engine decodes with, and
+the online drafter trained on the pairs the rollout streamed — in one process or as one of W data-parallel workers.
 
-One :meth:`GRPOTrainer.step`:
+One :meth:`GRPOTrainer.step` (every phase a method, timed as ``time/<phase>_s``):
 
-1. **rollout** — ``generation_batch_size / num_generations`` prompts, ``num_generations`` completions each, by the
-   :class:`tltlib.rollout.RolloutEngine` with the adaptive controller (or a fixed strategy, or none); the pairs the
-   drafter consumes stream into the :class:`tltlib.pairs.PairBuffer`;
-2. **rewards** — the reward functions, then group advantages (:mod:`tltlib.grpo`);
-3. **log-probs** — no-grad forwards for the reference policy (``beta > 0``) and the old policy
-   (``num_iterations > 1``), in length-bucketed micro-batches (:mod:`tltlib.logprobs`);
-4. **update** — ``num_iterations`` AdamW steps, each accumulating the loss over the micro-batches;
-5. **drafter** — ``drafter_steps`` micro-steps on batches sampled from the buffer (older RL steps down-weighted);
-   the drafter's version moves, so the adaptive controller re-explores its arms.
+1. **rollout** — this worker's share of ``generation_batch_size / num_generations`` prompts, ``num_generations``
+   completions each, by the :class:`tltlib.rollout.RolloutEngine` with the adaptive controller (or a fixed strategy,
+   or none); the pairs the drafter trains on stream into the :class:`tltlib.pairs.PairBuffer`. With several workers
+   the **spot trainer** (:class:`tltlib.scheduler.SpotTrainer`) then trains the drafter until the last worker's
+   rollout ends and merges the workers' drafters (inside this phase's time);
+2. **reward** — the reward functions on this worker's completions, gathered into the whole batch
+   (:class:`Completions`), then group advantages (:mod:`tltlib.grpo`);
+3. **logprob** — no-grad forwards for the reference policy (``beta > 0``) and the old policy (``num_iterations >
+   1``), in length-bucketed micro-batches (:mod:`tltlib.logprobs`);
+4. **update** — ``num_iterations`` AdamW steps, each accumulating the loss over the micro-batches (gradients summed
+   over the workers), normalised by the whole batch (:class:`LossStats`);
+5. **drafter** — without the spot trainer: ``drafter_steps`` micro-steps on batches sampled from the buffer (older
+   RL steps down-weighted), merged over the workers; the drafter's version moves, so the adaptive controller
+   re-explores its arms.
 
-Every phase is timed (``time/*``); the step returns one dict of metrics under the vocabulary of
-:mod:`tltlib.profiling`. :meth:`GRPOTrainer.save` writes everything a bit-identical resume needs (policy, optimizers,
-drafter, buffer, controller, RNG states, step) into one folder atomically; :meth:`GRPOTrainer.load` refuses a
-folder from another model or configuration.
+Distribution enters only through the trainer's :class:`tltlib.world.World` (one process: gathers return their
+input). The step returns one dict of metrics under the vocabulary of :mod:`tltlib.profiling` (``rl/*`` of the whole
+batch; ``rollout/*``, ``spec/*``, ``drafter/*``, ``time/*`` of this worker; ``sched/*`` with several workers).
+:meth:`GRPOTrainer.save` writes everything a bit-identical resume needs (policy, optimizers, drafter, buffer,
+controller, RNG states, step; each worker's own state beside it) into one folder atomically;
+:meth:`GRPOTrainer.load` refuses a folder from another model or configuration.
 
 Paper: TLT §3 (system overview: rollout with adaptive SD, drafter trained on the rollout's hidden states), §4-5.
 Departures:
-1. The drafter trains between rollouts in the same process (the spot trainer on idle workers is
-   :mod:`tltlib.scheduler`'s job); its cost is therefore on the step's critical path and reported as ``time/drafter_s``.
+1. In one process the drafter trains between rollouts (there is no idle worker); its cost is on the step's critical
+   path and reported as ``time/drafter_s``.
 2. A resumed run is bit-identical only when the strategy choice does not depend on wall-clock time (a fixed
-   strategy or none); the adaptive controller's rewards are timings, so after a resume it makes the same *kind*
-   of decisions, not necessarily the same ones (the output distribution is the same either way: SD is lossless).
+   strategy or none; with several workers also no spot trainer on a drafter the rollout uses); the adaptive
+   controller's rewards are timings, so after a resume it makes the same *kind* of decisions, not necessarily the
+   same ones (the output distribution is the same either way: SD is lossless).
 """
 from __future__ import annotations
 
@@ -39,15 +47,22 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from .adaptive import DEFAULT_ARMS, AdaptiveConfig, AdaptiveController, TunerConfig, default_threshold, measure_costs
+from .draft_train import DrafterTrainConfig, DrafterTrainer
+from .fileio import atomic_folder, read_json
 from .grpo import GRPOConfig, accuracy_reward, aggregate_loss, clipped_token_loss, compute_rewards, group_advantages
 from .grpo import kl_k3, reward_name
 from .logprobs import SequenceBatch, micro_batches, padded_tokens, response_logprobs
-from .rollout import RolloutConfig, RolloutEngine
+from .pairs import PairBuffer, PairBufferConfig
+from .profiling import StepClock
+from .rollout import RolloutConfig, RolloutEngine, RolloutResult
 from .sampling import SamplingConfig
+from .scheduler import SchedulerConfig, SpotTrainer, SpotWindow
 from .speculative import SpecStrategy
 from .tasks import encode_prompts
+from .world import World
 
 CHECKPOINT_FORMAT = "tltlib-grpo-checkpoint-1"
 
@@ -58,7 +73,7 @@ class TLTConfig:
 
     speculative: str = "adaptive"
     """``"adaptive"`` (SD switch + BEG-MAB), ``"off"`` (plain decoding: the baseline), or one strategy name used at
-    every step (``"chain-8"``)."""
+    every decode iteration (``"chain-8"``)."""
     threshold: int = 0
     """SD runs at or below this many running rows (0 = the measured default for the device)."""
     arms: tuple = ("off", *DEFAULT_ARMS)
@@ -82,7 +97,6 @@ class TLTConfig:
 
     def __post_init__(self):
         if self.speculative not in ("adaptive", "off"):
-            from .speculative import SpecStrategy
             SpecStrategy.parse(self.speculative)     # raises with the syntax
         if self.drafter_steps < 0:
             raise ValueError(f"drafter_steps is the drafter-training budget per RL step and must be >= 0, got "
@@ -93,6 +107,69 @@ class TLTConfig:
                              f"{self.buffer_tokens}")
         if self.threshold < 0 or self.drafter_batch < 1 or not self.drafter_lr > 0:
             raise ValueError("threshold must be >= 0, drafter_batch >= 1 and drafter_lr > 0")
+
+
+# ------------------------------------------------------------------------------------- what phases hand over
+@dataclass
+class Completions:
+    """Per-completion numbers of an RL step, one row per completion (a GRPO group's rows consecutive): this
+    worker's after scoring, every worker's after :meth:`World.gather`."""
+
+    reward: torch.Tensor
+    """``[N]`` float: the weighted sum of the reward functions."""
+    per_func: torch.Tensor
+    """``[N, F]`` float: each reward function's value (NaN where it returned None)."""
+    length: torch.Tensor
+    """``[N]`` int: response tokens."""
+    counted: torch.Tensor
+    """``[N]`` bool: the completion carries loss (False: truncated, with ``mask_truncated_completions``)."""
+
+    def gather(self, world, what: str) -> "Completions":
+        return Completions(**world.gather(asdict(self), what))
+
+    @property
+    def counted_tokens(self) -> int:
+        """Response tokens that carry loss (the ``dapo`` normaliser)."""
+        return int((self.length * self.counted).sum())
+
+
+@dataclass
+class UpdateBatch:
+    """This worker's completions as the update reads them, and the whole batch they are normalised by."""
+
+    prompts: list
+    """Prompt token ids of each of this worker's completions."""
+    responses: list
+    """Response token ids of each."""
+    advantages: torch.Tensor
+    """``[n]`` group advantages (computed over the whole batch)."""
+    micro_batches: list
+    """Length-bucketed micro-batches: lists of indices into this worker's completions."""
+    whole: Completions
+    """The whole batch (every worker's completions)."""
+    mine: Completions
+    """This worker's completions."""
+
+    def sequence_batch(self, index, pad_id: int, device) -> SequenceBatch:
+        return SequenceBatch.build(self.prompts, self.responses, index, pad_id, device)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Prompt + response tokens of each of this worker's completions."""
+        return [len(p) + len(r) for p, r in zip(self.prompts, self.responses)]
+
+
+@dataclass
+class LossStats:
+    """The update's statistics over the whole batch, averaged over ``num_iterations``."""
+
+    loss: float = 0.0
+    kl: float = 0.0
+    """Mean per-token KL to the reference policy (0 without one)."""
+    clip_frac: float = 0.0
+    """Share of counted tokens whose ratio was clipped."""
+    grad_norm: float = 0.0
+    """Gradient norm of the last iteration, before clipping."""
 
 
 def _config_dict(cfg) -> dict:
@@ -110,43 +187,39 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 class GRPOTrainer:
-    """GRPO with TLT on one model, in one process.
+    """GRPO with TLT on one model: in one process, or as one data-parallel worker (``world``).
 
     Args:
-        model: the policy (a :class:`tltlib.model.Transformer`); updated in place — the engine decodes with it.
+        model: the policy (a :class:`tltlib.model.Transformer`); updated in place — the engine decodes with it. With
+            several workers it must already be on ``world.device``.
         tokenizer: its tokenizer.
-        problems: the training prompts (:class:`tltlib.tasks.Problem`), sampled without replacement each step.
+        problems: the training prompts (:class:`tltlib.problem.Problem`), sampled without replacement each step
+            (the same draw on every worker; each rolls out its share).
         args: :class:`tltlib.grpo.GRPOConfig`.
         reward_funcs: TRL-style reward functions (default: :func:`tltlib.grpo.accuracy_reward`).
         drafter: an EAGLE drafter for the target (None: no learned drafter; ``tlt.speculative`` must then be
             ``"off"`` or an n-gram strategy).
         tlt: :class:`TLTConfig` (None = plain decoding, no drafter training: the baseline).
-        progress: tqdm bars for rollouts.
+        progress: tqdm bars for rollouts (rank 0 only).
+        world: :class:`tltlib.world.World` (default: one process) or a :class:`~tltlib.world.DistributedWorld`.
+        scheduler: :class:`tltlib.scheduler.SchedulerConfig`, the spot trainer's settings (default: its defaults; with
+            one worker there is no idle window).
     """
 
     def __init__(self, model, tokenizer, problems, args: GRPOConfig, reward_funcs=(accuracy_reward,),
-                 drafter=None, tlt: TLTConfig | None = None, progress: bool = False):
-        if not problems:
-            raise ValueError("no training problems")
-        if len(problems) < args.prompts_per_step:
-            raise ValueError(f"{len(problems)} training problems but a step needs {args.prompts_per_step} "
-                             f"(generation_batch_size {args.generation_batch_size} / num_generations "
-                             f"{args.num_generations}); give more problems or a smaller batch")
+                 drafter=None, tlt: TLTConfig | None = None, progress: bool = False, world: World | None = None,
+                 scheduler: SchedulerConfig | None = None):
+        self.world = world or World(str(model.device))
+        self.sched = scheduler or SchedulerConfig()
         self.model, self.tokenizer, self.problems, self.args = model, tokenizer, list(problems), args
         self.tlt = tlt or TLTConfig(speculative="off", online_drafter=False, drafter_steps=0)
         self.reward_funcs = list(reward_funcs)
-        if not self.reward_funcs:
-            raise ValueError("give at least one reward function")
-        if args.reward_weights is not None and len(args.reward_weights) != len(self.reward_funcs):
-            raise ValueError(f"reward_weights has {len(args.reward_weights)} values for {len(self.reward_funcs)} "
-                             "reward functions")
-        self.progress = progress
-        dev = self.device = model.device
+        self._check(drafter, scheduler)
+        self.slice = self.world.shard(args.prompts_per_step)
+        self.progress = progress and self.world.rank == 0
+        self.device = model.device
         self.sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                        max_new_tokens=args.max_completion_length)
-        spec = self.tlt.speculative
-        if spec not in ("adaptive", "off") and SpecStrategy.parse(spec).uses_drafter and drafter is None:
-            raise ValueError(f"speculative={spec!r} needs a learned drafter: pass drafter=... (or use ngram-D)")
         self.drafter = drafter
         self.engine = RolloutEngine(model, RolloutConfig(self.sampling, group_size=args.num_generations),
                                     drafter=drafter)
@@ -155,31 +228,73 @@ class GRPOTrainer:
         self.reference = None
         if args.beta > 0:                              # a frozen copy of the initial policy
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
-        self.buffer = self.drafter_trainer = None
-        if drafter is not None and self.tlt.online_drafter and self._trains_drafter():
-            from .draft_train import DrafterTrainConfig, DrafterTrainer
-            from .pairs import PairBuffer, PairBufferConfig
-            w = model.embed.weight
-            self.buffer = PairBuffer(model.config.hidden_size, PairBufferConfig(
-                max_tokens=self.tlt.buffer_tokens, decay=self.tlt.buffer_decay, seed=args.seed), w.dtype, w.device)
-            self.drafter_trainer = DrafterTrainer(drafter, DrafterTrainConfig(
-                lr=self.tlt.drafter_lr, batch_sequences=self.tlt.drafter_batch, warmup_steps=10,
-                schedule="constant", seed=args.seed))
-        self.controller = None
-        if self.tlt.speculative == "adaptive":
-            threshold = self.tlt.threshold or default_threshold(dev)
-            arms = tuple(a for a in self.tlt.arms if drafter is not None or str(a).startswith(("ngram", "off")))
-            if not arms:
-                raise ValueError("speculative='adaptive' without a drafter needs n-gram arms (e.g. ngram-4)")
-            costs = measure_costs(model, drafter, max_batch=max(1, min(threshold, args.generation_batch_size)))
-            self.controller = AdaptiveController(AdaptiveConfig(threshold=threshold, tuner=TunerConfig(
-                arms=arms, seed=args.seed), on_drafter_change=self.tlt.on_drafter_change), costs, drafter)
-        self.generator = torch.Generator(device=dev).manual_seed(args.seed)
-        self.rng = np.random.default_rng(args.seed)
+        self.buffer, self.drafter_trainer = self._drafter_training()
+        self.spot = SpotTrainer(self.world, self.sched, self.drafter_trainer, self.buffer, self.tlt.drafter_batch)
+        self.controller = self._adaptive_controller()
+        rank_seed = args.seed + 7919 * self.world.rank    # rank 0 samples as one process does
+        self.generator = torch.Generator(device=self.device).manual_seed(rank_seed)
+        if self.buffer is not None:
+            self.buffer.rng = np.random.default_rng(rank_seed)
+        self.rng = np.random.default_rng(args.seed)       # the prompt draw: the same on every worker
         self.step_count = 0
         self.history: list[dict] = []
+        self.world.check_same("configuration", {"fingerprint": self.fingerprint(), "scheduler": asdict(self.sched),
+                                                "max_steps": args.max_steps, "save_steps": args.save_steps,
+                                                "problems": [p.prompt for p in self.problems[:64]]})
 
-    # ------------------------------------------------------------------------------------------------ pieces
+    def _check(self, drafter, scheduler) -> None:
+        args, tlt = self.args, self.tlt
+        if not self.problems:
+            raise ValueError("no training problems")
+        if len(self.problems) < args.prompts_per_step:
+            raise ValueError(f"{len(self.problems)} training problems but a step needs {args.prompts_per_step} "
+                             f"(generation_batch_size {args.generation_batch_size} / num_generations "
+                             f"{args.num_generations}); give more problems or a smaller batch")
+        if not self.reward_funcs:
+            raise ValueError("give at least one reward function")
+        if args.reward_weights is not None and len(args.reward_weights) != len(self.reward_funcs):
+            raise ValueError(f"reward_weights has {len(args.reward_weights)} values for {len(self.reward_funcs)} "
+                             "reward functions")
+        spec = tlt.speculative
+        if spec not in ("adaptive", "off") and SpecStrategy.parse(spec).uses_drafter and drafter is None:
+            raise ValueError(f"speculative={spec!r} needs a learned drafter: pass drafter=... (or use ngram-D)")
+        if scheduler is not None and scheduler.spot_trainer and self.world.size == 1 and tlt.online_drafter \
+                and tlt.drafter_steps < 1:
+            raise ValueError("the spot trainer is on with one worker, where it trains tlt.drafter_steps micro-steps "
+                             "after the update, but drafter_steps is 0: give drafter_steps >= 1 or spot_trainer: false")
+        if drafter is not None:
+            target = {t.data_ptr() for t in self.model.parameters()}
+            shared = [n for n, p in drafter.named_parameters() if p.data_ptr() in target]
+            if shared:
+                raise ValueError(f"drafter parameters {shared} share storage with the target: they would be synced "
+                                 "and trained as the drafter's; keep the target's tensors out of the drafter's "
+                                 "parameters")
+
+    def _drafter_training(self):
+        """(pair buffer, drafter trainer) when the online drafter gets a training budget, else (None, None)."""
+        budget = self.tlt.drafter_steps > 0 or (self.sched.spot_trainer and self.world.size > 1)
+        if self.drafter is None or not self.tlt.online_drafter or not budget:
+            return None, None
+        w = self.model.embed.weight
+        buffer = PairBuffer(self.model.config.hidden_size, PairBufferConfig(
+            max_tokens=self.tlt.buffer_tokens, decay=self.tlt.buffer_decay, seed=self.args.seed), w.dtype, w.device)
+        trainer = DrafterTrainer(self.drafter, DrafterTrainConfig(
+            lr=self.tlt.drafter_lr, batch_sequences=self.tlt.drafter_batch, warmup_steps=10, schedule="constant",
+            seed=self.args.seed))
+        return buffer, trainer
+
+    def _adaptive_controller(self) -> AdaptiveController | None:
+        if self.tlt.speculative != "adaptive":
+            return None
+        threshold = self.tlt.threshold or default_threshold(self.device)
+        arms = tuple(a for a in self.tlt.arms if self.drafter is not None or str(a).startswith(("ngram", "off")))
+        if not arms:
+            raise ValueError("speculative='adaptive' without a drafter needs n-gram arms (e.g. ngram-4)")
+        costs = measure_costs(self.model, self.drafter,
+                              max_batch=max(1, min(threshold, self.args.generation_batch_size)))
+        return AdaptiveController(AdaptiveConfig(threshold=threshold, tuner=TunerConfig(arms=arms, seed=self.args.seed),
+                                                 on_drafter_change=self.tlt.on_drafter_change), costs, self.drafter)
+
     @property
     def strategy(self):
         """What the rollout is given: the controller, a fixed strategy name, or None."""
@@ -187,167 +302,185 @@ class GRPOTrainer:
             return self.controller
         return None if self.tlt.speculative == "off" else self.tlt.speculative
 
-    def _next_problems(self) -> list:
-        idx = self.rng.choice(len(self.problems), size=self.args.prompts_per_step, replace=False)
-        return [self.problems[i] for i in sorted(idx)]
-
-    def _trains_drafter(self) -> bool:
-        """Whether the online drafter gets a training budget (here: ``drafter_steps`` after each update)."""
-        return self.tlt.drafter_steps > 0
-
-    def _shard_offset(self, n: int) -> int:
-        """Index of this process's first completion in the whole batch (one process: 0)."""
-        return 0
-
-    def _policy_logprobs(self, model, batches, prompts, responses) -> list[torch.Tensor]:
-        with torch.no_grad():
-            return [response_logprobs(model, SequenceBatch.build(prompts, responses, g, self.engine.pad_id,
-                                                                 self.device), self.sampling, self.args.logprob_chunk)
-                    for g in batches]
-
-    # ------------------------------------------------------- what data-parallel workers override (scheduler.py)
-    def _rollout(self, prompt_ids):
-        """This process's rollout of ``prompt_ids`` (the data-parallel trainer adds the spot trainer around it)."""
-        return self.engine.generate(prompt_ids, self.generator, progress=self.progress, strategy=self.strategy,
-                                    pairs=self.buffer)
-
-    def _gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Per-completion rows [n, k] of this process -> the whole batch's [N, k] (one process: the same)."""
-        return rows
-
-    def _reduce_gradients(self) -> None:
-        """Sum the policy's gradients over the data-parallel workers (one process: nothing to do)."""
-
-    def _train_drafter(self) -> dict:
-        """The drafter's training for this step: ``drafter_steps`` micro-steps after the update."""
-        dstats: dict = {}
-        if self.drafter_trainer is not None and self.buffer.sequences():
-            for _ in range(self.tlt.drafter_steps):
-                dstats = self.drafter_trainer.step(self.buffer.sample(self.tlt.drafter_batch))
-        return dstats
-
-    def _extra_metrics(self) -> dict:
-        return {}
-
-    def _save_extra(self, folder: Path) -> None:
-        """Write more files into a checkpoint folder being saved (data-parallel workers: each rank's own state)."""
-
-    # --------------------------------------------------------------------------------------------------- step
+    # ------------------------------------------------------------------------------------------- the RL step
     def step(self) -> dict:
         """One RL step; returns its metrics (also appended to :attr:`history`)."""
-        args, model = self.args, self.model
-        G = args.num_generations
-        t_step = time.perf_counter()
-        problems = self._next_problems()
-        prompt_ids = encode_prompts(problems, self.tokenizer)
-        if self.buffer is not None:
-            self.buffer.step = self.step_count
-        model.eval()
-        res = self._rollout(prompt_ids)
-        t_rollout = time.perf_counter() - t_step
+        clock = StepClock()
+        problems = self.next_problems()
+        with clock.phase("rollout"):          # with several workers: until every worker holds the merged drafter
+            res = self.rollout(problems, clock)
+            window = self.spot.idle_window(self.step_count, clock)
+        with clock.phase("reward"):
+            batch = self.score(problems, res)
+        with clock.phase("logprob"):
+            ref_lp, old_lp = self.frozen_logprobs(batch)
+        with clock.phase("update"):
+            losses = self.update(batch, ref_lp, old_lp, clock)
+        with clock.phase("drafter"):
+            drafter_stats = self.train_drafter(window, clock)
+        self.step_count += 1
+        m = self.metrics(res, batch, losses, drafter_stats, clock)
+        if self.world.distributed:
+            m.update(self.spot.metrics(window, clock))
+        self.history.append(m)
+        return m
 
-        t0 = time.perf_counter()
-        n = res.num_sequences
+    def next_problems(self) -> list:
+        """This worker's prompts of the next RL step (the step's draw is the same on every worker)."""
+        idx = self.rng.choice(len(self.problems), size=self.args.prompts_per_step, replace=False)
+        return [self.problems[i] for i in sorted(idx)][self.slice]
+
+    def rollout(self, problems, clock: StepClock | None = None) -> RolloutResult:
+        """``num_generations`` completions of each problem, SD switching on as rows finish; the drafter's pairs
+        stream into the buffer."""
+        t = time.time()
+        if self.buffer is not None:
+            self.buffer.rl_step = self.step_count
+        self.model.eval()
+        res = self.engine.generate(encode_prompts(problems, self.tokenizer), self.generator, progress=self.progress,
+                                   strategy=self.strategy, pairs=self.buffer)
+        if clock is not None:
+            clock.span("rollout", t)
+        return res
+
+    def score(self, problems, res: RolloutResult) -> UpdateBatch:
+        """Rewards of this worker's completions, gathered over the workers; group advantages over the whole
+        batch; this worker's share of them, with its sequences in micro-batches."""
+        args, G, n = self.args, self.args.num_generations, res.num_sequences
         texts = res.texts(self.tokenizer)
         prompts = [problems[i // G].prompt for i in range(n)]
         completions = texts if isinstance(problems[0].prompt, str) else [[{"role": "assistant", "content": t}]
                                                                          for t in texts]
-        columns = {"answer": [problems[i // G].answer for i in range(n)],
-                   "completion_ids": [res.response_ids(i) for i in range(n)]}
-        per_func, rewards = compute_rewards(self.reward_funcs, prompts, completions, columns, args.reward_weights)
         responses = [res.response_ids(i) for i in range(n)]
-        counted = torch.tensor([not (args.mask_truncated_completions and t) for t in res.truncated])
-        # the whole batch (all workers' completions): advantages, loss normalisation and metrics are global
-        rows = self._gather_rows(torch.cat([rewards[:, None].double(), per_func.double(), torch.tensor(
-            [[len(r), len(r) * bool(c)] for r, c in zip(responses, counted)], dtype=torch.float64)], 1))
-        all_rewards, all_per_func = rows[:, 0].float(), rows[:, 1:-2].float()
-        first = self._shard_offset(n)
-        advantages = group_advantages(all_rewards, G, args.scale_rewards)[first:first + n].to(self.device)
-        n_total, batch_tokens = rows.shape[0], int(rows[:, -1].sum())
-        t_reward = time.perf_counter() - t0
-
-        seq_prompts = [prompt_ids[i // G] for i in range(n)]
+        columns = {"answer": [problems[i // G].answer for i in range(n)], "completion_ids": responses}
+        per_func, rewards = compute_rewards(self.reward_funcs, prompts, completions, columns, args.reward_weights)
+        mine = Completions(rewards, per_func, torch.tensor([len(r) for r in responses]),
+                           torch.tensor([not (args.mask_truncated_completions and t) for t in res.truncated]))
+        whole = mine.gather(self.world, "reached the all-gather of rewards and statistics")
+        first = self.world.rank * n
+        advantages = group_advantages(whole.reward, G, args.scale_rewards)[first:first + n].to(self.device)
+        seq_prompts = [res.prompt_ids[i // G] for i in range(n)]
         lengths = [len(p) + len(r) for p, r in zip(seq_prompts, responses)]
-        batches = micro_batches(lengths, args.micro_batch_tokens)
-        t0 = time.perf_counter()
-        ref_lp = self._policy_logprobs(self.reference, batches, seq_prompts, responses) if self.reference else None
-        old_lp = self._policy_logprobs(model, batches, seq_prompts, responses) if args.num_iterations > 1 else None
-        t_logprob = time.perf_counter() - t0
+        return UpdateBatch(seq_prompts, responses, advantages, micro_batches(lengths, args.micro_batch_tokens),
+                           whole, mine)
 
-        t0 = time.perf_counter()
+    @torch.no_grad()
+    def frozen_logprobs(self, batch: UpdateBatch):
+        """(reference policy's, old policy's) per-token log-probabilities per micro-batch, or None where unused
+        (``beta == 0``; ``num_iterations == 1``, where the old policy is the current one)."""
+        def logprobs(model):
+            return [response_logprobs(model, batch.sequence_batch(g, self.engine.pad_id, self.device), self.sampling,
+                                      self.args.logprob_chunk) for g in batch.micro_batches]
+        ref = logprobs(self.reference) if self.reference is not None else None
+        old = logprobs(self.model) if self.args.num_iterations > 1 else None
+        return ref, old
+
+    def update(self, batch: UpdateBatch, ref_lp=None, old_lp=None, clock: StepClock | None = None) -> LossStats:
+        """``num_iterations`` AdamW steps of the clipped GRPO loss, each over all micro-batches (gradients summed
+        over the workers). A non-finite gradient norm raises before the step is applied."""
+        args, model = self.args, self.model
         model.train()
-        stats = torch.zeros(3, dtype=torch.float64)          # loss, kl, clipped tokens (sums over this worker)
+        local = LossStats()
         for _ in range(args.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
-            for k, g in enumerate(batches):
-                mb = SequenceBatch.build(seq_prompts, responses, g, self.engine.pad_id, self.device)
-                lp = response_logprobs(model, mb, self.sampling, args.logprob_chunk)
-                mask = mb.response_mask() & counted[g].to(self.device)[:, None]
-                old = old_lp[k] if old_lp is not None else lp.detach()
-                per_token, clipped = clipped_token_loss(lp, old, advantages[g], args.epsilon, args.clip_high)
-                if ref_lp is not None:
-                    kl = kl_k3(lp, ref_lp[k])
-                    per_token = per_token + args.beta * kl
-                    stats[1] += float((kl.detach() * mask).sum()) / max(batch_tokens, 1) / args.num_iterations
-                loss = aggregate_loss(per_token, mask, args.loss_type, n_total, batch_tokens,
-                                      args.max_completion_length)
-                loss.backward()
-                stats[0] += float(loss.detach()) / args.num_iterations
-                stats[2] += float((clipped & mask).sum()) / max(batch_tokens, 1) / args.num_iterations
-            self._reduce_gradients()
+            for k, g in enumerate(batch.micro_batches):
+                self._accumulate(batch, k, g, ref_lp, old_lp, local)
+            t = time.time()
+            self.world.sum_gradients([p for p in model.parameters() if p.requires_grad],
+                                     "reached the update's gradient all-reduce")
+            if clock is not None:
+                clock.span("update sync", t)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                   args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
             if not math.isfinite(float(norm)):
                 self.optimizer.zero_grad(set_to_none=True)
                 raise FloatingPointError(
                     f"RL step {self.step_count + 1}: the policy's gradient norm is {float(norm)} (loss "
-                    f"{float(stats[0]):.4g}): the update diverged and was not applied; lower learning_rate (now "
+                    f"{local.loss:.4g}): the update diverged and was not applied; lower learning_rate (now "
                     f"{args.learning_rate:g}) or set max_grad_norm, and resume from the last checkpoint")
             self.optimizer.step()
         model.eval()
         self.optimizer.zero_grad(set_to_none=True)
-        t_update = time.perf_counter() - t0
-        stats = self._gather_rows(stats[None]).sum(0)
+        sums = self.world.gather({k: torch.tensor([getattr(local, k)], dtype=torch.float64)
+                                  for k in ("loss", "kl", "clip_frac")}, "reached the all-gather of the loss statistics")
+        return LossStats(**{k: float(v.sum()) for k, v in sums.items()}, grad_norm=float(norm))
 
-        t0 = time.perf_counter()
-        dstats = self._train_drafter()
-        t_drafter = time.perf_counter() - t0
+    def _accumulate(self, batch: UpdateBatch, k: int, g: list, ref_lp, old_lp, stats: LossStats) -> None:
+        """Forward and backward of micro-batch ``k`` (this worker's completions ``g``); adds its share of the loss
+        statistics to ``stats``."""
+        args = self.args
+        n_total, tokens = len(batch.whole.reward), batch.whole.counted_tokens
+        mb = batch.sequence_batch(g, self.engine.pad_id, self.device)
+        lp = response_logprobs(self.model, mb, self.sampling, args.logprob_chunk)
+        mask = mb.response_mask() & batch.mine.counted[g].to(self.device)[:, None]
+        old = old_lp[k] if old_lp is not None else lp.detach()
+        per_token, clipped = clipped_token_loss(lp, old, batch.advantages[g], args.epsilon, args.clip_high)
+        if ref_lp is not None:
+            kl = kl_k3(lp, ref_lp[k])
+            per_token = per_token + args.beta * kl
+            stats.kl += float((kl.detach() * mask).sum()) / max(tokens, 1) / args.num_iterations
+        loss = aggregate_loss(per_token, mask, args.loss_type, n_total, tokens, args.max_completion_length)
+        loss.backward()
+        stats.loss += float(loss.detach()) / args.num_iterations
+        stats.clip_frac += float((clipped & mask).sum()) / max(tokens, 1) / args.num_iterations
 
-        self.step_count += 1
-        update_tokens = sum(lengths) * args.num_iterations
+    def train_drafter(self, window: SpotWindow | None = None, clock: StepClock | None = None) -> dict:
+        """The online drafter's training of this step: none when the spot trainer trained it in the idle window
+        (its ``drafter/*`` statistics are returned); else ``drafter_steps`` micro-steps, merged over the workers."""
+        if self.spot.active:
+            return window.stats if window is not None else {}
+        t, version = time.time(), getattr(self.drafter, "version", 0)
+        stats: dict = {}
+        if self.drafter_trainer is not None and self.buffer.sequences():
+            for _ in range(self.tlt.drafter_steps):
+                stats = self.drafter_trainer.micro_step(self.buffer.sample(self.tlt.drafter_batch))
+        if self.world.size > 1 and self.drafter_trainer is not None:
+            self.spot.sync(self.tlt.drafter_steps if self.buffer.sequences() else 0, version)
+        if clock is not None:
+            clock.span("drafter", t)
+        return stats
+
+    def metrics(self, res: RolloutResult, batch: UpdateBatch, losses: LossStats, drafter_stats: dict,
+                clock: StepClock) -> dict:
+        """The step's metrics: ``rl/*`` of the whole batch, this worker's ``rollout/*``, ``spec/*``, ``drafter/*``,
+        ``update/*`` and ``time/*``."""
+        whole, lengths = batch.whole, batch.lengths
+        update_tokens = sum(lengths) * self.args.num_iterations
         acc = next((j for j, f in enumerate(self.reward_funcs) if f is accuracy_reward), None)
-        m = {"rl/step": self.step_count, "rl/reward_mean": float(all_rewards.mean()),
-             "rl/reward_std": float(all_rewards.std()),
-             "rl/accuracy": float((all_per_func[:, acc] >= 1.0).float().mean()) if acc is not None else float("nan"),
-             "rl/loss": float(stats[0]), "rl/kl": float(stats[1]),
-             "rl/clip_frac": float(stats[2]), "rl/grad_norm": float(norm),
-             "rl/completion_len_mean": float(rows[:, -2].mean()),
-             **{f"rl/reward/{reward_name(f)}": float(np.nanmean(all_per_func[:, j].numpy()))
-                for j, f in enumerate(self.reward_funcs)},
-             **res.stats, **{k: v for k, v in dstats.items()},
-             "drafter/version": float(getattr(self.drafter, "version", 0)),
-             "drafter/buffer_pairs": float(self.buffer.num_pairs if self.buffer is not None else 0),
-             "update/tokens": float(update_tokens),
-             "update/padding_frac": 1 - sum(lengths) / padded_tokens(lengths, batches),
-             "update/tokens_per_s": update_tokens / max(t_update, 1e-9),
-             "time/rollout_s": t_rollout, "time/reward_s": t_reward, "time/logprob_s": t_logprob,
-             "time/update_s": t_update, "time/drafter_s": t_drafter, "time/step_s": time.perf_counter() - t_step,
-             **self._extra_metrics()}
-        self.history.append(m)
-        return m
+        update_s = clock.phases["update"]
+        return {"rl/step": self.step_count, "rl/reward_mean": float(whole.reward.mean()),
+                "rl/reward_std": float(whole.reward.std()),
+                "rl/accuracy": float((whole.per_func[:, acc] >= 1.0).float().mean()) if acc is not None
+                else float("nan"),
+                "rl/loss": losses.loss, "rl/kl": losses.kl, "rl/clip_frac": losses.clip_frac,
+                "rl/grad_norm": losses.grad_norm, "rl/completion_len_mean": float(whole.length.double().mean()),
+                **{f"rl/reward/{reward_name(f)}": float(np.nanmean(whole.per_func[:, j].numpy()))
+                   for j, f in enumerate(self.reward_funcs)},
+                **res.stats, **drafter_stats,
+                "drafter/version": float(getattr(self.drafter, "version", 0)),
+                "drafter/buffer_pairs": float(self.buffer.num_pairs if self.buffer is not None else 0),
+                "update/tokens": float(update_tokens),
+                "update/padding_frac": 1 - sum(lengths) / padded_tokens(lengths, batch.micro_batches),
+                "update/tokens_per_s": update_tokens / max(update_s, 1e-9), **clock.metrics()}
 
+    # ---------------------------------------------------------------------------------------------- around
     @torch.no_grad()
     def evaluate(self, problems, strategy: str | None = "chain-8") -> dict:
-        """Held-out accuracy with greedy decoding (``eval/*``). With a drafter the rollout uses ``strategy``
-        (speculative decoding is exact at temperature 0, so only the time changes); the tuner learns nothing."""
-        engine = RolloutEngine(self.model, RolloutConfig(replace(self.sampling, temperature=0.0), group_size=1),
-                               drafter=self.drafter)
-        res = engine.generate(encode_prompts(problems, self.tokenizer),
-                              strategy=strategy if self.drafter is not None else None)
-        texts = res.texts(self.tokenizer)
-        return {"eval/accuracy": float(np.mean([accuracy_reward([p.prompt], [t], [p.answer])[0]
-                                                for p, t in zip(problems, texts)])),
-                "eval/len_mean": float(res.lengths.float().mean())}
+        """Held-out accuracy with greedy decoding (``eval/*``), each worker evaluating its share. With a drafter
+        the rollout uses ``strategy`` (speculative decoding is exact at temperature 0, so only the time changes);
+        the tuner learns nothing."""
+        mine = problems[self.world.rank::self.world.size]
+        m = {"eval/accuracy": 0.0, "eval/len_mean": 0.0}
+        if mine:
+            engine = RolloutEngine(self.model, RolloutConfig(replace(self.sampling, temperature=0.0), group_size=1),
+                                   drafter=self.drafter)
+            res = engine.generate(encode_prompts(mine, self.tokenizer),
+                                  strategy=strategy if self.drafter is not None else None)
+            texts = res.texts(self.tokenizer)
+            m = {"eval/accuracy": float(np.mean([accuracy_reward([p.prompt], [t], [p.answer])[0]
+                                                 for p, t in zip(mine, texts)])),
+                 "eval/len_mean": float(res.lengths.float().mean())}
+        return self.world.average(m, len(mine))
 
     def train(self, steps: int | None = None, on_step=None, save_to: str | os.PathLike | None = None) -> list[dict]:
         """Run ``steps`` more RL steps (default: up to ``args.max_steps``); ``on_step(metrics)`` after each; with
@@ -364,51 +497,83 @@ class GRPOTrainer:
             self.save(save_to)
         return out
 
+    def weights_digest(self) -> str:
+        """sha256 of the policy's weights (equal on every worker after every step)."""
+        h = hashlib.sha256()
+        for k, v in sorted(self.model.state_dict().items()):
+            h.update(k.encode())
+            h.update(v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
     # --------------------------------------------------------------------------------------------- checkpoint
     def fingerprint(self) -> dict:
-        """What a checkpoint must match to be resumed here (the model's shape, the RL and TLT settings)."""
+        """What a checkpoint must match to be resumed here (the model's shape, the RL and TLT settings; with
+        several workers also their number, as each one's state is saved, and the scheduler settings that change
+        what is trained — budgets and timeouts may change on resume)."""
         args = {k: v for k, v in _config_dict(self.args).items() if k not in ("max_steps", "save_steps")}
-        return {"model": self.model.config.to_hf(), "grpo": args, "tlt": _config_dict(self.tlt),
-                "drafter": self.drafter is not None, "rewards": [reward_name(f) for f in self.reward_funcs]}
+        out = {"model": self.model.config.to_hf(), "grpo": args, "tlt": _config_dict(self.tlt),
+               "drafter": self.drafter is not None, "rewards": [reward_name(f) for f in self.reward_funcs]}
+        if self.world.distributed:
+            out.update(world=self.world.size, scheduler={"spot_trainer": self.sched.spot_trainer,
+                                                         "train_on": self.sched.train_on})
+        return out
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write a checkpoint folder atomically (a temporary folder renamed over ``path``; other files there, such
-        as the run's metrics.jsonl, are carried over)."""
-        from safetensors.torch import save_file
+        as the run's metrics.jsonl, are carried over). With several workers each one's own state (sampling
+        generator, pair buffer, tuner) is staged beside it first and moved in by rank 0."""
+        path = Path(path).resolve()
+        staged = self._stage_worker_state(path)
+        if self.world.rank == 0:
+            with atomic_folder(path, keep_existing=True) as tmp:
+                self._write_checkpoint(tmp, path)
+                for k, f in enumerate(staged):
+                    f.replace(tmp / f"rank{k}.pt")
+        self.world.barrier()
+        return path
 
-        from .fileio import atomic_folder
-        with atomic_folder(path, keep_existing=True) as tmp:
-            meta = {"format": CHECKPOINT_FORMAT, "step": self.step_count, "fingerprint": self.fingerprint(),
-                    "numpy_rng": self.rng.bit_generator.state, "history": self.history,
-                    "controller": self.controller.state_dict() if self.controller is not None else None,
-                    "drafter_version": getattr(self.drafter, "version", None),
-                    "drafter_steps_done": self.drafter_trainer.steps_done if self.drafter_trainer else None}
-            (tmp / "trainer_state.json").write_text(json.dumps(meta, default=float) + "\n")
-            save_file({k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()},
-                      str(tmp / "policy.safetensors"))
-            tensors = {"optimizer": self.optimizer.state_dict(), "generator": self.generator.get_state()}
-            if self.reference is not None:
-                tensors["reference"] = self.reference.state_dict()
-            if self.drafter is not None:
-                tensors["drafter"] = self.drafter.state_dict()
-            if self.drafter_trainer is not None:
-                tensors["drafter_optimizer"] = self.drafter_trainer.opt.state_dict()
-            if self.buffer is not None:
-                tensors["buffer"] = self.buffer.state_dict()
-            torch.save(tensors, tmp / "state.pt")
-            self._save_extra(tmp)
-            digest = hashlib.sha256(json.dumps(meta["fingerprint"], sort_keys=True).encode()).hexdigest()[:16]
-            (tmp / "README.md").write_text(f"# tltlib GRPO checkpoint\n\nStep {self.step_count}; configuration "
-                                           f"{digest}. Resume with `python -m tltlib train-grpo --params <the file that "
-                                           f"started it> --resume {path}`.\n")
-        return Path(path)
+    def _stage_worker_state(self, path: Path) -> list[Path]:
+        """Several workers: every worker writes its own state beside ``path``; returns all their files."""
+        if self.world.size == 1:
+            return []
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staged = [path.parent / f".{path.name}-rank{k}-step{self.step_count}.pt" for k in range(self.world.size)]
+        mine = staged[self.world.rank]
+        tmp = mine.with_name(mine.name + ".part")
+        torch.save({"generator": self.generator.get_state(),
+                    "buffer": self.buffer.state_dict() if self.buffer is not None else None,
+                    "controller": self.controller.state_dict() if self.controller is not None else None}, tmp)
+        tmp.replace(mine)
+        self.world.barrier()
+        return staged
+
+    def _write_checkpoint(self, tmp: Path, path: Path) -> None:
+        meta = {"format": CHECKPOINT_FORMAT, "step": self.step_count, "fingerprint": self.fingerprint(),
+                "numpy_rng": self.rng.bit_generator.state, "history": self.history,
+                "controller": self.controller.state_dict() if self.controller is not None else None,
+                "drafter_version": getattr(self.drafter, "version", None),
+                "drafter_steps_done": self.drafter_trainer.steps_done if self.drafter_trainer else None}
+        (tmp / "trainer_state.json").write_text(json.dumps(meta, default=float) + "\n")
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()},
+                  str(tmp / "policy.safetensors"))
+        tensors = {"optimizer": self.optimizer.state_dict(), "generator": self.generator.get_state()}
+        if self.reference is not None:
+            tensors["reference"] = self.reference.state_dict()
+        if self.drafter is not None:
+            tensors["drafter"] = self.drafter.state_dict()
+        if self.drafter_trainer is not None:
+            tensors["drafter_optimizer"] = self.drafter_trainer.opt.state_dict()
+        if self.buffer is not None:
+            tensors["buffer"] = self.buffer.state_dict()
+        torch.save(tensors, tmp / "state.pt")
+        digest = hashlib.sha256(json.dumps(meta["fingerprint"], sort_keys=True).encode()).hexdigest()[:16]
+        (tmp / "README.md").write_text(f"# tltlib GRPO checkpoint\n\nStep {self.step_count}; configuration "
+                                       f"{digest}. Resume with `python -m tltlib train-grpo --params <the file that "
+                                       f"started it> --resume {path}`.\n")
 
     def load(self, path: str | os.PathLike) -> "GRPOTrainer":
         """Restore a checkpoint written by :meth:`save` (refused, with the differences named, when it comes from
         another model or configuration)."""
-        from safetensors.torch import load_file
-
-        from .fileio import read_json
         path = Path(path)
         state_file = path / "trainer_state.json"
         if not state_file.is_file():
@@ -441,15 +606,19 @@ class GRPOTrainer:
             self.controller.load_state_dict(meta["controller"])
         self.rng.bit_generator.state = meta["numpy_rng"]
         self.step_count, self.history = meta["step"], list(meta["history"])
+        if self.world.size > 1:                       # this worker's own state
+            st = torch.load(path / f"rank{self.world.rank}.pt", map_location="cpu", weights_only=False)
+            self.generator.set_state(st["generator"])
+            if self.buffer is not None:
+                self.buffer.load_state_dict(st["buffer"])
+            if self.controller is not None:
+                self.controller.load_state_dict(st["controller"])
         return self
 
 
 def load_weights(path: str | os.PathLike, model, drafter=None) -> dict:
     """Load the policy (and the drafter) of a checkpoint written by :meth:`GRPOTrainer.save` into ``model`` (and
     ``drafter``) without a trainer, e.g. to probe a finished run; returns its ``trainer_state.json``."""
-    from safetensors.torch import load_file
-
-    from .fileio import read_json
     path = Path(path)
     if not (path / "trainer_state.json").is_file():
         raise FileNotFoundError(f"{str(path)!r} is not a tltlib GRPO checkpoint (no trainer_state.json)")

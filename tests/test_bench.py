@@ -1,0 +1,113 @@
+"""The bench scripts' command line: a bad flag stops a bench before anything loads with one line naming the flag and
+the fix (never a traceback), also after the re-exec that sets the malloc environment; the shared flag checks."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import _common  # noqa: E402
+
+
+def bench(out: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python -m tltlib bench ARGS --out OUT`` as a user runs it (without the malloc settings: it re-executes)."""
+    env = {k: v for k, v in os.environ.items() if k not in _common.MALLOC}
+    env["TLTLIB_NO_VENV"] = "1"
+    return subprocess.run([sys.executable, "-m", "tltlib", "bench", *args, "--out", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def assert_one_line_error(out: subprocess.CompletedProcess, *expected: str) -> None:
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr
+    first = out.stderr.strip().splitlines()[0]
+    assert first.startswith("error: "), out.stderr
+    for text in expected:
+        assert text in first, out.stderr
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["decode", "--batches", "a,b"], ["argument --batches", "'a' is not a positive integer", "such as 1,16,64"]),
+    (["decode", "--batches", "0"], ["argument --batches", "'0' is not a positive integer"]),
+    (["decode", "--repeats", "0"], ["argument --repeats", "'0' is not a positive integer"]),
+    (["verify_cost", "--tokens", "2,x"], ["argument --tokens", "'x' is not a positive integer"]),
+    (["speculative", "--temperatures", "0,-1"], ["argument --temperatures", "'-1' is not a temperature"]),
+    (["speculative", "--strategies", "chain-4;chain"], ["argument --strategies", "cannot read speculative strategy",
+                                                        "';'-separated list"]),
+    (["long_tail_rollout", "--arms", "off;ngram-4"], ["argument --arms", "no chain or tree strategy"]),
+    (["graphs", "--batches", "1,,4"], ["argument --batches", "'' is not a positive integer"]),
+    (["decode", "--model", "no/such/model"], ["argument --model", "no model folder 'no/such/model'"]),
+    (["speculative", "--drafter", "no/such/drafter"], ["argument --drafter", "data/tiny-reasoner-drafter"]),
+    (["e2e_grpo", "--replot", "no/such.json"], ["argument --replot", "no file 'no/such.json'"]),
+])
+def test_a_bad_flag_is_one_line_before_anything_loads(args, expected, tmp_path):
+    assert_one_line_error(bench(tmp_path, *args), *expected)
+    assert not any(tmp_path.iterdir())                              # nothing ran
+
+
+def test_a_library_error_after_the_malloc_reexec_is_still_one_line(tmp_path):
+    # the re-exec runs `python -m tltlib bench ...` again, so tltlib's CLI still turns tltlib's error into a line
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    out = bench(tmp_path, "e2e_grpo", "--replot", str(bad))
+    assert_one_line_error(out, f"{bad} is not valid JSON", "e2e_grpo-*.json")
+    assert len(out.stderr.strip().splitlines()) == 2               # the error and the --debug hint
+
+
+def test_list_flags_keep_their_text_and_parse_their_items():
+    batches = _common.listed(_common.positive_int, "1,4")("1, 16,64")
+    assert batches == "1, 16,64" and batches.items == (1, 16, 64)
+    assert json.dumps({"batches": batches}, indent=1) == '{\n "batches": "1, 16,64"\n}'   # settings as typed
+    temps = _common.listed(_common.temperature, "0,0.9")("0,0.9")
+    assert temps.items == (0.0, 0.9) and all(isinstance(t, float) for t in temps.items)
+    strategies = _common.listed(_common.strategy, "chain-4", sep=";")("off;chain-4;tree-6x4-24")
+    assert [s.name for s in strategies.items][1:] == ["chain-4", "tree-6x4-24"]
+    assert not strategies.items[0].enabled
+    with pytest.raises(argparse.ArgumentTypeError, match=r"'x' is not a positive integer; give a comma-separated "
+                                                         r"list such as 1,4$"):
+        _common.listed(_common.positive_int, "1,4")("2,x")
+    with pytest.raises(argparse.ArgumentTypeError, match="';'-separated list such as chain-4"):
+        _common.listed(_common.strategy, "chain-4", sep=";")("chain-4;chain-0")
+
+
+@pytest.mark.parametrize("check, good, bad", [
+    (_common.positive_int, [("1", 1), ("64", 64)], ["0", "-2", "1.5", "x", ""]),
+    (_common.nonnegative_int, [("0", 0), ("7", 7)], ["-1", "x"]),
+    (_common.temperature, [("0", 0.0), ("0.9", 0.9)], ["-0.1", "nan", "inf", "warm"]),
+    (_common.positive_float, [("1e-4", 1e-4)], ["0", "-1", "nan", "inf", "x"]),
+])
+def test_number_checks(check, good, bad):
+    for text, value in good:
+        assert check(text) == value
+    for text in bad:
+        with pytest.raises(argparse.ArgumentTypeError, match=repr(text)):
+            check(text)
+
+
+def test_parser_errors_are_one_line_with_exit_status_1(capsys):
+    ap = _common.bench_parser("A bench.\n\nMore.")
+    ap.add_argument("--batches", default="1,4", type=_common.listed(_common.positive_int, "1,4"))
+    assert ap.parse_args([]).batches.items == (1, 4)                # string defaults are checked and parsed too
+    with pytest.raises(SystemExit) as e:
+        ap.parse_args(["--batches", "1,0"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err == "error: argument --batches: '0' is not a positive integer; give a comma-separated list such as " \
+                  "1,4 (see --help)\n"
+
+
+def test_malloc_reexec_repeats_the_command_that_started_the_bench(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["/r/bench/decode.py", "--batches", "1"])
+    monkeypatch.setattr(sys, "orig_argv", ["py", "-u", "-m", "tltlib", "bench", "decode", "--batches", "1"])
+    assert _common._command_args() == ["-u", "-m", "tltlib", "bench", "decode", "--batches", "1"]
+    monkeypatch.setattr(sys, "orig_argv", ["py", "/r/bench/decode.py", "--batches", "1"])
+    assert _common._command_args() == ["/r/bench/decode.py", "--batches", "1"]
+    monkeypatch.setattr(sys, "orig_argv", ["py", "-m", "pytest", "tests"])   # run in-process from another tool
+    assert _common._command_args() == ["/r/bench/decode.py", "--batches", "1"]
