@@ -1,11 +1,16 @@
-"""Shared benchmark plumbing: allocator settings, machine/version info, timing, JSON + markdown output.
+"""Shared benchmark plumbing: the command line (common flags, checked values, one-line errors), allocator
+settings, loading, machine/version info, timing, JSON + markdown output.
 
 Every bench script runs the competitors side by side in one process, warms up first, reports medians and ratios,
 prints a markdown table last and writes ``bench/results/<name>.json`` + ``.md`` with the machine and versions.
+A bad flag stops the script before anything loads, with one line ``error: argument --FLAG: what is wrong; what to
+give`` and exit status 1 (run directly or as ``python -m tltlib bench NAME``).
 """
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -13,15 +18,189 @@ import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
+MODEL = "data/tiny-reasoner"
+DRAFTER = "data/tiny-reasoner-drafter"
 
 
 def ensure_malloc_env() -> None:
-    """Re-exec with glibc malloc settings that avoid the ~2x slower first large batch on CPU (DESIGN.md)."""
+    """Re-exec with glibc malloc settings that avoid the ~2x slower first large batch on CPU (DESIGN.md).
+
+    The same command line runs again: ``python -m tltlib bench NAME ...`` stays under tltlib's CLI (whose errors are
+    one line), a script run directly stays a direct run."""
     if any(os.environ.get(k) != v for k, v in MALLOC.items()):
         os.environ.update(MALLOC)
-        os.execv(sys.executable, [sys.executable, *sys.argv])
+        os.execv(sys.executable, [sys.executable, *_command_args()])
+
+
+def _command_args() -> list[str]:
+    """The interpreter's arguments that started this bench: the original ``-m tltlib ...`` ones when it came through
+    tltlib's CLI (``sys.argv`` then holds only the script and its flags), else the script and its flags."""
+    orig = getattr(sys, "orig_argv", [])
+    if "-m" in orig and orig[orig.index("-m") + 1:orig.index("-m") + 2] == ["tltlib"]:
+        return orig[1:]
+    return sys.argv
+
+
+class BenchParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line on stderr, ``error: argument --FLAG: ...``, and exit status 1: the
+    form every other error of ``python -m tltlib`` takes (argparse's default prints the usage first and exits 2)."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(1)
+
+
+def bench_parser(doc: str) -> BenchParser:
+    """The parser of a bench script, described by the first line of its module docstring ``doc``."""
+    return BenchParser(description=doc.split("\n")[0])
+
+
+def parse_bench_args(ap: argparse.ArgumentParser, argv: list[str] | None = None, malloc: bool = True):
+    """Re-exec with the malloc settings first when ``malloc`` (cheap: nothing heavy is imported yet), then parse the
+    flags: a bad one stops here, before any model loads."""
+    if malloc:
+        ensure_malloc_env()
+    return ap.parse_args(argv)
+
+
+def add_model_flags(ap: argparse.ArgumentParser, drafter: str | None = None, drafter_help: str | None = None,
+                    model: str | None = MODEL, model_help: str | None = None) -> None:
+    """``--model`` (a checkpoint folder, default ``model``) and ``--drafter`` when ``drafter`` is its default; a
+    folder that is not there stops the parse."""
+    ap.add_argument("--model", default=model, type=folder("model", MODEL), help=model_help)
+    if drafter is not None:
+        ap.add_argument("--drafter", default=drafter, type=folder("drafter", DRAFTER), help=drafter_help)
+
+
+def add_device_flags(ap: argparse.ArgumentParser, device: str = "auto", dtype: str = "float32") -> None:
+    """``--device`` (checked by tltlib's loader) and ``--dtype``."""
+    ap.add_argument("--device", default=device)
+    ap.add_argument("--dtype", default=dtype, choices=["float32", "bfloat16"])
+
+
+def add_output_flags(ap: argparse.ArgumentParser, repeats: int | None = None, out_help: str | None = None) -> None:
+    """``--repeats`` (timed rounds, when ``repeats`` is its default) and ``--out`` (results folder)."""
+    if repeats is not None:
+        ap.add_argument("--repeats", type=positive_int, default=repeats)
+    ap.add_argument("--out", default=None, help=out_help)
+
+
+class Listed(str):
+    """A list flag exactly as typed (what the results' settings record) with its checked, parsed ``items``."""
+
+    items: tuple = ()
+
+
+def _number(text: str, kind, ok, what: str):
+    """``kind(text)`` when it parses and passes ``ok``, else an argparse error saying it is not ``what``."""
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """``text`` as an int >= 1 (an argparse ``type``)."""
+    return _number(text, int, lambda v: v >= 1, "a positive integer")
+
+
+def nonnegative_int(text: str) -> int:
+    """``text`` as an int >= 0 (an argparse ``type``)."""
+    return _number(text, int, lambda v: v >= 0, "an integer >= 0")
+
+
+def temperature(text: str) -> float:
+    """``text`` as a sampling temperature, a finite float >= 0 (an argparse ``type``)."""
+    return _number(text, float, lambda v: 0 <= v < math.inf, "a temperature (a number >= 0)")
+
+
+def positive_float(text: str) -> float:
+    """``text`` as a finite float > 0 (an argparse ``type``)."""
+    return _number(text, float, lambda v: 0 < v < math.inf, "a number > 0")
+
+
+def strategy_name(text: str) -> str:
+    """``text`` when it names a speculative strategy (``off``, ``chain-D``, ``ngram-D``, ``tree-DxK-N``)."""
+    from tltlib.speculative import SpecStrategy
+    try:
+        SpecStrategy.parse(text)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def strategy(text: str):
+    """``text`` as a :class:`tltlib.speculative.SpecStrategy` (an argparse ``type`` or a :func:`listed` item)."""
+    from tltlib.speculative import SpecStrategy
+    return SpecStrategy.parse(strategy_name(text))
+
+
+def listed(item, example: str, sep: str = ","):
+    """An argparse ``type`` for a ``sep``-separated list of ``item`` values (``item``: one of the checks above):
+    returns a :class:`Listed`; a bad entry is named, with ``example`` as the fix."""
+    def parse(text: str) -> Listed:
+        values = []
+        for part in text.split(sep):
+            try:
+                values.append(item(part.strip()))
+            except argparse.ArgumentTypeError as e:
+                what = "comma" if sep == "," else repr(sep)
+                raise argparse.ArgumentTypeError(f"{e}; give a {what}-separated list such as {example}") from None
+        out = Listed(text)
+        out.items = tuple(values)
+        return out
+    return parse
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """A path as given if it exists (or is absolute), else under the project root: where tltlib's loaders look, so
+    ``data/tiny-reasoner`` works from any folder."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() or p.exists() else ROOT / p
+
+
+def folder(what: str, example: str):
+    """An argparse ``type`` for a ``what`` folder (see :func:`resolve`); returns the text as given."""
+    def check(text: str) -> str:
+        if not resolve(text).is_dir():
+            raise argparse.ArgumentTypeError(f"no {what} folder {text!r}; give a local {what} folder such as "
+                                             f"{example}")
+        return text
+    return check
+
+
+def existing_file(text: str) -> str:
+    """``text`` when it names a file (an argparse ``type``)."""
+    if not Path(text).expanduser().is_file():
+        raise argparse.ArgumentTypeError(f"no file {text!r}")
+    return text
+
+
+def use_all_cores() -> None:
+    """torch on every core: the benchmark sets it, the library never does (DESIGN.md)."""
+    import torch
+    torch.set_num_threads(os.cpu_count() or 1)
+
+
+def load_models(args, drafter: bool = False, device: str | None = None, all_cores: bool = True):
+    """tltlib's ``load`` of ``args.model`` (and ``args.drafter``) on ``device`` (default ``args.device``) in
+    ``args.dtype``, with torch on every core first when ``all_cores``; returns ``(model, tokenizer, drafter)``
+    (``drafter`` None without one)."""
+    from tltlib import load
+    if all_cores:
+        use_all_cores()
+    return load(args.model, args.drafter if drafter else None, device=device or args.device, dtype=args.dtype)
+
+
+def result_name(bench: str, device: str, dtype: str, suffix: str = "") -> str:
+    """``<bench>-<device kind>-<dtype><suffix>``, the stem of a results file (``cuda:1`` counts as ``cuda``)."""
+    return f"{bench}-{device.split(':')[0]}-{dtype}{suffix}"
 
 
 def machine_info(device: str) -> dict:

@@ -25,89 +25,89 @@ every worker holds the merged drafter). ``--seeds`` and ``--trl-steps`` do not a
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ensure_malloc_env, machine_info, markdown_table, write_results  # noqa: E402
+from _common import (DRAFTER, add_device_flags, add_model_flags, add_output_flags, bench_parser,  # noqa: E402
+                     existing_file, load_models, machine_info, markdown_table, nonnegative_int, parse_bench_args,
+                     positive_float, positive_int, resolve, result_name, strategy_name, temperature, write_results)
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="data/tiny-reasoner")
-    ap.add_argument("--drafter", default="data/tiny-reasoner-drafter", help="TLT's warm drafter (trained online)")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--steps", type=int, default=8, help="RL steps per seed")
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--prompts", type=int, default=16, help="prompts per step (x --group completions)")
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--max-new", type=int, default=720)
-    ap.add_argument("--temperature", type=float, default=0.9)
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--micro-batch-tokens", type=int, default=2048)
-    ap.add_argument("--drafter-steps", type=int, default=6)
-    ap.add_argument("--drafter-batch", type=int, default=4)
-    ap.add_argument("--threshold", type=int, default=0, help="SD switch (0 = the device default)")
+
+def parse_args(argv: list[str] | None = None):
+    ap = bench_parser(__doc__)
+    add_model_flags(ap, drafter=DRAFTER, drafter_help="TLT's warm drafter (trained online)")
+    add_device_flags(ap)
+    ap.add_argument("--steps", type=positive_int, default=8, help="RL steps per seed")
+    ap.add_argument("--seeds", type=positive_int, default=3)
+    ap.add_argument("--prompts", type=positive_int, default=16, help="prompts per step (x --group completions)")
+    ap.add_argument("--group", type=positive_int, default=8)
+    ap.add_argument("--max-new", type=positive_int, default=720)
+    ap.add_argument("--temperature", type=temperature, default=0.9)
+    ap.add_argument("--lr", type=positive_float, default=1e-4)
+    ap.add_argument("--micro-batch-tokens", type=positive_int, default=2048)
+    ap.add_argument("--drafter-steps", type=nonnegative_int, default=6)
+    ap.add_argument("--drafter-batch", type=positive_int, default=4)
+    ap.add_argument("--threshold", type=nonnegative_int, default=0, help="SD switch (0 = the device default)")
     ap.add_argument("--on-drafter-change", default="reset", choices=["reset", "keep"],
                     help="the tuner's reward windows of the drafter's arms after it trains: re-explore or keep")
-    ap.add_argument("--held-out", type=int, default=128, help="held-out problems for the final accuracy")
-    ap.add_argument("--probe", type=int, default=16, help="probe prompts for the accepted-length curves (0 = off)")
-    ap.add_argument("--probe-strategy", default="chain-8")
-    ap.add_argument("--trl-steps", type=int, default=2, help="TRL GRPOTrainer steps (0 = skip the peer)")
-    ap.add_argument("--workers", type=int, default=0, help="data-parallel workers under torchrun (0 = one process)")
-    ap.add_argument("--spot-max", type=int, default=200, help="with --workers: the spot trainer's micro-step budget")
-    ap.add_argument("--pairs", default="own", choices=["own", "all"], help="with --workers: the spot trainer's data")
+    ap.add_argument("--held-out", type=positive_int, default=128, help="held-out problems for the final accuracy")
+    ap.add_argument("--probe", type=nonnegative_int, default=16,
+                    help="probe prompts for the accepted-length curves (0 = off)")
+    ap.add_argument("--probe-strategy", type=strategy_name, default="chain-8")
+    ap.add_argument("--trl-steps", type=nonnegative_int, default=2, help="TRL GRPOTrainer steps (0 = skip the peer)")
+    ap.add_argument("--workers", type=nonnegative_int, default=0,
+                    help="data-parallel workers under torchrun (0 = one process)")
+    ap.add_argument("--spot-max", type=nonnegative_int, default=200,
+                    help="with --workers: the spot trainer's micro-step budget")
+    ap.add_argument("--train-on", default="own", choices=["own", "all"],
+                    help="with --workers: the spot trainer's data (scheduler.train_on; older results: pairs)")
     ap.add_argument("--tag", default="", help="suffix of the result files (e.g. -drift)")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--replot", metavar="JSON", help="only redraw the figures of an earlier result file")
-    args = ap.parse_args()
+    add_output_flags(ap)
+    ap.add_argument("--replot", metavar="JSON", type=existing_file,
+                    help="only redraw the figures of an earlier result file")
+    return parse_bench_args(ap, argv)
+
+
+def main() -> None:
+    args = parse_args()
     if args.replot:
         from tltlib.fileio import read_json
         _figures(read_json(args.replot, "give a bench/results/e2e_grpo-*.json file"), Path(args.replot))
-        return
-    ensure_malloc_env()
-    if args.workers:
-        from tltlib.scheduler import launched_by_torchrun
-        return _worker(args) if launched_by_torchrun() else _launch_workers(args)
+    elif args.workers:
+        from tltlib.world import launched_by_torchrun
+        if launched_by_torchrun():
+            _worker(args)
+        else:
+            _launch_workers(args)
+    else:
+        _one_process(args)
 
-    import torch
 
-    from tltlib.checkpoint import load
+def _one_process(args) -> None:
+    """Baseline vs TLT over ``--seeds`` x ``--steps``, the update's speed by micro-batching, TRL's peer."""
     from tltlib.e2e import compare, summarize, update_speed
-    from tltlib.grpo import GRPOConfig
-    from tltlib.tasks import ChainTaskConfig, encode_prompts, generate_problems
-    from tltlib.trainer import GRPOTrainer, TLTConfig
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    model, tok, drafter = load(args.model, args.drafter, device=args.device, dtype=args.dtype)
+    from tltlib.tasks import encode_prompts
+    from tltlib.trainer import GRPOTrainer
+    model, tok, drafter = load_models(args, drafter=True)
     device = str(model.device)
-    train = generate_problems(ChainTaskConfig(), 4096, seed=1)
-    held = generate_problems(ChainTaskConfig(zipf_exponent=0.6), args.held_out, seed=10_001)
-    probe = generate_problems(ChainTaskConfig(zipf_exponent=0.6), args.probe, seed=20_002) if args.probe else []
-    tlt = TLTConfig(speculative="adaptive", threshold=args.threshold, drafter_steps=args.drafter_steps,
-                    drafter_batch=args.drafter_batch, on_drafter_change=args.on_drafter_change)
-
-    def grpo(seed):
-        return GRPOConfig(num_generations=args.group, generation_batch_size=args.prompts * args.group,
-                          max_completion_length=args.max_new, temperature=args.temperature, learning_rate=args.lr,
-                          max_steps=args.steps, seed=seed, micro_batch_tokens=args.micro_batch_tokens)
-
-    result = compare(model, tok, drafter, train, held, grpo, tlt, args.seeds, args.steps, probe,
-                     args.probe_strategy, log=lambda s: print(s, flush=True))
-    upd = update_speed(GRPOTrainer(copy.deepcopy(model), tok, train, grpo(0)),
+    train, held, probe = _data(args)
+    result = compare(model, tok, drafter, train, held, partial(_grpo, args), _tlt(args), args.seeds, args.steps,
+                     probe, args.probe_strategy, log=lambda s: print(s, flush=True))
+    upd = update_speed(GRPOTrainer(copy.deepcopy(model), tok, train, _grpo(args, 0)),
                        encode_prompts(train[: args.prompts], tok))
     trl = _trl_peer(args, train) if args.trl_steps else None
     summary = summarize(result["runs"], trl["step_s"][-1] if trl and trl["step_s"] else None)
     table = _tables(summary, result["acceptance"], upd, trl, args, device)
     payload = {"bench": "e2e_grpo", "machine": machine_info(device), "settings": vars(args), "summary": summary,
                "acceptance": result["acceptance"], "update_speed": upd, "trl": trl, "runs": result["runs"]}
-    path = write_results(f"e2e_grpo-{device.split(':')[0]}-{args.dtype}{args.tag}", payload, table, args.out)
+    path = write_results(result_name("e2e_grpo", device, args.dtype, args.tag), payload, table, args.out)
     _figures(payload, path)
 
 
@@ -136,18 +136,18 @@ def _worker(args) -> None:
     """One torchrun rank of ``--workers W``: the data-parallel comparison; rank 0 writes the raw result."""
     import json
 
-    from tltlib.checkpoint import load
     from tltlib.e2e import compare_workers
-    from tltlib.scheduler import SchedulerConfig, Workers
-    sched = SchedulerConfig(max_micro_steps=args.spot_max, pairs=args.pairs)
-    workers = Workers(args.device, sched.hang_timeout_s)
-    model, tok, drafter = load(args.model, args.drafter, device=workers.device, dtype=args.dtype)
+    from tltlib.scheduler import SchedulerConfig
+    from tltlib.world import DistributedWorld
+    sched = SchedulerConfig(max_micro_steps=args.spot_max, train_on=args.train_on)
+    world = DistributedWorld(args.device, sched.hang_timeout_s)
+    model, tok, drafter = load_models(args, drafter=True, device=world.device, all_cores=False)
     train, held, probe = _data(args)
     out = compare_workers(model, tok, drafter, train, held, _grpo(args), _tlt(args), sched, args.steps, probe,
-                          args.probe_strategy, workers, log=lambda s: print(s, flush=True))
+                          args.probe_strategy, world, log=lambda s: print(s, flush=True))
     if out is not None:
         Path(os.environ["TLTLIB_E2E_RAW"]).write_text(json.dumps(out, default=float))
-    workers.close()
+    world.close()
 
 
 def _launch_workers(args) -> None:
@@ -155,12 +155,9 @@ def _launch_workers(args) -> None:
     import json
     import subprocess
 
-    import torch
-
-    from tltlib.checkpoint import load
     from tltlib.draft_train import measure_acceptance
     from tltlib.e2e import schedule_summary, summarize
-    from tltlib.scheduler import torchrun_command
+    from tltlib.world import torchrun_command
     from tltlib.speculative import SpecStrategy
     from tltlib.trainer import GRPOTrainer
     args.seeds, args.trl_steps = 1, 0                 # what the data-parallel comparison runs (recorded as such)
@@ -172,8 +169,7 @@ def _launch_workers(args) -> None:
         raise SystemExit(f"the {args.workers}-worker run failed (exit {rc})")
     result = json.loads(raw.read_text())
     print(f"{args.workers} workers: {time.perf_counter() - t:.0f} s; now the one-process online drafter", flush=True)
-    torch.set_num_threads(os.cpu_count() or 1)
-    model, tok, drafter = load(args.model, args.drafter, device=args.device, dtype=args.dtype)
+    model, tok, drafter = load_models(args, drafter=True)
     train, held, probe = _data(args)
     online = copy.deepcopy(drafter).attach(model)
     tr = GRPOTrainer(model, tok, train, _grpo(args), drafter=online, tlt=_tlt(args))
@@ -197,7 +193,8 @@ def _launch_workers(args) -> None:
     table = _worker_tables(summary, result["acceptance"], one, args, device, runs["tlt"][0]["steps"])
     payload = {"bench": "e2e_grpo", "workers": args.workers, "machine": machine_info(device), "settings": vars(args),
                "summary": summary, "acceptance": result["acceptance"], "one_process": one, "runs": runs}
-    path = write_results(f"e2e_grpo-{device}-{args.dtype}-w{args.workers}{args.tag}", payload, table, args.out)
+    path = write_results(result_name("e2e_grpo", device, args.dtype, f"-w{args.workers}{args.tag}"), payload, table,
+                         args.out)
     _figures(payload, path)
 
 
@@ -279,7 +276,6 @@ def _trl_peer(args, train) -> dict | None:
     import torch
 
     from tltlib.grpo import accuracy_reward
-    from tltlib.params import resolve
     from tltlib.tokenizer import load_tokenizer
     ds = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in train])
     model = AutoModelForCausalLM.from_pretrained(resolve(args.model), dtype=getattr(torch, args.dtype))

@@ -10,12 +10,14 @@ interleaved after a warm-up; the tokens must be identical.
 """
 from __future__ import annotations
 
-import argparse
+import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import interleaved_medians, machine_info, markdown_table, write_results  # noqa: E402
+from _common import (add_device_flags, add_model_flags, add_output_flags, bench_parser,  # noqa: E402
+                     interleaved_medians, listed, machine_info, markdown_table, parse_bench_args, positive_int,
+                     write_results)
 
 
 def copy_bandwidth(device, gib: float = 2.0, repeats: int = 10) -> float:
@@ -51,7 +53,7 @@ def forward_replay_ms(model, rows: int, length: int, g, replays: int = 50) -> fl
         cache.advance(length)
         pool = GraphPool([cache])
         tok = torch.zeros(rows, 1, dtype=torch.long, device=dev)
-        pool.run("decode", lambda span, x: model.forward_cached(x, cache, span=span), rows, cache, length + 1, (tok,))
+        pool.run("decode", lambda x: model.forward_cached(x, cache), cache, 1, (tok,))
         graph = next(iter(pool._entries.values()))[0]
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
@@ -62,63 +64,36 @@ def forward_replay_ms(model, rows: int, length: int, g, replays: int = 50) -> fl
     return a.elapsed_time(b) / replays
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="checkpoint folder (default: --preset with random weights)")
+def parse_args(argv: list[str] | None = None):
+    ap = bench_parser(__doc__)
+    add_model_flags(ap, model=None, model_help="checkpoint folder (default: --preset with random weights)")
     ap.add_argument("--preset", default="gpu-24l")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    ap.add_argument("--batches", default="1,4,16,64")
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    add_device_flags(ap, device="cuda", dtype="bfloat16")
+    ap.add_argument("--batches", default="1,4,16,64", type=listed(positive_int, "1,4,16,64"))
+    ap.add_argument("--prompt-len", type=positive_int, default=32)
+    ap.add_argument("--new-tokens", type=positive_int, default=128)
+    add_output_flags(ap, repeats=5)
+    args = parse_bench_args(ap, argv, malloc=False)
+    if not re.fullmatch(r"cuda(:\d+)?", args.device):
+        ap.error(f"argument --device: {args.device!r} is not a GPU; give cuda or cuda:N (CUDA graphs need one)")
+    return args
 
+
+def main() -> None:
+    args = parse_args()
     import torch
 
-    from tltlib.checkpoint import load_model, parse_dtype
-    from tltlib.cudagraph import GraphConfig
-    from tltlib.model import Transformer, preset
-    from tltlib.rollout import RolloutConfig, RolloutEngine
-    from tltlib.sampling import SamplingConfig
-
+    from tltlib.checkpoint import parse_dtype
     if not torch.cuda.is_available():
         raise SystemExit("bench graphs needs a CUDA device (CUDA graphs do not exist on a CPU)")
     dtype = parse_dtype(args.dtype)
-    if args.model:
-        model = load_model(args.model, dtype=dtype, device=args.device)
-    else:
-        torch.manual_seed(0)
-        cfg = preset(args.preset, eos_token_ids=(1,))
-        model = Transformer(cfg).to(device=args.device, dtype=dtype).eval()
-    cfg, n = model.config, args.new_tokens
+    model = _model(args, dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bw = copy_bandwidth(args.device)
-    engines = {name: RolloutEngine(model, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=n),
-                                                        ignore_eos=True, graphs=GraphConfig(enabled=on)))
-               for name, on in (("eager", False), ("graphs", True))}
+    engines = _engines(model, args.new_tokens)
     g = torch.Generator().manual_seed(0)
-    rows, results = [], []
-    for b in [int(x) for x in args.batches.split(",")]:
-        prompts = torch.randint(2, cfg.vocab_size, (b, args.prompt_len), generator=g).tolist()
-        out = {}
-        fns = {name: (lambda e=e, name=name: out.__setitem__(name, e.generate(prompts)))
-               for name, e in engines.items()}
-        timing = interleaved_medians(fns, args.device, args.repeats, warmup=2)
-        identical = bool(torch.equal(out["eager"].tokens, out["graphs"].tokens))
-        fwd_ms = forward_replay_ms(model, b, args.prompt_len + n // 2, g)
-        # floor per step: every weight once + the KV cache read at the mean length (K and V, all layers)
-        kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.dim_head * dtype.itemsize * b * (args.prompt_len + n / 2)
-        floor = (weight_bytes + kv) / bw
-        rec = {"batch": b, "eager_s": timing["eager"][0], "graphs_s": timing["graphs"][0],
-               "eager_step_ms": timing["eager"][0] / n * 1e3, "graphs_step_ms": timing["graphs"][0] / n * 1e3,
-               "floor_step_ms": floor * 1e3, "identical_tokens": identical, "forward_replay_ms": fwd_ms,
-               "graphs_tok_s": b * n / timing["graphs"][0], "speedup": timing["eager"][0] / timing["graphs"][0]}
-        rec["graphs_over_floor"] = rec["graphs_step_ms"] / rec["floor_step_ms"]
-        results.append(rec)
-        rows.append([b, rec["eager_step_ms"], rec["graphs_step_ms"], f"{rec['speedup']:.2f}x", fwd_ms, rec["floor_step_ms"],
-                     f"{rec['graphs_over_floor']:.2f}x", rec["graphs_tok_s"], identical])
+    measured = [_measure_batch(model, engines, b, args, dtype, weight_bytes, bw, g) for b in args.batches.items]
+    results, rows = [rec for rec, _ in measured], [row for _, row in measured]
     header = ["batch", "eager ms/step", "graphs ms/step", "graphs speed-up", "forward replay ms", "bandwidth floor ms",
               "graphs / floor",
               "graphs tok/s", "identical tokens"]
@@ -128,9 +103,56 @@ def main() -> None:
                "copy_bandwidth_bytes_s": bw, "settings": vars(args), "results": results}
     write_results(f"graphs-{args.dtype}", payload,
                   f"Plain greedy decoding of {name} ({payload['parameters'] / 1e9:.2f} B parameters, {args.dtype}), "
-                  f"{n} new tokens per row after {args.prompt_len}, eager vs CUDA graphs (median of {args.repeats}); "
-                  f"floor = (weights + KV cache) / measured copy bandwidth {bw / 1e12:.2f} TB/s\n\n"
+                  f"{args.new_tokens} new tokens per row after {args.prompt_len}, eager vs CUDA graphs (median of "
+                  f"{args.repeats}); floor = (weights + KV cache) / measured copy bandwidth {bw / 1e12:.2f} TB/s\n\n"
                   + markdown_table(header, rows), args.out)
+
+
+def _model(args, dtype):
+    """``--model`` loaded, else the ``--preset`` shape with seeded random weights."""
+    import torch
+
+    from tltlib.checkpoint import load_model
+    from tltlib.model import Transformer, preset
+    if args.model:
+        return load_model(args.model, dtype=dtype, device=args.device)
+    torch.manual_seed(0)
+    cfg = preset(args.preset, eos_token_ids=(1,))
+    return Transformer(cfg).to(device=args.device, dtype=dtype).eval()
+
+
+def _engines(model, n: int) -> dict:
+    """The greedy ``n``-token engines, eager and with CUDA graphs (kept for every batch size: captures are reused)."""
+    from tltlib.cudagraph import GraphConfig
+    from tltlib.rollout import RolloutConfig, RolloutEngine
+    from tltlib.sampling import SamplingConfig
+    return {name: RolloutEngine(model, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=n),
+                                                     ignore_eos=True, graphs=GraphConfig(enabled=on)))
+            for name, on in (("eager", False), ("graphs", True))}
+
+
+def _measure_batch(model, engines: dict, b: int, args, dtype, weight_bytes: int, bw: float, g) -> tuple[dict, list]:
+    """Eager vs graphs on ``b`` random prompts (from ``g``), interleaved, beside the bandwidth floor: the result
+    record and its table row."""
+    import torch
+    cfg, n = model.config, args.new_tokens
+    prompts = torch.randint(2, cfg.vocab_size, (b, args.prompt_len), generator=g).tolist()
+    out = {}
+    fns = {name: (lambda e=e, name=name: out.__setitem__(name, e.generate(prompts))) for name, e in engines.items()}
+    timing = interleaved_medians(fns, args.device, args.repeats, warmup=2)
+    identical = bool(torch.equal(out["eager"].tokens, out["graphs"].tokens))
+    fwd_ms = forward_replay_ms(model, b, args.prompt_len + n // 2, g)
+    # floor per step: every weight once + the KV cache read at the mean length (K and V, all layers)
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.dim_head * dtype.itemsize * b * (args.prompt_len + n / 2)
+    floor = (weight_bytes + kv) / bw
+    rec = {"batch": b, "eager_s": timing["eager"][0], "graphs_s": timing["graphs"][0],
+           "eager_step_ms": timing["eager"][0] / n * 1e3, "graphs_step_ms": timing["graphs"][0] / n * 1e3,
+           "floor_step_ms": floor * 1e3, "identical_tokens": identical, "forward_replay_ms": fwd_ms,
+           "graphs_tok_s": b * n / timing["graphs"][0], "speedup": timing["eager"][0] / timing["graphs"][0]}
+    rec["graphs_over_floor"] = rec["graphs_step_ms"] / rec["floor_step_ms"]
+    row = [b, rec["eager_step_ms"], rec["graphs_step_ms"], f"{rec['speedup']:.2f}x", fwd_ms, rec["floor_step_ms"],
+           f"{rec['graphs_over_floor']:.2f}x", rec["graphs_tok_s"], identical]
+    return rec, row
 
 
 if __name__ == "__main__":

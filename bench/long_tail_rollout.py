@@ -24,144 +24,220 @@ run's time at batch sizes where SD loses.
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import TASK_HELP, ensure_malloc_env, machine_info, markdown_table, model_suffix, task_prompts, timed, write_results  # noqa: E402,E501
+from _common import (DRAFTER, TASK_HELP, add_device_flags, add_model_flags, add_output_flags,  # noqa: E402
+                     bench_parser, listed, load_models, machine_info, markdown_table, model_suffix, nonnegative_int,
+                     parse_bench_args, positive_int, result_name, strategy, task_prompts, temperature, timed,
+                     write_results)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="data/tiny-reasoner")
-    ap.add_argument("--drafter", default="data/tiny-reasoner-drafter")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+def parse_args(argv: list[str] | None = None):
+    ap = bench_parser(__doc__)
+    add_model_flags(ap, drafter=DRAFTER)
+    add_device_flags(ap)
     ap.add_argument("--task", default="chain", choices=["chain", "words"], help=TASK_HELP)
-    ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--temperature", type=float, default=0.9)
-    ap.add_argument("--max-new", type=int, default=720)
+    ap.add_argument("--prompts", type=positive_int, default=64)
+    ap.add_argument("--group", type=positive_int, default=8)
+    ap.add_argument("--temperature", type=temperature, default=0.9)
+    ap.add_argument("--max-new", type=positive_int, default=720)
     ap.add_argument("--arms", default="off;chain-4;chain-8;chain-16;chain-32;tree-6x4-24;ngram-4",
+                    type=listed(strategy, "off;chain-4;ngram-4", sep=";"),
                     help="';'-separated strategies of the learned-drafter adaptive policy (each SD one also runs "
                          "fixed); 'off' lets the tuner fall back to plain steps, as TrainerConfig.arms does")
-    ap.add_argument("--ngram-arms", default="off;ngram-2;ngram-4",
+    ap.add_argument("--ngram-arms", default="off;ngram-2;ngram-4", type=listed(strategy, "off;ngram-4", sep=";"),
                     help="arms of the n-gram-only adaptive policy (no learned drafter)")
-    ap.add_argument("--threshold", type=int, default=None, help="adaptive SD threshold (default: per device)")
-    ap.add_argument("--fixed-threshold", type=int, default=32, help="threshold of the threshold + fixed policies")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--tune-rollouts", type=int, default=3,
+    ap.add_argument("--threshold", type=nonnegative_int, default=None,
+                    help="adaptive SD threshold (default: per device)")
+    ap.add_argument("--fixed-threshold", type=nonnegative_int, default=32,
+                    help="threshold of the threshold + fixed policies")
+    ap.add_argument("--repeats", type=positive_int, default=3)
+    ap.add_argument("--tune-rollouts", type=nonnegative_int, default=3,
                     help="rollouts of other prompts the adaptive controllers learn on before they are timed")
     ap.add_argument("--no-identity", action="store_true", help="skip the temperature-0 identity check")
     ap.add_argument("--no-always", action="store_true",
                     help="skip the always-SD policies (slow where SD loses at large batches); the per-bucket oracle "
                          "then takes the threshold policies, equal to always-SD below the threshold")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    ensure_malloc_env()
+    add_output_flags(ap)
+    args = parse_bench_args(ap, argv)
+    _check_arms(ap, args.arms.items, args.ngram_arms.items)
+    return args
 
+
+def _check_arms(ap, arms, ngram_arms) -> None:
+    """Each drafter family needs a fixed policy to compare its adaptive one with; the n-gram policy has no drafter."""
+    if not any(a.uses_drafter for a in arms):
+        ap.error("argument --arms: no chain or tree strategy; the learned-drafter policies need one, e.g. "
+                 "off;chain-4;ngram-4")
+    if any(a.uses_drafter for a in ngram_arms):
+        ap.error("argument --ngram-arms: chain and tree strategies need the learned drafter; give off and ngram-DEPTH "
+                 "strategies only, e.g. off;ngram-2;ngram-4")
+    if not any(a.kind == "ngram" for a in (*arms, *ngram_arms)):
+        ap.error("argument --ngram-arms: no ngram strategy (nor in --arms); the n-gram policies need one, e.g. "
+                 "off;ngram-2;ngram-4")
+
+
+class Policy(NamedTuple):
+    """One way to run the rollout. ``family`` picks the engine: "learned" (with the drafter), "ngram" or "none"
+    (without); ``kind``: "plain", "fixed" or "adaptive"; ``factory`` makes its strategy source (None: adaptive, whose
+    controller lives across the whole run)."""
+
+    name: str
+    family: str
+    kind: str
+    factory: Callable | None
+
+
+def main() -> None:
+    args = parse_args()
     import numpy as np
-    import torch
 
-    from tltlib.adaptive import AdaptiveConfig, AdaptiveController, TunerConfig, default_threshold, measure_costs
-    from tltlib.checkpoint import load
-    from tltlib.profiling import per_bucket_oracle, time_by_bucket
-    from tltlib.rollout import RolloutConfig, RolloutEngine
-    from tltlib.sampling import SamplingConfig
-    from tltlib.speculative import SpecStrategy
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    target, tok, drafter = load(args.model, args.drafter, device=args.device, dtype=args.dtype)
+    from tltlib.adaptive import TunerConfig, default_threshold, measure_costs
+    target, tok, drafter = load_models(args, drafter=True)
     device = str(target.device)
     prompts = task_prompts(args.task, tok, args.prompts, seed=2026)
     tune_sets = [task_prompts(args.task, tok, args.prompts, seed=7 + i) for i in range(max(1, args.tune_rollouts))]
-    warm_prompts = tune_sets[0]
     threshold = args.threshold if args.threshold is not None else default_threshold(device)
-    arms = [SpecStrategy.parse(a) for a in args.arms.split(";")]
-    ngram_arms = [SpecStrategy.parse(a) for a in args.ngram_arms.split(";")]
-
     t0 = time.perf_counter()
     costs = measure_costs(target, drafter, max_batch=max(threshold, args.fixed_threshold))
     cost_s = time.perf_counter() - t0
     print(f"cost model measured in {cost_s:.1f} s")
+    policies, fixed_arms = _policies(args, threshold)
+    runner = Runner(target, drafter, device, args, _controllers(policies, args, threshold, costs, drafter))
+    hot = runner.engines(args.temperature)
+    tuned = _warm_up_and_tune(runner, hot, policies, tune_sets, args)
+    buckets = TunerConfig().buckets
+    times, by_bucket, results = _time_policies(runner, hot, policies, prompts, args.repeats, buckets)
+    identical = {} if args.no_identity else _identity(runner, policies, prompts)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    best_fixed = {fam: min((med[p.name], p.name) for p in policies if p.family == fam and p.kind == "fixed")[1]
+                  for fam in ("learned", "ngram")}
+    out, rows = _records(policies, med, times, by_bucket, buckets, results, identical, runner.controllers,
+                         best_fixed)
+    summary = _summary(args, policies, fixed_arms, med, by_bucket, buckets, identical, runner.controllers,
+                       best_fixed)
+    rows.append(["per-bucket oracle (hindsight bound)", "learned", summary["oracle_s"], summary["oracle_vs_no_sd"],
+                 f"{summary['oracle_vs_best_fixed']:.2f}x", "-", "-", "-"])
+    payload = {"bench": "long_tail_rollout", "machine": machine_info(device), "settings": vars(args),
+               "threshold": threshold, "cost_model": costs.to_dict(), "cost_model_s": cost_s,
+               "tuning_rollout_s": tuned, "results": out, "summary": summary}
+    shape = "" if (args.prompts, args.group) == (64, 8) else f"-{args.prompts}x{args.group}"
+    shape += model_suffix(args.model) + ("" if args.task == "chain" else f"-{args.task}")
+    write_results(result_name("long_tail_rollout", device, args.dtype, shape), payload,
+                  _table(args, device, rows, results["no SD"], summary, best_fixed, cost_s), args.out)
 
-    def engines(temp):
-        cfg = RolloutConfig(SamplingConfig(temperature=temp, max_new_tokens=args.max_new), group_size=args.group)
-        return RolloutEngine(target, cfg, drafter=drafter), RolloutEngine(target, cfg)
 
-    def make_adaptive(family):
-        if family == "learned":
-            return AdaptiveController(AdaptiveConfig(threshold=threshold, tuner=TunerConfig(arms=tuple(arms))),
-                                      costs, drafter)
-        return AdaptiveController(AdaptiveConfig(threshold=threshold, tuner=TunerConfig(arms=tuple(ngram_arms))),
-                                  costs)
-
-    # (name, family, kind, strategy factory); family picks the engine (learned drafter or none)
-    policies = [("no SD", "none", "plain", lambda: None)]
+def _policies(args, threshold: int) -> tuple[list[Policy], list]:
+    """No SD, then per SD strategy (the learned-drafter arms, then the n-gram arms not among them) always-SD (unless
+    ``--no-always``) and threshold + strategy, then the two adaptive policies; and those fixed strategies."""
+    from tltlib.speculative import SpecStrategy
+    arms, ngram_arms = args.arms.items, args.ngram_arms.items
+    policies = [Policy("no SD", "none", "plain", lambda: None)]
     fixed_arms = [a for a in arms if a.enabled] + [x for x in ngram_arms if x.kind == "ngram" and x not in arms]
     for a in fixed_arms:                          # an "off" arm is the no-SD policy, already in the list
         fam = "learned" if a.uses_drafter else "ngram"
         if not args.no_always:
-            policies.append((f"always {a.name}", fam, "fixed", lambda a=a: a))
+            policies.append(Policy(f"always {a.name}", fam, "fixed", lambda a=a: a))
         thr = args.fixed_threshold
-        policies.append((f"<= {thr} rows: {a.name}", fam, "fixed",
-                         lambda a=a, thr=thr: (lambda step, active: a if active <= thr else SpecStrategy())))
-    policies += [(f"adaptive (<= {threshold} rows, BEG-MAB over {len(arms)} arms)", "learned", "adaptive", None),
-                 (f"adaptive n-gram only (<= {threshold} rows, {len(ngram_arms)} arms)", "ngram", "adaptive", None)]
-    controllers = {name: make_adaptive(fam) for name, fam, kind, _ in policies if kind == "adaptive"}
+        policies.append(Policy(f"<= {thr} rows: {a.name}", fam, "fixed",
+                               lambda a=a, thr=thr: (lambda step, active: a if active <= thr else SpecStrategy())))
+    policies += [Policy(f"adaptive (<= {threshold} rows, BEG-MAB over {len(arms)} arms)", "learned", "adaptive", None),
+                 Policy(f"adaptive n-gram only (<= {threshold} rows, {len(ngram_arms)} arms)", "ngram", "adaptive",
+                        None)]
+    return policies, fixed_arms
 
-    def source(name, factory):
-        return controllers[name] if name in controllers else factory()
 
-    def run(eng_pair, name, fam, factory, ps, seed=0):
-        eng = eng_pair[1] if fam in ("ngram", "none") else eng_pair[0]
-        g = torch.Generator(device=device).manual_seed(seed)
-        return eng.generate(ps, g, strategy=source(name, factory))
+def _controllers(policies: list[Policy], args, threshold: int, costs, drafter) -> dict:
+    """A BEG-MAB controller per adaptive policy: over ``--arms`` with the drafter, or ``--ngram-arms`` without."""
+    from tltlib.adaptive import AdaptiveConfig, AdaptiveController, TunerConfig
 
-    hot = engines(args.temperature)
+    def make(family):
+        if family == "learned":
+            return AdaptiveController(AdaptiveConfig(threshold=threshold, tuner=TunerConfig(arms=args.arms.items)),
+                                      costs, drafter)
+        return AdaptiveController(AdaptiveConfig(threshold=threshold, tuner=TunerConfig(arms=args.ngram_arms.items)),
+                                  costs)
+    return {p.name: make(p.family) for p in policies if p.kind == "adaptive"}
+
+
+class Runner:
+    """Runs one policy's rollout: the engine of its family, its strategy source, a seeded generator."""
+
+    def __init__(self, target, drafter, device: str, args, controllers: dict):
+        self.target, self.drafter, self.device, self.args, self.controllers = target, drafter, device, args, controllers
+
+    def engines(self, temp: float) -> tuple:
+        """(engine with the learned drafter, engine without) sampling at ``temp``."""
+        from tltlib.rollout import RolloutConfig, RolloutEngine
+        from tltlib.sampling import SamplingConfig
+        cfg = RolloutConfig(SamplingConfig(temperature=temp, max_new_tokens=self.args.max_new),
+                            group_size=self.args.group)
+        return RolloutEngine(self.target, cfg, drafter=self.drafter), RolloutEngine(self.target, cfg)
+
+    def run(self, engines: tuple, policy: Policy, prompts, seed: int = 0):
+        import torch
+        eng = engines[1] if policy.family in ("ngram", "none") else engines[0]
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        source = self.controllers[policy.name] if policy.name in self.controllers else policy.factory()
+        return eng.generate(prompts, g, strategy=source)
+
+
+def _warm_up_and_tune(runner: Runner, hot: tuple, policies: list[Policy], tune_sets: list, args) -> dict:
+    """A common warm-up, then ``--tune-rollouts`` rollouts of other prompts per adaptive policy (its controller
+    learns on them); returns their seconds by policy."""
+    warm_prompts = tune_sets[0]
     print("warm-up ...")
-    run(hot, "no SD", "none", lambda: None, warm_prompts[:8])
-    run(hot, "warm", "learned", lambda: arms[0], warm_prompts[:8])
+    runner.run(hot, Policy("no SD", "none", "plain", lambda: None), warm_prompts[:8])
+    runner.run(hot, Policy("warm", "learned", "fixed", lambda: args.arms.items[0]), warm_prompts[:8])
     tuned = {}
-    for name, fam, kind, factory in policies:
-        if kind == "adaptive":
-            tuned[name] = [timed(lambda: run(hot, name, fam, factory, ps, seed=1 + i), device)
-                           for i, ps in enumerate(tune_sets[: args.tune_rollouts])]
-            print(f"{name}: tuning rollouts " + ", ".join(f"{t:.1f}" for t in tuned[name]) + " s")
+    for p in policies:
+        if p.kind == "adaptive":
+            tuned[p.name] = [timed(lambda: runner.run(hot, p, ps, seed=1 + i), runner.device)
+                             for i, ps in enumerate(tune_sets[: args.tune_rollouts])]
+            print(f"{p.name}: tuning rollouts " + ", ".join(f"{t:.1f}" for t in tuned[p.name]) + " s")
+    return tuned
 
-    buckets = TunerConfig().buckets
-    times = {name: [] for name, *_ in policies}
-    by_bucket = {name: [] for name, *_ in policies}
+
+def _time_policies(runner: Runner, hot: tuple, policies: list[Policy], prompts, repeats: int, buckets):
+    """``repeats`` rounds over every policy, each round with its own seed: seconds and decode time per batch-size
+    bucket by policy, and each policy's last result."""
+    from tltlib.profiling import time_by_bucket
+    times = {p.name: [] for p in policies}
+    by_bucket = {p.name: [] for p in policies}
     results = {}
-    for rep in range(args.repeats):
-        for name, fam, kind, factory in policies:
+    for rep in range(repeats):
+        for p in policies:
             box = {}
-            t = timed(lambda: box.__setitem__("r", run(hot, name, fam, factory, prompts, seed=100 + rep)), device)
-            times[name].append(t)
-            results[name] = box["r"]
+            t = timed(lambda: box.__setitem__("r", runner.run(hot, p, prompts, seed=100 + rep)), runner.device)
+            times[p.name].append(t)
+            results[p.name] = box["r"]
             tl = box["r"].timeline
-            by_bucket[name].append(time_by_bucket(tl["step_time"], tl["active"], buckets))
-            print(f"[{rep + 1}/{args.repeats}] {name}: {t:.2f} s")
+            by_bucket[p.name].append(time_by_bucket(tl["iter_time"], tl["active"], buckets))
+            print(f"[{rep + 1}/{repeats}] {p.name}: {t:.2f} s")
+    return times, by_bucket, results
 
-    identical = {}
-    if not args.no_identity:
-        cold = engines(0.0)
-        ref = None
-        for name, fam, kind, factory in policies:
-            r = run(cold, name, fam, factory, prompts)
-            ref = r if ref is None else ref
-            identical[name] = bool(torch.equal(r.tokens, ref.tokens) and torch.equal(r.lengths, ref.lengths))
-            print(f"T=0 {name}: identical={identical[name]}")
 
-    med = {k: float(np.median(v)) for k, v in times.items()}
+def _identity(runner: Runner, policies: list[Policy], prompts) -> dict:
+    """Whether every policy at temperature 0 produces the tokens of the first (no SD)."""
+    import torch
+    cold = runner.engines(0.0)
+    ref, identical = None, {}
+    for p in policies:
+        r = runner.run(cold, p, prompts)
+        ref = r if ref is None else ref
+        identical[p.name] = bool(torch.equal(r.tokens, ref.tokens) and torch.equal(r.lengths, ref.lengths))
+        print(f"T=0 {p.name}: identical={identical[p.name]}")
+    return identical
+
+
+def _records(policies, med, times, by_bucket, buckets, results, identical, controllers, best_fixed):
+    """The result record and table row of every policy."""
+    import numpy as np
     base = med["no SD"]
-    best_fixed = {}
-    for fam in ("learned", "ngram"):
-        cands = [(med[n], n) for n, f, kind, _ in policies if f == fam and kind == "fixed"]
-        best_fixed[fam] = min(cands)[1]
     rows, out = [], []
     for name, fam, kind, _ in policies:
         r = results[name]
@@ -179,7 +255,16 @@ def main() -> None:
         rows.append([name, fam, med[name], base / med[name], "-" if vs_best is None else f"{vs_best:.2f}x",
                      f"{100 * rec['spec_time_frac']:.0f}%", f"{rec['accept_len']:.2f}",
                      "-" if name not in identical else identical[name]])
-    ad, adn = [n for n, *_ in policies if n in controllers]
+    return out, rows
+
+
+def _summary(args, policies, fixed_arms, med, by_bucket, buckets, identical, controllers, best_fixed) -> dict:
+    """The headline ratios: adaptive vs no SD and vs the best fixed policy, and the per-bucket oracle."""
+    import numpy as np
+
+    from tltlib.profiling import per_bucket_oracle
+    base = med["no SD"]
+    ad, adn = [p.name for p in policies if p.name in controllers]
     # hindsight bound of any per-bucket tuner over the learned-drafter arms: fastest of no SD / always-arm per bucket
     cands = ["no SD"] + [f"<= {args.fixed_threshold} rows: {a.name}" if args.no_always else f"always {a.name}"
                          for a in fixed_arms if a.uses_drafter]
@@ -188,41 +273,36 @@ def main() -> None:
     # decode time only (the buckets hold decode steps): add the median prefill + first-token time of the candidates
     overhead = float(np.median([med[n] - bucket_med[n].sum() for n in cands]))
     oracle = oracle_decode + overhead
-    summary = {"adaptive_vs_no_sd": base / med[ad], "adaptive_vs_best_fixed": med[best_fixed["learned"]] / med[ad],
-               "oracle_s": oracle, "oracle_vs_no_sd": base / oracle,
-               "oracle_vs_best_fixed": med[best_fixed["learned"]] / oracle,
-               "oracle_pick": {f"{lo}+": p for lo, p in zip(buckets, oracle_pick) if p is not None},
-               "adaptive_vs_oracle": oracle / med[ad],
-               "best_fixed": best_fixed, "ngram_adaptive_vs_no_sd": base / med[adn],
-               "ngram_adaptive_vs_best_fixed": med[best_fixed["ngram"]] / med[adn],
-               "goal_adaptive_vs_no_sd_1.8x": base / med[ad] >= 1.8,
-               "goal_adaptive_vs_best_fixed_1.1x": med[best_fixed["learned"]] / med[ad] >= 1.1,
-               "all_identical_at_t0": all(identical.values()) if identical else None}
-    rows.append(["per-bucket oracle (hindsight bound)", "learned", oracle, base / oracle,
-                 f"{med[best_fixed['learned']] / oracle:.2f}x", "-", "-", "-"])
+    return {"adaptive_vs_no_sd": base / med[ad], "adaptive_vs_best_fixed": med[best_fixed["learned"]] / med[ad],
+            "oracle_s": oracle, "oracle_vs_no_sd": base / oracle,
+            "oracle_vs_best_fixed": med[best_fixed["learned"]] / oracle,
+            "oracle_pick": {f"{lo}+": p for lo, p in zip(buckets, oracle_pick) if p is not None},
+            "adaptive_vs_oracle": oracle / med[ad],
+            "best_fixed": best_fixed, "ngram_adaptive_vs_no_sd": base / med[adn],
+            "ngram_adaptive_vs_best_fixed": med[best_fixed["ngram"]] / med[adn],
+            "goal_adaptive_vs_no_sd_1.8x": base / med[ad] >= 1.8,
+            "goal_adaptive_vs_best_fixed_1.1x": med[best_fixed["learned"]] / med[ad] >= 1.1,
+            "all_identical_at_t0": all(identical.values()) if identical else None}
+
+
+def _table(args, device: str, rows: list, r0, summary: dict, best_fixed: dict, cost_s: float) -> str:
+    import numpy as np
     header = ["policy", "drafter", "rollout s", "vs no SD", "vs best fixed", "time in SD", "accept len",
               "identical at T=0"]
-    r0 = results["no SD"]
     oracle_of = f"'<= {args.fixed_threshold} rows' strategy" if args.no_always else "always-strategy"
-    table = (f"Long-tail rollout: {args.prompts} prompts x {args.group} samples, temperature {args.temperature}, "
-             f"max {args.max_new} new tokens, {args.dtype} on {device}; {int(r0.lengths.sum()):,} tokens, response "
-             f"length median {int(np.median(r0.lengths.numpy()))} / max {int(r0.lengths.max())}; median of "
-             f"{args.repeats}; adaptive policies tuned on {args.tune_rollouts} earlier rollouts of other prompts; "
-             f"cost model measured in {cost_s:.1f} s\n\n" + markdown_table(header, rows)
-             + f"\n\nAdaptive vs no SD: **{summary['adaptive_vs_no_sd']:.2f}x**; vs best fixed "
-               f"({best_fixed['learned']}): **{summary['adaptive_vs_best_fixed']:.2f}x**. n-gram only: adaptive vs "
-               f"no SD {summary['ngram_adaptive_vs_no_sd']:.2f}x, vs best fixed n-gram ({best_fixed['ngram']}) "
-               f"{summary['ngram_adaptive_vs_best_fixed']:.2f}x. Per-bucket oracle (the fastest of no SD and each "
-               f"{oracle_of} in every tuner bucket, in hindsight): {summary['oracle_vs_no_sd']:.2f}x over no SD, "
-               f"{summary['oracle_vs_best_fixed']:.2f}x over the best fixed policy; adaptive reaches "
-               f"{summary['adaptive_vs_oracle']:.2f}x of it. Oracle's pick by bucket: "
-               + ", ".join(f"{k}: {v.removeprefix('always ')}" for k, v in summary["oracle_pick"].items()) + ".")
-    payload = {"bench": "long_tail_rollout", "machine": machine_info(device), "settings": vars(args),
-               "threshold": threshold, "cost_model": costs.to_dict(), "cost_model_s": cost_s,
-               "tuning_rollout_s": tuned, "results": out, "summary": summary}
-    shape = "" if (args.prompts, args.group) == (64, 8) else f"-{args.prompts}x{args.group}"
-    shape += model_suffix(args.model) + ("" if args.task == "chain" else f"-{args.task}")
-    write_results(f"long_tail_rollout-{device.split(':')[0]}-{args.dtype}{shape}", payload, table, args.out)
+    return (f"Long-tail rollout: {args.prompts} prompts x {args.group} samples, temperature {args.temperature}, "
+            f"max {args.max_new} new tokens, {args.dtype} on {device}; {int(r0.lengths.sum()):,} tokens, response "
+            f"length median {int(np.median(r0.lengths.numpy()))} / max {int(r0.lengths.max())}; median of "
+            f"{args.repeats}; adaptive policies tuned on {args.tune_rollouts} earlier rollouts of other prompts; "
+            f"cost model measured in {cost_s:.1f} s\n\n" + markdown_table(header, rows)
+            + f"\n\nAdaptive vs no SD: **{summary['adaptive_vs_no_sd']:.2f}x**; vs best fixed "
+              f"({best_fixed['learned']}): **{summary['adaptive_vs_best_fixed']:.2f}x**. n-gram only: adaptive vs "
+              f"no SD {summary['ngram_adaptive_vs_no_sd']:.2f}x, vs best fixed n-gram ({best_fixed['ngram']}) "
+              f"{summary['ngram_adaptive_vs_best_fixed']:.2f}x. Per-bucket oracle (the fastest of no SD and each "
+              f"{oracle_of} in every tuner bucket, in hindsight): {summary['oracle_vs_no_sd']:.2f}x over no SD, "
+              f"{summary['oracle_vs_best_fixed']:.2f}x over the best fixed policy; adaptive reaches "
+              f"{summary['adaptive_vs_oracle']:.2f}x of it. Oracle's pick by bucket: "
+              + ", ".join(f"{k}: {v.removeprefix('always ')}" for k, v in summary["oracle_pick"].items()) + ".")
 
 
 if __name__ == "__main__":
