@@ -87,6 +87,8 @@ def test_reward_functions_are_called_with_trl_signature_and_errors_name_them():
     (dict(learning_rate=0.0), "learning_rate must be > 0"),
     (dict(epsilon=0.0), "need 0 < epsilon < 1"),
     (dict(num_iterations=0), "num_iterations must be >= 1"),
+    (dict(temperature=0.0), "temperature 0 samples every completion of a group greedily"),
+    (dict(seed=-1), "seed must be >= 0"),
 ])
 def test_config_errors(kw, match):
     with pytest.raises(ValueError, match=match):

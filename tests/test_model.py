@@ -354,3 +354,14 @@ def test_linear_equals_f_linear_and_keeps_autograd(shape, bias, monkeypatch):
     torch.nn.functional.linear(xr, wr, b).square().sum().backward()
     torch.testing.assert_close(xg.grad, xr.grad)
     torch.testing.assert_close(wg.grad, wr.grad)
+
+
+def test_integer_weights_are_refused_as_a_quantised_checkpoint(tmp_path):
+    """A cast would turn int8 weights into a model of raw integers, whose training then diverges."""
+    def int8(state):
+        w = state["model.layers.2.self_attn.q_proj.weight"]
+        state["model.layers.2.self_attn.q_proj.weight"] = (w * 100).round().clamp(-127, 127).to(torch.int8)
+    path = _copy_checkpoint(tmp_path, tensors=int8)
+    with pytest.raises(ValueError, match="1 weight tensors are not floating point "
+                                         "\\(model.layers.2.self_attn.q_proj.weight is int8\\): the checkpoint is quantised"):
+        load_model(path)

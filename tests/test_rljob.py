@@ -57,6 +57,12 @@ def test_shipped_files_parse():
     ("model: data/tiny-reasoner\ntlt: {speculative: chain-4}\n", ValueError, "needs a learned drafter"),
     ("model: /nope\n", FileNotFoundError, "model '/nope' does not exist"),
     ("drafter: data/tiny-reasoner-drafter\n", ValueError, "'model' is missing"),
+    ("model: data/tiny-reasoner\ngrpo:\n  max_completion_length: 48\n  max_completion_length: 5\n", ValueError,
+     "line 4: 'max_completion_length' is given twice in the same mapping"),
+    ("model: data/tiny-reasoner\ngrpo: {seed: -1}\n", ValueError, "seed must be >= 0"),
+    ("model: data/tiny-reasoner\ngrpo: {temperature: 0}\n", ValueError, "temperature 0 .* RL learns nothing"),
+    ("model: data/tiny-reasoner\nscheduler: {pairs: all}\n", ValueError, "scheduler.pairs was renamed "
+                                                                        "scheduler.train_on: write train_on: all"),
 ])
 def test_bad_files_are_refused_before_anything_loads(tmp_path, text, error, match):
     f = tmp_path / "job.yaml"
@@ -101,3 +107,112 @@ def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(tmp_path):
 def test_resume_refuses_a_second_output_folder(tmp_path):
     r = _cli("--params", str(SMOKE), "--resume", str(tmp_path / "a"), "--output-dir", str(tmp_path / "b"))
     assert r.returncode == 1 and "drop --output-dir" in r.stderr and not (tmp_path / "b").exists()
+
+
+def test_a_missing_job_file_lists_the_job_files():
+    with pytest.raises(FileNotFoundError, match=r"'missing.yaml' not found; available in params/train/: \[.*'smoke.yaml'"):
+        read_job("missing.yaml")
+
+
+# ---------------------------------------------------------------------------- damaged and unfinished run folders
+TINY = """model: data/tiny-reasoner
+train_problems: 16
+eval_problems: 0
+device: cpu
+grpo: {num_generations: 2, generation_batch_size: 4, max_completion_length: 24, learning_rate: 1.0e-4, max_steps: 1,
+       save_steps: 1, seed: 3}
+tlt: null
+"""
+
+
+@pytest.fixture(scope="module")
+def one_step(tmp_path_factory):
+    """A job file and the folder of its finished one-step run."""
+    from tltlib.rljob import run_job
+    d = tmp_path_factory.mktemp("run")
+    (d / "job.yaml").write_text(TINY)
+    run_job(d / "job.yaml", d / "out", progress=False, out=open(os.devnull, "w"))
+    return d / "job.yaml", d / "out"
+
+
+def _copy(run, tmp_path):
+    import shutil
+    params, out = run
+    shutil.copytree(out, tmp_path / "out")
+    return params, tmp_path / "out"
+
+
+def _resume(params, out, **kw):
+    from tltlib.rljob import run_job
+    return run_job(params, out, resume=True, progress=False, out=open(os.devnull, "w"), **kw)
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume_and_a_torn_middle_one_named(one_step, tmp_path):
+    params, out = _copy(one_step, tmp_path)
+    log = out / "metrics.jsonl"
+    log.write_text(log.read_text() + '{"rl/step": 2, "rl/rew')            # killed while writing step 2's line
+    _resume(params, out)                                                 # at its last step: nothing to train
+    assert [m["rl/step"] for m in read_metrics_log(out)] == [1]
+    log.write_text('{"rl/st\n' + log.read_text())
+    with pytest.raises(ValueError, match="metrics.jsonl, line 1: not a JSON line of metrics"):
+        _resume(params, out)
+
+
+@pytest.mark.parametrize("damage,match", [
+    ("truncate", "policy.safetensors is not a readable safetensors file"),
+    ("nan", "policy.safetensors: tensor .* holds 1 non-finite values"),
+    ("state", "state.pt is not readable .* the checkpoint is damaged"),
+])
+def test_a_damaged_checkpoint_is_named_at_resume(one_step, tmp_path, damage, match):
+    from safetensors.torch import load_file, save_file
+    params, out = _copy(one_step, tmp_path)
+    f = out / "policy.safetensors"
+    if damage == "truncate":
+        f.write_bytes(f.read_bytes()[:100])
+    elif damage == "nan":
+        t = load_file(str(f))
+        t["norm.weight"][0] = float("nan")
+        save_file(t, str(f))
+    else:
+        (out / "state.pt").write_bytes((out / "state.pt").read_bytes()[:200])
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        _resume(params, out, max_steps=2)
+
+
+def test_resume_accepts_the_same_model_written_as_an_absolute_path(one_step, tmp_path):
+    params, out = _copy(one_step, tmp_path)
+    absolute = tmp_path / "abs.yaml"
+    absolute.write_text(TINY.replace("model: data/tiny-reasoner", f"model: {ROOT / 'data' / 'tiny-reasoner'}"))
+    _resume(absolute, out)                                                 # nothing to do, and no refusal
+
+
+def test_a_run_stopped_before_its_first_checkpoint_can_be_started_again(one_step, tmp_path):
+    from tltlib.rljob import run_job
+    params, out = _copy(one_step, tmp_path)
+    for f in ("trainer_state.json", "policy.safetensors", "state.pt", "README.md"):
+        (out / f).unlink()                                                 # save_steps: 0, killed before the end
+    with pytest.raises(FileNotFoundError, match="stopped before its first checkpoint .* start it again without "
+                                                "--resume"):
+        _resume(params, out)
+    run_job(params, out, progress=False, out=open(os.devnull, "w"))
+    assert [m["rl/step"] for m in read_metrics_log(out)] == [1] and (out / "trainer_state.json").is_file()
+
+
+def test_a_save_killed_between_its_renames_is_recovered_at_resume(one_step, tmp_path):
+    params, out = _copy(one_step, tmp_path)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    out.rename(tmp_path / f".out.{dead}.tmp-old")                           # the old checkpoint, moved aside
+    (tmp_path / f".out.{dead}.tmp-k2j4").mkdir()                            # the new one, half written
+    _resume(params, out)
+    assert (out / "trainer_state.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+
+
+def test_workers_that_cannot_split_the_groups_are_refused_before_torchrun(tmp_path):
+    f = tmp_path / "two.yaml"
+    f.write_text(TINY)                                                     # 4 completions / 2 = 2 prompts per step
+    r = subprocess.run([sys.executable, "-m", "tltlib", "train-grpo", "--params", str(f), "--workers", "3",
+                        "--output-dir", str(tmp_path / "o")], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.count("error:") == 1
+    assert "3 workers but only 2 prompts per step" in r.stderr and "torch.distributed" not in r.stderr

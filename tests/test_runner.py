@@ -164,3 +164,23 @@ def test_atomic_folder_replaces_as_a_whole_and_cleans_up_after_dead_writers(tmp_
     assert remove_stale_temporaries(dest) == [stale] and alive.is_dir()
     with pytest.raises(FileExistsError, match="already holds a thing"):
         check_output_folder(dest, False, lambda p: True, "thing")
+
+
+def test_a_folder_replacement_killed_between_renames_is_put_back_never_deleted(tmp_path):
+    """The writer died after moving the old folder aside: the complete new copy (or else the old one) comes back;
+    the half-written one is removed."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    dest = tmp_path / "ckpt"
+    for kind, text in (("old", "v1"), ("new", "v2"), ("k2j4", "partial")):
+        d = tmp_path / f".ckpt.{dead}.tmp-{kind}"
+        d.mkdir()
+        (d / "a.txt").write_text(text)
+    remove_stale_temporaries(dest)
+    assert (dest / "a.txt").read_text() == "v2" and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    (tmp_path / f".ckpt.{dead}.tmp-old").mkdir()                    # only the old copy survived the crash
+    dest.rename(tmp_path / f".ckpt.{dead}.tmp-old" / "x")
+    (tmp_path / f".ckpt.{dead}.tmp-old" / "a.txt").write_text("v1")
+    with atomic_folder(dest, keep_existing=True) as t:               # the next writer recovers it first
+        (t / "b.txt").write_text("new")
+    assert (dest / "a.txt").read_text() == "v1" and (dest / "b.txt").read_text() == "new"

@@ -183,3 +183,25 @@ def test_split_problems_keeps_held_out_prompts_out_of_training(tmp_path):
         split_problems(tmp_path / "d.jsonl", 4, 20, seed=0)
     gen_train, gen_held = split_problems("", 5, 3, seed=1)
     assert len(gen_train) == 5 and len(gen_held) == 3
+
+
+def test_ground_truths_that_are_prose_are_refused_naming_the_rows(tmp_path):
+    rows = [{"question": "q1", "answer": "the result is 93"}, {"question": "q2", "answer": "17"},
+            {"question": "q3", "answer": "x^2 + 1"}, {"question": "q4", "answer": "so she has 4 apples"}]
+    path = tmp_path / "prose.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    with pytest.raises(ValueError, match=r"ground truth of 2 of 4 rows is text, not a final answer \(rows 1, 4; "
+                                         r"row 1: 'answer': 'the result is 93'\)"):
+        load_problems(path)
+    path.write_text("\n".join(json.dumps(r) for r in rows[1:3]) + "\n")
+    assert [p.answer for p in load_problems(path)] == ["17", "x^2 + 1"]      # a formula is an answer
+
+
+def test_a_corrupt_parquet_file_is_one_clear_error(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    f = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "answer": "1"}] * 50), f)
+    f.write_bytes(f.read_bytes()[:-40])                                     # cut: the footer is gone
+    with pytest.raises(ValueError, match=r"d.parquet is not a readable parquet file .* write it again"):
+        load_problems(f)

@@ -132,6 +132,17 @@ def check_finite(tensors: dict[str, torch.Tensor], source: str) -> None:
                              "re-downloaded checkpoint")
 
 
+def check_floating(tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Refuse weights that are not floating point (int8 / int4 packed: a quantised checkpoint), which a cast would
+    turn into a model of raw integers."""
+    ints = sorted((n, t.dtype) for n, t in tensors.items() if not t.is_floating_point())
+    if ints:
+        name, dtype = ints[0]
+        raise ValueError(f"{source}: {len(ints)} weight tensors are not floating point ({name} is "
+                         f"{str(dtype).removeprefix('torch.')}): the checkpoint is quantised; tltlib loads float32, "
+                         "bfloat16 or float16 weights: dequantise it with transformers and save it again")
+
+
 # ------------------------------------------------------------------------------------------------- reading
 def load_config(path: str | os.PathLike) -> ModelConfig:
     """Read ``config.json`` of a local checkpoint folder (clear errors for a missing, broken or unsupported one)."""
@@ -203,6 +214,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                              "but the weights hold a different lm_head.weight; set tie_word_embeddings to false "
                              "if the head is trained separately")
     check_tensors({n: tuple(t.shape) for n, t in tensors.items()}, expected_shapes(cfg), str(path), cfg.num_layers)
+    check_floating(tensors, str(path))
     check_finite(tensors, str(path))
     tensors = {n: t.to(dtype) for n, t in tensors.items()}
     check_finite(tensors, f"{path} (after conversion to {str(dtype).removeprefix('torch.')}: values beyond that "

@@ -18,10 +18,10 @@ per key and replays it afterwards. The key:
 Outputs are copied out right after a replay, so all graphs can share one memory pool (a graph's output is never
 read after another graph ran). Randomness stays outside: a captured function gets its uniforms as an input.
 
-Every forward of a rollout goes through one :class:`Replay` (``replay(name, fn, cache, new_slots, *inputs)``): without a
-pool it is ``fn(*inputs)``; with one, the graph of the bucket. On a CPU (or with ``capture=False``) :meth:`GraphPool.run`
-executes the same padded, fixed-span call eagerly: the tests check that this gives the eager path's results, which
-covers everything graph replay adds except the replay.
+Every graphed forward of a rollout goes through one :class:`Replay` (``replay(name, fn, cache, new_slots,
+*inputs)``): without a pool it is ``fn(*inputs)``; with one, the graph of the bucket. On a CPU (or with
+``capture=False``) :meth:`GraphPool.run` executes the same padded, fixed-span call eagerly: the tests check that this
+gives the eager path's results, which covers everything graph replay adds except the replay.
 
 Departure: the reference engine (SGLang) pads the batch inside a paged KV pool; here the dense cache's spare rows are
 the padding, so a bucket never exceeds the rows the cache was allocated with (the top bucket is that row count).

@@ -52,7 +52,8 @@ class GRPOConfig:
     max_completion_length: int = 256
     """Most tokens per completion."""
     temperature: float = 1.0
-    """Sampling temperature of the rollout (and of the log-probabilities of the loss)."""
+    """Sampling temperature of the rollout (and of the log-probabilities of the loss); > 0: at 0 a group's
+    completions are all the greedy one and GRPO has nothing to compare."""
     top_p: float = 1.0
     """Nucleus sampling (1.0 = off)."""
     top_k: int = 0
@@ -86,7 +87,7 @@ class GRPOConfig:
     max_steps: int = 10
     """RL steps to train."""
     seed: int = 42
-    """Seeds prompt order, sampling and the reference copy."""
+    """Seeds prompt order, sampling and the reference copy (>= 0)."""
     save_steps: int = 0
     """Checkpoint every this many steps into the output folder (0 = only at the end, if one is given)."""
     micro_batch_tokens: int = 4096
@@ -111,6 +112,12 @@ class GRPOConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature == 0:
+            raise ValueError("temperature 0 samples every completion of a group greedily: they are identical, every "
+                             "advantage is 0, the loss and gradient are 0 and RL learns nothing; use a sampling "
+                             "temperature such as 1.0 (greedy held-out accuracy is measured by evaluate)")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0 (numpy and torch generators take non-negative seeds), got {self.seed}")
         if not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ValueError(f"need 0 < top_p <= 1 and top_k >= 0, got top_p={self.top_p}, top_k={self.top_k}")
         if not self.learning_rate > 0:

@@ -162,6 +162,7 @@ SCHEMA: dict[str, Param] = {
     "CONTEXT_STEPS": Param("int", lo=0),
     "N_SAMPLES": _COUNT,
     "THRESHOLD": Param("int", lo=0),
+    "DEMO_THRESHOLD": _COUNT,
     "ARMS": Param("strategies"),
     "FIXED": Param("strategy"),
     "EPSILON": _PROB,

@@ -41,7 +41,7 @@ from pathlib import Path
 import yaml
 from tqdm.auto import tqdm
 
-from .fileio import atomic_write_text, check_output_folder, read_json, recover_interrupted, resolve
+from .fileio import atomic_write_text, check_output_folder, read_json, remove_stale_temporaries, resolve
 from .grpo import GRPOConfig, accuracy_reward
 from .loading import load
 from .params import dataclass_from_mapping, load_yaml, params_path
@@ -205,7 +205,7 @@ def run_job(params: str | os.PathLike, output_dir: str | os.PathLike | None = No
 def _check_output(job: Job, output: Path, resume: bool, world) -> bool:
     """Before any work: whether the run resumes (asked for, or a group torchrun restarted), and that the output
     folder can be written without losing anything. Refusals say what to pass instead."""
-    recover_interrupted(output)                    # a checkpoint save killed between its renames
+    remove_stale_temporaries(output)               # puts back a checkpoint whose save was killed between renames
     has_checkpoint = (output / "trainer_state.json").is_file()
     unfinished = not has_checkpoint and (output / "job.json").is_file()
     # a group restarted by torchrun continues from the last checkpoint, but only a run this launch started or

@@ -1,8 +1,8 @@
 """One speculative-decoding (SD) step over a ragged batch: draft with the drafter, verify in one target forward, commit.
 
 State between decode iterations, per row: the last emitted token x_n (not yet run through the target) and the
-drafter's *backlog* — the (target hidden f_t, token x_{t+1}) inputs emitted but not yet fed to the drafter, the last of
-which ends in x_n. The rollout hands every emitted token to :meth:`SpecDecoder.record` (plain and SD iterations
+drafter's *backlog* — the (target hidden f_t, token x_{t+1}) inputs emitted but not yet fed to the drafter, the
+last of which ends in x_n. The rollout hands every emitted token to :meth:`SpecDecoder.record` (plain and SD iterations
 alike), so the backlog is the SD state's own business. An SD step (:meth:`SpecDecoder.draft_and_verify`):
 
 1. **catch up** — one drafter forward over the backlog (ragged) commits it to the drafter's cache; its output at

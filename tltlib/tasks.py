@@ -111,6 +111,7 @@ def prompt_text(problem: Problem, tokenizer=None) -> str:
 # ------------------------------------------------------------------------------------------------ dataset IO
 _PROMPT_KEYS = ("prompt", "question", "problem")
 _ANSWER_KEYS = ("ground_truth", "answer", "solution")
+_WORD_RE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}")   # a plain word (not a LaTeX command such as \sqrt)
 
 
 def _row_to_problem(row: dict, where: str) -> Problem:
@@ -140,6 +141,8 @@ def _row_to_problem(row: dict, where: str) -> Problem:
     truth = str(truth)
     if key in ("answer", "solution") and ("####" in truth or "\\boxed" in truth):
         truth = extract_answer(truth)                          # GSM8K "... #### 72", MATH "... \boxed{3}"
+    elif key in ("answer", "solution") and len(_WORD_RE.findall(truth)) >= 2:
+        raise NotAnAnswer(f"{key!r}: {truth[:60]!r}")          # prose, not a final answer: no reward could match
     if not truth:
         raise ValueError(f"{where}: field {key!r} holds an empty ground truth")
     meta = {k: v for k, v in row.items() if k in ("data_source", "ability", "extra_info", "steps", "source")}
@@ -149,20 +152,31 @@ def _row_to_problem(row: dict, where: str) -> Problem:
     return Problem(prompt, normalize_answer(truth), meta)
 
 
+class NotAnAnswer(ValueError):
+    """A row's ground truth is free text without a final answer in it."""
+
+
 def load_problems(path: str | os.PathLike, limit: int | None = None) -> list[Problem]:
     """Read problems from JSONL (one object per line) or verl-style parquet.
 
     A row needs a prompt (``prompt`` as text or chat messages, or ``question`` / ``problem``) and a ground truth
     (``reward_model.ground_truth``, ``ground_truth``, ``answer`` — GSM8K's ``#### x`` is extracted — or
-    ``solution`` with ``\\boxed{x}``). Errors name the file, the row (1-based) and the field."""
+    ``solution`` with ``\\boxed{x}``). Errors name the file, the row (1-based) and the field; ground truths that are
+    prose rather than an answer (``"the result is 93"``: no response's final answer could ever equal it) are refused
+    with every such row named."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset {str(path)!r} does not exist: pass a local .jsonl or .parquet file")
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 (or None for every row), got {limit}")
     if path.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
-        rows = pq.read_table(path).to_pylist()
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"{path} is not a readable parquet file ({str(e).splitlines()[0][:160]}); the file is "
+                             "truncated or not parquet: write it again (e.g. pandas.DataFrame.to_parquet)") from None
         numbered = [(i + 1, r) for i, r in enumerate(rows)]
     elif path.suffix in (".jsonl", ".json"):
         numbered = []
@@ -184,7 +198,18 @@ def load_problems(path: str | os.PathLike, limit: int | None = None) -> list[Pro
         raise ValueError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl or .parquet")
     if not numbered:
         raise ValueError(f"dataset {path} is empty: it needs at least one row with a prompt and a ground truth")
-    out = [_row_to_problem(row, f"{path}, row {i}") for i, row in numbered[:limit]]
+    out, prose = [], []
+    for i, row in numbered[:limit]:
+        try:
+            out.append(_row_to_problem(row, f"{path}, row {i}"))
+        except NotAnAnswer as e:
+            prose.append((i, str(e)))
+    if prose:
+        rows = ", ".join(str(i) for i, _ in prose[:8]) + (", ..." if len(prose) > 8 else "")
+        raise ValueError(f"{path}: the ground truth of {len(prose)} of {len(numbered[:limit])} rows is text, not a "
+                         f"final answer (rows {rows}; row {prose[0][0]}: {prose[0][1]}): rewards compare a "
+                         "response's final answer ('#### 93', '\\boxed{93}') with it, so they would all be 0; give "
+                         "the answer alone ('93'), GSM8K's '<solution> #### 93' or '\\boxed{93}'")
     for p in out:
         p.meta["dataset"] = str(path)               # named by errors about the data (e.g. check_coverage)
     return out

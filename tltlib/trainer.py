@@ -47,9 +47,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .adaptive import DEFAULT_ARMS, AdaptiveConfig, AdaptiveController, TunerConfig, default_threshold, measure_costs
+from .checkpoint import check_finite, check_floating, read_safetensors
 from .draft_train import DrafterTrainConfig, DrafterTrainer
 from .fileio import atomic_folder, read_json
 from .grpo import GRPOConfig, accuracy_reward, aggregate_loss, clipped_token_loss, compute_rewards, group_advantages
@@ -402,7 +403,8 @@ class GRPOTrainer:
         model.eval()
         self.optimizer.zero_grad(set_to_none=True)
         sums = self.world.gather({k: torch.tensor([getattr(local, k)], dtype=torch.float64)
-                                  for k in ("loss", "kl", "clip_frac")}, "reached the all-gather of the loss statistics")
+                                  for k in ("loss", "kl", "clip_frac")},
+                                 "reached the all-gather of the loss statistics")
         return LossStats(**{k: float(v.sum()) for k, v in sums.items()}, grad_norm=float(norm))
 
     def _accumulate(self, batch: UpdateBatch, k: int, g: list, ref_lp, old_lp, stats: LossStats) -> None:
@@ -588,8 +590,8 @@ class GRPOTrainer:
             raise ValueError(f"{path} was written by a run with another model or configuration (differs in "
                              f"{', '.join(diff[:6])}); resume with the same model and settings, or start anew "
                              "with another output folder")
-        self.model.load_state_dict(load_file(str(path / "policy.safetensors"), device=str(self.device)))
-        tensors = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+        self.model.load_state_dict(read_policy(path, self.device))
+        tensors = _read_state(path / "state.pt")
         self.optimizer.load_state_dict(tensors["optimizer"])
         self.generator.set_state(tensors["generator"])
         if self.reference is not None:
@@ -607,13 +609,37 @@ class GRPOTrainer:
         self.rng.bit_generator.state = meta["numpy_rng"]
         self.step_count, self.history = meta["step"], list(meta["history"])
         if self.world.size > 1:                       # this worker's own state
-            st = torch.load(path / f"rank{self.world.rank}.pt", map_location="cpu", weights_only=False)
+            st = _read_state(path / f"rank{self.world.rank}.pt")
             self.generator.set_state(st["generator"])
             if self.buffer is not None:
                 self.buffer.load_state_dict(st["buffer"])
             if self.controller is not None:
                 self.controller.load_state_dict(st["controller"])
         return self
+
+
+def read_policy(path: Path, device) -> dict[str, torch.Tensor]:
+    """The policy of a checkpoint folder, checked: a truncated file, integer or non-finite weights are refused with
+    the file named (before any rollout runs on them)."""
+    f = path / "policy.safetensors"
+    if not f.is_file():
+        raise FileNotFoundError(f"{f} is missing: the checkpoint is incomplete; resume from another one or start anew")
+    tensors = read_safetensors([f], device)
+    check_floating(tensors, str(f))
+    check_finite(tensors, str(f))
+    return tensors
+
+
+def _read_state(f: Path) -> dict:
+    """A torch.save'd state file of a checkpoint (the optimizers, RNG states, buffer), its damage named."""
+    try:
+        return torch.load(f, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{f} is missing: the checkpoint is incomplete; resume from another one or start "
+                                "anew") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise ValueError(f"{f} is not readable ({' '.join(str(e).split())[:160]}): the checkpoint is damaged; "
+                         "resume from another one or start anew") from None
 
 
 def load_weights(path: str | os.PathLike, model, drafter=None) -> dict:
@@ -623,9 +649,9 @@ def load_weights(path: str | os.PathLike, model, drafter=None) -> dict:
     if not (path / "trainer_state.json").is_file():
         raise FileNotFoundError(f"{str(path)!r} is not a tltlib GRPO checkpoint (no trainer_state.json)")
     meta = read_json(path / "trainer_state.json", "the checkpoint is damaged")
-    model.load_state_dict(load_file(str(path / "policy.safetensors"), device=str(model.embed.weight.device)))
+    model.load_state_dict(read_policy(path, model.embed.weight.device))
     if drafter is not None:
-        tensors = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+        tensors = _read_state(path / "state.pt")
         if "drafter" not in tensors:
             raise ValueError(f"{path} holds no drafter (the run had none): load the policy only")
         drafter.load_state_dict(tensors["drafter"])

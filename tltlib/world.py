@@ -171,7 +171,7 @@ class DistributedWorld(World):
                                     device_id=torch.device(self.device) if backend == "nccl" else None)
         self.ctrl = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s + MARGIN_S))
         self.timeout_s = timeout_s
-        self._tag = 0                              # point-to-point tags of the arrivals: the same sequence on every rank
+        self._tag = 0                              # arrival tags: the same sequence on every rank
 
     # --------------------------------------------------------------------------------------------- collectives
     def gather(self, fields: dict[str, torch.Tensor], what: str = "reached the all-gather") -> dict[str, torch.Tensor]:
