@@ -373,16 +373,19 @@ class Rollout:
 
     def _speculate(self, st: SpecStrategy, commit) -> Emitted:
         """One SD step: drafts from the learned drafter or, for ``ngram``, from earlier text; one verify forward."""
-        propose = None
-        if st.kind == "ngram":
-            if self.ngram is None:
-                self.ngram = NgramDrafter(self.prompts, self.engine.config.group_size, self.engine.ngram_config)
-            ids = self.seq.tolist()
-
-            def propose(depth):
-                self.ngram.update(ids, self.out_tokens, self.n_out)
-                return self.ngram.propose(ids, depth, self.device)
+        propose = self._ngram_proposer() if st.kind == "ngram" else None
         return self.spec.draft_and_verify(st, self.last, self.cache, self.generator, commit, propose)
+
+    def _ngram_proposer(self):
+        """``propose(depth) -> [rows, depth]`` drafts copied from the rows' earlier text and their siblings'."""
+        if self.ngram is None:
+            self.ngram = NgramDrafter(self.prompts, self.engine.config.group_size, self.engine.ngram_config)
+        ids = self.seq.tolist()
+
+        def propose(depth):
+            self.ngram.update(ids, self.out_tokens, self.n_out)
+            return self.ngram.propose(ids, depth, self.device)
+        return propose
 
     def _check(self, st: SpecStrategy) -> None:
         if st.uses_drafter and self.engine.drafter is None:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import math
 import os
 import time
@@ -47,12 +46,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from .adaptive import DEFAULT_ARMS, AdaptiveConfig, AdaptiveController, TunerConfig, default_threshold, measure_costs
-from .checkpoint import check_finite, check_floating, read_safetensors
 from .draft_train import DrafterTrainConfig, DrafterTrainer
-from .fileio import atomic_folder, read_json
 from .grpo import GRPOConfig, accuracy_reward, aggregate_loss, clipped_token_loss, compute_rewards, group_advantages
 from .grpo import kl_k3, reward_name
 from .logprobs import SequenceBatch, micro_batches, padded_tokens, response_logprobs
@@ -63,10 +59,8 @@ from .sampling import SamplingConfig
 from .scheduler import SchedulerConfig, SpotTrainer, SpotWindow
 from .speculative import SpecStrategy
 from .tasks import encode_prompts
+from .trainer_state import fingerprint, load, save
 from .world import World
-
-CHECKPOINT_FORMAT = "tltlib-grpo-checkpoint-1"
-
 
 @dataclass(frozen=True)
 class TLTConfig:
@@ -171,20 +165,6 @@ class LossStats:
     """Share of counted tokens whose ratio was clipped."""
     grad_norm: float = 0.0
     """Gradient norm of the last iteration, before clipping."""
-
-
-def _config_dict(cfg) -> dict:
-    return json.loads(json.dumps(asdict(cfg), default=str))
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 class GRPOTrainer:
@@ -509,151 +489,15 @@ class GRPOTrainer:
 
     # --------------------------------------------------------------------------------------------- checkpoint
     def fingerprint(self) -> dict:
-        """What a checkpoint must match to be resumed here (the model's shape, the RL and TLT settings; with
-        several workers also their number, as each one's state is saved, and the scheduler settings that change
-        what is trained — budgets and timeouts may change on resume)."""
-        args = {k: v for k, v in _config_dict(self.args).items() if k not in ("max_steps", "save_steps")}
-        out = {"model": self.model.config.to_hf(), "grpo": args, "tlt": _config_dict(self.tlt),
-               "drafter": self.drafter is not None, "rewards": [reward_name(f) for f in self.reward_funcs]}
-        if self.world.distributed:
-            out.update(world=self.world.size, scheduler={"spot_trainer": self.sched.spot_trainer,
-                                                         "train_on": self.sched.train_on})
-        return out
+        """What a checkpoint must match to be resumed here (:func:`tltlib.trainer_state.fingerprint`)."""
+        return fingerprint(self)
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write a checkpoint folder atomically (a temporary folder renamed over ``path``; other files there, such
-        as the run's metrics.jsonl, are carried over). With several workers each one's own state (sampling
-        generator, pair buffer, tuner) is staged beside it first and moved in by rank 0."""
-        path = Path(path).resolve()
-        staged = self._stage_worker_state(path)
-        if self.world.rank == 0:
-            with atomic_folder(path, keep_existing=True) as tmp:
-                self._write_checkpoint(tmp, path)
-                for k, f in enumerate(staged):
-                    f.replace(tmp / f"rank{k}.pt")
-        self.world.barrier()
-        return path
-
-    def _stage_worker_state(self, path: Path) -> list[Path]:
-        """Several workers: every worker writes its own state beside ``path``; returns all their files."""
-        if self.world.size == 1:
-            return []
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staged = [path.parent / f".{path.name}-rank{k}-step{self.step_count}.pt" for k in range(self.world.size)]
-        mine = staged[self.world.rank]
-        tmp = mine.with_name(mine.name + ".part")
-        torch.save({"generator": self.generator.get_state(),
-                    "buffer": self.buffer.state_dict() if self.buffer is not None else None,
-                    "controller": self.controller.state_dict() if self.controller is not None else None}, tmp)
-        tmp.replace(mine)
-        self.world.barrier()
-        return staged
-
-    def _write_checkpoint(self, tmp: Path, path: Path) -> None:
-        meta = {"format": CHECKPOINT_FORMAT, "step": self.step_count, "fingerprint": self.fingerprint(),
-                "numpy_rng": self.rng.bit_generator.state, "history": self.history,
-                "controller": self.controller.state_dict() if self.controller is not None else None,
-                "drafter_version": getattr(self.drafter, "version", None),
-                "drafter_steps_done": self.drafter_trainer.steps_done if self.drafter_trainer else None}
-        (tmp / "trainer_state.json").write_text(json.dumps(meta, default=float) + "\n")
-        save_file({k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()},
-                  str(tmp / "policy.safetensors"))
-        tensors = {"optimizer": self.optimizer.state_dict(), "generator": self.generator.get_state()}
-        if self.reference is not None:
-            tensors["reference"] = self.reference.state_dict()
-        if self.drafter is not None:
-            tensors["drafter"] = self.drafter.state_dict()
-        if self.drafter_trainer is not None:
-            tensors["drafter_optimizer"] = self.drafter_trainer.opt.state_dict()
-        if self.buffer is not None:
-            tensors["buffer"] = self.buffer.state_dict()
-        torch.save(tensors, tmp / "state.pt")
-        digest = hashlib.sha256(json.dumps(meta["fingerprint"], sort_keys=True).encode()).hexdigest()[:16]
-        (tmp / "README.md").write_text(f"# tltlib GRPO checkpoint\n\nStep {self.step_count}; configuration "
-                                       f"{digest}. Resume with `python -m tltlib train-grpo --params <the file that "
-                                       f"started it> --resume {path}`.\n")
+        """Write a checkpoint folder atomically (:func:`tltlib.trainer_state.save`)."""
+        return save(self, path)
 
     def load(self, path: str | os.PathLike) -> "GRPOTrainer":
-        """Restore a checkpoint written by :meth:`save` (refused, with the differences named, when it comes from
-        another model or configuration)."""
-        path = Path(path)
-        state_file = path / "trainer_state.json"
-        if not state_file.is_file():
-            raise FileNotFoundError(f"{str(path)!r} is not a tltlib GRPO checkpoint (no trainer_state.json); pass "
-                                    "the folder written by a run (--output-dir)")
-        meta = read_json(state_file, "the checkpoint is damaged: resume from an earlier one")
-        if meta.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{state_file}: format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
-        mine, theirs = _flatten(self.fingerprint()), _flatten(meta["fingerprint"])
-        diff = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
-        if diff:
-            raise ValueError(f"{path} was written by a run with another model or configuration (differs in "
-                             f"{', '.join(diff[:6])}); resume with the same model and settings, or start anew "
-                             "with another output folder")
-        self.model.load_state_dict(read_policy(path, self.device))
-        tensors = _read_state(path / "state.pt")
-        self.optimizer.load_state_dict(tensors["optimizer"])
-        self.generator.set_state(tensors["generator"])
-        if self.reference is not None:
-            self.reference.load_state_dict(tensors["reference"])
-        if self.drafter is not None:
-            self.drafter.load_state_dict(tensors["drafter"])
-            self.drafter.version = meta["drafter_version"]
-        if self.drafter_trainer is not None:
-            self.drafter_trainer.opt.load_state_dict(tensors["drafter_optimizer"])
-            self.drafter_trainer.steps_done = meta["drafter_steps_done"]
-        if self.buffer is not None:
-            self.buffer.load_state_dict(tensors["buffer"])
-        if self.controller is not None:
-            self.controller.load_state_dict(meta["controller"])
-        self.rng.bit_generator.state = meta["numpy_rng"]
-        self.step_count, self.history = meta["step"], list(meta["history"])
-        if self.world.size > 1:                       # this worker's own state
-            st = _read_state(path / f"rank{self.world.rank}.pt")
-            self.generator.set_state(st["generator"])
-            if self.buffer is not None:
-                self.buffer.load_state_dict(st["buffer"])
-            if self.controller is not None:
-                self.controller.load_state_dict(st["controller"])
+        """Restore a checkpoint written by :meth:`save`; refused, with the differences named, when it comes from
+        another model or configuration (:func:`tltlib.trainer_state.load`)."""
+        load(self, path)
         return self
-
-
-def read_policy(path: Path, device) -> dict[str, torch.Tensor]:
-    """The policy of a checkpoint folder, checked: a truncated file, integer or non-finite weights are refused with
-    the file named (before any rollout runs on them)."""
-    f = path / "policy.safetensors"
-    if not f.is_file():
-        raise FileNotFoundError(f"{f} is missing: the checkpoint is incomplete; resume from another one or start anew")
-    tensors = read_safetensors([f], device)
-    check_floating(tensors, str(f))
-    check_finite(tensors, str(f))
-    return tensors
-
-
-def _read_state(f: Path) -> dict:
-    """A torch.save'd state file of a checkpoint (the optimizers, RNG states, buffer), its damage named."""
-    try:
-        return torch.load(f, map_location="cpu", weights_only=False)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{f} is missing: the checkpoint is incomplete; resume from another one or start "
-                                "anew") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise ValueError(f"{f} is not readable ({' '.join(str(e).split())[:160]}): the checkpoint is damaged; "
-                         "resume from another one or start anew") from None
-
-
-def load_weights(path: str | os.PathLike, model, drafter=None) -> dict:
-    """Load the policy (and the drafter) of a checkpoint written by :meth:`GRPOTrainer.save` into ``model`` (and
-    ``drafter``) without a trainer, e.g. to probe a finished run; returns its ``trainer_state.json``."""
-    path = Path(path)
-    if not (path / "trainer_state.json").is_file():
-        raise FileNotFoundError(f"{str(path)!r} is not a tltlib GRPO checkpoint (no trainer_state.json)")
-    meta = read_json(path / "trainer_state.json", "the checkpoint is damaged")
-    model.load_state_dict(read_policy(path, model.embed.weight.device))
-    if drafter is not None:
-        tensors = _read_state(path / "state.pt")
-        if "drafter" not in tensors:
-            raise ValueError(f"{path} holds no drafter (the run had none): load the policy only")
-        drafter.load_state_dict(tensors["drafter"])
-        drafter.version = meta.get("drafter_version") or 0
-    return meta
