@@ -53,7 +53,7 @@ def test_worker_timeline_title_reports_idle_share():
 
 
 def test_adaptive_timeline_colours_each_strategy_and_draws_the_threshold():
-    tl = {"time": [0.1, 0.2, 0.3, 0.4], "active": [64, 40, 8, 2], "step_time": [0.1] * 4,
+    tl = {"time": [0.1, 0.2, 0.3, 0.4], "active": [64, 40, 8, 2], "iter_time": [0.1] * 4,
           "strategy": ["off", "off", "chain-4", "chain-8"]}
     ax = plots.adaptive_timeline(tl, 32).axes[0]
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
