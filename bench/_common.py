@@ -54,8 +54,8 @@ class BenchParser(argparse.ArgumentParser):
 
 
 def bench_parser(doc: str) -> BenchParser:
-    """The parser of a bench script, described by the first line of its module docstring ``doc``."""
-    return BenchParser(description=doc.split("\n")[0])
+    """The parser of a bench script, described by the first paragraph of its module docstring ``doc``."""
+    return BenchParser(description=" ".join(doc.split("\n\n")[0].split()))
 
 
 def parse_bench_args(ap: argparse.ArgumentParser, argv: list[str] | None = None, malloc: bool = True):

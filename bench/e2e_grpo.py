@@ -11,7 +11,7 @@ set (measured outside the timed phases). Also the update's tokens/s with length-
 micro-batches of a fixed row count in arrival order (TRL's per-device batches).
 
     python -m tltlib bench e2e_grpo                                  # CPU, tiny reasoner, 3 seeds x 8 steps
-    python -m tltlib bench e2e_grpo --drafter data/tiny-reasoner-drafter-early   # the drifted warm-up
+    python -m tltlib bench e2e_grpo --drafter data/tiny-reasoner-drafter-short   # the drifted warm-up
     python -m tltlib bench e2e_grpo --device cuda --dtype bfloat16 --model ... --drafter ...
     python -m tltlib bench e2e_grpo --workers 2     # data-parallel workers under torchrun, with the spot trainer
 

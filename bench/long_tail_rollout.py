@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--arms", default="off;chain-4;chain-8;chain-16;chain-32;tree-6x4-24;ngram-4",
                     type=listed(strategy, "off;chain-4;ngram-4", sep=";"),
                     help="';'-separated strategies of the learned-drafter adaptive policy (each SD one also runs "
-                         "fixed); 'off' lets the tuner fall back to plain steps, as TrainerConfig.arms does")
+                         "fixed); 'off' lets the tuner fall back to plain steps, as TLTConfig.arms does")
     ap.add_argument("--ngram-arms", default="off;ngram-2;ngram-4", type=listed(strategy, "off;ngram-4", sep=";"),
                     help="arms of the n-gram-only adaptive policy (no learned drafter)")
     ap.add_argument("--threshold", type=nonnegative_int, default=None,

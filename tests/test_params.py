@@ -133,6 +133,7 @@ def test_a_key_given_twice_is_refused(tmp_path):
     ("notebooks:\n  \"01\": {TEMPERATURE: .nan}\n", "TEMPERATURE = nan .*not a finite number"),
     ("FIGURES_DIR: README.md\n", "FIGURES_DIR = 'README.md' .*is \\(inside\\) a file, not a folder"),
     ("n_prompts: 3\n", "n_prompts is declared by no notebook \\(did you mean N_PROMPTS\\?\\)"),
+    ("PAIRS: all\n", "PAIRS is declared by no notebook \\(renamed TRAIN_ON\\)"),
 ])
 def test_more_values_refused_before_running(tmp_path, text, match):
     with pytest.raises(ValueError, match=match):

@@ -95,8 +95,8 @@ def test_strategy_may_change_every_step_and_budgets_hold(target, drafter):
 
 @pytest.mark.parametrize("plain_steps", [30, 31, 32, 33])
 def test_sd_switches_on_right_after_a_pending_flush(target, drafter, plain_steps):
-    """SpecDecoder flushes pending pairs into the drafter every ``flush_at`` (32) plain steps; an SD step right
-    after a flush must still find each row's last pair pending (it is what proposes the first draft)."""
+    """SpecDecoder flushes its backlog into the drafter every ``flush_at`` (32) plain iterations; an SD step right
+    after a flush must still find each row's last entry in the backlog (it is what proposes the first draft)."""
     eng = _engine(target, drafter, temperature=0, max_new_tokens=60, group_size=2, ignore_eos=True)
     plain = eng.generate(PROMPTS)
     late = eng.generate(PROMPTS, strategy=lambda step, active: S.OFF if step < plain_steps else SpecStrategy("chain", 3))

@@ -353,7 +353,8 @@ def _model_commands(sub) -> None:
 
 def _train_grpo_command(sub) -> None:
     tg = sub.add_parser("train-grpo", help="GRPO with TLT from a parameter file (one JSON line of metrics per step)")
-    tg.add_argument("--params", default="params/train/cpu-tiny.yaml", help="train-grpo parameter file")
+    tg.add_argument("--params", default="params/train/cpu-tiny.yaml",
+                    help="train-grpo parameter file (default %(default)s)")
     tg.add_argument("--output-dir", help="checkpoints and metrics.jsonl (default runs/train-grpo/<params name>)")
     tg.add_argument("--resume", metavar="DIR", help="continue the run checkpointed in DIR")
     tg.add_argument("--max-steps", type=int, help="stop after this many RL steps (default: grpo.max_steps)")

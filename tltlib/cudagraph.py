@@ -1,7 +1,7 @@
 """CUDA graphs for the rollout's small-batch forwards: capture once per bucket, replay with one launch.
 
-At small batch a decode step is hundreds of kernels with a few microseconds of work each, so the GPU waits on the
-Python host that launches them; SD makes it worse (a chain of drafter forwards per step). As in the paper's engine
+At small batch a decode iteration is hundreds of kernels with a few microseconds of work each, so the GPU waits on
+the Python host that launches them; SD makes it worse (a chain of drafter forwards per SD step). As in the paper's engine
 (SGLang captures graphs per batch size and speculative strategy), :class:`GraphPool` captures any row-batched
 function over KV caches — the target's decode forward, its verify forward, the drafter's chain or tree draft — once
 per key and replays it afterwards. The key:
@@ -173,7 +173,8 @@ class GraphPool:
 
 
 class Replay:
-    """The one door every forward of a rollout goes through (decode, verify, chain and tree drafts).
+    """The one door every graphed forward of a rollout goes through (decode, verify, chain and tree drafts; the
+    prefill and the drafter's catch-up run eagerly: their widths vary too much to bucket).
 
     ``replay(name, fn, cache, new_slots, *inputs)`` is ``fn(*inputs)`` as a tuple; with a :class:`GraphPool` (a rollout
     on CUDA) it is the captured graph of the row and span bucket instead (see :meth:`GraphPool.run` for the

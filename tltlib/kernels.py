@@ -6,7 +6,7 @@ Choices (all return what the plain PyTorch call returns, up to float rounding: a
 
 * **projections** (:func:`linear`): CPU float32 inference with ``CPU_MM_MIN_ROWS``-``CPU_MM_MAX_ROWS`` rows runs as
   ``weight @ x.T`` (PyTorch's CPU ``x @ weight.T`` re-lays out the weight for a few rows; ``weight @ x.T`` streams it
-  once): 1.5-2.7x faster for 2-16 rows, ~1.2x for one, which makes a few-token verify cost about one decode step.
+  once): 1.5-2.7x faster for 2-16 rows, ~1.2x for one, which makes a few-token verify cost about one decode iteration.
   Autograd (training), CUDA and other dtypes use ``F.linear``.
 * **cached attention** (:func:`cached_attention`): on CUDA one fused ``scaled_dot_product_attention`` over the KV
   heads (:func:`gqa_sdpa`); on a CPU two matmuls (:func:`gqa_attention`) from ``CPU_MATMUL_ATTENTION_MIN_ROWS`` rows

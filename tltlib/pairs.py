@@ -4,7 +4,7 @@
 t = (f_t, x_{t+1}) at drafter position t, where f_t is the target's final hidden state at position t (the one that
 produced x_{t+1}'s distribution). The rollout streams exactly those pairs (:class:`tltlib.rollout.Rollout`): the
 prompt pairs (t < L_p - 1) from the prefill, once per prompt (a GRPO group shares them), and each response token's
-pair from the decode step that produced it (plain or speculative: the verify forward's hidden states along the
+pair from the decode iteration that produced it (plain or an SD step: the verify forward's hidden states along the
 accepted path are what the drafter is fed). No dense [rows, max_new, H] tensor is ever allocated: pairs go into one
 pool of at most ``max_tokens`` entries.
 

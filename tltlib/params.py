@@ -32,6 +32,8 @@ from .importers import MODELS, cache_dir
 from .speculative import SpecStrategy
 
 RUNNER_SET = ("OUT_DIR",)
+RENAMED = {"PAIRS": "TRAIN_ON"}
+"""Notebook parameters of earlier versions: the error names the new one."""
 """Parameters the runner sets itself (a file may not: the value would be overwritten)."""
 
 
@@ -309,7 +311,8 @@ def plan_run(params: str | os.PathLike, notebooks: list[Path], selected: list[Pa
         if key in shared or any(key in v for v in per_nb.values()):
             problems.append(f"{key} is set by the runner (runs/<params>/<notebook>); choose the folder with --out")
     for key in sorted(set(shared) - everything - set(RUNNER_SET)):
-        problems.append(f"{key} is declared by no notebook{_spelling(key, everything)}")
+        hint = f" (renamed {RENAMED[key]})" if key in RENAMED else _spelling(key, everything)
+        problems.append(f"{key} is declared by no notebook{hint}")
     for prefix, overrides in per_nb.items():
         matched = [nb for nb in notebooks if nb.stem.startswith(prefix)]
         if not matched:

@@ -16,7 +16,8 @@ The file (YAML) names the model, the drafter, the data and the configuration sec
 
 Every key and value is checked before anything loads (a key given twice, unknown keys with the closest spelling,
 wrong types, the dataclasses' own checks). The job prints one JSON line of metrics per step (``rl/*``,
-``rollout/*``, ``spec/*``, ``drafter/*``, ``time/*``) and appends it to ``OUTPUT/metrics.jsonl``; checkpoints go to
+``rollout/*``, ``spec/*``, ``drafter/*``, ``update/*``, ``time/*``, ``eval/*`` when it evaluates, ``sched/*`` under
+torchrun) and appends it to ``OUTPUT/metrics.jsonl``; checkpoints go to
 ``OUTPUT`` every ``grpo.save_steps`` steps and at the end; ``--resume OUTPUT`` continues a run exactly where it
 stopped (with the same file: ``OUTPUT/job.json`` records the model, drafter and data, the checkpoint the
 configurations). Under torchrun every process is one data-parallel worker (:class:`tltlib.world.DistributedWorld`),
@@ -171,6 +172,10 @@ def run_job(params: str | os.PathLike, output_dir: str | os.PathLike | None = No
     if world is not None:                          # every rank must run the same file (else collectives mismatch)
         world.check_same("parameter file", {k: asdict(v) if hasattr(v, "__dataclass_fields__") else v
                                             for k, v in vars(job).items() if k != "source"})
+    if lead:
+        remove_stale_temporaries(output)           # puts back a checkpoint whose save was killed between renames
+    if world is not None:
+        world.barrier()                            # ... before any rank looks at the folder
     resume = _check_output(job, output, resume, world)
     if world is not None:
         world.barrier()                            # every rank has checked the folder before rank 0 writes to it
@@ -205,7 +210,6 @@ def run_job(params: str | os.PathLike, output_dir: str | os.PathLike | None = No
 def _check_output(job: Job, output: Path, resume: bool, world) -> bool:
     """Before any work: whether the run resumes (asked for, or a group torchrun restarted), and that the output
     folder can be written without losing anything. Refusals say what to pass instead."""
-    remove_stale_temporaries(output)               # puts back a checkpoint whose save was killed between renames
     has_checkpoint = (output / "trainer_state.json").is_file()
     unfinished = not has_checkpoint and (output / "job.json").is_file()
     # a group restarted by torchrun continues from the last checkpoint, but only a run this launch started or

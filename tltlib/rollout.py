@@ -3,8 +3,8 @@
 The engine is a stepper: ``rollout = engine.start(prompts)`` prefills and samples the first tokens, each
 ``rollout.iterate()`` runs one *decode iteration* (one target forward over the running rows; returns whether rows are
 still running), ``rollout.finish()`` returns the :class:`RolloutResult`; ``engine.generate`` is the loop over them.
-Whatever acts during a rollout (the adaptive controller, the pair stream into the drafter's buffer, an idle-time
-trainer checking whether this worker is done, progress bars) hooks in between iterations.
+Whatever acts during a rollout (the adaptive controller, the pair stream into the drafter's buffer, progress bars,
+a caller's ``hooks``) acts in between iterations.
 
 One rollout = prefill the unique prompts (in row chunks), copy each prompt's cache row G times (GRPO groups), sample
 every row's first token, then decode. Each iteration is either *plain* (one target forward, one token per row) or an
@@ -125,15 +125,12 @@ def _pad(rows: Sequence[Sequence[int]], pad: int, device) -> torch.Tensor:
 
 @dataclass
 class Workspace:
-    """A rollout's device buffers: the target's KV cache and the SD state (which holds the drafter's cache, its
-    backlog and the :class:`~tltlib.cudagraph.Replay` every graphed forward goes through)."""
+    """A rollout's device buffers: the target's KV cache, the SD state (the drafter's cache and backlog) and the
+    :class:`~tltlib.cudagraph.Replay` every graphed forward goes through (with its CUDA graphs)."""
 
     cache: object
     spec: SpecDecoder
-
-    @property
-    def replay(self) -> Replay:
-        return self.spec.replay
+    replay: Replay
 
 
 class RolloutEngine:
@@ -190,10 +187,11 @@ class RolloutEngine:
             if holder is None or holder.done:
                 self._workspace = None            # free the old buffers before allocating new ones
         cache = model.new_cache(rows, max_len)
-        spec = SpecDecoder(model, self.drafter, cfg.sampling, rows, max_len, max_emit=cfg.draft_margin)
+        replay = Replay()
+        spec = SpecDecoder(model, self.drafter, cfg.sampling, rows, max_len, max_emit=cfg.draft_margin, replay=replay)
         if graphs:
-            spec.replay = Replay(GraphPool([cache] + ([spec.cache] if spec.cache is not None else []), cfg.graphs))
-        ws = Workspace(cache, spec)
+            replay.pool = GraphPool([cache] + ([spec.cache] if spec.cache is not None else []), cfg.graphs)
+        ws = Workspace(cache, spec, replay)
         if graphs and self._workspace is None:
             self._workspace = (key, ws, weakref.ref(owner))
         return ws

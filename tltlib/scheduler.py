@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 TRAIN_ON = ("own", "all")
 GRACE_S = 0.005
@@ -127,8 +126,9 @@ class SpotTrainer:
 
     def idle_window(self, rl_step: int, clock) -> SpotWindow:
         """From the end of this worker's rollout (the last ``rollout`` span of ``clock``) until the last worker's:
-        train the drafter, then merge the drafters (and, with ``train_on: all``, exchange the step's pairs). Adds
-        the ``training`` and ``sync`` spans to ``clock``."""
+        with the spot trainer on, train the drafter, then merge the drafters (off: only wait); with ``train_on:
+        all``, exchange the step's pairs. Adds the ``training`` and ``sync`` spans to ``clock``. One worker: an
+        empty window at once."""
         window = SpotWindow(*clock.last("rollout"))
         end = window.end
         if self.world.size == 1:
@@ -177,8 +177,8 @@ class SpotTrainer:
         drafter, opt = self.drafter_trainer.drafter, self.drafter_trainer.opt
         params = [p for p in drafter.parameters() if p.requires_grad]
         weight = torch.tensor([float(steps), float(self.drafter_trainer.steps_done)], dtype=torch.float64)
-        dist.all_reduce(weight[:1], group=self.world.ctrl)
-        dist.all_reduce(weight[1:], op=dist.ReduceOp.MAX, group=self.world.ctrl)
+        self.world.all_reduce(weight[:1])
+        self.world.all_reduce(weight[1:], op="max")
         total, steps_done = float(weight[0]), int(weight[1])
         if total == 0:
             return

@@ -53,9 +53,9 @@ class Emitted:
         count: ``[B]`` tokens emitted.
         logprobs: ``[B, M]`` their log-probabilities under the sampling distribution.
         hidden: ``[B, M, H]`` the target hidden state that produced each emitted token.
-        accepted: ``[B]`` drafts accepted (0 for a plain step).
-        drafted: draft tokens verified per row (0 for a plain step).
-        draft_s, verify_s: wall time of drafting (extend included) and of the target forward + acceptance.
+        accepted: ``[B]`` drafts accepted (0 for a plain iteration).
+        drafted: draft tokens verified per row (0 for a plain iteration).
+        draft_s, verify_s: wall time of drafting (catch-up included) and of the target forward + acceptance.
     """
 
     tokens: torch.Tensor
@@ -105,15 +105,15 @@ class SpecDecoder:
         rows, max_len: the target cache's shape (max_len must leave room for the deepest draft).
         max_emit: the most tokens one step may emit per row (deepest chain + 1; ``RolloutConfig.draft_margin``).
         flush_at: backlog entries per row above which they are fed to the drafter while SD is off.
+        replay: the :class:`tltlib.cudagraph.Replay` every draft and verify forward goes through (the rollout's: a
+            graph pool on CUDA).
 
     Attributes:
-        replay: the :class:`tltlib.cudagraph.Replay` every draft and verify forward goes through (the rollout gives
-            it a graph pool on CUDA).
         keep_trace: set True to keep the last SD step's :class:`SpecTrace` in :attr:`trace`.
     """
 
     def __init__(self, target, drafter, sampling: SamplingConfig, rows: int, max_len: int, max_emit: int,
-                 flush_at: int = 32):
+                 flush_at: int = 32, replay: Replay | None = None):
         if flush_at < 2:
             raise ValueError(f"flush_at must be >= 2 (a flush keeps each row's last backlog entry), got {flush_at}")
         self.target, self.drafter, self.sampling = target, drafter, sampling
@@ -127,7 +127,7 @@ class SpecDecoder:
         self.backlog_tok = torch.zeros(rows, self.cap, dtype=torch.long, device=w.device)
         self.backlog_n = torch.zeros(rows, dtype=torch.long, device=w.device)
         self.backlog_max = 0
-        self.replay = Replay()
+        self.replay = replay or Replay()
         self.keep_trace = False
         self.trace: SpecTrace | None = None
 

@@ -171,8 +171,8 @@ def strategy_source(strategy) -> StrategySource:
         return strategy
     if callable(strategy):
         return StrategyFunction(strategy)
-    raise TypeError(f"strategy must be a SpecStrategy, a strategy name, a function (step, active) -> SpecStrategy or "
-                    f"an object with choose(step, active); got {type(strategy).__name__}")
+    raise TypeError(f"strategy must be a SpecStrategy, a strategy name, a function (iteration, active) -> "
+                    f"SpecStrategy or an object with choose(iteration, active); got {type(strategy).__name__}")
 
 
 # ------------------------------------------------------------------------------------------------ chain

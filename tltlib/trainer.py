@@ -20,7 +20,8 @@ One :meth:`GRPOTrainer.step` (every phase a method, timed as ``time/<phase>_s``)
 
 Distribution enters only through the trainer's :class:`tltlib.world.World` (one process: gathers return their
 input). The step returns one dict of metrics under the vocabulary of :mod:`tltlib.profiling` (``rl/*`` of the whole
-batch; ``rollout/*``, ``spec/*``, ``drafter/*``, ``time/*`` of this worker; ``sched/*`` with several workers).
+batch; ``rollout/*``, ``spec/*``, ``drafter/*``, ``update/*``, ``time/*`` of this worker; ``sched/*`` under torchrun,
+a world of one included); :meth:`GRPOTrainer.evaluate` adds ``eval/*``.
 :meth:`GRPOTrainer.save` writes everything a bit-identical resume needs (policy, optimizers, drafter, buffer,
 controller, RNG states, step; each worker's own state beside it) into one folder atomically;
 :meth:`GRPOTrainer.load` refuses a folder from another model or configuration.
@@ -156,7 +157,7 @@ class UpdateBatch:
 
 @dataclass
 class LossStats:
-    """The update's statistics over the whole batch, averaged over ``num_iterations``."""
+    """The update's statistics, averaged over ``num_iterations``: one worker's shares, or the whole batch's."""
 
     loss: float = 0.0
     kl: float = 0.0
@@ -165,6 +166,12 @@ class LossStats:
     """Share of counted tokens whose ratio was clipped."""
     grad_norm: float = 0.0
     """Gradient norm of the last iteration, before clipping."""
+
+    def summed(self, world) -> "LossStats":
+        """The whole batch's statistics: every worker's shares added (the gradient norm is already global)."""
+        sums = world.gather({k: torch.tensor([getattr(self, k)], dtype=torch.float64)
+                             for k in ("loss", "kl", "clip_frac")}, "reached the all-gather of the loss statistics")
+        return LossStats(**{k: float(v.sum()) for k, v in sums.items()}, grad_norm=self.grad_norm)
 
 
 class GRPOTrainer:
@@ -297,6 +304,7 @@ class GRPOTrainer:
             ref_lp, old_lp = self.frozen_logprobs(batch)
         with clock.phase("update"):
             losses = self.update(batch, ref_lp, old_lp, clock)
+        losses = losses.summed(self.world)     # over the whole batch
         with clock.phase("drafter"):
             drafter_stats = self.train_drafter(window, clock)
         self.step_count += 1
@@ -358,7 +366,8 @@ class GRPOTrainer:
 
     def update(self, batch: UpdateBatch, ref_lp=None, old_lp=None, clock: StepClock | None = None) -> LossStats:
         """``num_iterations`` AdamW steps of the clipped GRPO loss, each over all micro-batches (gradients summed
-        over the workers). A non-finite gradient norm raises before the step is applied."""
+        over the workers); returns this worker's shares of the loss statistics (:meth:`LossStats.summed` adds the
+        other workers'). A non-finite gradient norm raises before the step is applied."""
         args, model = self.args, self.model
         model.train()
         local = LossStats()
@@ -382,10 +391,7 @@ class GRPOTrainer:
             self.optimizer.step()
         model.eval()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = self.world.gather({k: torch.tensor([getattr(local, k)], dtype=torch.float64)
-                                  for k in ("loss", "kl", "clip_frac")},
-                                 "reached the all-gather of the loss statistics")
-        return LossStats(**{k: float(v.sum()) for k, v in sums.items()}, grad_norm=float(norm))
+        return replace(local, grad_norm=float(norm))
 
     def _accumulate(self, batch: UpdateBatch, k: int, g: list, ref_lp, old_lp, stats: LossStats) -> None:
         """Forward and backward of micro-batch ``k`` (this worker's completions ``g``); adds its share of the loss

@@ -122,6 +122,8 @@ def load(trainer, path: str | os.PathLike) -> None:
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{state_file}: format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
     mine, theirs = _flatten(fingerprint(trainer)), _flatten(meta["fingerprint"])
+    if "scheduler.pairs" in theirs:                   # written before the key was renamed
+        theirs["scheduler.train_on"] = theirs.pop("scheduler.pairs")
     diff = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
     if diff:
         raise ValueError(f"{path} was written by a run with another model or configuration (differs in "

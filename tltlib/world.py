@@ -87,6 +87,12 @@ class World:
     def sum_gradients(self, params: list[torch.Tensor], what: str = "") -> None:
         """Sum the gradients of ``params`` over the workers, in place."""
 
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+        """``sum`` or ``max`` of a small CPU tensor over the workers, in place (control messages)."""
+
+    def all_reduce_flat(self, tensors: list[torch.Tensor]) -> None:
+        """Sum ``tensors`` (weights, optimizer moments, gradients) over the workers, in place."""
+
     def arrive(self, value: float) -> "Arrival":
         """Report ``value`` to every worker without waiting (see :class:`Arrival`)."""
         return Arrival(self, value)
@@ -195,6 +201,9 @@ class DistributedWorld(World):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self.all_reduce_flat([p.grad for p in params])
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=self.ctrl)
 
     def all_reduce_flat(self, tensors: list[torch.Tensor], bucket: int = 1 << 25) -> None:
         """Sum ``tensors`` over the ranks in place: flat fp32 buckets of at most ``bucket`` elements (few
