@@ -200,12 +200,13 @@ def _launch_workers(args) -> None:
 
 def _worker_tables(s, acceptance, one, args, device, tlt_steps) -> str:
     b, t, f, c, sc = s["baseline"], s["tlt"], s["tlt-frozen"], s["comparison"], s["schedule"]
-    rows = [[name, v["rollout"], v["logprob"], v["update"], v["drafter"], v["step"], f"{b['step'] / v['step']:.2f}x",
-             f"{v['rollout'] / v['step']:.0%}"] for name, v in (("baseline", b), ("TLT, spot trainer", t),
-                                                                 ("TLT, drafter frozen", f))]
+    rows = [[name, v["rollout"], v["logprob"], v["update"], v["drafter"], _with_iqr(v, "step"),
+             f"{b['step'] / v['step']:.2f}x", f"{v['rollout'] / v['step']:.0%}"]
+            for name, v in (("baseline", b), ("TLT, spot trainer", t), ("TLT, drafter frozen", f))]
     text = (f"GRPO end to end on {args.workers} data-parallel workers (torchrun), {args.prompts} prompts x "
             f"{args.group} completions per step, up to {args.max_new} tokens, T={args.temperature}, lr {args.lr}, "
-            f"{args.steps} steps, {args.dtype} on {device} (mean seconds per step, rank 0's phases)\n\n"
+            f"{args.steps} steps, {args.dtype} on {device} (median seconds per step, rank 0's phases, the arms "
+            f"interleaved; the step's interquartile range in brackets)\n\n"
             + markdown_table(["policy", "rollout", "log-prob", "update", "drafter", "step", "speedup",
                               "rollout share"], rows))
     text += (f"\n\nTLT with the spot trainer: step {c['step_speedup']:.2f}x, rollout {c['rollout_speedup']:.2f}x, "
@@ -322,14 +323,21 @@ def _trl_peer(args, train) -> dict | None:
             "reward": [h.get("reward") for h in steps], "gradient_checkpointing": bool(cfg.gradient_checkpointing)}
 
 
+def _with_iqr(v: dict, key: str) -> str:
+    """``median [q25-q75]`` of a summarised time (old result files without a spread: the value alone)."""
+    lo_hi = v.get("spread", {}).get(key)
+    return f"{v[key]:.2f} [{lo_hi[0]:.2f}-{lo_hi[1]:.2f}]" if lo_hi else f"{v[key]:.2f}"
+
+
 def _tables(s, acceptance, upd, trl, args, device) -> str:
     b, t, c = s["baseline"], s["tlt"], s["comparison"]
-    rows = [[name, v["rollout"], v["logprob"], v["update"], v["drafter"], v["step"],
+    rows = [[name, v["rollout"], v["logprob"], v["update"], v["drafter"], _with_iqr(v, "step"),
              f"{b['step'] / v['step']:.2f}x", f"{v['rollout'] / v['step']:.0%}"] for name, v in (("baseline", b),
                                                                                                  ("TLT", t))]
     text = (f"GRPO end to end, {args.prompts} prompts x {args.group} completions, up to {args.max_new} tokens, "
             f"T={args.temperature}, lr {args.lr}, {args.steps} steps x {args.seeds} seeds, {args.dtype} on {device}"
-            " (mean seconds per step)\n\n" + markdown_table(
+            " (median seconds per step over all steps and seeds, the arms interleaved; the step's interquartile "
+            "range in brackets)\n\n" + markdown_table(
                 ["policy", "rollout", "log-prob", "update", "drafter", "step", "speedup", "rollout share"], rows))
     text += (f"\n\nRollout speedup {c['rollout_speedup']:.2f}x; Amdahl bound {c['amdahl_bound']:.2f}x from the "
              f"baseline's rollout share {c['rollout_share_baseline']:.0%}; TLT's step speedup "

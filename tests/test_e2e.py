@@ -74,3 +74,21 @@ def test_a_tiny_comparison_runs_both_policies_and_probes_the_drafters():
     assert [len(r["steps"]) for r in out["runs"]["tlt"]] == [2] and len(out["runs"]["baseline"]) == 1
     assert [a["step"] for a in out["acceptance"]] == [1, 2] and out["acceptance"][0]["frozen"] >= 1.0
     assert all((before[k] == v).all() for k, v in model.state_dict().items())     # the input model is untouched
+
+
+def test_one_step_slowed_by_a_neighbour_does_not_decide_the_summary():
+    """12 steps per policy (2 seeds x 6), one baseline rollout 28 s and one TLT update 20 s among 1-5 s ones, as a
+    busy machine made them: the medians keep the typical step, the spread shows the outliers."""
+    def run(seed, rollouts, updates):
+        steps = [{"time/rollout_s": r, "time/reward_s": 0.0, "time/logprob_s": 0.0, "time/update_s": u,
+                  "time/drafter_s": 0.0, "time/step_s": r + u, "rl/reward_mean": 0.5} for r, u in zip(rollouts, updates)]
+        return {"seed": seed, "steps": steps, "eval/accuracy": 0.5 + seed / 10}
+    typical = [3.0, 3.2, 2.8, 3.1, 2.9, 3.0]
+    runs = {"baseline": [run(0, [28.0, *typical[1:]], [1.0] * 6), run(1, typical, [1.0] * 6)],
+            "tlt": [run(0, [1.5] * 6, [1.0] * 6), run(1, [1.5] * 6, [20.0, *[1.0] * 5])]}
+    s = summarize(runs)
+    assert s["baseline"]["rollout"] == pytest.approx(3.0) and s["tlt"]["update"] == pytest.approx(1.0)
+    assert s["comparison"]["rollout_speedup"] == pytest.approx(2.0)
+    assert s["comparison"]["step_speedup"] == pytest.approx(4.0 / 2.5)
+    lo, hi = s["baseline"]["spread"]["rollout"]
+    assert 2.9 <= lo <= 3.0 <= hi <= 3.2

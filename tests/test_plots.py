@@ -97,3 +97,13 @@ def test_acceptance_curves_one_line_per_drafter():
                                                                        "ngram": 1.2}]
     ax = plots.acceptance_curves(acc).axes[0]
     assert [list(line.get_ydata()) for line in ax.lines] == [[3.0, 4.0], [2.0, 2.0], [1.1, 1.2]]
+
+
+def test_step_time_bars_draw_the_median_step_and_its_spread():
+    phases = {"baseline": {"rollout": 6.0, "update": 4.0, "step": 10.0, "spread": {"step": [9.0, 12.0]}},
+              "TLT": {"rollout": 3.0, "update": 4.0, "step": 7.0, "spread": {"step": [6.5, 8.0]}}}
+    ax = plots.step_time_bars(phases).axes[0]
+    bars = [c for c in ax.containers if type(c).__name__ == "ErrorbarContainer"]
+    assert len(bars) == 2
+    segs = bars[0].lines[2][0].get_segments()               # the whisker of the first bar: (x, 9) to (x, 12)
+    assert segs[0][0][1] == pytest.approx(9.0) and segs[0][1][1] == pytest.approx(12.0)

@@ -6,7 +6,9 @@ interleaved so that a slow spell of a shared machine hits both alike. For the fi
 every RL step and outside the timed phases, the accepted length on fixed probe prompts of the drafter TLT trains
 online, of the same warm drafter kept frozen, and of the n-gram drafter: the drift of a drafter the policy leaves
 behind. :func:`summarize` turns the histories into the numbers the paper reports: per-phase step time, speedup, the
-rollout share and the Amdahl bound, reward curves and held-out accuracy with a significance test.
+rollout share and the Amdahl bound, reward curves and held-out accuracy with a significance test. Times are medians
+over the steps of every seed, with their interquartile range: on a shared machine one step slowed by a neighbour
+(a 28 s rollout among 1-5 s ones) would otherwise decide a mean.
 
 Paper: TLT §7 (end-to-end speedup with the same reward curves, Fig. 11-12; drafter adaptation, Fig. 15).
 Departures: the paper compares against verl on 8-64 H100s; :func:`compare` runs in one process, :func:`compare_workers`
@@ -78,13 +80,15 @@ def compare(model, tokenizer, drafter, train, held_out, grpo_for_seed, tlt, seed
 
 
 def summarize(runs: dict, trl_step_s: float | None = None) -> dict:
-    """Mean phase times per policy, the speedup, the rollout share and Amdahl bound, reward curves, held-out
-    accuracy with Welch's t-test, and (given TRL's step time) the baseline's speedup over TRL."""
+    """Per policy the median time of each phase and of the step over all steps and seeds (``spread``: their
+    interquartile ranges), the speedup and rollout share and Amdahl bound from those medians, reward curves,
+    held-out accuracy with Welch's t-test, and (given TRL's step time) the baseline's speedup over TRL."""
     out = {}
     for name, rs in runs.items():
         steps = [m for r in rs for m in r["steps"]]
-        out[name] = {p: float(np.mean([m[f"time/{p}_s"] for m in steps])) for p in PHASES}
-        out[name]["step"] = float(np.mean([m["time/step_s"] for m in steps]))
+        times = {p: [m[f"time/{p}_s"] for m in steps] for p in (*PHASES, "step")}
+        out[name] = {p: float(np.median(v)) for p, v in times.items()}
+        out[name]["spread"] = {p: [float(np.percentile(v, 25)), float(np.percentile(v, 75))] for p, v in times.items()}
         out[name]["reward_by_step"] = [[r["steps"][k]["rl/reward_mean"] for r in rs]
                                        for k in range(len(rs[0]["steps"]))]
         out[name]["held_out"] = [r["eval/accuracy"] for r in rs]
@@ -207,17 +211,17 @@ def compare_workers(model, tokenizer, drafter, train, held_out, grpo, tlt, sched
 
 
 def schedule_summary(steps: list[dict]) -> dict:
-    """Means over steps of the spot trainer's ``sched/*`` metrics (NaN-free ones), plus the per-step lists the
+    """Medians over steps of the spot trainer's ``sched/*`` metrics (NaN-free ones), plus the per-step lists the
     notebook plots."""
     keys = ("idle_frac", "idle_s", "train_s", "harvested", "preempt_s", "preempt_micro_steps", "micro_step_s",
             "signal_s", "sync_s", "overhead_s", "micro_steps")
     out = {}
     for k in keys:
         v = [m[f"sched/{k}"] for m in steps if np.isfinite(m.get(f"sched/{k}", float("nan")))]
-        out[k] = float(np.mean(v)) if v else None
+        out[k] = float(np.median(v)) if v else None
         out[f"{k}_by_step"] = [m.get(f"sched/{k}") for m in steps]
     out["harvested_total"] = (sum(m["sched/train_s"] for m in steps) / sum(m["sched/idle_s"] for m in steps)
                               if sum(m["sched/idle_s"] for m in steps) > 0 else None)
-    out["overhead_share"] = float(np.mean([m["sched/overhead_s"] / m["time/step_s"] for m in steps]))
+    out["overhead_share"] = float(np.median([m["sched/overhead_s"] / m["time/step_s"] for m in steps]))
     out["preempt_micro_steps_max"] = max((m["sched/preempt_micro_steps"] for m in steps), default=None)
     return out

@@ -323,8 +323,10 @@ def predicted_speedups(costs, arms, accept, batches=None, title: str = "Cost mod
 
 def step_time_bars(phases: dict[str, dict], title: str = "Time of one RL step by phase"):
     """Stacked bars, one per policy: ``phases = {policy: {"rollout": s, "logprob": s, "update": s, "drafter": s,
-    "reward": s}}``; the rollout's share is written on its segment. Policies more than 20x slower than the fastest
-    (a peer such as TRL on a CPU) get a panel of their own, so every panel keeps a linear scale."""
+    "reward": s}}``; the rollout's share is written on its segment. With ``"step"`` and ``"spread": {"step": [q25,
+    q75]}`` (:func:`tltlib.e2e.summarize`) the median step and its interquartile range are drawn as a whisker.
+    Policies more than 20x slower than the fastest (a peer such as TRL on a CPU) get a panel of their own, so every
+    panel keeps a linear scale."""
     import matplotlib.pyplot as plt
     colors = {"rollout": "#4C72B0", "reward": "#8172B3", "logprob": "#CCB974", "update": "#DD8452",
               "drafter": "#55A868"}
@@ -343,6 +345,12 @@ def step_time_bars(phases: dict[str, dict], title: str = "Time of one RL step by
                 for i, (v, n) in enumerate(zip(vals, names)):
                     ax.text(i, v / 2, f"{v / total[n]:.0%}", ha="center", va="center", color="white", fontsize=8)
             bottom += vals
+        for i, n in enumerate(names):
+            lo_hi = phases[n].get("spread", {}).get("step")
+            if lo_hi and "step" in phases[n]:
+                med = float(phases[n]["step"])
+                ax.errorbar(i, med, yerr=[[med - lo_hi[0]], [lo_hi[1] - med]], fmt="_", color="k", capsize=4,
+                            label="step: median, IQR" if i == 0 else None)
         ax.set_ylabel("seconds per step")
     fig.suptitle(title, fontsize=11)
     axes[0][0].legend(fontsize=7)
