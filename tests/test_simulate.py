@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from tltlib.model import preset
-from tltlib.simulate import (OFF, LengthDistribution, ModelShape, SDPolicy, StepConfig, compare_policies,
-                             forward_time, hardware, iteration_time, simulate_rollout, simulate_step)
+from tltlib.simulate import (OFF, LengthDistribution, MeasuredCosts, ModelShape, Roofline, SDPolicy, StepConfig,
+                             compare_policies, forward_time, hardware, iteration_time, simulate_rollout, simulate_step)
 from tltlib.speculative import SpecStrategy
 
 QWEN7 = preset("qwen2.5-7b", tie_word_embeddings=False)
@@ -18,8 +18,8 @@ def test_the_h100_preset_reproduces_the_papers_qwen_7b_decode_rates():
     """TLT Table 2 (TP 1, batch 1: 165 tok/s) and Table 7 (TP 2, batch 1: 242 tok/s plain, 542 with EAGLE at accept
     length 6.53): the preset's efficiencies and fixed costs were set from these three points."""
     shape = ModelShape(QWEN7)
-    plain = {tp: 1 / iteration_time(shape, H100, tp, 1, 1000, SpecStrategy()) for tp in (1, 2)}
-    sd = 6.53 / iteration_time(shape, H100, 2, 1, 1000, SpecStrategy.parse("tree-8x4-48"))
+    plain = {tp: 1 / iteration_time(Roofline(shape, H100, tp), 1, 1000, SpecStrategy()) for tp in (1, 2)}
+    sd = 6.53 / iteration_time(Roofline(shape, H100, 2), 1, 1000, SpecStrategy.parse("tree-8x4-48"))
     assert plain[1] == pytest.approx(165, rel=0.05) and plain[2] == pytest.approx(242, rel=0.05)
     assert sd == pytest.approx(542, rel=0.05)
 
@@ -33,19 +33,19 @@ def test_forwards_turn_compute_bound_with_many_tokens():
 
 def test_a_rollout_of_equal_lengths_is_a_prefill_and_that_many_iterations():
     shape, cpu = ModelShape(preset("tiny-cpu"), 4), hardware("cpu")
-    sim = simulate_rollout(shape, cpu, 1, [50] * 6, prompt_len=10)
+    sim = simulate_rollout(Roofline(shape, cpu), [50] * 6, prompt_len=10)
     want = forward_time(shape, cpu, 1, 6, 0, 10) + 50 * forward_time(shape, cpu, 1, 6, 10 + 25, 1)
     assert sim.time_s == pytest.approx(want, rel=1e-9)
     assert sim.timeline == [(pytest.approx(want), 6, "off")] and sim.peak_kv_tokens == 6 * 60
 
 
 def test_sd_runs_at_or_below_the_threshold_and_advances_rows_by_its_accept_length():
-    shape, cpu = ModelShape(preset("tiny-cpu"), 4), hardware("cpu")
+    costs = Roofline(ModelShape(preset("tiny-cpu"), 4), hardware("cpu"))
     policy = SDPolicy(threshold=1, buckets=((1, "chain-4"),), accept=(("chain-4", 4.0),))
-    sim = simulate_rollout(shape, cpu, 1, [100, 100, 100, 900], prompt_len=10, policy=policy)
+    sim = simulate_rollout(costs, [100, 100, 100, 900], prompt_len=10, policy=policy)
     (t1, rows1, s1), (t2, rows2, s2) = sim.timeline
     assert (rows1, s1, rows2, s2) == (4, "off", 1, "chain-4")
-    chain = iteration_time(shape, cpu, 1, 1, 10 + 100 + 400, SpecStrategy.parse("chain-4"))
+    chain = iteration_time(costs, 1, 10 + 100 + 400, SpecStrategy.parse("chain-4"))
     assert t2 - t1 == pytest.approx(200 * chain, rel=1e-9)                # (900 - 100) / 4 SD steps
     assert policy.choose(2) == (SpecStrategy(), 1.0)
 
@@ -134,3 +134,27 @@ def test_memory_matches_the_papers_32b_runs_out_on_one_and_two_nodes_and_fits_on
         except ValueError:
             fits.append(False)
     assert fits == [False, False, True, True]
+
+
+def test_measured_costs_interpolate_log_log_in_rows_and_linearly_in_tokens_and_context():
+    # t = 1 ms x rows^0.5 x (1 + tokens / 10) x (1 + context / 1000), measured at a grid
+    rows, ctx, tok = (1, 4, 16), (100, 500), (1, 9)
+    f = lambda r, c, t: 1e-3 * r ** 0.5 * (1 + t / 10) * (1 + c / 1000)          # noqa: E731
+    m = MeasuredCosts(rows, ctx, tok, tuple(tuple(tuple(f(r, c, t) for t in tok) for c in ctx) for r in rows),
+                      (1, 4), tuple(tuple((0.1e-3, 0.2e-3) for _ in ctx) for _ in rows))
+    assert m.forward(4, 100, 1) == pytest.approx(f(4, 100, 1))
+    assert m.forward(8, 300, 5) == pytest.approx(f(8, 300, 5), rel=1e-6)         # between grid points: exact here
+    assert m.forward(16, 900, 17) == pytest.approx(f(16, 900, 17), rel=1e-6)     # linear beyond the last ones
+    assert m.draft_level(2, 300, 4) == pytest.approx(0.2e-3)
+    with pytest.raises(ValueError, match="target_s must be positive seconds of shape rows x contexts x tokens"):
+        MeasuredCosts((1,), (1,), (1,), ((( -1.0,),),))
+
+
+def test_a_mixed_bucket_costs_and_emits_the_share_weighted_mean():
+    costs = Roofline(ModelShape(preset("tiny-cpu"), 4), hardware("cpu"))
+    mixed = SDPolicy(threshold=4, buckets=((1, (("off", 1), ("chain-4", 1))),), accept=(("chain-4", 5.0),))
+    sim = simulate_rollout(costs, [300] * 4, prompt_len=10, policy=mixed)
+    k = 100                                                      # 300 tokens at (1 + 5) / 2 per iteration
+    each = [iteration_time(costs, 4, 10 + 150, SpecStrategy.parse(n)) for n in ("off", "chain-4")]
+    prefill = costs.forward(4, 0, 10)
+    assert sim.time_s == pytest.approx(prefill + k * sum(each) / 2, rel=1e-9)

@@ -230,6 +230,38 @@ def cmd_train_grpo(args) -> int:
     return 0
 
 
+def cmd_simulate(args) -> int:
+    import json
+
+    from .calibrate import validate
+    from .fileio import atomic_write_text, resolve
+    from .loading import load
+    if not args.validate:
+        raise ValueError("say what to simulate: --validate (check the simulator against runs measured here)")
+    model, tok, drafter = load(args.model, args.drafter, device="cpu")
+    checks, inputs = validate(model, tok, drafter, prompts=args.prompts, group=args.group, max_new=args.max_new,
+                              steps=args.steps, log=lambda s: print(s, file=sys.stderr, flush=True))
+    rows = [f"| {c.what} | {c.predicted:.3f} | {c.measured:.3f} | {c.error:+.1%} | {'ok' if c.ok else 'OFF'} |"
+            for c in checks]
+    table = ("| check | simulated | measured | error | within 15% |\n|---|---|---|---|---|\n" + "\n".join(rows)
+             + f"\n\nInputs measured here: update {inputs['update_tokens_per_s']:.0f} tokens/s, drafter micro-step "
+             f"{inputs['micro_step_s'] * 1e3:.1f} ms, forward costs of {len(inputs['costs'].rows)} row counts x "
+             f"{len(inputs['costs'].contexts)} contexts x {len(inputs['costs'].tokens)} token counts.\n")
+    print(table)
+    out = resolve(args.out)
+    payload = {"checks": [{"what": c.what, "simulated": c.predicted, "measured": c.measured, "error": c.error,
+                           "ok": c.ok} for c in checks], "settings": {k: v for k, v in vars(args).items()
+                                                                     if k != "func"},
+               "update_tokens_per_s": inputs["update_tokens_per_s"], "micro_step_s": inputs["micro_step_s"]}
+    atomic_write_text(out / "simulate-validate-cpu.json", json.dumps(payload, indent=1) + "\n")
+    atomic_write_text(out / "simulate-validate-cpu.md", table)
+    bad = [c.what for c in checks if not c.ok]
+    if bad:
+        print(f"error: {len(bad)} prediction(s) off by more than 15%: {'; '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_bench(args) -> int:
     import runpy
     script = ROOT / "bench" / f"{args.name}.py"
@@ -272,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     _train_drafter_command(sub)
     _model_commands(sub)
     _train_grpo_command(sub)
+    _simulate_command(sub)
     b = sub.add_parser("bench", help="run bench/NAME.py (e.g. decode)")
     b.add_argument("name")
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -351,6 +384,19 @@ def _model_commands(sub) -> None:
     ig.add_argument("--overwrite", action="store_true", help="replace an earlier import in OUT")
 
 
+def _simulate_command(sub) -> None:
+    sm = sub.add_parser("simulate", help="the GRPO step simulator: --validate checks it against runs measured here")
+    sm.add_argument("--validate", action="store_true", help="measure this machine's costs, then compare the "
+                    "simulator's predictions with measured rollouts and GRPO steps (exit 1 if one is off by > 15%%)")
+    sm.add_argument("--model", default=str(ROOT / "data" / "tiny-reasoner"))
+    sm.add_argument("--drafter", default=str(ROOT / "data" / "tiny-reasoner-drafter"))
+    sm.add_argument("--prompts", type=int, default=16, help="prompts per rollout and step (default %(default)s)")
+    sm.add_argument("--group", type=int, default=8, help="completions per prompt (default %(default)s)")
+    sm.add_argument("--max-new", type=int, default=720, help="longest completion (default %(default)s)")
+    sm.add_argument("--steps", type=int, default=4, help="GRPO steps per policy (default %(default)s)")
+    sm.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder of the JSON and markdown results")
+
+
 def _train_grpo_command(sub) -> None:
     tg = sub.add_parser("train-grpo", help="GRPO with TLT from a parameter file (one JSON line of metrics per step)")
     tg.add_argument("--params", default="params/train/cpu-tiny.yaml",
@@ -381,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"run": cmd_run_notebooks, "run-notebooks": cmd_run_notebooks, "test": cmd_test,
                 "train-reasoner": cmd_train_reasoner, "train-drafter": cmd_train_drafter, "train-grpo": cmd_train_grpo,
                 "get-model": cmd_get_model, "import-gguf": cmd_import_gguf,
-                "bench": cmd_bench}
+                "bench": cmd_bench, "simulate": cmd_simulate}
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return handlers[args.cmd](args)

@@ -168,27 +168,100 @@ def forward_time(shape: ModelShape, hw: Hardware, tp: int, rows: int, context: f
     return t + hw.iteration_s
 
 
-def iteration_time(shape: ModelShape, hw: Hardware, tp: int, rows: int, context: float,
-                   strategy: SpecStrategy) -> float:
-    """Seconds of one decode iteration: a plain forward, or an SD step (``depth`` drafter forwards of ``top_k``
-    nodes per row, then one verify forward over 1 + the verified drafts)."""
+class Roofline:
+    """The costs of ``shape`` on a tensor-parallel group of ``tp`` ``hw`` devices, from the roofline
+    (:func:`forward_time`): for hardware this machine does not have."""
+
+    def __init__(self, shape: ModelShape, hw: Hardware, tp: int = 1):
+        shape.check_tp(tp)
+        self.shape, self.hw, self.tp = shape, hw, tp
+
+    def forward(self, rows: int, context: float, tokens: int) -> float:
+        """Seconds of a target forward over ``rows`` x ``tokens`` new tokens after ``context`` cached ones."""
+        return forward_time(self.shape, self.hw, self.tp, rows, context, tokens)
+
+    def draft_level(self, rows: int, context: float, width: int) -> float:
+        """Seconds of one SD draft level: a drafter forward of ``width`` nodes per row and its bookkeeping."""
+        return forward_time(self.shape, self.hw, self.tp, rows, context, width, weight_bytes=self.shape.drafter_bytes,
+                            layers=1) + self.hw.draft_level_s
+
+
+@dataclass(frozen=True)
+class MeasuredCosts:
+    """Forward and draft-level seconds measured on one machine (:func:`tltlib.calibrate.measure_costs`),
+    interpolated log-log in rows and linearly in tokens and context (and extrapolated linearly beyond the last
+    measured tokens or context): for validating the simulator against runs of the same machine.
+
+    ``target_s[r][c][t]``: a forward of ``rows[r]`` rows x ``tokens[t]`` tokens after ``contexts[c]`` cached ones;
+    ``draft_s[r][c][w]``: one draft level of ``widths[w]`` nodes per row."""
+
+    rows: tuple
+    contexts: tuple
+    tokens: tuple
+    target_s: tuple
+    widths: tuple = (1,)
+    draft_s: tuple = ()
+
+    def __post_init__(self):
+        t = np.asarray(self.target_s, dtype=np.float64)
+        if t.shape != (len(self.rows), len(self.contexts), len(self.tokens)) or not (t > 0).all():
+            raise ValueError(f"MeasuredCosts: target_s must be positive seconds of shape rows x contexts x tokens "
+                             f"({len(self.rows)}, {len(self.contexts)}, {len(self.tokens)}), got {t.shape}")
+
+    def forward(self, rows: int, context: float, tokens: int) -> float:
+        return _interp(self.target_s, self.rows, self.contexts, self.tokens, rows, context, tokens)
+
+    def draft_level(self, rows: int, context: float, width: int) -> float:
+        if not self.draft_s:
+            raise ValueError("these measured costs have no drafter timings: measure them with a drafter")
+        return _interp(self.draft_s, self.rows, self.contexts, self.widths, rows, context, width)
+
+
+def _linear(xs, ys, x: float) -> float:
+    """Piecewise-linear through (xs, ys), extended linearly beyond both ends (a single point: constant)."""
+    xs, ys = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+    if xs.size == 1:
+        return float(ys[0])
+    if x <= xs[0]:
+        i = 0
+    elif x >= xs[-1]:
+        i = xs.size - 2
+    else:
+        return float(np.interp(x, xs, ys))
+    return float(ys[i] + (ys[i + 1] - ys[i]) * (x - xs[i]) / (xs[i + 1] - xs[i]))
+
+
+def _interp(table, rows_at, contexts_at, cols_at, rows: int, context: float, col: float) -> float:
+    t = np.asarray(table, dtype=np.float64)
+    lr = np.log(np.clip(rows, rows_at[0], rows_at[-1]))
+    by_context = []
+    for c in range(len(contexts_at)):
+        per_col = [math.exp(np.interp(lr, np.log(rows_at), np.log(t[:, c, j]))) for j in range(len(cols_at))]
+        by_context.append(_linear(cols_at, per_col, col))
+    return max(_linear(contexts_at, by_context, context), 0.5 * min(by_context))
+
+
+def iteration_time(costs, rows: int, context: float, strategy: SpecStrategy) -> float:
+    """Seconds of one decode iteration under ``costs`` (:class:`Roofline` or :class:`MeasuredCosts`): a plain
+    forward, or an SD step (``depth`` draft levels of ``top_k`` nodes per row for a tree, one node for a chain, none
+    for n-gram drafts; then one verify forward over 1 + the verified drafts)."""
     if not strategy.enabled:
-        return forward_time(shape, hw, tp, rows, context, 1)
-    verify = forward_time(shape, hw, tp, rows, context, strategy.verify_tokens + 1)
+        return costs.forward(rows, context, 1)
+    verify = costs.forward(rows, context, strategy.verify_tokens + 1)
     if strategy.kind == "ngram":
         return verify
     width = strategy.top_k if strategy.kind == "tree" else 1
-    draft = forward_time(shape, hw, tp, rows, context, width, weight_bytes=shape.drafter_bytes, layers=1)
-    return verify + strategy.depth * (draft + hw.draft_level_s)
+    return verify + strategy.depth * costs.draft_level(rows, context, width)
 
 
 # ------------------------------------------------------------------------------------------ the SD policy
 @dataclass(frozen=True)
 class SDPolicy:
     """When SD runs and with what: off above ``threshold`` running rows; at or below, the strategy of the bucket
-    the row count falls in (``buckets``: (lowest rows, strategy name), increasing), which emits ``accept[name]``
-    tokens per row per SD step (its accept length, bonus token included: measured, or from per-depth acceptance
-    with :func:`tltlib.adaptive.expected_tokens`)."""
+    the row count falls in (``buckets``: (lowest rows, strategy name) pairs, increasing; a bucket may instead hold a
+    mix ((name, share of iterations), ...), as a measured adaptive rollout that explored plays it), which emits
+    ``accept[name]`` tokens per row per SD step (its accept length, bonus token included: measured, or from
+    per-depth acceptance with :func:`tltlib.adaptive.expected_tokens`)."""
 
     threshold: int = 0
     buckets: tuple = ()
@@ -197,22 +270,36 @@ class SDPolicy:
 
     def __post_init__(self):
         names = dict(self.accept)
-        for lo, name in self.buckets:
-            SpecStrategy.parse(name)
-            if name != "off" and name not in names:
-                raise ValueError(f"SDPolicy: strategy {name!r} has no accept length; give accept=(({name!r}, "
-                                 "tokens per SD step), ...)")
+        for lo, played in self.buckets:
+            for name, _ in _as_mix(played):
+                SpecStrategy.parse(name)
+                if name != "off" and name not in names:
+                    raise ValueError(f"SDPolicy: strategy {name!r} has no accept length; give accept=(({name!r}, "
+                                     "tokens per SD step), ...)")
         for name, a in self.accept:
             if not 1 <= a <= SpecStrategy.parse(name).depth + 1:
                 raise ValueError(f"SDPolicy: accept length of {name} must be in [1, depth + 1], got {a}")
 
-    def choose(self, rows: int) -> tuple[SpecStrategy, float]:
-        """(strategy, tokens per row per iteration) at ``rows`` running rows."""
+    def mix(self, rows: int) -> list[tuple[SpecStrategy, float, float]]:
+        """(strategy, tokens per row per iteration, share of iterations) at ``rows`` running rows."""
         if rows > self.threshold or not self.buckets:
-            return SpecStrategy(), 1.0
-        name = [n for lo, n in self.buckets if rows >= lo]
-        name = name[-1] if name else self.buckets[0][1]
-        return SpecStrategy.parse(name), dict(self.accept).get(name, 1.0)
+            return [(SpecStrategy(), 1.0, 1.0)]
+        played = [p for lo, p in self.buckets if rows >= lo]
+        accept = dict(self.accept)
+        return [(SpecStrategy.parse(n), accept.get(n, 1.0), w)
+                for n, w in _as_mix(played[-1] if played else self.buckets[0][1])]
+
+    def choose(self, rows: int) -> tuple[SpecStrategy, float]:
+        """The (strategy, tokens per row per iteration) played most at ``rows`` running rows."""
+        strategy, tokens, _ = max(self.mix(rows), key=lambda m: m[2])
+        return strategy, tokens
+
+
+def _as_mix(played) -> tuple:
+    """A bucket's strategy name or mix as ((name, share), ...) with shares summing to 1."""
+    pairs = ((played, 1.0),) if isinstance(played, str) else tuple(played)
+    total = sum(w for _, w in pairs)
+    return tuple((n, w / total) for n, w in pairs)
 
 
 OFF = SDPolicy()
@@ -230,24 +317,25 @@ class RolloutSim:
     """Most tokens in the KV cache at once (finished responses free theirs)."""
 
 
-def simulate_rollout(shape: ModelShape, hw: Hardware, tp: int, lengths: Sequence[int], prompt_len: int,
-                     policy: SDPolicy = OFF) -> RolloutSim:
-    """Prefill, then decode until every response of ``lengths`` has ended (see the module docstring)."""
+def simulate_rollout(costs, lengths: Sequence[int], prompt_len: int, policy: SDPolicy = OFF) -> RolloutSim:
+    """Prefill, then decode until every response of ``lengths`` has ended, under ``costs`` (:class:`Roofline` or
+    :class:`MeasuredCosts`; see the module docstring)."""
     lengths = np.sort(np.asarray(lengths, dtype=np.float64))
     if lengths.size == 0:
         raise ValueError("a rollout needs at least one response length")
     n = lengths.size
-    t = forward_time(shape, hw, tp, n, 0, prompt_len)              # the prefill, all prompts at once
+    t = costs.forward(n, 0, prompt_len)                            # the prefill, all prompts at once
     gen, done, out = 0.0, 0, RolloutSim(0.0)
     while done < n:
         rows = n - done
-        strategy, per_iter = policy.choose(rows)
+        mix = policy.mix(rows)                                     # one strategy, or the shares a bandit played
+        per_iter = sum(a * w for _, a, w in mix)
         k = max(1, math.ceil((lengths[done] - gen) / per_iter))    # iterations until the next response ends
         mid = prompt_len + gen + k * per_iter / 2
-        t += k * iteration_time(shape, hw, tp, rows, mid, strategy)
+        t += k * sum(w * iteration_time(costs, rows, mid, st) for st, _, w in mix)
         gen += k * per_iter
         out.peak_kv_tokens = max(out.peak_kv_tokens, rows * (prompt_len + min(gen, lengths[-1])))
-        out.timeline.append((t, rows, strategy.name))
+        out.timeline.append((t, rows, max(mix, key=lambda m: m[2])[0].name))
         done = int(np.searchsorted(lengths, gen, side="right"))
     out.time_s = t
     return out
@@ -307,7 +395,16 @@ class StepConfig:
     logprob_passes: int = 1
     """No-grad forwards over the batch before the update (the old policy's log-probs; 2 with a reference)."""
     micro_step_s: float = 0.1
-    """One spot-trainer micro-step (preemption costs half of one on average)."""
+    """One drafter micro-step (the spot trainer's preemption costs half of one on average)."""
+    drafter_steps: int = 0
+    """Drafter micro-steps on the step's critical path when there is no spot trainer (one process)."""
+    weight_sync: bool = True
+    """Copy the trained weights to a separate rollout engine each step (verl, TRL with vLLM); False when the engine
+    decodes with the training module itself (tltlib)."""
+    costs: object = None
+    """Measured forward costs of this machine (:class:`MeasuredCosts`) instead of the hardware's roofline."""
+    update_tokens_per_s: float = 0.0
+    """Measured update throughput per device (tokens/s, forward + backward); 0: from the hardware's train_eff."""
     seed: int = 0
 
     @property
@@ -373,13 +470,20 @@ def memory_needed(cfg: StepConfig, peak_kv_tokens: float) -> dict[str, float]:
 
 
 def simulate_step(cfg: StepConfig, policy: SDPolicy = OFF, name: str = "baseline", spot_trainer: bool = False,
-                  check_memory: bool = True) -> StepSim:
-    """One synchronous RL step (see the module docstring); the same lengths for every policy at one seed."""
+                  check_memory: bool = True, lengths: Sequence | None = None) -> StepSim:
+    """One synchronous RL step (see the module docstring); the same lengths for every policy at one seed, or the
+    given ``lengths`` (one sequence of response lengths per worker: a measured step)."""
     shape, hw = ModelShape(cfg.model, cfg.dtype_bytes), cfg.hardware
-    rng = np.random.default_rng(cfg.seed)
     rows = cfg.prompts * cfg.group // cfg.workers
-    lengths = [cfg.lengths.draw(rows, rng) for _ in range(cfg.workers)]
-    sims = [simulate_rollout(shape, hw, cfg.tp, x, cfg.prompt_len, policy) for x in lengths]
+    if lengths is None:
+        rng = np.random.default_rng(cfg.seed)
+        lengths = [cfg.lengths.draw(rows, rng) for _ in range(cfg.workers)]
+    lengths = [np.asarray(x, dtype=np.float64) for x in lengths]
+    if len(lengths) != cfg.workers or any(x.size != rows for x in lengths):
+        raise ValueError(f"lengths: give {cfg.workers} worker(s) x {rows} response lengths, got "
+                         f"{[x.size for x in lengths]}")
+    costs = cfg.costs or Roofline(shape, hw, cfg.tp)
+    sims = [simulate_rollout(costs, x, cfg.prompt_len, policy) for x in lengths]
     parts = memory_needed(cfg, max(s.peak_kv_tokens for s in sims))
     need = sum(parts.values())
     if check_memory and need > hw.memory * hw.mem_util:
@@ -389,16 +493,27 @@ def simulate_step(cfg: StepConfig, policy: SDPolicy = OFF, name: str = "baseline
                          f") but {hw.memory * hw.mem_util / GB:.0f} GB of a device's {hw.memory / GB:.0f} GB are "
                          "usable: add nodes, raise tp or shorten the responses")
     tokens = float(sum((x + cfg.prompt_len).sum() for x in lengths))
-    flops_token = 2 * cfg.model.num_parameters
-    logprob = cfg.logprob_passes * flops_token * tokens / (cfg.devices * hw.peak_flops * hw.flops_eff)
-    update = 3 * flops_token * tokens / (cfg.devices * hw.peak_flops * hw.train_eff)
+    update, logprob = _update_times(cfg, tokens)
     grad_bw = hw.net_bw if cfg.nodes > 1 else hw.link_bw              # the ring's slowest link
     grads = 2 * cfg.model.num_parameters * cfg.dtype_bytes * (cfg.devices - 1) / cfg.devices / grad_bw
-    weights = shape.decode_bytes / cfg.tp / hw.link_bw               # training shards -> rollout engine
-    drafter = 0.0
-    if spot_trainer:                                                 # preemption + the drafter's all-reduce
-        drafter = cfg.micro_step_s / 2 + 2 * shape.drafter_bytes / grad_bw
+    weights = shape.decode_bytes / cfg.tp / hw.link_bw if cfg.weight_sync else 0.0   # training -> rollout engine
+    merge = 2 * shape.drafter_bytes / grad_bw if cfg.devices > 1 else 0.0             # the drafters' all-reduce
+    if spot_trainer and cfg.workers > 1:                             # in the idle windows: preemption + merge
+        drafter = cfg.micro_step_s / 2 + merge
+    else:                                                            # after the update, on the critical path
+        drafter = cfg.drafter_steps * cfg.micro_step_s + (merge if cfg.drafter_steps else 0.0)
     return StepSim(name, max(s.time_s for s in sims), logprob, update, grads + weights, drafter, sims, need / GB)
+
+
+def _update_times(cfg: StepConfig, tokens: float) -> tuple[float, float]:
+    """(update, log-prob forwards) seconds for ``tokens`` prompt + response tokens spread over every device."""
+    hw, per_device = cfg.hardware, tokens / cfg.devices
+    if cfg.update_tokens_per_s:                                      # measured: a forward is a third of an update
+        update = per_device / cfg.update_tokens_per_s
+        return update, cfg.logprob_passes * update / 3
+    flops_token = 2 * cfg.model.num_parameters
+    return (3 * flops_token * per_device / (hw.peak_flops * hw.train_eff),
+            cfg.logprob_passes * flops_token * per_device / (hw.peak_flops * hw.flops_eff))
 
 
 def compare_policies(cfg: StepConfig, tlt: SDPolicy, tlt_base: SDPolicy | None = None) -> dict[str, StepSim]:
