@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from tltlib.calibrate import Check, measure_costs, policy_from, validate
-from tltlib.simulate import OFF, SpecStrategy
+from tltlib.simulate import OFF
+from tltlib.speculative import SpecStrategy
 
 
 def test_the_policy_a_rollout_played_is_read_from_its_timeline():
@@ -60,7 +61,7 @@ def test_a_small_validation_measures_simulates_and_names_every_check():
 def test_the_command_exits_non_zero_when_a_prediction_is_off(monkeypatch, tmp_path, capsys):
     import tltlib.calibrate as cal
     from tltlib.cli import main
-    from tltlib.simulate import MeasuredCosts
+    from tltlib.costs import MeasuredCosts
     costs = MeasuredCosts((1,), (1,), (1,), (((1.0,),),))
     monkeypatch.setattr(cal, "validate", lambda *a, **k: ([Check("rollout", 1.0, 1.05), Check("step", 1.3, 1.0)],
                                                          {"costs": costs, "update_tokens_per_s": 1.0,

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from tltlib.model import preset
-from tltlib.simulate import (OFF, LengthDistribution, MeasuredCosts, ModelShape, Roofline, SDPolicy, StepConfig,
-                             compare_policies, forward_time, hardware, iteration_time, simulate_rollout, simulate_step)
+from tltlib.costs import MeasuredCosts, ModelShape, Roofline, forward_time, hardware, iteration_time
+from tltlib.simulate import (OFF, LengthDistribution, SDPolicy, StepConfig, compare_policies, simulate_rollout,
+                             simulate_step)
 from tltlib.speculative import SpecStrategy
 
 QWEN7 = preset("qwen2.5-7b", tie_word_embeddings=False)

@@ -30,8 +30,8 @@ from .e2e import update_speed
 from .grpo import GRPOConfig
 from .rollout import RolloutConfig, RolloutEngine
 from .sampling import SamplingConfig
-from .simulate import OFF, LengthDistribution, MeasuredCosts, SDPolicy, StepConfig, hardware, simulate_rollout
-from .simulate import simulate_step
+from .costs import MeasuredCosts, hardware
+from .simulate import OFF, LengthDistribution, SDPolicy, StepConfig, simulate_rollout, simulate_step
 from .speculative import SpecStrategy
 from .tasks import ChainTaskConfig, encode_prompts, generate_problems
 from .trainer import GRPOTrainer, TLTConfig
