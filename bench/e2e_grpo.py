@@ -1,8 +1,9 @@
 """End-to-end GRPO: the baseline (plain decoding, no drafter) vs TLT (adaptive SD + online drafter), side by side in
-one process on the same prompts and seeds, with TRL's GRPOTrainer on the same workload as the peer.
+one process on the same prompts and seeds, with TRL's GRPOTrainer on the same workload as the peer, run with its
+defaults and tuned for the device.
 
 Per RL step and policy: the time of each phase (rollout, reference/old log-probs, update, drafter training), the
-step, the reward; per seed the held-out accuracy at the end (greedy). Reported: mean step time and speedup, the
+step, the reward; per seed the held-out accuracy at the end (greedy). Reported: median step time and speedup, the
 rollout's share of the baseline step, the Amdahl bound 1 / ((1 - s) + s / r) from that share s and the measured
 rollout speedup r, and how close TLT's step speedup gets to it; reward curves (mean +- std over seeds) and whether
 they overlap; final held-out accuracy of both with Welch's t-test. For the first seed, the accepted length per RL
@@ -10,10 +11,18 @@ step of the drafter TLT trains online, of the same drafter kept frozen, and of t
 set (measured outside the timed phases). Also the update's tokens/s with length-bucketed micro-batches vs padded
 micro-batches of a fixed row count in arrival order (TRL's per-device batches).
 
+TRL's GRPOTrainer then runs ``--trl-steps`` steps on seed 0's prompts, once per ``--trl-runs`` entry, each from the
+checkpoint: ``defaults`` (TRL's own: bf16 autocast, gradient checkpointing, 8-row micro-batches, plain ``generate``),
+``tuned`` (what a user who measured sets on this device: no autocast, no checkpointing, ``--trl-rows`` micro-batches,
+transformers' continuous batching with a cache sized to the batch), and between them ``no-bf16`` and
+``no-bf16-no-ckpt``, each changing one setting, so the gap between the defaults and the tuned run is attributed per
+phase (generate, score, loss forward, backward) to what caused it. Every setting that matters is recorded.
+
     python -m tltlib bench e2e_grpo                                  # CPU, tiny reasoner, 3 seeds x 8 steps
     python -m tltlib bench e2e_grpo --drafter data/tiny-reasoner-drafter-short   # the drifted warm-up
     python -m tltlib bench e2e_grpo --device cuda --dtype bfloat16 --model ... --drafter ...
     python -m tltlib bench e2e_grpo --workers 2     # data-parallel workers under torchrun, with the spot trainer
+    python -m tltlib bench e2e_grpo --trl-runs defaults,tuned       # only TRL's defaults and the tuned run
 
 With ``--workers W`` the script starts itself under torchrun (W processes, one thread each on the CPU) and runs, per
 RL step and in turn, the baseline, TLT with the spot trainer and TLT with the warm drafter frozen, all data-parallel
@@ -25,6 +34,7 @@ every worker holds the merged drafter). ``--seeds`` and ``--trl-steps`` do not a
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import os
 import statistics
@@ -36,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (DRAFTER, add_device_flags, add_model_flags, add_output_flags, bench_parser,  # noqa: E402
-                     existing_file, load_models, machine_info, markdown_table, nonnegative_int, parse_bench_args,
+                     existing_file, listed, load_models, machine_info, markdown_table, nonnegative_int, parse_bench_args,
                      positive_float, positive_int, resolve, result_name, strategy_name, temperature, write_results)
 
 
@@ -62,6 +72,14 @@ def parse_args(argv: list[str] | None = None):
                     help="probe prompts for the accepted-length curves (0 = off)")
     ap.add_argument("--probe-strategy", type=strategy_name, default="chain-8")
     ap.add_argument("--trl-steps", type=nonnegative_int, default=2, help="TRL GRPOTrainer steps (0 = skip the peer)")
+    ap.add_argument("--trl-runs", type=listed(trl_run_name, "defaults,tuned"),
+                    default="defaults,no-bf16,no-bf16-no-ckpt,tuned",
+                    help="TRL runs, in turn: defaults (TRL's own), tuned (for the device), and between them no-bf16 "
+                         "(the defaults with bf16 off) and no-bf16-no-ckpt (and gradient checkpointing off)")
+    ap.add_argument("--trl-rows", type=positive_int, default=TRL_TUNED_ROWS,
+                    help="the tuned TRL run's micro-batch rows (the largest divisor of the batch up to this)")
+    ap.add_argument("--trl-continuous", default="on", choices=["on", "off"],
+                    help="the tuned TRL run generates with transformers' continuous batching")
     ap.add_argument("--workers", type=nonnegative_int, default=0,
                     help="data-parallel workers under torchrun (0 = one process)")
     ap.add_argument("--spot-max", type=nonnegative_int, default=200,
@@ -102,11 +120,17 @@ def _one_process(args) -> None:
                      probe, args.probe_strategy, log=lambda s: print(s, flush=True))
     upd = update_speed(GRPOTrainer(copy.deepcopy(model), tok, train, _grpo(args, 0)),
                        encode_prompts(train[: args.prompts], tok))
-    trl = _trl_peer(args, train) if args.trl_steps else None
-    summary = summarize(result["runs"], trl["step_s"][-1] if trl and trl["step_s"] else None)
-    table = _tables(summary, result["acceptance"], upd, trl, args, device)
+    trl = _trl_peer(args, _trl_prompts(args, train, model, tok), device) if args.trl_steps else {}
+    fair = trl.get("tuned") or trl.get("defaults")          # the baseline's speedup over TRL: against tuned TRL
+    summary = summarize(result["runs"], statistics.median(fair["step_s"]) if fair and fair["step_s"] else None)
+    if fair and fair["step_s"]:
+        summary["comparison"]["trl_run"] = fair["run"]
+    trl_cmp = trl_comparison(summary["baseline"], trl) if trl else None
+    table = _tables(summary, result["acceptance"], upd, args, device) + _trl_tables(trl, trl_cmp, summary, args)
     payload = {"bench": "e2e_grpo", "machine": machine_info(device), "settings": vars(args), "summary": summary,
-               "acceptance": result["acceptance"], "update_speed": upd, "trl": trl, "runs": result["runs"]}
+               "acceptance": result["acceptance"], "update_speed": upd, "trl": trl.get("defaults"),
+               **{trl_key(name): r for name, r in trl.items() if name != "defaults"}, "trl_comparison": trl_cmp,
+               "runs": result["runs"]}
     path = write_results(result_name("e2e_grpo", device, args.dtype, args.tag), payload, table, args.out)
     _figures(payload, path)
 
@@ -264,33 +288,142 @@ def _figures(payload: dict, json_path: Path) -> None:
         print(f"figure: {out}")
 
 
-def _trl_peer(args, train) -> dict | None:
-    """TRL's GRPOTrainer on the same model, reward, batch, completion length and learning rate (CPU)."""
-    try:
-        from datasets import Dataset
-        from transformers import AutoModelForCausalLM
-        from trl import GRPOConfig as TRLConfig
-        from trl import GRPOTrainer as TRLTrainer
-    except ImportError as e:
-        print(f"TRL peer skipped: {e} (install it: python -m tltlib setup --extras peers)", flush=True)
-        return None
+TRL_RUNS = ("defaults", "no-bf16", "no-bf16-no-ckpt", "tuned")   # --trl-runs: see trl_settings
+TRL_DEFAULT_ROWS = 8       # TRL 1.16's per_device_train_batch_size default
+TRL_TUNED_ROWS = 32        # the tuned run's micro-batch rows (--trl-rows; 16, 32, 64 and 128 measured: 32 fastest)
+CB_PAGE = 256              # transformers' continuous-batching page (tokens per block), its default
+CB_BATCH_TOKENS = 1024     # tokens per continuous-batching forward: its 8,192 default sizes the masks at GBs
+TRL_RECORDED = ("bf16", "fp16", "gradient_checkpointing", "per_device_train_batch_size",
+                "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size",
+                "use_transformers_continuous_batching", "transformers_continuous_batching_config", "use_vllm",
+                "torch_compile", "shuffle_dataset", "optim")
+
+
+def trl_run_name(text: str) -> str:
+    """``text`` when it names one of the TRL runs (an argparse ``type`` or a :func:`listed` item)."""
+    if text not in TRL_RUNS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TRL run ({', '.join(TRL_RUNS)})")
+    return text
+
+
+def trl_key(run: str) -> str:
+    """The result file's key of a TRL run: ``trl`` for TRL's defaults (what older files hold), else ``trl_<run>``."""
+    return "trl" if run == "defaults" else "trl_" + run.replace("-", "_")
+
+
+def largest_divisor(total: int, cap: int) -> int:
+    """The largest divisor of ``total`` that is at most ``cap``: micro-batch rows that split a batch evenly."""
+    return max(d for d in range(1, min(cap, total) + 1) if total % d == 0)
+
+
+def bf16_cpu_flags(cpuinfo: str) -> list[str]:
+    """The flags of native bf16 arithmetic (AVX512-BF16 dot products, AMX-BF16 tiles) in /proc/cpuinfo's text."""
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return sorted(set(flags) & {"avx512_bf16", "amx_bf16"})
+
+
+def trl_settings(batch: int, max_tokens: int, rows: int = TRL_TUNED_ROWS, continuous: bool = True) -> dict[str, dict]:
+    """TRL's ``GRPOConfig`` settings per run, beyond the workload every run shares (``batch`` rows per RL step, each
+    at most ``max_tokens`` tokens, prompt and completion).
+
+    ``defaults``: TRL's own (bf16 autocast, gradient checkpointing, plain ``generate``) with its default micro-batch
+    of 8 rows (the largest divisor of ``batch`` up to 8). ``tuned``: what a user who measured sets: no bf16 autocast
+    (the model computes in the bench's ``--dtype``, as tltlib does), no gradient checkpointing (a 3.3M-parameter
+    model's activations fit many times over), micro-batches of up to ``rows`` rows, and with
+    ``continuous`` transformers' continuous batching for generation, its KV cache sized to the batch instead of half
+    the free memory. Between them, each changing one thing: ``no-bf16`` (the defaults with bf16 off) and
+    ``no-bf16-no-ckpt`` (and checkpointing off); ``tuned`` then changes the micro-batch and the generation."""
+    d, t = largest_divisor(batch, TRL_DEFAULT_ROWS), largest_divisor(batch, rows)
+    defaults = {"per_device_train_batch_size": d, "gradient_accumulation_steps": batch // d}
+    no_bf16 = {**defaults, "bf16": False, "fp16": False}
+    no_ckpt = {**no_bf16, "gradient_checkpointing": False}
+    tuned = {**no_ckpt, "per_device_train_batch_size": t, "gradient_accumulation_steps": batch // t,
+             "use_transformers_continuous_batching": continuous}
+    if continuous:
+        tuned["transformers_continuous_batching_config"] = {"num_blocks": batch * -(-max_tokens // CB_PAGE),
+                                                            "max_batch_tokens": CB_BATCH_TOKENS}
+    return {"defaults": defaults, "no-bf16": no_bf16, "no-bf16-no-ckpt": no_ckpt, "tuned": tuned}
+
+
+def native_bf16(device: str) -> dict:
+    """Whether ``device`` computes in bf16 natively, and how that was found (recorded with each TRL run)."""
     import torch
+    if device.startswith("cuda"):
+        return {"native_bf16": bool(torch.cuda.is_bf16_supported()), "checked": "torch.cuda.is_bf16_supported()"}
+    try:
+        flags = bf16_cpu_flags(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        flags = []
+    return {"native_bf16": bool(flags), "cpu_bf16_flags": flags, "checked": "/proc/cpuinfo flags avx512_bf16, amx_bf16",
+            "torch_mkldnn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())}
+
+
+def _trl_prompts(args, train, model, tok) -> list:
+    """The problems of seed 0's first ``--trl-steps`` RL steps, in order: TRL (dataset not shuffled) gets each step
+    the prompts tltlib's baseline and TLT got at that step of seed 0."""
+    from tltlib.trainer import GRPOTrainer
+    drawer = GRPOTrainer(copy.deepcopy(model), tok, train, _grpo(args, 0))
+    return [p for _ in range(args.trl_steps) for p in drawer.next_problems()]
+
+
+def _trl_peer(args, problems, device) -> dict:
+    """Every TRL run of ``--trl-runs`` in turn, each from the checkpoint on disk: ``{run name: result}``."""
+    import importlib.util
+    if importlib.util.find_spec("trl") is None:
+        print("TRL peer skipped: trl is not installed (install it: python -m tltlib setup --extras peers)", flush=True)
+        return {}
+    from tltlib.tokenizer import load_tokenizer
+    tok = load_tokenizer(resolve(args.model))
+    longest = max(len(tok(p.prompt)["input_ids"]) for p in problems) + args.max_new
+    settings = trl_settings(args.prompts * args.group, longest, args.trl_rows, args.trl_continuous == "on")
+    hw = native_bf16(device)
+    out = {}
+    for name in args.trl_runs.items:
+        print(f"TRL {name}: {settings[name]}", flush=True)
+        out[name] = {"run": name, **_trl_run(args, problems, settings[name]), **hw}
+        print(f"TRL {name}: steps {', '.join(f'{x:.1f}' for x in out[name]['step_s'])} s", flush=True)
+    return out
+
+
+def _trl_run(args, problems, settings: dict) -> dict:
+    """TRL's GRPOTrainer on the same model, prompts, reward, batch, completion length and learning rate, with
+    ``settings`` on top; timers around its phases (the wrapped callables are called exactly as before)."""
+    import torch
+    import transformers
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer as TRLTrainer
 
     from tltlib.grpo import accuracy_reward
     from tltlib.tokenizer import load_tokenizer
-    ds = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in train])
+    ds = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
     model = AutoModelForCausalLM.from_pretrained(resolve(args.model), dtype=getattr(torch, args.dtype))
-    total = args.prompts * args.group
-    per_device = max(d for d in range(1, min(16, total) + 1) if total % d == 0)   # our micro-batches: 16 rows
-    cfg = TRLConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=per_device,
-                    gradient_accumulation_steps=total // per_device,
-                    num_generations=args.group, max_completion_length=args.max_new, temperature=args.temperature,
-                    learning_rate=args.lr, beta=0.0, loss_type="dapo", use_cpu=not args.device.startswith("cuda"),
-                    logging_steps=1, max_steps=args.trl_steps, report_to="none", save_strategy="no", seed=0,
-                    disable_tqdm=True)
+    cfg = TRLConfig(output_dir=tempfile.mkdtemp(), num_generations=args.group, max_completion_length=args.max_new,
+                    temperature=args.temperature, learning_rate=args.lr, beta=0.0, loss_type="dapo",
+                    use_cpu=not args.device.startswith("cuda"), logging_steps=1, max_steps=args.trl_steps,
+                    report_to="none", save_strategy="no", seed=0, disable_tqdm=True, shuffle_dataset=False,
+                    **settings)
     trainer = TRLTrainer(model=model, reward_funcs=accuracy_reward, args=cfg, train_dataset=ds,
                          processing_class=load_tokenizer(resolve(args.model)))
-    # Where TRL's step goes: wrap its phases with timers (the wrapped callables are called exactly as before).
+    phases = _trl_timers(trainer, model)
+    t = time.perf_counter()
+    trainer.train()
+    total = time.perf_counter() - t
+    steps = [h for h in trainer.state.log_history if "step_time" in h]
+    recorded = {k: getattr(cfg, k) for k in TRL_RECORDED}
+    recorded["optim"] = getattr(recorded["optim"], "value", str(recorded["optim"]))
+    return {"version": trl.__version__, "transformers": transformers.__version__, "settings": recorded,
+            "passed": settings, "torch_dtype": str(model.dtype).removeprefix("torch."), "total_s": total,
+            **_trl_steps(phases, [h["step_time"] for h in steps], cfg.gradient_accumulation_steps),
+            "reward": [h.get("reward") for h in steps], "micro_batches": cfg.gradient_accumulation_steps,
+            "gradient_checkpointing": bool(cfg.gradient_checkpointing)}
+
+
+def _trl_timers(trainer, model) -> dict[str, list[float]]:
+    """Wrap TRL's phases with timers: generate (plain or continuous batching), generate + score, the loss's
+    forward, the training step (all its micro-batches' forward + backward; the first also generates)."""
     phases = {"generate": [], "generate_and_score": [], "loss_forward": [], "training_step": []}
 
     def timed(fn, key):
@@ -302,25 +435,105 @@ def _trl_peer(args, train) -> dict | None:
         return wrapper
 
     model.generate = timed(model.generate, "generate")
+    if hasattr(model, "generate_batch"):
+        model.generate_batch = timed(model.generate_batch, "generate")
     trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, "generate_and_score")
     trainer.compute_loss = timed(trainer.compute_loss, "loss_forward")
     trainer.training_step = timed(trainer.training_step, "training_step")
-    t = time.perf_counter()
-    trainer.train()
-    total = time.perf_counter() - t
-    steps = [h for h in trainer.state.log_history if "step_time" in h]
-    micro = cfg.gradient_accumulation_steps       # one generation per RL step, then one training_step per micro-batch
+    return phases
 
+
+def _trl_steps(phases: dict, step_s: list[float], micro: int) -> dict:
+    """Per RL step: TRL's step and its phases (one generation per step, then ``micro`` micro-batches); backward is
+    the training steps' time less generate + score and the loss's forward."""
     def per_step(key):
         v = phases[key]
-        return [sum(v[i * micro:(i + 1) * micro]) for i in range(len(steps))] if key in ("loss_forward",
+        return [sum(v[i * micro:(i + 1) * micro]) for i in range(len(step_s))] if key in ("loss_forward",
                                                                                           "training_step") else v
     gs, lf, ts = per_step("generate_and_score"), per_step("loss_forward"), per_step("training_step")
-    import trl
-    return {"version": trl.__version__, "total_s": total, "step_s": [h["step_time"] for h in steps],
-            "generate_s": per_step("generate"), "generate_and_score_s": gs, "loss_forward_s": lf,
-            "backward_s": [t - g - f for t, g, f in zip(ts, gs, lf)], "micro_batches": micro,
-            "reward": [h.get("reward") for h in steps], "gradient_checkpointing": bool(cfg.gradient_checkpointing)}
+    return {"step_s": step_s, "generate_s": per_step("generate"), "generate_and_score_s": gs, "loss_forward_s": lf,
+            "backward_s": [t - g - f for t, g, f in zip(ts, gs, lf)]}
+
+
+def trl_medians(run: dict) -> dict:
+    """Median seconds per RL step of a TRL run's phases: generate, score (the rest of TRL's generate-and-score:
+    rewards, tokenising, bookkeeping), the loss's forward, backward, update (forward + backward) and the step."""
+    def med(v):
+        return float(statistics.median(v)) if v else None
+    gen, gs, lf, bw = (run.get(k) or [] for k in ("generate_s", "generate_and_score_s", "loss_forward_s",
+                                                    "backward_s"))
+    return {"generate": med(gen), "score": med([s - g for s, g in zip(gs, gen)]), "loss_forward": med(lf),
+            "backward": med(bw), "update": med([f + b for f, b in zip(lf, bw)]), "step": med(run["step_s"])}
+
+
+TRL_VS_TLTLIB = {"generate": "rollout", "update": "update", "step": "step"}   # TRL's phase: tltlib's
+LADDER_PHASES = ("generate", "loss_forward", "backward", "step")
+
+
+def trl_comparison(baseline: dict, runs: dict) -> dict:
+    """``{"runs": {name: {"median": phases, "vs_baseline": ratios}}, "ladder": [...]}`` for TRL runs ``{name: result}``
+    against tltlib's ``baseline`` summary: TRL's median generate / the baseline's rollout, its forward + backward /
+    the baseline's update (which includes the optimiser step), step / step. The ladder goes through the runs present
+    in :data:`TRL_RUNS` order (defaults, no-bf16, no-bf16-no-ckpt, tuned), each pair's phases before / after."""
+    med = {name: trl_medians(r) for name, r in runs.items()}
+    out = {"runs": {name: {"median": m, "vs_baseline": {k: m[k] / baseline[b] for k, b in TRL_VS_TLTLIB.items()
+                                                        if m[k] is not None and baseline.get(b)}}
+                    for name, m in med.items()}}
+    order = [name for name in TRL_RUNS if name in med]
+    out["ladder"] = [{"from": a, "to": b, **{k: med[a][k] / med[b][k] for k in LADDER_PHASES
+                                             if med[a][k] is not None and med[b][k]}}
+                     for a, b in zip(order, order[1:])]
+    return out
+
+
+def _trl_settings_line(r: dict) -> list:
+    """A TRL run's row of the settings table (older files record fewer settings: '?')."""
+    st = r.get("settings", {})
+    cb = st.get("use_transformers_continuous_batching")
+    return [r.get("run", "defaults"), st.get("bf16", "?"), r.get("gradient_checkpointing", "?"),
+            f"{st.get('per_device_train_batch_size', '?')} x {r.get('micro_batches', '?')}",
+            "?" if cb is None else ("continuous batching" if cb else "plain generate"), r.get("torch_dtype", "?")]
+
+
+def _trl_tables(trl: dict, cmp: dict | None, s: dict, args) -> str:
+    """TRL's runs beside tltlib's: settings, median phases, ratios to the baseline, the ladder between the runs."""
+    if not cmp:
+        return ""
+    first = next(iter(trl.values()))
+    b, t = s["baseline"], s["tlt"]
+    text = (f"\n\nTRL {first['version']} GRPOTrainer (transformers {first.get('transformers', '?')}) on the same "
+            f"workload: the same model, reward, {args.prompts} x {args.group} batch, completion length, temperature, "
+            f"lr, DAPO loss, beta 0, seed 0's prompts of steps 1-{args.trl_steps}; its runs in turn, each from the "
+            f"checkpoint. Native bf16 on this device: {'yes' if first.get('native_bf16') else 'no'} "
+            f"({', '.join(first.get('cpu_bf16_flags', [])) or first.get('checked', '?')}).\n\n" + markdown_table(
+                ["TRL run", "bf16 autocast", "gradient checkpointing", "micro-batches (rows x count)", "generation",
+                 "weights"], [_trl_settings_line(r) for r in trl.values()]))
+    rows = [[name, v["rollout"], v["reward"] + v["logprob"], "—", "—", v["update"], v["step"], "1.00x" if v is b
+             else f"{v['step'] / b['step']:.2f}x"] for name, v in (("tltlib baseline", b), ("tltlib TLT", t))]
+    for name, r in cmp["runs"].items():
+        m, vs = r["median"], r["vs_baseline"]
+        rows.append([f"TRL {name}", m["generate"], m["score"], m["loss_forward"], m["backward"], m["update"],
+                     m["step"], f"{vs['step']:.2f}x"])
+    text += (f"\n\nMedian seconds per step (TRL: over its {args.trl_steps} steps; TRL's update is the loss's forward + "
+             "backward, tltlib's also the optimiser step, not split):\n\n" + markdown_table(
+                 ["run", "rollout / generate", "reward + log-prob / score", "loss forward", "backward", "update",
+                  "step", "step / baseline step"], rows))
+    text += "\n\nTRL / tltlib baseline, per phase:\n\n" + markdown_table(
+        ["TRL run", "generate / rollout", "forward + backward / update", "step / step"],
+        [[name, *(f"{r['vs_baseline'].get(k, float('nan')):.2f}x" for k in TRL_VS_TLTLIB)]
+         for name, r in cmp["runs"].items()])
+    if cmp["ladder"]:
+        text += ("\n\nWhere the defaults' time goes: each run against the next, which changes one thing (the last "
+                 "also the micro-batch and the generation), phase time before / after:\n\n" + markdown_table(
+                     ["from", "to", "generate", "loss forward", "backward", "step"],
+                     [[x["from"], x["to"], *(f"{x[k]:.2f}x" if k in x else "n/a" for k in LADDER_PHASES)]
+                      for x in cmp["ladder"]]))
+    for name, r in trl.items():
+        text += (f"\n\nTRL {name}, per step: " + "; ".join(
+            f"{label} " + ", ".join(f"{x:.1f}" for x in r.get(key, [])) for label, key in (
+                ("step", "step_s"), ("generate", "generate_s"), ("generate + score", "generate_and_score_s"),
+                ("loss forward", "loss_forward_s"), ("backward", "backward_s"))) + " s.")
+    return text
 
 
 def _with_iqr(v: dict, key: str) -> str:
@@ -329,7 +542,7 @@ def _with_iqr(v: dict, key: str) -> str:
     return f"{v[key]:.2f} [{lo_hi[0]:.2f}-{lo_hi[1]:.2f}]" if lo_hi else f"{v[key]:.2f}"
 
 
-def _tables(s, acceptance, upd, trl, args, device) -> str:
+def _tables(s, acceptance, upd, args, device) -> str:
     b, t, c = s["baseline"], s["tlt"], s["comparison"]
     rows = [[name, v["rollout"], v["logprob"], v["update"], v["drafter"], _with_iqr(v, "step"),
              f"{b['step'] / v['step']:.2f}x", f"{v['rollout'] / v['step']:.0%}"] for name, v in (("baseline", b),
@@ -360,15 +573,6 @@ def _tables(s, acceptance, upd, trl, args, device) -> str:
         text += "\n\nUpdate (forward + backward) on one rollout's batch:\n\n" + markdown_table(
             ["micro-batches", "count", "padded tokens", "tokens/s"],
             [[k, v["micro_batches"], v["padded_tokens"], v["tokens_per_s"]] for k, v in upd.items() if k != "tokens"])
-    if trl and trl["step_s"]:
-        def s_(key):
-            return ", ".join(f"{x:.1f}" for x in trl.get(key, []))
-        text += (f"\n\nTRL {trl['version']} GRPOTrainer, same workload (gradient checkpointing "
-                 f"{'on, its default' if trl['gradient_checkpointing'] else 'off'}): step times {s_('step_s')} s, of "
-                 f"which generate {s_('generate_s')} s, generate + reward + bookkeeping {s_('generate_and_score_s')} s, "
-                 f"loss forward {s_('loss_forward_s')} s, backward {s_('backward_s')} s (over "
-                 f"{trl.get('micro_batches', '?')} micro-batches); tltlib's baseline step is "
-                 f"{c['baseline_vs_trl_step']:.1f}x faster than TRL's last step.")
     return text
 
 

@@ -111,3 +111,79 @@ def test_malloc_reexec_repeats_the_command_that_started_the_bench(monkeypatch):
     assert _common._command_args() == ["/r/bench/decode.py", "--batches", "1"]
     monkeypatch.setattr(sys, "orig_argv", ["py", "-m", "pytest", "tests"])   # run in-process from another tool
     assert _common._command_args() == ["/r/bench/decode.py", "--batches", "1"]
+
+
+# ------------------------------------------------------------------ e2e_grpo's TRL peer: its settings and its tables
+import e2e_grpo  # noqa: E402
+
+
+def test_trl_runs_defaults_then_one_change_each_up_to_tuned():
+    runs = e2e_grpo.trl_settings(128, 9 + 720)
+    assert list(runs) == list(e2e_grpo.TRL_RUNS)
+    assert runs["defaults"] == {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 16}  # TRL's own
+    assert runs["no-bf16"] == {**runs["defaults"], "bf16": False, "fp16": False}
+    assert runs["no-bf16-no-ckpt"] == {**runs["no-bf16"], "gradient_checkpointing": False}
+    assert runs["tuned"] == {**runs["no-bf16-no-ckpt"], "per_device_train_batch_size": 32,
+                             "gradient_accumulation_steps": 4, "use_transformers_continuous_batching": True,
+                             "transformers_continuous_batching_config": {"num_blocks": 128 * 3,   # 729 tokens: 3 pages
+                                                                         "max_batch_tokens": 1024}}
+    odd = e2e_grpo.trl_settings(12, 100, rows=64, continuous=False)    # micro-batches divide the batch
+    assert odd["defaults"] == {"per_device_train_batch_size": 6, "gradient_accumulation_steps": 2}
+    assert odd["tuned"]["per_device_train_batch_size"] == 12 and odd["tuned"]["gradient_accumulation_steps"] == 1
+    assert odd["tuned"]["use_transformers_continuous_batching"] is False
+    assert "transformers_continuous_batching_config" not in odd["tuned"]
+    assert [e2e_grpo.largest_divisor(n, 8) for n in (128, 12, 7, 3)] == [8, 6, 7, 3]
+
+
+def test_native_bf16_flags_come_from_cpuinfo():
+    info = "processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 avx512_vnni amx_tile amx_bf16\n"
+    assert e2e_grpo.bf16_cpu_flags(info) == ["amx_bf16", "avx512_bf16"]
+    assert e2e_grpo.bf16_cpu_flags("flags\t: fpu sse avx2 avx512f avx512bw\n") == []
+    assert e2e_grpo.bf16_cpu_flags("") == []
+
+
+def test_trl_runs_flag_and_result_keys():
+    runs = _common.listed(e2e_grpo.trl_run_name, "defaults,tuned")("defaults,tuned")
+    assert runs.items == ("defaults", "tuned")
+    with pytest.raises(argparse.ArgumentTypeError, match="'fast' is not a TRL run"):
+        _common.listed(e2e_grpo.trl_run_name, "defaults,tuned")("defaults,fast")
+    assert [e2e_grpo.trl_key(r) for r in e2e_grpo.TRL_RUNS] == ["trl", "trl_no_bf16", "trl_no_bf16_no_ckpt",
+                                                                "trl_tuned"]   # old files' "trl": the defaults
+
+
+def _trl_result(run: str, gen: float, fwd: float, bwd: float) -> dict:
+    return {"run": run, "version": "1.16.0", "step_s": [gen + fwd + bwd + 1, gen + fwd + bwd + 3],
+            "generate_s": [gen, gen], "generate_and_score_s": [gen + 0.5, gen + 0.5], "loss_forward_s": [fwd, fwd],
+            "backward_s": [bwd - 1, bwd + 1], "micro_batches": 16, "gradient_checkpointing": run == "defaults",
+            "settings": {"bf16": run == "defaults", "per_device_train_batch_size": 8,
+                         "use_transformers_continuous_batching": run == "tuned"}}
+
+
+def test_trl_comparison_per_phase_against_the_baseline_and_along_the_ladder():
+    baseline = {"rollout": 10.0, "reward": 0.0, "logprob": 0.0, "update": 5.0, "step": 15.0}
+    runs = {"defaults": _trl_result("defaults", 100, 40, 360), "tuned": _trl_result("tuned", 20, 10, 20)}
+    cmp = e2e_grpo.trl_comparison(baseline, runs)
+    d = cmp["runs"]["defaults"]
+    assert d["median"] == {"generate": 100, "score": 0.5, "loss_forward": 40, "backward": 360, "update": 400,
+                           "step": 502}
+    assert d["vs_baseline"] == pytest.approx({"generate": 10.0, "update": 80.0, "step": 502 / 15})
+    assert cmp["runs"]["tuned"]["vs_baseline"]["step"] == pytest.approx(52 / 15)
+    assert cmp["ladder"] == [pytest.approx({"from": "defaults", "to": "tuned", "generate": 5.0, "loss_forward": 4.0,
+                                            "backward": 18.0, "step": 502 / 52})]
+    runs["no-bf16"] = _trl_result("no-bf16", 50, 10, 100)            # the ladder follows TRL_RUNS' order
+    assert [(x["from"], x["to"]) for x in e2e_grpo.trl_comparison(baseline, runs)["ladder"]] == [
+        ("defaults", "no-bf16"), ("no-bf16", "tuned")]
+
+
+def test_trl_tables_show_every_run_and_read_older_results():
+    s = {"baseline": {"rollout": 10.0, "reward": 0.0, "logprob": 0.0, "update": 5.0, "step": 15.0},
+         "tlt": {"rollout": 5.0, "reward": 0.0, "logprob": 0.0, "update": 5.0, "step": 10.5}}
+    old = {k: v for k, v in _trl_result("defaults", 100, 40, 360).items() if k not in ("run", "settings")}
+    runs = {"defaults": old, "tuned": _trl_result("tuned", 20, 10, 20)}
+    args = argparse.Namespace(prompts=16, group=8, trl_steps=2)
+    text = e2e_grpo._trl_tables(runs, e2e_grpo.trl_comparison(s["baseline"], runs), s, args)
+    assert "| defaults | ? | True | ? x 16 | ? | ? |" in text                 # settings an older file lacks
+    assert "| tuned | False | False | 8 x 16 | continuous batching | ? |" in text
+    assert "| TRL defaults | 100.00 | 0.50 | 40.00 | 360.00 | 400.00 | 502.00 | 33.47x |" in text
+    assert "| defaults | tuned | 5.00x | 4.00x | 18.00x | 9.65x |" in text
+    assert e2e_grpo._trl_tables({}, None, s, args) == ""

@@ -50,13 +50,16 @@ def test_welch_p_with_one_policy_tied_across_seeds_is_quiet_and_valid():
 
 def test_trl_phases_from_a_bench_file(tmp_path):
     f = tmp_path / "r.json"
-    f.write_text(json.dumps({"trl": {"step_s": [300.0, 250.0], "generate_s": [200.0, 180.0]}}))
-    assert trl_phases(f) == {"rollout": 180.0, "update": 70.0}
-    f.write_text(json.dumps({"trl": {"step_s": [300.0, 250.0], "generate_s": [200.0, 180.0],
-                                     "generate_and_score_s": [210.0, 185.0]}}))
-    assert trl_phases(f) == {"rollout": 180.0, "reward": 5.0, "update": 65.0}
+    f.write_text(json.dumps({"trl": {"step_s": [300.0, 250.0, 280.0], "generate_s": [200.0, 180.0, 190.0]}}))
+    assert trl_phases(f, "defaults") == {"rollout": 190.0, "update": 90.0}             # medians over the steps
+    assert trl_phases(f) is None                                                          # no tuned run in the file
+    f.write_text(json.dumps({"trl": {"step_s": [300.0]}, "trl_tuned": {
+        "step_s": [100.0, 80.0], "generate_s": [60.0, 40.0], "generate_and_score_s": [62.0, 42.0]}}))
+    assert trl_phases(f) == {"rollout": 50.0, "reward": 2.0, "update": 38.0}
     f.write_text(json.dumps({"trl": None}))
-    assert trl_phases(f) is None
+    assert trl_phases(f, "defaults") is None
+    with pytest.raises(ValueError, match="TRL run 'fast': choose tuned, defaults"):
+        trl_phases(f, "fast")
 
 
 def test_a_tiny_comparison_runs_both_policies_and_probes_the_drafters():

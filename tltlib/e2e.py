@@ -17,6 +17,7 @@ on W torchrun workers of one machine.
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 import warnings
 from dataclasses import replace
@@ -146,17 +147,23 @@ def update_speed(trainer, prompt_ids: list[list[int]], rows: int = 16, repeats: 
     return out
 
 
-def trl_phases(results_json) -> dict | None:
-    """TRL's last measured step from a bench/e2e_grpo result file, as phases: ``{"rollout": generate seconds,
+def trl_phases(results_json, run: str = "tuned") -> dict | None:
+    """A TRL run's median step from a bench/e2e_grpo result file, as phases: ``{"rollout": generate seconds,
     "reward": the rest of TRL's generate-and-score (rewards, tokenising, bookkeeping), "update": the rest}``; files
-    without the generate-and-score timing give rollout and update only. None when the file has no TRL run."""
-    trl = read_json(results_json, "run python -m tltlib bench e2e_grpo again").get("trl")
+    without the generate-and-score timing give rollout and update only. ``run``: ``tuned`` (TRL set up for the
+    device, the fair peer) or ``defaults`` (TRL's own settings; older files hold only these, under ``trl``).
+    None when the file has no such TRL run."""
+    if run not in ("tuned", "defaults", "no-bf16", "no-bf16-no-ckpt"):
+        raise ValueError(f"TRL run {run!r}: choose tuned, defaults, no-bf16 or no-bf16-no-ckpt")
+    key = "trl" if run == "defaults" else "trl_" + run.replace("-", "_")
+    trl = read_json(results_json, "run python -m tltlib bench e2e_grpo again").get(key)
     if not trl or not trl.get("step_s") or not trl.get("generate_s"):
         return None
-    step, gen = float(trl["step_s"][-1]), float(trl["generate_s"][-1])
+    med = lambda k: float(statistics.median(trl[k]))                                      # noqa: E731
+    step, gen = med("step_s"), med("generate_s")
     if not trl.get("generate_and_score_s"):
         return {"rollout": gen, "update": max(step - gen, 0.0)}
-    scored = float(trl["generate_and_score_s"][-1])
+    scored = med("generate_and_score_s")
     return {"rollout": gen, "reward": max(scored - gen, 0.0), "update": max(step - scored, 0.0)}
 
 
