@@ -2,11 +2,13 @@
 the command's verdict."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
-from tltlib.calibrate import Check, measure_costs, policy_from, validate
-from tltlib.simulate import OFF
+from tltlib.calibrate import Check, check_harvest, fit_overheads, measure_costs, policy_from, validate
+from tltlib.simulate import OFF, harvested_share
 from tltlib.speculative import SpecStrategy
 
 
@@ -31,6 +33,36 @@ def test_the_policy_a_rollout_played_is_read_from_its_timeline():
 def test_checks_say_how_far_off_a_prediction_is():
     assert Check("x", 1.1, 1.0).ok and not Check("x", 1.2, 1.0).ok
     assert Check("x", 0.9, 1.0).error == pytest.approx(-0.1)
+    assert Check("idle", 0.07, 0.03, share=True).ok and not Check("idle", 0.10, 0.03, share=True).ok   # in points
+    assert Check("idle", 0.07, 0.03, share=True).error == pytest.approx(0.04)
+
+
+def _workers_file(tmp_path, workers=2, spot_max=200, **schedule):
+    path = tmp_path / "w2.json"
+    path.write_text(json.dumps({"workers": workers, "settings": {"spot_max": spot_max},
+                                "summary": {"schedule": schedule}}))
+    return path
+
+
+def test_the_harvested_share_of_a_bench_file_is_checked_against_the_preemption_model(tmp_path):
+    """Every idle window is trained in but for half a micro-step, and at most spot_max micro-steps: the first
+    window here (10 s) is capped at 100 x 0.05 s."""
+    f = _workers_file(tmp_path, spot_max=100, idle_s_by_step=[10.0, 1.0, 0.02], train_s_by_step=[5.0, 0.97, 0.0],
+                      micro_step_s_by_step=[0.05, 0.06, 0.05])
+    (c,) = check_harvest(f)
+    assert c.share and c.predicted == pytest.approx((5.0 + 0.97 + 0.0) / 11.02)
+    assert c.measured == pytest.approx(5.97 / 11.02) and c.ok
+    assert harvested_share([1.0, 0.0], 0.2) == pytest.approx(0.9) and np.isnan(harvested_share([0.0], 0.1))
+
+
+def test_a_missing_or_foreign_workers_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="bench e2e_grpo --workers 2"):
+        check_harvest(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="no spot-trainer schedule"):
+        check_harvest(_workers_file(tmp_path))
+    with pytest.raises(ValueError, match="reads runs of 2 workers"):
+        check_harvest(_workers_file(tmp_path, workers=4, idle_s_by_step=[1.0], train_s_by_step=[1.0],
+                                    micro_step_s_by_step=[0.1]))
 
 
 def test_measured_costs_grow_with_rows_and_tokens():
@@ -50,11 +82,14 @@ def test_a_small_validation_measures_simulates_and_names_every_check():
     checks, inputs = validate(model, tok, drafter, prompts=4, group=4, max_new=96, steps=2, cost_rows=(1, 4, 16),
                               log=lambda s: None)
     assert [c.what for c in checks] == [
-        "rollout 4 x 4, no SD: seconds", "rollout 4 x 4, chain-8 at <= 32 rows: seconds",
-        "rollout 4 x 4, adaptive: seconds", "rollout speedup, chain-8 at <= 32 rows over no SD",
-        "rollout speedup, adaptive over no SD", "GRPO step, baseline: median seconds",
-        "GRPO step, tlt: median seconds", "GRPO step speedup, TLT over baseline"]
-    assert all(np.isfinite([c.predicted, c.measured]).all() and c.predicted > 0 and c.measured > 0 for c in checks)
+        "rollout 4 x 4, no SD: median seconds", "rollout 4 x 4, chain-8 at <= 32 rows: median seconds",
+        "rollout 4 x 4, adaptive: median seconds", "rollout speedup, chain-8 at <= 32 rows over no SD",
+        "rollout speedup, adaptive over no SD", "2 workers x 2 prompts, slowest worker's rollout: median seconds",
+        "2 workers, idle share of the rollout",
+        *(f"GRPO step, {n}: median {p} seconds" for n in ("baseline", "tlt") for p in ("rollout", "update", "step")),
+        "GRPO step speedup, TLT over baseline"]
+    assert all(np.isfinite([c.predicted, c.measured]).all() and c.predicted >= 0 and c.measured >= 0 for c in checks)
+    assert [c.share for c in checks].count(True) == 1
     assert inputs["update_tokens_per_s"] > 0 and inputs["micro_step_s"] > 0 and inputs["costs"].draft_s
 
 
@@ -63,10 +98,44 @@ def test_the_command_exits_non_zero_when_a_prediction_is_off(monkeypatch, tmp_pa
     from tltlib.cli import main
     from tltlib.costs import MeasuredCosts
     costs = MeasuredCosts((1,), (1,), (1,), (((1.0,),),))
-    monkeypatch.setattr(cal, "validate", lambda *a, **k: ([Check("rollout", 1.0, 1.05), Check("step", 1.3, 1.0)],
+    monkeypatch.setattr(cal, "validate", lambda *a, **k: ([Check("rollout", 1.0, 1.05), Check("step", 1.3, 1.0),
+                                                          Check("idle", 0.06, 0.03, share=True)],
                                                          {"costs": costs, "update_tokens_per_s": 1.0,
                                                           "micro_step_s": 0.1}))
     assert main(["simulate", "--validate", "--out", str(tmp_path)]) == 1
     out = capsys.readouterr()
-    assert "| step | 1.300 | 1.000 | +30.0% | OFF |" in out.out and "1 prediction(s) off by more than 15%: step" in out.err
+    assert "| step | 1.300 | 1.000 | +30.0% | OFF |" in out.out and "| idle | 0.060 | 0.030 | +3.0 points | ok |" in out.out
+    assert "1 prediction(s) off by more than 15% (shares: 5 points): step" in out.err
     assert (tmp_path / "simulate-validate-cpu.json").is_file()
+
+
+def test_the_engines_overhead_is_fitted_from_what_a_rollout_took_beyond_its_forwards():
+    """Plain iterations that took their forward plus 1 ms + 0.1 ms per row, SD steps 1.2x their forwards at 1-2
+    rows and 1.5x at 8: the fit gives those back per band of rows (interpolated between), and the simulator's
+    iteration time then matches the measured one."""
+    from tltlib.costs import MeasuredCosts, iteration_time
+    costs = MeasuredCosts((1, 64), (16, 512), (1, 9), (((0.002, 0.003), (0.003, 0.004)), ((0.01, 0.03), (0.012, 0.035))),
+                          (1,), (((0.0005,), (0.0006,)), ((0.001,), (0.0012,))))
+    scale = {1: 1.2, 2: 1.2, 4: 1.3, 8: 1.5}
+
+    def rollout(rows, strategies):
+        active, times, names, accepted, gen = [], [], [], [], 0.0
+        for r, st in zip(rows, strategies):
+            t = iteration_time(costs, r, 10 + gen, st)
+            t = t * scale[r] if st.enabled else t + 0.001 + 1e-4 * r
+            acc = 4 * r if st.enabled else 0
+            active.append(r), times.append(t), names.append(st.name), accepted.append(acc)
+            gen += 1 + (acc / r if st.enabled else 0)
+        return {"active": active, "iter_time": times, "strategy": names, "accepted": accepted}, 10.0
+
+    plain, c4, c8 = SpecStrategy(), SpecStrategy.parse("chain-4"), SpecStrategy.parse("chain-8")
+    fitted = fit_overheads(costs, [rollout([64, 32, 16, 8, 4, 2, 1], [plain] * 7),
+                                   rollout([8, 8, 4, 4, 2, 2, 1, 1], [c8, c4] * 4)])
+    at, seconds = zip(*fitted.overhead)
+    assert at == (1, 2, 4, 8, 16, 32, 64) and seconds == pytest.approx([0.001 + 1e-4 * r for r in at], abs=1e-12)
+    assert fitted.iteration_overhead(6, plain) == pytest.approx(np.interp(np.log(6), np.log([4, 8]), [0.0014, 0.0018]))
+    assert dict(fitted.sd_scale) == pytest.approx(scale)
+    assert iteration_time(fitted, 8, 100, c8) == pytest.approx(1.5 * iteration_time(costs, 8, 100, c8))
+    assert fitted.sd_factor(3) == pytest.approx(np.interp(np.log(3), np.log([2, 4]), [1.2, 1.3]))
+    with pytest.raises(ValueError, match="no decode iterations"):
+        fit_overheads(costs, [])

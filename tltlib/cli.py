@@ -236,28 +236,40 @@ def cmd_simulate(args) -> int:
     from .calibrate import validate
     from .fileio import atomic_write_text, resolve
     from .loading import load
-    if not args.validate:
-        raise ValueError("say what to simulate: --validate (check the simulator against runs measured here)")
+    if args.validate == args.project:
+        raise ValueError("say what to simulate: --validate (check the simulator against runs measured here) or "
+                         "--project (the paper's settings, beside its Table 3)")
+    if args.project:
+        return _simulate_project(args)
     model, tok, drafter = load(args.model, args.drafter, device="cpu")
     checks, inputs = validate(model, tok, drafter, prompts=args.prompts, group=args.group, max_new=args.max_new,
-                              steps=args.steps, log=lambda s: print(s, file=sys.stderr, flush=True))
-    rows = [f"| {c.what} | {c.predicted:.3f} | {c.measured:.3f} | {c.error:+.1%} | {'ok' if c.ok else 'OFF'} |"
+                              steps=args.steps, workers_results=resolve(args.workers_results) if args.workers_results
+                              else None, log=lambda s: print(s, file=sys.stderr, flush=True))
+    rows = [f"| {c.what} | {c.predicted:.3f} | {c.measured:.3f} | "
+            + (f"{100 * c.error:+.1f} points" if c.share else f"{c.error:+.1%}") + f" | {'ok' if c.ok else 'OFF'} |"
             for c in checks]
-    table = ("| check | simulated | measured | error | within 15% |\n|---|---|---|---|---|\n" + "\n".join(rows)
+    table = ("| check | simulated | measured | error | within 15% (shares: 5 points) |\n|---|---|---|---|---|\n"
+             + "\n".join(rows)
              + f"\n\nInputs measured here: update {inputs['update_tokens_per_s']:.0f} tokens/s, drafter micro-step "
              f"{inputs['micro_step_s'] * 1e3:.1f} ms, forward costs of {len(inputs['costs'].rows)} row counts x "
-             f"{len(inputs['costs'].contexts)} contexts x {len(inputs['costs'].tokens)} token counts.\n")
+             f"{len(inputs['costs'].contexts)} contexts x {len(inputs['costs'].tokens)} token counts; engine overhead "
+             "per iteration " + ", ".join(f"{1e3 * x:.2f} ms at {r:.0f} rows" for r, x in inputs['costs'].overhead)
+             + "; an SD step's time over its forwards' " + ", ".join(f"{x:.2f}x at {r:.0f} rows" for r, x in
+                                                                  inputs['costs'].sd_scale) + ".\n")
     print(table)
     out = resolve(args.out)
+    costs = inputs["costs"]
     payload = {"checks": [{"what": c.what, "simulated": c.predicted, "measured": c.measured, "error": c.error,
-                           "ok": c.ok} for c in checks], "settings": {k: v for k, v in vars(args).items()
-                                                                     if k != "func"},
-               "update_tokens_per_s": inputs["update_tokens_per_s"], "micro_step_s": inputs["micro_step_s"]}
+                           "share": c.share, "ok": c.ok} for c in checks], "machine": _machine_line(),
+               "settings": {k: v for k, v in vars(args).items() if k != "func"},
+               "update_tokens_per_s": inputs["update_tokens_per_s"], "micro_step_s": inputs["micro_step_s"],
+               "overhead": costs.overhead, "sd_scale": costs.sd_scale}
     atomic_write_text(out / "simulate-validate-cpu.json", json.dumps(payload, indent=1) + "\n")
     atomic_write_text(out / "simulate-validate-cpu.md", table)
     bad = [c.what for c in checks if not c.ok]
     if bad:
-        print(f"error: {len(bad)} prediction(s) off by more than 15%: {'; '.join(bad)}", file=sys.stderr)
+        print(f"error: {len(bad)} prediction(s) off by more than 15% (shares: 5 points): {'; '.join(bad)}",
+              file=sys.stderr)
         return 1
     return 0
 
@@ -384,17 +396,66 @@ def _model_commands(sub) -> None:
     ig.add_argument("--overwrite", action="store_true", help="replace an earlier import in OUT")
 
 
+def _machine_line() -> dict:
+    """The machine a measurement ran on (CPU model, threads, versions), for the results file."""
+    import platform
+
+    import torch
+    cpu = platform.processor()
+    try:
+        cpu = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name"))
+        cpu = cpu.split(":", 1)[1].strip()
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "python": platform.python_version()}
+
+
+def _simulate_project(args) -> int:
+    """The simulator at the paper's Table 3 settings: a table beside the paper's, and its JSON."""
+    import json
+
+    from .fileio import atomic_write_text, resolve
+    from .paper import SETTINGS, ProjectionConfig, lengths_from_bench, project, table3
+    lengths = lengths_from_bench(resolve(args.lengths_from))
+    rows = {m: project(ProjectionConfig(model=m, tp=s["tp"], nodes=s["nodes"], hardware=args.hardware,
+                                        lengths=lengths)) for m, s in SETTINGS.items()}
+    text = (f"Simulated end-to-end speedup of TLT over the baseline at the paper's settings (64 prompts x 8, 32K max, "
+            f"{args.hardware}, 8 per node; response lengths: a log-normal of median {lengths.median:.0f} and p99 "
+            f"{lengths.p99:.0f} tokens, from {args.lengths_from} scaled to 32K) beside the paper's Table 3 "
+            "(`python -m tltlib simulate --project`):\n\n" + table3(rows))
+    print(text)
+    out = resolve(args.out)
+    payload = {"settings": {k: v for k, v in vars(args).items() if k != "func"},
+               "lengths": {"median": lengths.median, "p99": lengths.p99, "cap": lengths.cap}, "projection": rows}
+    atomic_write_text(out / f"simulate-project-{args.hardware}.json", json.dumps(payload, indent=1) + "\n")
+    atomic_write_text(out / f"simulate-project-{args.hardware}.md", text)
+    return 0
+
+
 def _simulate_command(sub) -> None:
-    sm = sub.add_parser("simulate", help="the GRPO step simulator: --validate checks it against runs measured here")
+    sm = sub.add_parser("simulate", help="the GRPO step simulator: --validate checks it against runs measured here, "
+                        "--project runs it at the paper's settings")
     sm.add_argument("--validate", action="store_true", help="measure this machine's costs, then compare the "
                     "simulator's predictions with measured rollouts and GRPO steps (exit 1 if one is off by > 15%%)")
-    sm.add_argument("--model", default=str(ROOT / "data" / "tiny-reasoner"))
-    sm.add_argument("--drafter", default=str(ROOT / "data" / "tiny-reasoner-drafter"))
+    sm.add_argument("--project", action="store_true", help="simulate the paper's Table 3 settings (Qwen2.5-7B TP 4, "
+                    "Qwen2.5-32B TP 8, 1-8 nodes of 8 GPUs) and print the speedups beside the paper's")
+    sm.add_argument("--hardware", default="h100", help="--project: hardware preset (h100, a100, b200)")
+    sm.add_argument("--lengths-from", default="bench/results/e2e_grpo-cpu-float32.json",
+                    help="--project: a bench e2e_grpo results file whose baseline lengths give the shape, "
+                         "scaled to 32K")
+    sm.add_argument("--model", default="data/tiny-reasoner")
+    sm.add_argument("--drafter", default="data/tiny-reasoner-drafter")
     sm.add_argument("--prompts", type=int, default=16, help="prompts per rollout and step (default %(default)s)")
     sm.add_argument("--group", type=int, default=8, help="completions per prompt (default %(default)s)")
     sm.add_argument("--max-new", type=int, default=720, help="longest completion (default %(default)s)")
-    sm.add_argument("--steps", type=int, default=4, help="GRPO steps per policy (default %(default)s)")
-    sm.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder of the JSON and markdown results")
+    sm.add_argument("--steps", type=int, default=6,
+                    help="GRPO steps per policy after a warm-up step (default %(default)s)")
+    sm.add_argument("--workers-results", default="bench/results/e2e_grpo-cpu-float32-w2.json",
+                    help="--validate: a bench e2e_grpo --workers 2 results file for the harvested-share check "
+                         "(empty: skip it)")
+    sm.add_argument("--out", default="bench/results",
+                    help="folder of the JSON and markdown results (relative: to the project root)")
 
 
 def _train_grpo_command(sub) -> None:

@@ -170,6 +170,14 @@ class Roofline:
         return forward_time(self.shape, self.hw, self.tp, rows, context, width, weight_bytes=self.shape.drafter_bytes,
                             layers=1) + self.hw.draft_level_s
 
+    def iteration_overhead(self, rows: int, strategy: SpecStrategy) -> float:
+        """None beyond the forwards: the hardware's fixed costs are in them."""
+        return 0.0
+
+    def sd_factor(self, rows: int) -> float:
+        """1: the roofline's draft levels carry their fixed cost (``draft_level_s``)."""
+        return 1.0
+
 
 @dataclass(frozen=True)
 class MeasuredCosts:
@@ -186,6 +194,14 @@ class MeasuredCosts:
     target_s: tuple
     widths: tuple = (1,)
     draft_s: tuple = ()
+    overhead: tuple = ()
+    """((rows, seconds), ...): seconds per decode iteration beyond its forwards at those running rows (sampling, the
+    engine's bookkeeping), interpolated log-linearly in the rows; fitted on measured rollouts
+    (:func:`tltlib.calibrate.fit_overheads`)."""
+    sd_scale: tuple = ()
+    """((rows, factor), ...): an SD step's measured time over what its forwards (draft levels and verify) cost at
+    those running rows (the acceptance, each level's top-k and bookkeeping, the verify's positions and the commit
+    scale with the step); interpolated as ``overhead``, 1 when empty."""
 
     def __post_init__(self):
         t = np.asarray(self.target_s, dtype=np.float64)
@@ -200,6 +216,23 @@ class MeasuredCosts:
         if not self.draft_s:
             raise ValueError("these measured costs have no drafter timings: measure them with a drafter")
         return _interp(self.draft_s, self.rows, self.contexts, self.widths, rows, context, width)
+
+    def iteration_overhead(self, rows: int, strategy: SpecStrategy) -> float:
+        """Seconds of a plain decode iteration beyond its forward, never negative (an SD step: see ``sd_scale``)."""
+        return 0.0 if strategy.enabled else max(_by_rows(self.overhead, rows), 0.0)
+
+    def sd_factor(self, rows: int) -> float:
+        """An SD step's measured time over its forwards' at ``rows`` running rows (1 without a fit)."""
+        return _by_rows(self.sd_scale, rows) if self.sd_scale else 1.0
+
+
+def _by_rows(points: tuple, rows: int) -> float:
+    """``((rows, seconds), ...)`` interpolated at ``rows``, linearly in log rows (constant beyond the ends; 0 when
+    empty)."""
+    if not points:
+        return 0.0
+    at, seconds = zip(*points)
+    return float(np.interp(math.log(max(rows, 1)), np.log(at), seconds))
 
 
 def _linear(xs, ys, x: float) -> float:
@@ -229,11 +262,11 @@ def _interp(table, rows_at, contexts_at, cols_at, rows: int, context: float, col
 def iteration_time(costs, rows: int, context: float, strategy: SpecStrategy) -> float:
     """Seconds of one decode iteration under ``costs`` (:class:`Roofline` or :class:`MeasuredCosts`): a plain
     forward, or an SD step (``depth`` draft levels of ``top_k`` nodes per row for a tree, one node for a chain, none
-    for n-gram drafts; then one verify forward over 1 + the verified drafts)."""
+    for n-gram drafts; then one verify forward over 1 + the verified drafts); with the costs' per-iteration overhead
+    (plain) or SD factor."""
     if not strategy.enabled:
-        return costs.forward(rows, context, 1)
+        return costs.forward(rows, context, 1) + costs.iteration_overhead(rows, strategy)
     verify = costs.forward(rows, context, strategy.verify_tokens + 1)
-    if strategy.kind == "ngram":
-        return verify
     width = strategy.top_k if strategy.kind == "tree" else 1
-    return verify + strategy.depth * costs.draft_level(rows, context, width)
+    draft = 0.0 if strategy.kind == "ngram" else strategy.depth * costs.draft_level(rows, context, width)
+    return (verify + draft) * costs.sd_factor(rows)

@@ -164,6 +164,11 @@ class LengthDistribution:
 
 
 # ------------------------------------------------------------------------------------------------- a step
+class DoesNotFit(ValueError):
+    """A configuration whose weights, training states and KV cache do not fit in a device's memory (the message
+    says how much it needs)."""
+
+
 @dataclass(frozen=True)
 class StepConfig:
     """One synchronous GRPO step of a cluster."""
@@ -235,11 +240,22 @@ class StepSim:
         ends = np.array([w.time_s for w in self.workers])
         return float((ends.max() - ends).sum() / (ends.max() * ends.size))
 
-    def harvested(self, micro_step_s: float) -> float:
-        """Share of the idle time the spot trainer trains in (all but the last, interrupted micro-step)."""
+    def harvested(self, micro_step_s: float, max_micro_steps: int | None = None) -> float:
+        """Share of the idle time the spot trainer trains in: :func:`harvested_share` of the workers' waits."""
         ends = np.array([w.time_s for w in self.workers])
-        idle = ends.max() - ends
-        return float(np.maximum(idle - micro_step_s / 2, 0).sum() / idle.sum()) if idle.sum() > 0 else float("nan")
+        return harvested_share(ends.max() - ends, micro_step_s, max_micro_steps)
+
+
+def harvested_share(idle_s, micro_step_s, max_micro_steps: int | None = None) -> float:
+    """Share of idle windows ``idle_s`` (seconds, one per waiting worker) that the spot trainer trains in: each
+    window but half a micro-step (the one preempted when the last rollout ends, on average), and at most
+    ``max_micro_steps`` micro-steps of ``micro_step_s`` per window (its budget); NaN without idle time."""
+    idle = np.asarray(idle_s, dtype=np.float64)
+    micro = np.broadcast_to(np.asarray(micro_step_s, dtype=np.float64), idle.shape)
+    trained = np.maximum(idle - micro / 2, 0)
+    if max_micro_steps is not None:
+        trained = np.minimum(trained, max_micro_steps * micro)
+    return float(trained.sum() / idle.sum()) if idle.sum() > 0 else float("nan")
 
 
 def memory_needed(cfg: StepConfig, peak_kv_tokens: float) -> dict[str, float]:
@@ -272,7 +288,7 @@ def simulate_step(cfg: StepConfig, policy: SDPolicy = OFF, name: str = "baseline
     parts = memory_needed(cfg, max(s.peak_kv_tokens for s in sims))
     need = sum(parts.values())
     if check_memory and need > hw.memory * hw.mem_util:
-        raise ValueError(f"{cfg.model.num_parameters / 1e9:.1f} B parameters on {cfg.nodes} node(s) of {hw.name} "
+        raise DoesNotFit(f"{cfg.model.num_parameters / 1e9:.1f} B parameters on {cfg.nodes} node(s) of {hw.name} "
                          f"(tp {cfg.tp}) need {need / GB:.0f} GB per device ("
                          + ", ".join(f"{k} {v / GB:.0f} GB" for k, v in parts.items()) +
                          f") but {hw.memory * hw.mem_util / GB:.0f} GB of a device's {hw.memory / GB:.0f} GB are "
