@@ -19,6 +19,9 @@ EXPECTED = {
     "06_idle_time_drafter_training": ["sched/idle_frac", "sched/harvested", "sched/preempt_micro_steps",
                                       "sched/overhead_share", "spec/accept_len_spot_last",
                                       "spec/accept_len_frozen_last"],
+    "07_reproduce_speedup_plots": ["sim/speedup_qwen2.5-7b_nodes8", "sim/speedup_qwen2.5-32b_nodes8",
+                                   "sim/case_study_speedup", "measured/case_study_speedup", "measured/e2e_speedup_w1",
+                                   "measured/accept_online_last", "measured/harvested_w2"],
 }
 
 

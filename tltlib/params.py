@@ -193,6 +193,11 @@ SCHEMA: dict[str, Param] = {
     "SPOT_MAX_STEPS": _COUNT,
     "TRAIN_ON": Param("str", choices=("own", "all")),
     "RUN_DIR": Param("path", exists="dir", empty_ok=True),
+    # reproducing the paper's plots
+    "RESULTS_DIR": Param("path", exists="dir"),
+    "HARDWARE": Param("str", choices=("h100", "a100", "b200")),
+    "SIM_SEEDS": _COUNT,
+    "CASE_STRATEGY": Param("strategy"),
 }
 
 
