@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from tltlib.calibrate import Check, check_harvest, fit_overheads, measure_costs, policy_from, validate
+from tltlib.calibrate import Check, Drift, check_harvest, fit_overheads, measure_costs, policy_from, validate
 from tltlib.simulate import OFF, harvested_share
 from tltlib.speculative import SpecStrategy
 
@@ -137,5 +137,18 @@ def test_the_engines_overhead_is_fitted_from_what_a_rollout_took_beyond_its_forw
     assert dict(fitted.sd_scale) == pytest.approx(scale)
     assert iteration_time(fitted, 8, 100, c8) == pytest.approx(1.5 * iteration_time(costs, 8, 100, c8))
     assert fitted.sd_factor(3) == pytest.approx(np.interp(np.log(3), np.log([2, 4]), [1.2, 1.3]))
+    refit = fit_overheads(fitted, [rollout([4, 2], [c8, c8])])          # SD only: the plain fit is kept
+    assert refit.overhead == fitted.overhead and dict(refit.sd_scale) == pytest.approx({4: 1.3, 2: 1.2})
     with pytest.raises(ValueError, match="no decode iterations"):
         fit_overheads(costs, [])
+
+
+def test_the_drift_factor_is_the_probe_now_over_the_probe_at_calibration(monkeypatch):
+    from tltlib.loading import load
+    model, _, _ = load("data/tiny-reasoner", device="cpu")
+    d = Drift(model, rows=2, context=8, calls=3)
+    assert d.factor() == 1.0                                    # no reference yet: predictions unscaled
+    assert d.probe() > 0
+    d.reference = [0.010, 0.012, 0.011]
+    monkeypatch.setattr(d, "probe", lambda: 0.0132)
+    assert d.factor() == pytest.approx(1.2)                     # 20% slower than while calibrating

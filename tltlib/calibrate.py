@@ -14,7 +14,8 @@
    slowest worker's wait), and the spot trainer's harvested share in a ``bench e2e_grpo --workers 2`` results file
    against the simulator's preemption model, from that file's measured idle windows and micro-steps.
 3. **Checks** (:class:`Check`): predicted / measured within ``tolerance`` (15%; shares within 5 points), each
-   named; the command exits non-zero when one is off.
+   named; the command exits non-zero when one is off. Every prediction of a time is scaled by the machine's speed
+   drift since the costs were measured (:class:`Drift`: a fixed forward timed just before each measured run).
 
 Departures: the workers' shards run one after the other on all of this machine's threads, not one thread each as
 under torchrun (the idle share depends on the shards' lengths and on how a rollout's cost scales with its rows).
@@ -69,6 +70,37 @@ class Check:
     @property
     def ok(self) -> bool:
         return abs(self.error) <= self.tolerance
+
+
+class Drift:
+    """The machine's speed now against its speed while the costs were measured: a fixed decode forward (``rows``
+    x 1 token after ``context`` cached ones, the median of ``calls``) timed now over the same timed at calibration.
+    A shared VM's speed moves by tens of percent within minutes; predictions made from costs measured minutes
+    earlier are scaled by :meth:`factor`, taken just before each measured run."""
+
+    def __init__(self, model, rows: int = 16, context: int = 256, calls: int = 15):
+        self.model, self.rows, self.context, self.calls = model, rows, context, calls
+        self.reference: list[float] = []
+
+    @torch.no_grad()
+    def probe(self) -> float:
+        """Seconds of the fixed forward now (median of ``calls``)."""
+        dev, vocab = self.model.device, self.model.config.vocab_size
+        g = torch.Generator().manual_seed(0)
+        cache = self.model.new_cache(self.rows, self.context + 2)
+        prompt = torch.randint(0, vocab, (self.rows, self.context), generator=g).to(dev)
+        self.model.forward_cached(prompt, cache, logits_at=torch.full((self.rows,), self.context - 1, device=dev))
+        cache.advance(self.context)
+        x = torch.randint(0, vocab, (self.rows, 1), generator=g).to(dev)
+        return _typical(lambda: self.model.forward_cached(x, cache), self.calls, dev)
+
+    def calibrating(self) -> None:
+        """Time the probe as part of the reference (call it while the costs are measured)."""
+        self.reference.append(self.probe())
+
+    def factor(self) -> float:
+        """The probe now over the reference's median (1: as fast as at calibration; 1.2: 20% slower)."""
+        return self.probe() / float(np.median(self.reference)) if self.reference else 1.0
 
 
 # -------------------------------------------------------------------------------------------------- costs
@@ -151,7 +183,8 @@ def fit_overheads(costs: MeasuredCosts, rollouts) -> MeasuredCosts:
     """``costs`` with the engine's costs beyond its forwards (:attr:`MeasuredCosts.overhead`, ``sd_scale``) fitted
     to measured rollouts (``(timeline, prompt length)`` pairs), per band of running rows (doubling from 1): for
     plain iterations the median of measured less predicted seconds (smoothed by a line in the rows: a band holds
-    few iterations), for SD steps the median of measured over predicted."""
+    few iterations), for SD steps the median of measured over predicted. Rollouts without plain iterations (or
+    without SD steps) keep ``costs``' fit of those."""
     bare = replace(costs, overhead=(), sd_scale=())
     plain, sd = [], []
     for timeline, prompt_len in rollouts:
@@ -165,7 +198,10 @@ def fit_overheads(costs: MeasuredCosts, rollouts) -> MeasuredCosts:
             else:
                 plain.append((rows, seconds - predicted))
             gen += 1 + (accepted / rows if st.enabled else 0)
-    return replace(bare, overhead=_band_line(plain), sd_scale=_band_medians(sd) if sd else ())
+    if not plain and not sd:
+        raise ValueError("no decode iterations to fit the overhead to: the calibration rollout was empty")
+    return replace(bare, overhead=_band_line(plain) if plain else costs.overhead,
+                   sd_scale=_band_medians(sd) if sd else costs.sd_scale)
 
 
 def _band_line(points) -> tuple:
@@ -211,10 +247,12 @@ def calibrate_engine(model, tokenizer, drafter, costs: MeasuredCosts, count: int
 
 
 def check_rollouts(model, tokenizer, drafter, costs: MeasuredCosts, controller, problems, group: int, max_new: int,
-                   temperature: float, threshold: int = 32, seed: int = 0, repeats: int = 3) -> list[Check]:
+                   temperature: float, threshold: int = 32, seed: int = 0, repeats: int = 3,
+                   drift: Drift | None = None) -> list[Check]:
     """A long-tailed rollout without SD, with chain-8 at or below ``threshold`` rows, and with the adaptive engine
     (``controller``, tuned on other prompts), in ``repeats`` rounds (the three interleaved in each): each measured,
-    then simulated from its own lengths and the strategies it played; medians over the rounds."""
+    then simulated from its own lengths and the strategies it played (scaled by the machine's ``drift`` just
+    before it); medians over the rounds."""
     engine = RolloutEngine(model, RolloutConfig(SamplingConfig(temperature=temperature, max_new_tokens=max_new),
                                                 group_size=group), drafter=drafter)
     prompts = encode_prompts(problems, tokenizer)
@@ -225,9 +263,10 @@ def check_rollouts(model, tokenizer, drafter, costs: MeasuredCosts, controller, 
     runs = {name: [] for name in arms}                                            # (simulated, measured) seconds
     for _ in range(repeats):
         for name, strategy in arms.items():
+            f = drift.factor() if drift else 1.0
             res, seconds = timed_rollout(engine, prompts, strategy, seed)
             policy = policy_from(res.timeline) if strategy is not None else OFF
-            runs[name].append((simulate_rollout(costs, res.lengths.numpy(), plen, policy).time_s, seconds))
+            runs[name].append((f * simulate_rollout(costs, res.lengths.numpy(), plen, policy).time_s, seconds))
     times = {name: tuple(float(np.median(v)) for v in zip(*r)) for name, r in runs.items()}
     checks = [Check(f"rollout {len(prompts)} x {group}, {name}: median seconds", p, m)
               for name, (p, m) in times.items()]
@@ -238,7 +277,7 @@ def check_rollouts(model, tokenizer, drafter, costs: MeasuredCosts, controller, 
 
 
 def check_workers(model, tokenizer, costs: MeasuredCosts, problems, group: int, max_new: int, temperature: float,
-                  workers: int = 2, seed: int = 0, repeats: int = 3) -> list[Check]:
+                  workers: int = 2, seed: int = 0, repeats: int = 3, drift: Drift | None = None) -> list[Check]:
     """Data-parallel rollout workers, one after the other on this machine: each rolls out its shard of whole GRPO
     groups without SD (``repeats`` rounds, medians); the idle share (the wait for the slowest, over every worker's
     time) measured from their times, and simulated from each shard's own lengths."""
@@ -247,15 +286,17 @@ def check_workers(model, tokenizer, costs: MeasuredCosts, problems, group: int, 
     engine = RolloutEngine(model, RolloutConfig(SamplingConfig(temperature=temperature, max_new_tokens=max_new),
                                                 group_size=group))
     shard = len(problems) // workers
-    measured, predicted = [[] for _ in range(workers)], [0.0] * workers
+    measured, predicted = [[] for _ in range(workers)], [[] for _ in range(workers)]
     for _ in range(repeats):
         for w in range(workers):
             prompts = encode_prompts(problems[w * shard:(w + 1) * shard], tokenizer)
+            f = drift.factor() if drift else 1.0
             res, seconds = timed_rollout(engine, prompts, None, seed + w)
             plen = int(round(float(np.mean([len(p) for p in prompts]))))
             measured[w].append(seconds)
-            predicted[w] = simulate_rollout(costs, res.lengths.numpy(), plen).time_s   # the same lengths each round
+            predicted[w].append(f * simulate_rollout(costs, res.lengths.numpy(), plen).time_s)
     measured = [float(np.median(m)) for m in measured]
+    predicted = [float(np.median(p)) for p in predicted]
     idle = lambda t: float((max(t) - np.asarray(t)).sum() / (max(t) * len(t)))          # noqa: E731
     return [Check(f"{workers} workers x {shard} prompts, slowest worker's rollout: median seconds", max(predicted),
                   max(measured)),
@@ -289,10 +330,13 @@ def check_harvest(results_json) -> list[Check]:
 
 
 def check_steps(model, tokenizer, drafter, costs: MeasuredCosts, problems, args: GRPOConfig, tlt: TLTConfig,
-                steps: int) -> tuple[list[Check], float, float]:
+                steps: int, drift: Drift | None = None) -> tuple[list[Check], float, float]:
     """GRPO steps of the baseline and of TLT in one process, interleaved after one warm-up step each, measured;
-    each simulated from its own lengths and the SD strategies it played, with the update rate and the drafter
-    micro-step the warm-up steps measured. Returns (checks, update tokens/s, seconds per drafter micro-step)."""
+    each simulated from its own lengths and the SD strategies it played, with the update rate, the drafter
+    micro-step and the engine's costs beyond its forwards (:func:`fit_overheads`: TLT's rollout also streams
+    drafter pairs) that each policy's warm-up step measured (carried to the reference speed; each step's
+    prediction scaled by the machine's ``drift`` just before it). Returns (checks, update tokens/s and seconds per drafter
+    micro-step at the reference speed)."""
     tlt_model = copy.deepcopy(model)
     runs = {"baseline": GRPOTrainer(copy.deepcopy(model), tokenizer, problems, args),
             "tlt": GRPOTrainer(tlt_model, tokenizer, problems, args, drafter=copy.deepcopy(drafter).attach(tlt_model),
@@ -303,23 +347,32 @@ def check_steps(model, tokenizer, drafter, costs: MeasuredCosts, problems, args:
             _seen.append(_inner(problems, clock))
             return _seen[-1]
         trainer.rollout = rollout
+    factor = (lambda: drift.factor()) if drift else (lambda: 1.0)                  # noqa: E731
+    f_warm = factor()
     warm = {name: trainer.step() for name, trainer in runs.items()}
-    micro_step_s = warm["tlt"]["time/drafter_s"] / max(tlt.drafter_steps, 1)
-    update_tokens_per_s = float(np.median([m["update/tokens_per_s"] for m in warm.values()]))
+    micro_step_s = warm["tlt"]["time/drafter_s"] / max(tlt.drafter_steps, 1) / f_warm   # at the reference speed
+    update_tokens_per_s = float(np.median([m["update/tokens_per_s"] for m in warm.values()])) * f_warm
     measured = {name: [] for name in runs}
+    f_step = {name: [] for name in runs}
     for step in range(steps):
         for name in (("baseline", "tlt") if step % 2 == 0 else ("tlt", "baseline")):
+            f_step[name].append(factor())
             m = runs[name].step()
             measured[name].append({k: m[f"time/{k}_s"] for k in ("step", "rollout", "update")})
     plen = float(np.mean([len(p) for p in encode_prompts(problems[: args.prompts_per_step], tokenizer)]))
     predicted = {}
     for name, results in rollouts.items():
-        cfg = _cpu_step(model, costs, args.prompts_per_step, args.num_generations, plen,
+        # the engine's costs beyond its forwards as in this policy's steps (TLT streams drafter pairs): refitted
+        # on its warm-up step's rollout, carried to the reference speed
+        warm_tl = dict(results[0].timeline, iter_time=np.asarray(results[0].timeline["iter_time"]) / f_warm)
+        cfg = _cpu_step(model, fit_overheads(costs, [(warm_tl, plen)]), args.prompts_per_step, args.num_generations,
+                        plen,
                         update_tokens_per_s=update_tokens_per_s, micro_step_s=micro_step_s,
                         drafter_steps=tlt.drafter_steps if name == "tlt" else 0)
         sims = [simulate_step(cfg, policy_from(r.timeline) if name == "tlt" else OFF, name, check_memory=False,
                               lengths=[r.lengths.numpy()]) for r in results[1:]]  # the warm-up step left out
-        predicted[name] = [{"step": x.step_s, "rollout": x.rollout_s, "update": x.update_s} for x in sims]
+        predicted[name] = [{"step": f * x.step_s, "rollout": f * x.rollout_s, "update": f * x.update_s}
+                           for f, x in zip(f_step[name], sims)]
     med = {k: {n: {p: float(np.median([x[p] for x in v[n]])) for p in ("step", "rollout", "update")} for n in runs}
            for k, v in (("p", predicted), ("m", measured))}
     checks = [Check(f"GRPO step, {n}: median {p} seconds", med["p"][n][p], med["m"][n][p])
@@ -338,8 +391,11 @@ def validate(model, tokenizer, drafter, prompts: int = 16, group: int = 8, max_n
     the spot trainer's harvested share; returns (checks, the measured inputs)."""
     if workers_results is not None:
         harvest = check_harvest(workers_results)            # a missing or foreign file fails before the timing
+    drift = Drift(model)
     log("measuring forward costs ...")
+    drift.calibrating()
     costs = measure_costs(model, drafter, rows=cost_rows)
+    drift.calibrating()
     problems = generate_problems(ChainTaskConfig(), 4096, seed=seed + 1)
     args = GRPOConfig(num_generations=group, generation_batch_size=prompts * group, max_completion_length=max_new,
                       temperature=temperature, learning_rate=1e-4, max_steps=steps, seed=seed,
@@ -348,14 +404,17 @@ def validate(model, tokenizer, drafter, prompts: int = 16, group: int = 8, max_n
     log("fitting the engine's per-iteration overhead on rollouts of other prompts ...")
     costs, controller = calibrate_engine(model, tokenizer, drafter, costs, prompts, group, max_new, temperature,
                                          seed=seed)
+    drift.calibrating()
     log("measuring and simulating rollouts ...")
     checks = check_rollouts(model, tokenizer, drafter, costs, controller, problems[:prompts], group, max_new,
-                            temperature, seed=seed)
+                            temperature, seed=seed, drift=drift)
     log("measuring and simulating 2 workers' rollouts ...")
-    checks += check_workers(model, tokenizer, costs, problems[:prompts], group, max_new, temperature, seed=seed)
+    checks += check_workers(model, tokenizer, costs, problems[:prompts], group, max_new, temperature, seed=seed,
+                            drift=drift)
     log("measuring and simulating GRPO steps ...")
-    stepped, update, micro = check_steps(model, tokenizer, drafter, costs, problems, args, tlt, steps)
+    stepped, update, micro = check_steps(model, tokenizer, drafter, costs, problems, args, tlt, steps, drift)
     checks += stepped
     if workers_results is not None:
         checks += harvest
-    return checks, {"costs": costs, "update_tokens_per_s": update, "micro_step_s": micro}
+    return checks, {"costs": costs, "update_tokens_per_s": update, "micro_step_s": micro,
+                    "speed_reference_s": float(np.median(drift.reference))}
