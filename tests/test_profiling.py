@@ -62,3 +62,10 @@ def test_per_bucket_oracle_takes_the_fastest_policy_per_bucket():
     assert pick == ["a", "b", "a", None]                 # the last bucket was never visited
     with pytest.raises(ValueError):
         per_bucket_oracle({})
+
+
+def test_call_times_warm_up_once_then_time_each_repeat():
+    from tltlib.profiling import call_times
+    calls = []
+    times = call_times(lambda: calls.append(1), 4, "cpu")
+    assert len(calls) == 5 and len(times) == 4 and all(t >= 0 for t in times)

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .profiling import call_times
 from .speculative import OFF, SpecStrategy, StrategySource, alpha_from_accept_length
 
 # SD on/off threshold (running rows) by device type. CPU: bench/speculative.py measured that SD with the shipped warm
@@ -335,18 +336,8 @@ def measure_costs(target, drafter=None, batches: Sequence[int] | None = None, ma
     draft_tokens = np.array([1, 4])
     d_tab = np.zeros((len(batches), len(draft_tokens))) if drafter is not None else None
 
-    def timed(fn) -> float:
-        fn()
-        out = []
-        for _ in range(repeats):
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            fn()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            out.append(time.perf_counter() - t0)
-        return float(min(out))
+    def timed(fn) -> float:                                  # the least disturbed of the repeats
+        return float(min(call_times(fn, repeats, dev)))
 
     for i, b in enumerate(batches):
         cache = target.new_cache(b, context + max(tokens) + 1)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -38,6 +37,7 @@ from .sampling import SamplingConfig
 from .costs import MeasuredCosts, hardware, iteration_time
 from .simulate import (OFF, LengthDistribution, SDPolicy, StepConfig, harvested_share, simulate_rollout,
                        simulate_step)
+from .profiling import call_times
 from .speculative import SpecStrategy
 from .tasks import ChainTaskConfig, encode_prompts, generate_problems
 from .trainer import GRPOTrainer, TLTConfig
@@ -137,18 +137,13 @@ def measure_costs(model, drafter=None, rows=(1, 2, 4, 8, 16, 32, 64, 128), conte
 
 
 def _typical(fn, repeats: int, dev) -> float:
-    """Median seconds of ``repeats`` calls of ``fn`` after a warm-up call (CUDA synchronised around each)."""
-    fn()
-    out = []
-    for _ in range(repeats):
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t = time.perf_counter()
-        fn()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        out.append(time.perf_counter() - t)
-    return float(np.median(out))
+    """Median seconds of ``repeats`` calls of ``fn`` after a warm-up call."""
+    return float(np.median(call_times(fn, repeats, dev)))
+
+
+def _factor(drift: Drift | None) -> float:
+    """The machine's speed drift now (1 without a :class:`Drift`)."""
+    return drift.factor() if drift else 1.0
 
 
 def policy_from(timeline: dict) -> SDPolicy:
@@ -263,7 +258,7 @@ def check_rollouts(model, tokenizer, drafter, costs: MeasuredCosts, controller, 
     runs = {name: [] for name in arms}                                            # (simulated, measured) seconds
     for _ in range(repeats):
         for name, strategy in arms.items():
-            f = drift.factor() if drift else 1.0
+            f = _factor(drift)
             res, seconds = timed_rollout(engine, prompts, strategy, seed)
             policy = policy_from(res.timeline) if strategy is not None else OFF
             runs[name].append((f * simulate_rollout(costs, res.lengths.numpy(), plen, policy).time_s, seconds))
@@ -290,7 +285,7 @@ def check_workers(model, tokenizer, costs: MeasuredCosts, problems, group: int, 
     for _ in range(repeats):
         for w in range(workers):
             prompts = encode_prompts(problems[w * shard:(w + 1) * shard], tokenizer)
-            f = drift.factor() if drift else 1.0
+            f = _factor(drift)
             res, seconds = timed_rollout(engine, prompts, None, seed + w)
             plen = int(round(float(np.mean([len(p) for p in prompts]))))
             measured[w].append(seconds)
@@ -347,8 +342,7 @@ def check_steps(model, tokenizer, drafter, costs: MeasuredCosts, problems, args:
             _seen.append(_inner(problems, clock))
             return _seen[-1]
         trainer.rollout = rollout
-    factor = (lambda: drift.factor()) if drift else (lambda: 1.0)                  # noqa: E731
-    f_warm = factor()
+    f_warm = _factor(drift)
     warm = {name: trainer.step() for name, trainer in runs.items()}
     micro_step_s = warm["tlt"]["time/drafter_s"] / max(tlt.drafter_steps, 1) / f_warm   # at the reference speed
     update_tokens_per_s = float(np.median([m["update/tokens_per_s"] for m in warm.values()])) * f_warm
@@ -356,7 +350,7 @@ def check_steps(model, tokenizer, drafter, costs: MeasuredCosts, problems, args:
     f_step = {name: [] for name in runs}
     for step in range(steps):
         for name in (("baseline", "tlt") if step % 2 == 0 else ("tlt", "baseline")):
-            f_step[name].append(factor())
+            f_step[name].append(_factor(drift))
             m = runs[name].step()
             measured[name].append({k: m[f"time/{k}_s"] for k in ("step", "rollout", "update")})
     plen = float(np.mean([len(p) for p in encode_prompts(problems[: args.prompts_per_step], tokenizer)]))

@@ -120,6 +120,26 @@ METRICS: dict[str, str] = {
 }
 
 
+def call_times(fn, repeats: int, device) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn`` after one warm-up call, CUDA synchronised around each call
+    when ``device`` (a ``torch.device``) is a GPU."""
+    sync = None
+    if getattr(device, "type", str(device)) == "cuda":
+        import torch
+        sync = lambda: torch.cuda.synchronize(device)                      # noqa: E731
+    fn()
+    out = []
+    for _ in range(repeats):
+        if sync:
+            sync()
+        t = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        out.append(time.perf_counter() - t)
+    return out
+
+
 def is_metric(key: str) -> bool:
     """Whether ``key`` belongs to the vocabulary (``rl/reward/<function>`` keys are open-ended)."""
     return key in METRICS or key.startswith("rl/reward/")

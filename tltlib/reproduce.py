@@ -83,9 +83,7 @@ def simulated_sd(model: str = "qwen2.5-32b", tp: int = 4, hw: str = "h100", batc
     x ``top_k`` verifying ``verify`` tokens after ``context`` cached ones; the acceptance is fitted to
     ``accept_at`` = (accept length, depth) (Table 1: 8.66 at depth 12, top-k 8, for Qwen2.5-32B) and a tree
     accepts as a chain of its depth."""
-    costs = Roofline(ModelShape(preset(model, tie_word_embeddings=False)), hardware(hw), tp)
-    a = fit_acceptance(*accept_at)
-    accept = expected_tokens(SpecStrategy.parse(f"chain-{depth}"), a)
+    costs, accept = _setting(model, tp, hw, accept_at, depth)
     out = {}
     for v in verify:
         tree = SpecStrategy.parse(f"tree-{min(depth, v)}x{top_k}-{v}")
@@ -95,6 +93,13 @@ def simulated_sd(model: str = "qwen2.5-32b", tp: int = 4, hw: str = "h100", batc
     return out
 
 
+def _setting(model: str, tp: int, hw: str, accept_at: tuple, depth: int) -> tuple[Roofline, float]:
+    """The roofline of ``model`` on ``tp`` ``hw`` devices, and the accept length of a chain of ``depth`` at the
+    acceptance fitted to ``accept_at`` = (accept length, depth)."""
+    costs = Roofline(ModelShape(preset(model, tie_word_embeddings=False)), hardware(hw), tp)
+    return costs, expected_tokens(SpecStrategy.parse(f"chain-{depth}"), fit_acceptance(*accept_at))
+
+
 # ----------------------------------------------------------------------------------- (c) the rollout case study
 def simulated_case_study(lengths: LengthDistribution, model: str = "qwen2.5-32b", tp: int = 4, hw: str = "h100",
                          requests: int = 128, threshold: int = 32, accept_at=(8.66, 12), prompt_len: int = 512,
@@ -102,9 +107,8 @@ def simulated_case_study(lengths: LengthDistribution, model: str = "qwen2.5-32b"
     """Fig. 14's rollout: ``requests`` responses on one worker without SD and with the paper's policy (SD at or
     below ``threshold`` running requests, acceptance fitted to ``accept_at`` as in :func:`simulated_sd`);
     ``{"plain": RolloutSim, "tlt": RolloutSim, "speedup"}``."""
-    costs = Roofline(ModelShape(preset(model, tie_word_embeddings=False)), hardware(hw), tp)
+    costs, accept = _setting(model, tp, hw, accept_at, 10)
     x = lengths.draw(requests, np.random.default_rng(seed))
-    accept = expected_tokens(SpecStrategy.parse("chain-10"), fit_acceptance(*accept_at))
     plain = simulate_rollout(costs, x, prompt_len)
     tlt = simulate_rollout(costs, x, prompt_len, paper_policy(accept, threshold=threshold))
     return {"plain": plain, "tlt": tlt, "speedup": plain.time_s / tlt.time_s, "source": "simulated"}
