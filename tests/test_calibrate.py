@@ -91,6 +91,11 @@ def test_a_small_validation_measures_simulates_and_names_every_check():
     assert all(np.isfinite([c.predicted, c.measured]).all() and c.predicted >= 0 and c.measured >= 0 for c in checks)
     assert [c.share for c in checks].count(True) == 1
     assert inputs["update_tokens_per_s"] > 0 and inputs["micro_step_s"] > 0 and inputs["costs"].draft_s
+    # every measured run is recorded with its prediction and the machine's speed: 3 arms x 3 rounds, 2 workers x 3,
+    # 2 policies x 2 steps
+    assert len(inputs["runs"]) == 9 + 6 + 4
+    assert all(r["simulated_s"] > 0 and r["measured_s"] > 0 and r["speed"] > 0 for r in inputs["runs"])
+    assert inputs["costs"].setup_s_per_row > 0                      # zeroing the KV cache is never free on a CPU
 
 
 def test_the_command_exits_non_zero_when_a_prediction_is_off(monkeypatch, tmp_path, capsys):
@@ -118,7 +123,7 @@ def test_the_engines_overhead_is_fitted_from_what_a_rollout_took_beyond_its_forw
                           (1,), (((0.0005,), (0.0006,)), ((0.001,), (0.0012,))))
     scale = {1: 1.2, 2: 1.2, 4: 1.3, 8: 1.5}
 
-    def rollout(rows, strategies):
+    def rollout(rows, strategies, setup_per_row=None):
         active, times, names, accepted, gen = [], [], [], [], 0.0
         for r, st in zip(rows, strategies):
             t = iteration_time(costs, r, 10 + gen, st)
@@ -126,19 +131,24 @@ def test_the_engines_overhead_is_fitted_from_what_a_rollout_took_beyond_its_forw
             acc = 4 * r if st.enabled else 0
             active.append(r), times.append(t), names.append(st.name), accepted.append(acc)
             gen += 1 + (acc / r if st.enabled else 0)
-        return {"active": active, "iter_time": times, "strategy": names, "accepted": accepted}, 10.0
+        clock = np.cumsum(times) + 0.01                                 # after a 10 ms prefill
+        seconds = None if setup_per_row is None else clock[-1] + setup_per_row * max(rows)
+        return {"active": active, "iter_time": times, "strategy": names, "accepted": accepted, "time": clock,
+                "rows": [max(rows)] * len(rows)}, 10.0, seconds
 
     plain, c4, c8 = SpecStrategy(), SpecStrategy.parse("chain-4"), SpecStrategy.parse("chain-8")
-    fitted = fit_overheads(costs, [rollout([64, 32, 16, 8, 4, 2, 1], [plain] * 7),
-                                   rollout([8, 8, 4, 4, 2, 2, 1, 1], [c8, c4] * 4)])
+    fitted = fit_overheads(costs, [rollout([64, 32, 16, 8, 4, 2, 1], [plain] * 7, setup_per_row=0.002),
+                                   rollout([8, 8, 4, 4, 2, 2, 1, 1], [c8, c4] * 4, setup_per_row=0.002)])
     at, seconds = zip(*fitted.overhead)
     assert at == (1, 2, 4, 8, 16, 32, 64) and seconds == pytest.approx([0.001 + 1e-4 * r for r in at], abs=1e-12)
     assert fitted.iteration_overhead(6, plain) == pytest.approx(np.interp(np.log(6), np.log([4, 8]), [0.0014, 0.0018]))
     assert dict(fitted.sd_scale) == pytest.approx(scale)
     assert iteration_time(fitted, 8, 100, c8) == pytest.approx(1.5 * iteration_time(costs, 8, 100, c8))
     assert fitted.sd_factor(3) == pytest.approx(np.interp(np.log(3), np.log([2, 4]), [1.2, 1.3]))
-    refit = fit_overheads(fitted, [rollout([4, 2], [c8, c8])])          # SD only: the plain fit is kept
+    assert fitted.setup_s_per_row == pytest.approx(0.002)
+    refit = fit_overheads(fitted, [rollout([4, 2], [c8, c8])])  # SD only, no wall time: the plain fit, set-up kept
     assert refit.overhead == fitted.overhead and dict(refit.sd_scale) == pytest.approx({4: 1.3, 2: 1.2})
+    assert refit.setup_s_per_row == fitted.setup_s_per_row
     with pytest.raises(ValueError, match="no decode iterations"):
         fit_overheads(costs, [])
 

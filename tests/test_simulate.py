@@ -2,6 +2,8 @@
 step's phases and shares, and bad input as one clear error."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -147,6 +149,9 @@ def test_measured_costs_interpolate_log_log_in_rows_and_linearly_in_tokens_and_c
     assert m.forward(8, 300, 5) == pytest.approx(f(8, 300, 5), rel=1e-6)         # between grid points: exact here
     assert m.forward(16, 900, 17) == pytest.approx(f(16, 900, 17), rel=1e-6)     # linear beyond the last ones
     assert m.draft_level(2, 300, 4) == pytest.approx(0.2e-3)
+    plain_run = simulate_rollout(m, [20] * 4, prompt_len=100).time_s
+    with_setup = simulate_rollout(replace(m, setup_s_per_row=0.01), [20] * 4, prompt_len=100).time_s
+    assert with_setup == pytest.approx(plain_run + 4 * 0.01)                     # a rollout's set-up, per response
     with pytest.raises(ValueError, match="target_s must be positive seconds of shape rows x contexts x tokens"):
         MeasuredCosts((1,), (1,), (1,), ((( -1.0,),),))
 

@@ -4,8 +4,9 @@
 1. **Costs** (:func:`measure_costs`): target forwards of rows x new tokens after short and long cached contexts,
    drafter forwards of 1 and ``top_k`` nodes per row — a :class:`tltlib.costs.MeasuredCosts` table, the same costs
    the simulator uses for hardware it only knows from its datasheet; then the engine's costs beyond its forwards
-   (sampling, bookkeeping; :func:`fit_overheads`) fitted on rollouts of other prompts than the checks', and the
-   update's tokens per second and a drafter micro-step from a warm-up GRPO step of each policy.
+   (sampling, bookkeeping, a rollout's set-up; :func:`fit_overheads`) fitted on rollouts of other prompts than the
+   checks' by the same engine, run between the checks so that the machine's drift reaches both alike; a GRPO step
+   is predicted from the other measured steps (leave-one-out).
 2. **Runs** measured in the same process, then simulated from their own inputs (the responses' lengths, the SD
    strategies the adaptive engine played and their accept lengths): a long-tailed rollout without SD and with the
    adaptive engine (rollout time and speedup); GRPO steps of the baseline and of TLT in one process, interleaved
@@ -14,8 +15,8 @@
    slowest worker's wait), and the spot trainer's harvested share in a ``bench e2e_grpo --workers 2`` results file
    against the simulator's preemption model, from that file's measured idle windows and micro-steps.
 3. **Checks** (:class:`Check`): predicted / measured within ``tolerance`` (15%; shares within 5 points), each
-   named; the command exits non-zero when one is off. Every prediction of a time is scaled by the machine's speed
-   drift since the costs were measured (:class:`Drift`: a fixed forward timed just before each measured run).
+   named; the command exits non-zero when one is off. Every measured run is recorded with its prediction and the
+   machine's speed just before it (:class:`Drift`), so that an outlier can be told from a slow moment.
 
 Departures: the workers' shards run one after the other on all of this machine's threads, not one thread each as
 under torchrun (the idle share depends on the shards' lengths and on how a rollout's cost scales with its rows).
@@ -75,8 +76,9 @@ class Check:
 class Drift:
     """The machine's speed now against its speed while the costs were measured: a fixed decode forward (``rows``
     x 1 token after ``context`` cached ones, the median of ``calls``) timed now over the same timed at calibration.
-    A shared VM's speed moves by tens of percent within minutes; predictions made from costs measured minutes
-    earlier are scaled by :meth:`factor`, taken just before each measured run."""
+    A shared VM's speed moves by tens of percent within minutes. Recorded beside every measured run; predictions
+    are not scaled by it (an earlier version did: a probe of 0.1 s is itself noisy, and the calibration rollouts
+    run between the checks already see the machine as the checks do)."""
 
     def __init__(self, model, rows: int = 16, context: int = 256, calls: int = 15):
         self.model, self.rows, self.context, self.calls = model, rows, context, calls
@@ -146,6 +148,12 @@ def _factor(drift: Drift | None) -> float:
     return drift.factor() if drift else 1.0
 
 
+def _record(runs: list | None, what: str, simulated: float, measured: float, speed: float) -> None:
+    """One measured run and its prediction, for the results file (``runs``: None records nothing)."""
+    if runs is not None:
+        runs.append({"run": what, "simulated_s": simulated, "measured_s": measured, "speed": speed})
+
+
 def policy_from(timeline: dict) -> SDPolicy:
     """The SD policy a measured rollout played: at each running-row count the strategies of its iterations with
     their shares (plain decoding included), each strategy's measured tokens per row per SD step, SD on up to the
@@ -175,28 +183,33 @@ def _cpu_step(model, costs: MeasuredCosts, prompts: int, group: int, prompt_len:
 
 
 def fit_overheads(costs: MeasuredCosts, rollouts) -> MeasuredCosts:
-    """``costs`` with the engine's costs beyond its forwards (:attr:`MeasuredCosts.overhead`, ``sd_scale``) fitted
-    to measured rollouts (``(timeline, prompt length)`` pairs), per band of running rows (doubling from 1): for
-    plain iterations the median of measured less predicted seconds (smoothed by a line in the rows: a band holds
-    few iterations), for SD steps the median of measured over predicted. Rollouts without plain iterations (or
-    without SD steps) keep ``costs``' fit of those."""
-    bare = replace(costs, overhead=(), sd_scale=())
-    plain, sd = [], []
-    for timeline, prompt_len in rollouts:
+    """``costs`` with the engine's costs beyond its forwards fitted to measured rollouts (``(timeline, prompt
+    length, seconds)`` triples: ``seconds`` the rollout's wall time, None when unknown), per band of running rows
+    (doubling from 1): for plain iterations the median of measured less predicted seconds (smoothed by a line in
+    the rows: a band holds few iterations), for SD steps the median of measured over predicted; the set-up per
+    response (:attr:`MeasuredCosts.setup_s_per_row`) is the median of what each rollout took beyond its prefill and
+    iterations (``seconds`` less the timeline's last ``time``) over its rows. A fit without plain iterations, SD
+    steps or wall times keeps ``costs``' fit of those."""
+    bare = replace(costs, overhead=(), sd_scale=(), setup_s_per_row=0.0)
+    plain, sd, setup = [], [], []
+    for timeline, prompt_len, seconds in rollouts:
         gen = 0.0
-        for rows, seconds, name, accepted in zip(timeline["active"], timeline["iter_time"], timeline["strategy"],
-                                                 timeline["accepted"]):
+        for rows, took, name, accepted in zip(timeline["active"], timeline["iter_time"], timeline["strategy"],
+                                              timeline["accepted"]):
             st = SpecStrategy.parse(str(name))
             predicted = iteration_time(bare, rows, prompt_len + gen, st)
             if st.enabled:
-                sd.append((rows, seconds / predicted))
+                sd.append((rows, took / predicted))
             else:
-                plain.append((rows, seconds - predicted))
+                plain.append((rows, took - predicted))
             gen += 1 + (accepted / rows if st.enabled else 0)
+        if seconds is not None and len(timeline["time"]):
+            setup.append((seconds - float(timeline["time"][-1])) / max(timeline["rows"]))
     if not plain and not sd:
         raise ValueError("no decode iterations to fit the overhead to: the calibration rollout was empty")
     return replace(bare, overhead=_band_line(plain) if plain else costs.overhead,
-                   sd_scale=_band_medians(sd) if sd else costs.sd_scale)
+                   sd_scale=_band_medians(sd) if sd else costs.sd_scale,
+                   setup_s_per_row=max(float(np.median(setup)), 0.0) if setup else costs.setup_s_per_row)
 
 
 def _band_line(points) -> tuple:
@@ -221,77 +234,102 @@ def _band_medians(points) -> tuple:
     return tuple((float(np.median(rows[band == k])), float(np.median(y[band == k]))) for k in np.unique(band))
 
 
-def calibrate_engine(model, tokenizer, drafter, costs: MeasuredCosts, count: int, group: int, max_new: int,
-                     temperature: float, threshold: int = 32, seed: int = 0):
-    """Rollouts of other prompts than any check's (seeds ``seed + 100 ...``): one without SD, one with chain-8 at or
-    below ``threshold`` rows and two with the adaptive engine (which tune its bandit); returns (``costs`` with the
-    overheads :func:`fit_overheads` finds in them, the tuned controller)."""
+def _mean_len(prompts) -> float:
+    return float(np.mean([len(p) for p in prompts]))
+
+
+def _measured(engine, prompts, strategy, seed: int, drift: Drift | None) -> tuple:
+    """(result, wall seconds, the machine's speed factor just before) of one rollout."""
+    f = _factor(drift)
+    res, seconds = timed_rollout(engine, prompts, strategy, seed)
+    return res, seconds, f
+
+
+def _calibration_rollout(engine, tokenizer, count: int, problems_seed: int, strategy, seed: int) -> tuple:
+    """A rollout of ``count`` prompts of other problems than any check's (``problems_seed``), as
+    :func:`fit_overheads` takes it."""
+    prompts = encode_prompts(generate_problems(ChainTaskConfig(), count, seed=problems_seed), tokenizer)
+    res, seconds = timed_rollout(engine, prompts, strategy, seed)
+    return res.timeline, _mean_len(prompts), seconds
+
+
+def check_rollouts(model, tokenizer, drafter, costs: MeasuredCosts, problems, group: int, max_new: int,
+                   temperature: float, threshold: int = 32, seed: int = 0, repeats: int = 3,
+                   drift: Drift | None = None, runs: list | None = None) -> tuple[list[Check], MeasuredCosts]:
+    """A long-tailed rollout of ``problems`` without SD, with chain-8 at or below ``threshold`` rows, and with the
+    adaptive engine (its bandit first tuned on two rollouts of other prompts), in ``repeats`` rounds. In each round
+    each arm first rolls out as many prompts of *other* problems (seeds ``seed + 100 ...``): the calibration
+    rollouts, from which :func:`fit_overheads` fits the engine's costs beyond its forwards — measured over the same
+    minutes as the checks, so the machine's slow drift reaches both alike — then the checks' prompts. Each check is
+    simulated from its own lengths and the strategies it played; medians over the rounds. Each run, its
+    prediction and the machine's speed before it (``drift``) are appended to ``runs``. Returns (checks, ``costs``
+    with the fitted overheads)."""
     engine = RolloutEngine(model, RolloutConfig(SamplingConfig(temperature=temperature, max_new_tokens=max_new),
                                                 group_size=group), drafter=drafter)
     controller = AdaptiveController(AdaptiveConfig(threshold=threshold, tuner=TunerConfig(
         arms=("off", *DEFAULT_ARMS), seed=seed)), controller_costs(model, drafter, max_batch=threshold), drafter)
     chain8, plain = SpecStrategy.parse("chain-8"), SpecStrategy()
     fixed = lambda it, rows: chain8 if rows <= threshold else plain               # noqa: E731
-    measured = []
-    for i, strategy in enumerate((None, fixed, controller, controller)):
-        prompts = encode_prompts(generate_problems(ChainTaskConfig(), count, seed=seed + 100 + i), tokenizer)
-        timed_rollout(engine, prompts[:2], strategy, seed + i)                          # warm-up
-        res, _ = timed_rollout(engine, prompts, strategy, seed + i)
-        measured.append((res.timeline, float(np.mean([len(p) for p in prompts]))))
-    return fit_overheads(costs, measured), controller
-
-
-def check_rollouts(model, tokenizer, drafter, costs: MeasuredCosts, controller, problems, group: int, max_new: int,
-                   temperature: float, threshold: int = 32, seed: int = 0, repeats: int = 3,
-                   drift: Drift | None = None) -> list[Check]:
-    """A long-tailed rollout without SD, with chain-8 at or below ``threshold`` rows, and with the adaptive engine
-    (``controller``, tuned on other prompts), in ``repeats`` rounds (the three interleaved in each): each measured,
-    then simulated from its own lengths and the strategies it played (scaled by the machine's ``drift`` just
-    before it); medians over the rounds."""
-    engine = RolloutEngine(model, RolloutConfig(SamplingConfig(temperature=temperature, max_new_tokens=max_new),
-                                                group_size=group), drafter=drafter)
-    prompts = encode_prompts(problems, tokenizer)
-    chain8, plain = SpecStrategy.parse("chain-8"), SpecStrategy()
-    fixed = lambda it, rows: chain8 if rows <= threshold else plain               # noqa: E731
-    plen = int(round(float(np.mean([len(p) for p in prompts]))))
     arms = {"no SD": None, f"chain-8 at <= {threshold} rows": fixed, "adaptive": controller}
-    runs = {name: [] for name in arms}                                            # (simulated, measured) seconds
-    for _ in range(repeats):
+    prompts = encode_prompts(problems, tokenizer)
+    others = iter(range(seed + 100, seed + 100 + 2 + repeats * len(arms)))
+    calibration, measured = [], {name: [] for name in arms}         # (result, seconds, speed factor)
+    for strategy in arms.values():                                                  # warm-up
+        timed_rollout(engine, prompts[:2], strategy, seed)
+    for i in range(2):
+        calibration.append(_calibration_rollout(engine, tokenizer, len(problems), next(others), controller, seed + i))
+    for r in range(repeats):
         for name, strategy in arms.items():
-            f = _factor(drift)
-            res, seconds = timed_rollout(engine, prompts, strategy, seed)
-            policy = policy_from(res.timeline) if strategy is not None else OFF
-            runs[name].append((f * simulate_rollout(costs, res.lengths.numpy(), plen, policy).time_s, seconds))
-    times = {name: tuple(float(np.median(v)) for v in zip(*r)) for name, r in runs.items()}
+            calibration.append(_calibration_rollout(engine, tokenizer, len(problems), next(others), strategy,
+                                                    seed + r))
+            measured[name].append(_measured(engine, prompts, strategy, seed, drift))
+    fitted = fit_overheads(costs, calibration)
+    plen = int(round(_mean_len(prompts)))
+    times = {}
+    for name, rounds in measured.items():
+        pairs = []
+        for res, seconds, f in rounds:
+            policy = policy_from(res.timeline) if arms[name] is not None else OFF
+            pairs.append((simulate_rollout(fitted, res.lengths.numpy(), plen, policy).time_s, seconds))
+            _record(runs, f"rollout, {name}", *pairs[-1], f)
+        times[name] = tuple(float(np.median(v)) for v in zip(*pairs))
     checks = [Check(f"rollout {len(prompts)} x {group}, {name}: median seconds", p, m)
               for name, (p, m) in times.items()]
     for name in list(times)[1:]:
         (p0, m0), (p1, m1) = times["no SD"], times[name]
         checks.append(Check(f"rollout speedup, {name} over no SD", p0 / p1, m0 / m1))
-    return checks
+    return checks, fitted
 
 
 def check_workers(model, tokenizer, costs: MeasuredCosts, problems, group: int, max_new: int, temperature: float,
-                  workers: int = 2, seed: int = 0, repeats: int = 3, drift: Drift | None = None) -> list[Check]:
+                  workers: int = 2, seed: int = 0, repeats: int = 3, drift: Drift | None = None,
+                  runs: list | None = None) -> list[Check]:
     """Data-parallel rollout workers, one after the other on this machine: each rolls out its shard of whole GRPO
-    groups without SD (``repeats`` rounds, medians); the idle share (the wait for the slowest, over every worker's
-    time) measured from their times, and simulated from each shard's own lengths."""
+    groups without SD (``repeats`` rounds, medians), each shard after a rollout of as many prompts of other problems
+    by the same engine (no drafter), on which the engine's costs beyond its forwards are fitted; the idle share
+    (the wait for the slowest, over every worker's time) measured from their times, and simulated from each shard's
+    own lengths (each run recorded in ``runs``, as :func:`check_rollouts`)."""
     if len(problems) % workers:
         raise ValueError(f"{workers} workers cannot share {len(problems)} prompts evenly (whole GRPO groups)")
     engine = RolloutEngine(model, RolloutConfig(SamplingConfig(temperature=temperature, max_new_tokens=max_new),
                                                 group_size=group))
     shard = len(problems) // workers
-    measured, predicted = [[] for _ in range(workers)], [[] for _ in range(workers)]
-    for _ in range(repeats):
+    shards = [encode_prompts(problems[w * shard:(w + 1) * shard], tokenizer) for w in range(workers)]
+    timed_rollout(engine, shards[0][:2], None, seed)                                # warm-up
+    calibration, rounds = [], [[] for _ in range(workers)]
+    for r in range(repeats):
         for w in range(workers):
-            prompts = encode_prompts(problems[w * shard:(w + 1) * shard], tokenizer)
-            f = _factor(drift)
-            res, seconds = timed_rollout(engine, prompts, None, seed + w)
-            plen = int(round(float(np.mean([len(p) for p in prompts]))))
-            measured[w].append(seconds)
-            predicted[w].append(f * simulate_rollout(costs, res.lengths.numpy(), plen).time_s)
-    measured = [float(np.median(m)) for m in measured]
-    predicted = [float(np.median(p)) for p in predicted]
+            calibration.append(_calibration_rollout(engine, tokenizer, shard, seed + 200 + r * workers + w, None,
+                                                    seed + w))
+            rounds[w].append(_measured(engine, shards[w], None, seed + w, drift))
+    fitted = fit_overheads(costs, calibration)
+    predicted, measured = [], []
+    for w, ps in enumerate(shards):
+        sims = [simulate_rollout(fitted, res.lengths.numpy(), round(_mean_len(ps))).time_s for res, _, _ in rounds[w]]
+        for x, (_, seconds, f) in zip(sims, rounds[w]):
+            _record(runs, f"worker {w} of {workers}, shard rollout", x, seconds, f)
+        predicted.append(float(np.median(sims)))
+        measured.append(float(np.median([seconds for _, seconds, _ in rounds[w]])))
     idle = lambda t: float((max(t) - np.asarray(t)).sum() / (max(t) * len(t)))          # noqa: E731
     return [Check(f"{workers} workers x {shard} prompts, slowest worker's rollout: median seconds", max(predicted),
                   max(measured)),
@@ -325,55 +363,63 @@ def check_harvest(results_json) -> list[Check]:
 
 
 def check_steps(model, tokenizer, drafter, costs: MeasuredCosts, problems, args: GRPOConfig, tlt: TLTConfig,
-                steps: int, drift: Drift | None = None) -> tuple[list[Check], float, float]:
-    """GRPO steps of the baseline and of TLT in one process, interleaved after one warm-up step each, measured;
-    each simulated from its own lengths and the SD strategies it played, with the update rate, the drafter
-    micro-step and the engine's costs beyond its forwards (:func:`fit_overheads`: TLT's rollout also streams
-    drafter pairs) that each policy's warm-up step measured (carried to the reference speed; each step's
-    prediction scaled by the machine's ``drift`` just before it). Returns (checks, update tokens/s and seconds per drafter
-    micro-step at the reference speed)."""
+                steps: int, drift: Drift | None = None, runs: list | None = None) -> tuple[list[Check], float, float]:
+    """GRPO steps of the baseline and of TLT in one process, interleaved after one warm-up step each (left out:
+    it pays one-time costs), measured; each step simulated from its own lengths and the SD strategies it played,
+    with the inputs the *other* measured steps give (leave-one-out): the engine's costs beyond its forwards
+    refitted on that policy's other rollouts (:func:`fit_overheads`: TLT's rollout also streams drafter pairs),
+    the update's tokens/s of both policies' other steps and TLT's other drafter micro-steps. Each step is recorded
+    in ``runs`` as in :func:`check_rollouts`. Returns (checks, update tokens/s and seconds per drafter micro-step,
+    medians of every step)."""
+    if steps < 2:
+        raise ValueError(f"check_steps needs at least 2 steps per policy (each is predicted from the others), got "
+                         f"{steps}")
     tlt_model = copy.deepcopy(model)
-    runs = {"baseline": GRPOTrainer(copy.deepcopy(model), tokenizer, problems, args),
+    trainers = {"baseline": GRPOTrainer(copy.deepcopy(model), tokenizer, problems, args),
             "tlt": GRPOTrainer(tlt_model, tokenizer, problems, args, drafter=copy.deepcopy(drafter).attach(tlt_model),
                                tlt=tlt)}
-    rollouts = {name: [] for name in runs}
-    for name, trainer in runs.items():                  # keep each step's rollout (its lengths and strategies)
+    rollouts = {name: [] for name in trainers}
+    for name, trainer in trainers.items():              # keep each step's rollout (its lengths and strategies)
         def rollout(problems, clock=None, _inner=trainer.rollout, _seen=rollouts[name]):
             _seen.append(_inner(problems, clock))
             return _seen[-1]
         trainer.rollout = rollout
-    f_warm = _factor(drift)
-    warm = {name: trainer.step() for name, trainer in runs.items()}
-    micro_step_s = warm["tlt"]["time/drafter_s"] / max(tlt.drafter_steps, 1) / f_warm   # at the reference speed
-    update_tokens_per_s = float(np.median([m["update/tokens_per_s"] for m in warm.values()])) * f_warm
-    measured = {name: [] for name in runs}
-    f_step = {name: [] for name in runs}
+    for trainer in trainers.values():                                   # warm-up
+        trainer.step()
+    measured = {name: [] for name in trainers}                          # (metrics, speed factor) per step
     for step in range(steps):
         for name in (("baseline", "tlt") if step % 2 == 0 else ("tlt", "baseline")):
-            f_step[name].append(_factor(drift))
-            m = runs[name].step()
-            measured[name].append({k: m[f"time/{k}_s"] for k in ("step", "rollout", "update")})
+            f = _factor(drift)
+            measured[name].append((trainers[name].step(), f))
     plen = float(np.mean([len(p) for p in encode_prompts(problems[: args.prompts_per_step], tokenizer)]))
-    predicted = {}
-    for name, results in rollouts.items():
-        # the engine's costs beyond its forwards as in this policy's steps (TLT streams drafter pairs): refitted
-        # on its warm-up step's rollout, carried to the reference speed
-        warm_tl = dict(results[0].timeline, iter_time=np.asarray(results[0].timeline["iter_time"]) / f_warm)
-        cfg = _cpu_step(model, fit_overheads(costs, [(warm_tl, plen)]), args.prompts_per_step, args.num_generations,
-                        plen,
-                        update_tokens_per_s=update_tokens_per_s, micro_step_s=micro_step_s,
-                        drafter_steps=tlt.drafter_steps if name == "tlt" else 0)
-        sims = [simulate_step(cfg, policy_from(r.timeline) if name == "tlt" else OFF, name, check_memory=False,
-                              lengths=[r.lengths.numpy()]) for r in results[1:]]  # the warm-up step left out
-        predicted[name] = [{"step": f * x.step_s, "rollout": f * x.rollout_s, "update": f * x.update_s}
-                           for f, x in zip(f_step[name], sims)]
-    med = {k: {n: {p: float(np.median([x[p] for x in v[n]])) for p in ("step", "rollout", "update")} for n in runs}
-           for k, v in (("p", predicted), ("m", measured))}
+    update_rate = {n: [m["update/tokens_per_s"] for m, _ in v] for n, v in measured.items()}
+    micro = [m["time/drafter_s"] / max(tlt.drafter_steps, 1) for m, _ in measured["tlt"]]
+    predicted = {name: [] for name in trainers}
+    for name in trainers:
+        seen = [(r.timeline, plen, m["time/rollout_s"])
+                for r, (m, _) in zip(rollouts[name][1:], measured[name])]           # the warm-up step left out
+        for i, (result, (m, f)) in enumerate(zip(rollouts[name][1:], measured[name])):
+            others = lambda xs: [x for j, x in enumerate(xs) if j != i]                 # noqa: E731
+            rate = float(np.median(others(update_rate[name]) + update_rate["tlt" if name == "baseline" else
+                                                                           "baseline"]))
+            cfg = _cpu_step(model, fit_overheads(costs, others(seen)), args.prompts_per_step, args.num_generations,
+                            plen, update_tokens_per_s=rate,
+                            micro_step_s=float(np.median(others(micro) if name == "tlt" else micro)),
+                            drafter_steps=tlt.drafter_steps if name == "tlt" else 0)
+            x = simulate_step(cfg, policy_from(result.timeline) if name == "tlt" else OFF, name, check_memory=False,
+                              lengths=[result.lengths.numpy()])
+            predicted[name].append({"step": x.step_s, "rollout": x.rollout_s, "update": x.update_s})
+            _record(runs, f"GRPO step, {name}", x.step_s, m["time/step_s"], f)
+    measured_s = {n: [{p: m[f"time/{p}_s"] for p in ("step", "rollout", "update")} for m, _ in v]
+                  for n, v in measured.items()}
+    med = {k: {n: {p: float(np.median([x[p] for x in v[n]])) for p in ("step", "rollout", "update")}
+               for n in trainers}
+           for k, v in (("p", predicted), ("m", measured_s))}
     checks = [Check(f"GRPO step, {n}: median {p} seconds", med["p"][n][p], med["m"][n][p])
-              for n in runs for p in ("rollout", "update", "step")]
+              for n in trainers for p in ("rollout", "update", "step")]
     return checks + [Check("GRPO step speedup, TLT over baseline", med["p"]["baseline"]["step"] /
                            med["p"]["tlt"]["step"], med["m"]["baseline"]["step"] / med["m"]["tlt"]["step"])], \
-        update_tokens_per_s, micro_step_s
+        float(np.median(update_rate["baseline"] + update_rate["tlt"])), float(np.median(micro))
 
 
 def validate(model, tokenizer, drafter, prompts: int = 16, group: int = 8, max_new: int = 720,
@@ -382,7 +428,8 @@ def validate(model, tokenizer, drafter, prompts: int = 16, group: int = 8, max_n
     """Measure this machine's costs (forwards at ``cost_rows`` rows), then check the simulator against measured
     rollouts (one process, and 2 workers' shards), GRPO steps of the chain task (``prompts`` x ``group``, at most
     ``max_new`` tokens) and, from ``workers_results`` (a ``bench e2e_grpo --workers 2`` results file; None: skip),
-    the spot trainer's harvested share; returns (checks, the measured inputs)."""
+    the spot trainer's harvested share; returns (checks, the measured inputs and every measured run with its
+    prediction and the machine's speed before it: ``runs``)."""
     if workers_results is not None:
         harvest = check_harvest(workers_results)            # a missing or foreign file fails before the timing
     drift = Drift(model)
@@ -395,20 +442,17 @@ def validate(model, tokenizer, drafter, prompts: int = 16, group: int = 8, max_n
                       temperature=temperature, learning_rate=1e-4, max_steps=steps, seed=seed,
                       micro_batch_tokens=2048)
     tlt = TLTConfig(speculative="adaptive", drafter_steps=6, drafter_batch=4)
-    log("fitting the engine's per-iteration overhead on rollouts of other prompts ...")
-    costs, controller = calibrate_engine(model, tokenizer, drafter, costs, prompts, group, max_new, temperature,
-                                         seed=seed)
-    drift.calibrating()
-    log("measuring and simulating rollouts ...")
-    checks = check_rollouts(model, tokenizer, drafter, costs, controller, problems[:prompts], group, max_new,
-                            temperature, seed=seed, drift=drift)
+    log("measuring rollouts (other prompts' to fit the engine's costs beyond its forwards, then the checks') ...")
+    runs: list[dict] = []
+    checks, costs = check_rollouts(model, tokenizer, drafter, costs, problems[:prompts], group, max_new, temperature,
+                                   seed=seed, drift=drift, runs=runs)
     log("measuring and simulating 2 workers' rollouts ...")
     checks += check_workers(model, tokenizer, costs, problems[:prompts], group, max_new, temperature, seed=seed,
-                            drift=drift)
+                            drift=drift, runs=runs)
     log("measuring and simulating GRPO steps ...")
-    stepped, update, micro = check_steps(model, tokenizer, drafter, costs, problems, args, tlt, steps, drift)
+    stepped, update, micro = check_steps(model, tokenizer, drafter, costs, problems, args, tlt, steps, drift, runs)
     checks += stepped
     if workers_results is not None:
         checks += harvest
     return checks, {"costs": costs, "update_tokens_per_s": update, "micro_step_s": micro,
-                    "speed_reference_s": float(np.median(drift.reference))}
+                    "speed_reference_s": float(np.median(drift.reference)), "runs": runs}

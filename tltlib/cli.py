@@ -255,7 +255,8 @@ def cmd_simulate(args) -> int:
              f"{len(inputs['costs'].contexts)} contexts x {len(inputs['costs'].tokens)} token counts; engine overhead "
              "per iteration " + ", ".join(f"{1e3 * x:.2f} ms at {r:.0f} rows" for r, x in inputs['costs'].overhead)
              + "; an SD step's time over its forwards' " + ", ".join(f"{x:.2f}x at {r:.0f} rows" for r, x in
-                                                                  inputs['costs'].sd_scale) + ".\n")
+                                                                  inputs['costs'].sd_scale)
+             + f"; a rollout's set-up {1e3 * inputs['costs'].setup_s_per_row:.2f} ms per response.\n")
     print(table)
     out = resolve(args.out)
     costs = inputs["costs"]
@@ -263,7 +264,8 @@ def cmd_simulate(args) -> int:
                            "share": c.share, "ok": c.ok} for c in checks], "machine": _machine_line(),
                "settings": {k: v for k, v in vars(args).items() if k != "func"},
                "update_tokens_per_s": inputs["update_tokens_per_s"], "micro_step_s": inputs["micro_step_s"],
-               "overhead": costs.overhead, "sd_scale": costs.sd_scale}
+               "overhead": costs.overhead, "sd_scale": costs.sd_scale, "setup_s_per_row": costs.setup_s_per_row,
+               "runs": inputs.get("runs", [])}
     atomic_write_text(out / "simulate-validate-cpu.json", json.dumps(payload, indent=1) + "\n")
     atomic_write_text(out / "simulate-validate-cpu.md", table)
     bad = [c.what for c in checks if not c.ok]

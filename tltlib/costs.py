@@ -157,6 +157,10 @@ class Roofline:
     """The costs of ``shape`` on a tensor-parallel group of ``tp`` ``hw`` devices, from the roofline
     (:func:`forward_time`): for hardware this machine does not have."""
 
+    setup_s_per_row = 0.0
+    """Seconds of a rollout beyond its prefill and decode iterations, per response: none (a GPU's caching allocator
+    hands the KV cache over without zeroing it; the result is assembled on the device)."""
+
     def __init__(self, shape: ModelShape, hw: Hardware, tp: int = 1):
         shape.check_tp(tp)
         self.shape, self.hw, self.tp = shape, hw, tp
@@ -202,6 +206,10 @@ class MeasuredCosts:
     """((rows, factor), ...): an SD step's measured time over what its forwards (draft levels and verify) cost at
     those running rows (the acceptance, each level's top-k and bookkeeping, the verify's positions and the commit
     scale with the step); interpolated as ``overhead``, 1 when empty."""
+    setup_s_per_row: float = 0.0
+    """Seconds of a rollout beyond its prefill and decode iterations (allocating and zeroing the KV cache, reading
+    the results back) per response it samples, at the fitted rollouts' longest length; fitted on measured
+    rollouts."""
 
     def __post_init__(self):
         t = np.asarray(self.target_s, dtype=np.float64)

@@ -103,13 +103,13 @@ class RolloutSim:
 
 
 def simulate_rollout(costs, lengths: Sequence[int], prompt_len: int, policy: SDPolicy = OFF) -> RolloutSim:
-    """Prefill, then decode until every response of ``lengths`` has ended, under ``costs`` (:class:`Roofline` or
+    """Set up, prefill, then decode until every response of ``lengths`` has ended, under ``costs`` (:class:`Roofline` or
     :class:`MeasuredCosts`; see the module docstring)."""
     lengths = np.sort(np.asarray(lengths, dtype=np.float64))
     if lengths.size == 0:
         raise ValueError("a rollout needs at least one response length")
     n = lengths.size
-    t = costs.forward(n, 0, prompt_len)                            # the prefill, all prompts at once
+    t = n * costs.setup_s_per_row + costs.forward(n, 0, prompt_len)     # set-up, the prefill of all prompts at once
     gen, done, out = 0.0, 0, RolloutSim(0.0)
     while done < n:
         rows = n - done
