@@ -43,6 +43,7 @@ def assert_one_line_error(out: subprocess.CompletedProcess, *expected: str) -> N
                                                         "';'-separated list"]),
     (["long_tail_rollout", "--arms", "off;ngram-4"], ["argument --arms", "no chain or tree strategy"]),
     (["graphs", "--batches", "1,,4"], ["argument --batches", "'' is not a positive integer"]),
+    (["sampling", "--vocabs", "74,0"], ["argument --vocabs", "'0' is not a positive integer"]),
     (["decode", "--model", "no/such/model"], ["argument --model", "no model folder 'no/such/model'"]),
     (["speculative", "--drafter", "no/such/drafter"], ["argument --drafter", "data/tiny-reasoner-drafter"]),
     (["e2e_grpo", "--replot", "no/such.json"], ["argument --replot", "no file 'no/such.json'"]),

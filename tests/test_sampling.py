@@ -66,13 +66,36 @@ def test_bad_sampling_settings(kwargs, match):
 def test_inverse_cdf_never_draws_outside_the_support():
     from tltlib.sampling import inverse_cdf
     q = torch.tensor([[0.0, 0.0, 0.3, 0.0, 0.7], [0.5, 0.0, 0.0, 0.5, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0]])
-    zero = torch.zeros(3, 1)
-    assert inverse_cdf(q, zero).tolist() == [2, 0, 1]              # u = 0: the first token with mass, not token 0
-    top = torch.full((3, 1), 1.0 - 2 ** -24)                       # the largest float torch.rand can return
-    assert inverse_cdf(q, top).tolist() == [4, 3, 1]               # never past the last token with mass
+    zero = torch.zeros(3, 1, dtype=torch.float64)
+    assert inverse_cdf(q, zero)[:, 0].tolist() == [2, 0, 1]        # u = 0: the first token with mass, not token 0
+    top = torch.full((3, 1), 1.0 - 2 ** -53, dtype=torch.float64)  # the largest float64 torch.rand can return
+    assert inverse_cdf(q, top)[:, 0].tolist() == [4, 3, 1]         # never past the last token with mass
     unnormalised = q * 3.0
-    assert inverse_cdf(unnormalised, zero).tolist() == [2, 0, 1]
-    assert inverse_cdf(unnormalised, top).tolist() == [4, 3, 1]
-    u = torch.rand(20000, 1, generator=torch.Generator().manual_seed(0))
-    counts = torch.bincount(inverse_cdf(q[:1].expand(20000, -1), u), minlength=5)
+    assert inverse_cdf(unnormalised, zero)[:, 0].tolist() == [2, 0, 1]
+    assert inverse_cdf(unnormalised, top)[:, 0].tolist() == [4, 3, 1]
+    u = torch.rand(20000, 1, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    counts = torch.bincount(inverse_cdf(q[:1].expand(20000, -1), u)[:, 0], minlength=5)
     assert counts[[0, 1, 3]].sum() == 0 and abs(counts[2].item() / 20000 - 0.3) < 0.02
+
+
+def test_every_token_gets_exactly_its_share_of_the_unit_interval_at_qwens_vocabulary():
+    """151,936 tokens, half of them far below float32's grid of 2^-24 (1e-9 each): a uniform anywhere inside a
+    token's exact interval of [0, 1) (computed in 80-bit long double) draws that token — at its middle and a
+    thousandth of its width inside either end. On a float32 CDF or with float32 uniforms most of the small tokens
+    would be drawn never or 60x too often; float32 uniforms are refused."""
+    from tltlib.sampling import inverse_cdf
+    v = 151_936
+    g = torch.Generator().manual_seed(0)
+    p = torch.rand(v, generator=g, dtype=torch.float64) + 0.5
+    p[::2] = 1e-9 * (1 + torch.rand(v // 2, generator=g, dtype=torch.float64))
+    p[1::2] *= (1 - p[::2].sum()) / p[1::2].sum()
+    probs = p.float()[None]                                         # the model's float32 probabilities
+    exact = np.asarray(probs[0].double().numpy(), dtype=np.longdouble)
+    hi = np.cumsum(exact) / exact.sum()
+    lo = np.concatenate([[np.longdouble(0)], hi[:-1]])
+    width = hi - lo
+    for at in (lo + width / 2, lo + width * 1e-3, hi - width * 1e-3):
+        u = torch.from_numpy(at.astype(np.float64))[None]
+        assert torch.equal(inverse_cdf(probs, u)[0], torch.arange(v))
+    with pytest.raises(ValueError, match="float64 uniforms"):
+        inverse_cdf(probs, u.float())

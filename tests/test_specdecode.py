@@ -242,7 +242,7 @@ def test_shipped_drafter_is_lossless_and_accepts_long_runs():
 
 
 def test_chain_drafts_stay_in_the_drafters_support_when_the_uniform_is_zero(target, drafter, monkeypatch):
-    """torch.rand returns exactly 0.0 with probability 2^-24; a draft must still be a token q allows (top-k here)."""
+    """A uniform of exactly 0.0 (2^-53 likely in float64): a draft must still be a token q allows (top-k here)."""
     from tltlib.specdecode import SpecDecoder
     seen = []
     real = SpecDecoder._draft_chain
@@ -253,7 +253,8 @@ def test_chain_drafts_stay_in_the_drafters_support_when_the_uniform_is_zero(targ
         return drafts, qs
 
     monkeypatch.setattr(SpecDecoder, "_draft_chain", spy)
-    monkeypatch.setattr(torch, "rand", lambda *a, generator=None, device=None, **k: torch.zeros(*a, device=device))
+    monkeypatch.setattr(torch, "rand", lambda *a, generator=None, device=None, dtype=None, **k:
+                        torch.zeros(*a, device=device, dtype=dtype))
     eng = _engine(target, drafter, temperature=1.0, top_k=3, max_new_tokens=12)
     eng.generate(PROMPTS, torch.Generator().manual_seed(0), strategy=SpecStrategy("chain", 4))
     assert seen and all(bool((q > 0).all()) for q in seen)

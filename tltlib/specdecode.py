@@ -39,7 +39,7 @@ import torch
 from .cudagraph import Replay
 from .kvcache import KVCache
 from .model import rope_cos_sin
-from .sampling import SamplingConfig, inverse_cdf, probs_from_logits, token_logprobs
+from .sampling import SamplingConfig, inverse_cdf, probs_from_logits, token_logprobs, uniforms
 from .speculative import (DraftTree, SpecStrategy, drop_children, chain_tree, residual, select_nodes,
                           verify_chain, verify_chain_greedy, verify_chain_point, verify_tree)
 
@@ -295,7 +295,7 @@ class SpecDecoder:
         Sampling is inverse-CDF with uniforms drawn once per step (one kernel instead of a multinomial per depth), so
         the whole chain is a function of its inputs: one captured graph on CUDA."""
         greedy = self.sampling.greedy
-        u = None if greedy else torch.rand(feat.shape[0], depth, 1, generator=generator, device=feat.device)
+        u = None if greedy else uniforms(feat.shape[0], depth, 1, generator=generator, device=feat.device)
         inputs = (q_logits, feat) if greedy else (q_logits, feat, u)
         trace = self.keep_trace                   # a static argument: a traced chain also returns q when greedy
 
@@ -317,7 +317,7 @@ class SpecDecoder:
                     qs.append(self._q(q_logits))
             else:
                 q = self._q(q_logits)
-                d = inverse_cdf(q, u[:, i])
+                d = inverse_cdf(q, u[:, i])[:, 0]
                 qs.append(q)
             drafts.append(d)
             if i + 1 < depth:

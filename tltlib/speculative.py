@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import probs_from_logits
+from .sampling import probs_from_logits, sample, uniforms
 
 KINDS = ("off", "chain", "tree", "ngram")
 
@@ -198,15 +198,14 @@ def verify_chain(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
     b, g = drafts.shape
     p_d = p[:, :g].gather(-1, drafts[..., None])[..., 0]
     q_d = q.gather(-1, drafts[..., None])[..., 0]
-    u = torch.rand(b, g, generator=generator, device=p.device)
-    ok = u * q_d < p_d                                   # u < min(1, p/q) without dividing
+    u = uniforms(b, g, generator=generator, device=p.device)
+    ok = u * q_d.double() < p_d.double()                 # u < min(1, p/q) without dividing
     accepted = ok.long().cumprod(-1).sum(-1)
     rows = torch.arange(b, device=p.device)
     at = accepted.clamp(max=g - 1)
     dist = residual(p[rows, at], q[rows, at])
     dist = torch.where((accepted == g)[:, None], p[:, g], dist)
-    nxt = torch.multinomial(dist, 1, generator=generator)[:, 0]
-    return accepted, nxt
+    return accepted, sample(dist, generator)
 
 
 def verify_chain_point(p: torch.Tensor, drafts: torch.Tensor,
@@ -223,15 +222,14 @@ def verify_chain_point(p: torch.Tensor, drafts: torch.Tensor,
     """
     b, g = drafts.shape
     p_d = p[:, :g].gather(-1, drafts[..., None])[..., 0]
-    u = torch.rand(b, g, generator=generator, device=p.device)
-    accepted = (u < p_d).long().cumprod(-1).sum(-1)
+    u = uniforms(b, g, generator=generator, device=p.device)
+    accepted = (u < p_d.double()).long().cumprod(-1).sum(-1)
     rows = torch.arange(b, device=p.device)
     at = accepted.clamp(max=g - 1)
     p_at = p[rows, at]
     dist = residual(p_at, torch.zeros_like(p_at).scatter_(1, drafts[rows, at][:, None], 1.0))
     dist = torch.where((accepted == g)[:, None], p[:, g], dist)
-    nxt = torch.multinomial(dist, 1, generator=generator)[:, 0]
-    return accepted, nxt
+    return accepted, sample(dist, generator)
 
 
 def verify_chain_greedy(target_argmax: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -343,13 +341,13 @@ def verify_tree(logits: torch.Tensor, tree: DraftTree, temperature: float, top_k
         else:
             p = probs_from_logits(lg, temperature, top_k, top_p)
             child_p = torch.where(is_child, p.gather(1, tree.tokens), 0.0)
-            u = torch.rand(b, generator=generator, device=dev)
-            cum = child_p.cumsum(1)
+            u = uniforms(b, generator=generator, device=dev)
+            cum = child_p.double().cumsum(1)
             over = (cum > u[:, None]) & is_child
             chosen = over.any(1)
             child = over.float().argmax(1)
             res = drop_children(p, tree, is_child)
-            token_if_stop = torch.multinomial(res, 1, generator=generator)[:, 0]
+            token_if_stop = sample(res, generator)
         stop = walking & ~chosen
         nxt = torch.where(stop, token_if_stop, nxt)
         go = walking & chosen
