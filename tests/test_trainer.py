@@ -70,8 +70,16 @@ def test_micro_batched_update_equals_one_full_batch(shipped, loss_type):
     big = replace(small, micro_batch_tokens=10 ** 6)
     a, b = _fresh(shipped, small, drafter=False), _fresh(shipped, big, drafter=False)
     a.step(), b.step()
+    # the gradient each took, summed over its micro-batches: AdamW's first moment after one step is (1 - beta1) g
+    grads = [{k: t.optimizer.state[p]["exp_avg"] for k, p in t.model.named_parameters() if p in t.optimizer.state}
+             for t in (a, b)]
+    assert grads[0].keys() == grads[1].keys() and any(bool(g.abs().max() > 0) for g in grads[1].values())
+    for k, x in grads[0].items():
+        torch.testing.assert_close(x, grads[1][k], atol=1e-9, rtol=1e-4, msg=k)
+    # and the weights: AdamW divides by sqrt(v), so an element whose gradient is ~0 turns summation-order noise into
+    # up to a few thousandths of the learning rate
     for (k, x), y in zip(a.model.state_dict().items(), b.model.state_dict().values()):
-        torch.testing.assert_close(x, y, atol=2e-6, rtol=1e-5, msg=k)
+        torch.testing.assert_close(x, y, atol=1e-2 * ARGS.learning_rate, rtol=1e-5, msg=k)
 
 
 def test_resumed_run_is_bit_identical(shipped, tmp_path):
