@@ -7,8 +7,12 @@ cumulative sum with float32 uniforms (what the chain drafter used before), and t
 total variation between ``probs`` and what each inverse-CDF sampler draws, exactly, from every uniform its grid
 holds (k / 2^24 for float32, k / 2^53 for float64; each token's boundaries found by bisection on the sampler
 itself). Distributions: softmax of standard-normal logits x ``--scale`` (peaked, like a language model's).
+With ``--model``, also a whole rollout without SD (word problems, ``--prompts`` x 8 at T=0.9, ``--max-new``
+tokens) with plain sampling by ``torch.multinomial`` and by tltlib's sampler, interleaved, medians of
+``--rollouts``.
 
     python -m tltlib bench sampling
+    python -m tltlib bench sampling --model ~/.cache/tltlib/models/smollm2-135m
 """
 from __future__ import annotations
 
@@ -16,8 +20,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (add_output_flags, bench_parser, interleaved_medians, listed, machine_info,  # noqa: E402
-                     markdown_table, parse_bench_args, positive_float, positive_int, write_results)
+from _common import (add_output_flags, bench_parser, folder, interleaved_medians, listed,  # noqa: E402
+                     machine_info, markdown_table, parse_bench_args, positive_float, positive_int, task_prompts,
+                     write_results)
 
 
 def parse_args(argv: list[str] | None = None):
@@ -26,6 +31,11 @@ def parse_args(argv: list[str] | None = None):
                     help="vocabulary sizes (the tiny reasoner's, SmolLM2's, Qwen2.5's)")
     ap.add_argument("--batches", default="1,16,64,128", type=listed(positive_int, "1,16"))
     ap.add_argument("--scale", default=4.0, type=positive_float, help="logits = scale x standard normal")
+    ap.add_argument("--model", default=None, type=folder("model", "~/.cache/tltlib/models/smollm2-135m"),
+                    help="also time a rollout of this model with each plain sampler")
+    ap.add_argument("--prompts", default=4, type=positive_int, help="--model: word problems, 8 responses each")
+    ap.add_argument("--max-new", default=320, type=positive_int, help="--model: most new tokens per response")
+    ap.add_argument("--rollouts", default=2, type=positive_int, help="--model: timed rollouts per sampler")
     add_output_flags(ap, repeats=15)
     return parse_bench_args(ap, argv)
 
@@ -63,6 +73,36 @@ def total_variation(probs, sampler: str) -> float:
     return float(np.abs(share - exact / exact.sum()).sum() / 2)
 
 
+def _rollouts(args) -> dict:
+    """Per plain sampler: median seconds per decode iteration and tokens/s of a rollout without SD."""
+    import statistics
+
+    import torch
+
+    import tltlib.sampling as sampling
+    from tltlib.adaptive import timed_rollout
+    from tltlib.loading import load
+    from tltlib.rollout import RolloutConfig, RolloutEngine
+    model, tok, _ = load(args.model, device="cpu")
+    prompts = task_prompts("words", tok, args.prompts, 0)
+    engine = RolloutEngine(model, RolloutConfig(sampling.SamplingConfig(temperature=0.9, max_new_tokens=args.max_new),
+                                                group_size=8))
+    samplers = {"multinomial": lambda probs, generator: torch.multinomial(probs, 1, generator=generator)[:, 0],
+                "tltlib": sampling.sample}
+    runs = {k: [] for k in samplers}
+    try:
+        timed_rollout(engine, prompts[:1], None, 0)                                   # warm-up
+        for r in range(args.rollouts):
+            for name, fn in samplers.items():
+                sampling.sample = fn
+                res, seconds = timed_rollout(engine, prompts, None, r)
+                runs[name].append((seconds / len(res.timeline["iter_time"]), float(res.lengths.sum()) / seconds))
+    finally:
+        sampling.sample = samplers["tltlib"]
+    return {k: {"s_per_iteration": statistics.median(x for x, _ in v),
+                "tokens_per_s": statistics.median(y for _, y in v)} for k, v in runs.items()}
+
+
 def main() -> None:
     args = parse_args()
     import torch
@@ -87,11 +127,20 @@ def main() -> None:
             rows.append([v, b, ms["multinomial"], ms["float32 CDF"], ms["float64 CDF"],
                          f"{ms['multinomial'] / ms['float64 CDF']:.1f}x", f"{tv['float32']:.1e}",
                          f"{tv['float64']:.1e}"])
+    rollout = _rollouts(args) if args.model else None
     header = ["vocab", "batch", "multinomial ms", "float32 CDF ms", "float64 CDF ms (tltlib)",
               "tltlib vs multinomial", "float32 CDF: TV per draw", "float64 CDF: TV per draw"]
     table = ("One token per row, medians of " + f"{args.repeats} interleaved rounds after a warm-up (CPU)\n\n"
              + markdown_table(header, rows))
-    payload = {"bench": "sampling", "machine": machine_info("cpu"), "settings": vars(args), "results": results}
+    if rollout:
+        per_iter = {k: v["s_per_iteration"] for k, v in rollout.items()}
+        table += (f"\n\nA rollout of {args.model} without SD ({args.prompts} word problems x 8, T=0.9, at most "
+                  f"{args.max_new} new tokens; medians of {args.rollouts}, interleaved): "
+                  + ", ".join(f"{k} {v['s_per_iteration'] * 1e3:.0f} ms per iteration "
+                              f"({v['tokens_per_s']:.0f} tokens/s)" for k, v in rollout.items())
+                  + f"; tltlib's sampler {per_iter['multinomial'] / per_iter['tltlib']:.2f}x faster.")
+    payload = {"bench": "sampling", "machine": machine_info("cpu"), "settings": vars(args), "results": results,
+               "rollout": rollout}
     write_results("sampling-cpu", payload, table, args.out)
 
 
