@@ -94,7 +94,7 @@ def test_a_small_validation_measures_simulates_and_names_every_check():
     # every measured run is recorded with its prediction and the machine's speed: 3 arms x 3 rounds, 2 workers x 3,
     # 2 policies x 2 steps
     assert len(inputs["runs"]) == 9 + 6 + 4
-    assert all(r["simulated_s"] > 0 and r["measured_s"] > 0 and r["speed"] > 0 for r in inputs["runs"])
+    assert all(r["simulated_s"] > 0 and r["measured_s"] > 0 and r["slowdown"] > 0 for r in inputs["runs"])
     assert inputs["costs"].setup_s_per_row > 0                      # zeroing the KV cache is never free on a CPU
 
 
@@ -134,7 +134,7 @@ def test_the_engines_overhead_is_fitted_from_what_a_rollout_took_beyond_its_forw
         clock = np.cumsum(times) + 0.01                                 # after a 10 ms prefill
         seconds = None if setup_per_row is None else clock[-1] + setup_per_row * max(rows)
         return {"active": active, "iter_time": times, "strategy": names, "accepted": accepted, "time": clock,
-                "rows": [max(rows)] * len(rows)}, 10.0, seconds
+                "rows": [max(rows)] * len(rows)}, 10.0, seconds, max(rows)
 
     plain, c4, c8 = SpecStrategy(), SpecStrategy.parse("chain-4"), SpecStrategy.parse("chain-8")
     fitted = fit_overheads(costs, [rollout([64, 32, 16, 8, 4, 2, 1], [plain] * 7, setup_per_row=0.002),
@@ -157,8 +157,13 @@ def test_the_drift_factor_is_the_probe_now_over_the_probe_at_calibration(monkeyp
     from tltlib.loading import load
     model, _, _ = load("data/tiny-reasoner", device="cpu")
     d = Drift(model, rows=2, context=8, calls=3)
-    assert d.factor() == 1.0                                    # no reference yet: predictions unscaled
+    assert d.factor() == 1.0                                    # no reference yet: no slowdown
     assert d.probe() > 0
     d.reference = [0.010, 0.012, 0.011]
     monkeypatch.setattr(d, "probe", lambda: 0.0132)
     assert d.factor() == pytest.approx(1.2)                     # 20% slower than while calibrating
+
+
+def test_leave_one_out_drops_exactly_the_step_it_predicts():
+    from tltlib.calibrate import _without
+    assert [_without(["a", "b", "c"], i) for i in range(3)] == [["b", "c"], ["a", "c"], ["a", "b"]]

@@ -148,10 +148,16 @@ def _factor(drift: Drift | None) -> float:
     return drift.factor() if drift else 1.0
 
 
-def _record(runs: list | None, what: str, simulated: float, measured: float, speed: float) -> None:
-    """One measured run and its prediction, for the results file (``runs``: None records nothing)."""
+def _record(runs: list | None, what: str, simulated: float, measured: float, slowdown: float) -> None:
+    """One measured run, its prediction and the machine's ``slowdown`` just before it (:meth:`Drift.factor`: 1.2 =
+    20% slower than during the cost measurement), for the results file (``runs``: None records nothing)."""
     if runs is not None:
-        runs.append({"run": what, "simulated_s": simulated, "measured_s": measured, "speed": speed})
+        runs.append({"run": what, "simulated_s": simulated, "measured_s": measured, "slowdown": slowdown})
+
+
+def _without(xs: list, i: int) -> list:
+    """``xs`` less its ``i``-th item (leave-one-out)."""
+    return [x for j, x in enumerate(xs) if j != i]
 
 
 def policy_from(timeline: dict) -> SDPolicy:
@@ -184,18 +190,18 @@ def _cpu_step(model, costs: MeasuredCosts, prompts: int, group: int, prompt_len:
 
 def fit_overheads(costs: MeasuredCosts, rollouts) -> MeasuredCosts:
     """``costs`` with the engine's costs beyond its forwards fitted to measured rollouts (``(timeline, prompt
-    length, seconds)`` triples: ``seconds`` the rollout's wall time, None when unknown), per band of running rows
+    length, seconds, responses)``: ``seconds`` the rollout's wall time, None when unknown), per band of running rows
     (doubling from 1): for plain iterations the median of measured less predicted seconds (smoothed by a line in
     the rows: a band holds few iterations), for SD steps the median of measured over predicted; the set-up per
     response (:attr:`MeasuredCosts.setup_s_per_row`) is the median of what each rollout took beyond its prefill and
-    iterations (``seconds`` less the timeline's last ``time``) over its rows. A fit without plain iterations, SD
+    iterations (``seconds`` less the timeline's last ``time``) over its ``responses``. A fit without plain iterations, SD
     steps or wall times keeps ``costs``' fit of those."""
     bare = replace(costs, overhead=(), sd_scale=(), setup_s_per_row=0.0)
     plain, sd, setup = [], [], []
-    for timeline, prompt_len, seconds in rollouts:
+    for timeline, prompt_len, seconds, responses in rollouts:
         gen = 0.0
         for rows, took, name, accepted in zip(timeline["active"], timeline["iter_time"], timeline["strategy"],
-                                              timeline["accepted"]):
+                                              timeline["accepted"], strict=True):
             st = SpecStrategy.parse(str(name))
             predicted = iteration_time(bare, rows, prompt_len + gen, st)
             if st.enabled:
@@ -204,7 +210,7 @@ def fit_overheads(costs: MeasuredCosts, rollouts) -> MeasuredCosts:
                 plain.append((rows, took - predicted))
             gen += 1 + (accepted / rows if st.enabled else 0)
         if seconds is not None and len(timeline["time"]):
-            setup.append((seconds - float(timeline["time"][-1])) / max(timeline["rows"]))
+            setup.append((seconds - float(timeline["time"][-1])) / responses)
     if not plain and not sd:
         raise ValueError("no decode iterations to fit the overhead to: the calibration rollout was empty")
     return replace(bare, overhead=_band_line(plain) if plain else costs.overhead,
@@ -250,7 +256,7 @@ def _calibration_rollout(engine, tokenizer, count: int, problems_seed: int, stra
     :func:`fit_overheads` takes it."""
     prompts = encode_prompts(generate_problems(ChainTaskConfig(), count, seed=problems_seed), tokenizer)
     res, seconds = timed_rollout(engine, prompts, strategy, seed)
-    return res.timeline, _mean_len(prompts), seconds
+    return res.timeline, _mean_len(prompts), seconds, len(res.lengths)
 
 
 def check_rollouts(model, tokenizer, drafter, costs: MeasuredCosts, problems, group: int, max_new: int,
@@ -326,7 +332,7 @@ def check_workers(model, tokenizer, costs: MeasuredCosts, problems, group: int, 
     predicted, measured = [], []
     for w, ps in enumerate(shards):
         sims = [simulate_rollout(fitted, res.lengths.numpy(), round(_mean_len(ps))).time_s for res, _, _ in rounds[w]]
-        for x, (_, seconds, f) in zip(sims, rounds[w]):
+        for x, (_, seconds, f) in zip(sims, rounds[w], strict=True):
             _record(runs, f"worker {w} of {workers}, shard rollout", x, seconds, f)
         predicted.append(float(np.median(sims)))
         measured.append(float(np.median([seconds for _, seconds, _ in rounds[w]])))
@@ -396,15 +402,14 @@ def check_steps(model, tokenizer, drafter, costs: MeasuredCosts, problems, args:
     micro = [m["time/drafter_s"] / max(tlt.drafter_steps, 1) for m, _ in measured["tlt"]]
     predicted = {name: [] for name in trainers}
     for name in trainers:
-        seen = [(r.timeline, plen, m["time/rollout_s"])
-                for r, (m, _) in zip(rollouts[name][1:], measured[name])]           # the warm-up step left out
-        for i, (result, (m, f)) in enumerate(zip(rollouts[name][1:], measured[name])):
-            others = lambda xs: [x for j, x in enumerate(xs) if j != i]                 # noqa: E731
-            rate = float(np.median(others(update_rate[name]) + update_rate["tlt" if name == "baseline" else
-                                                                           "baseline"]))
-            cfg = _cpu_step(model, fit_overheads(costs, others(seen)), args.prompts_per_step, args.num_generations,
-                            plen, update_tokens_per_s=rate,
-                            micro_step_s=float(np.median(others(micro) if name == "tlt" else micro)),
+        seen = [(r.timeline, plen, m["time/rollout_s"], len(r.lengths))
+                for r, (m, _) in zip(rollouts[name][1:], measured[name], strict=True)]  # the warm-up step left out
+        for i, (result, (m, f)) in enumerate(zip(rollouts[name][1:], measured[name], strict=True)):
+            rate = float(np.median(_without(update_rate[name], i) + update_rate["tlt" if name == "baseline" else
+                                                                                "baseline"]))
+            cfg = _cpu_step(model, fit_overheads(costs, _without(seen, i)), args.prompts_per_step,
+                            args.num_generations, plen, update_tokens_per_s=rate,
+                            micro_step_s=float(np.median(_without(micro, i) if name == "tlt" else micro)),
                             drafter_steps=tlt.drafter_steps if name == "tlt" else 0)
             x = simulate_step(cfg, policy_from(result.timeline) if name == "tlt" else OFF, name, check_memory=False,
                               lengths=[result.lengths.numpy()])
