@@ -12,7 +12,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -204,19 +203,9 @@ def result_name(bench: str, device: str, dtype: str, suffix: str = "") -> str:
 
 
 def machine_info(device: str) -> dict:
-    import torch
-    import transformers
-    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "platform": platform.platform(), "device": device, "threads": torch.get_num_threads(),
-            "cpu_count": os.cpu_count()}
-    try:
-        cpu = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name"))
-        info["cpu"] = cpu.split(":", 1)[1].strip()
-    except (OSError, StopIteration):
-        info["cpu"] = platform.processor()
-    if device.startswith("cuda"):
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
+    """:func:`tltlib.profiling.machine_info` (imported when called: nothing heavy before the malloc re-exec)."""
+    from tltlib.profiling import machine_info as info
+    return info(device)
 
 
 def timed(fn, device: str) -> float:

@@ -141,7 +141,7 @@ def test_the_engines_overhead_is_fitted_from_what_a_rollout_took_beyond_its_forw
                                    rollout([8, 8, 4, 4, 2, 2, 1, 1], [c8, c4] * 4, setup_per_row=0.002)])
     at, seconds = zip(*fitted.overhead)
     assert at == (1, 2, 4, 8, 16, 32, 64) and seconds == pytest.approx([0.001 + 1e-4 * r for r in at], abs=1e-12)
-    assert fitted.iteration_overhead(6, plain) == pytest.approx(np.interp(np.log(6), np.log([4, 8]), [0.0014, 0.0018]))
+    assert fitted.plain_overhead(6) == pytest.approx(np.interp(np.log(6), np.log([4, 8]), [0.0014, 0.0018]))
     assert dict(fitted.sd_scale) == pytest.approx(scale)
     assert iteration_time(fitted, 8, 100, c8) == pytest.approx(1.5 * iteration_time(costs, 8, 100, c8))
     assert fitted.sd_factor(3) == pytest.approx(np.interp(np.log(3), np.log([2, 4]), [1.2, 1.3]))

@@ -24,7 +24,6 @@ under torchrun (the idle share depends on the shards' lengths and on how a rollo
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -221,23 +220,27 @@ def fit_overheads(costs: MeasuredCosts, rollouts) -> MeasuredCosts:
 def _band_line(points) -> tuple:
     """The medians of :func:`_band_medians`, smoothed: a line in the rows through them (weighted by how many
     points each band holds), evaluated at each band's median rows."""
-    bands = _band_medians(points)
-    if len(bands) < 2:
-        return bands
-    rows, y = np.asarray(points, dtype=np.float64).T
-    counts = [int((np.floor(np.log2(rows)) == math.floor(math.log2(r))).sum()) for r, _ in bands]
-    xs, ys = zip(*bands)
+    xs, ys, counts = _bands(points)
+    if len(xs) < 2:
+        return tuple(zip(xs, ys))
     slope, intercept = np.polyfit(xs, ys, 1, w=np.sqrt(counts))
     return tuple((x, float(intercept + slope * x)) for x in xs)
 
 
 def _band_medians(points) -> tuple:
     """((median rows, median value), ...) of ``(rows, value)`` points per band of rows doubling from 1."""
-    if not points:
-        raise ValueError("no decode iterations to fit the overhead to: the calibration rollout was empty")
+    xs, ys, _ = _bands(points)
+    return tuple(zip(xs, ys))
+
+
+def _bands(points) -> tuple[list[float], list[float], list[int]]:
+    """Per band of rows doubling from 1: the median rows, the median value and how many ``(rows, value)`` points
+    it holds."""
     rows, y = np.asarray(points, dtype=np.float64).T
     band = np.floor(np.log2(rows)).astype(int)
-    return tuple((float(np.median(rows[band == k])), float(np.median(y[band == k]))) for k in np.unique(band))
+    keys = np.unique(band)
+    return ([float(np.median(rows[band == k])) for k in keys], [float(np.median(y[band == k])) for k in keys],
+            [int((band == k).sum()) for k in keys])
 
 
 def _mean_len(prompts) -> float:

@@ -236,6 +236,7 @@ def cmd_simulate(args) -> int:
     from .calibrate import validate
     from .fileio import atomic_write_text, resolve
     from .loading import load
+    from .profiling import machine_info
     if args.validate == args.project:
         raise ValueError("say what to simulate: --validate (check the simulator against runs measured here) or "
                          "--project (the paper's settings, beside its Table 3)")
@@ -261,7 +262,7 @@ def cmd_simulate(args) -> int:
     out = resolve(args.out)
     costs = inputs["costs"]
     payload = {"checks": [{"what": c.what, "simulated": c.predicted, "measured": c.measured, "error": c.error,
-                           "share": c.share, "ok": c.ok} for c in checks], "machine": _machine_line(),
+                           "share": c.share, "ok": c.ok} for c in checks], "machine": machine_info(),
                "settings": {k: v for k, v in vars(args).items() if k != "func"},
                "update_tokens_per_s": inputs["update_tokens_per_s"], "micro_step_s": inputs["micro_step_s"],
                "overhead": costs.overhead, "sd_scale": costs.sd_scale, "setup_s_per_row": costs.setup_s_per_row,
@@ -396,21 +397,6 @@ def _model_commands(sub) -> None:
     ig.add_argument("file", help="the .gguf file")
     ig.add_argument("out", help="output folder (written atomically after a logits check against transformers)")
     ig.add_argument("--overwrite", action="store_true", help="replace an earlier import in OUT")
-
-
-def _machine_line() -> dict:
-    """The machine a measurement ran on (CPU model, threads, versions), for the results file."""
-    import platform
-
-    import torch
-    cpu = platform.processor()
-    try:
-        cpu = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name"))
-        cpu = cpu.split(":", 1)[1].strip()
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "python": platform.python_version()}
 
 
 def _simulate_project(args) -> int:

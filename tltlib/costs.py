@@ -174,8 +174,8 @@ class Roofline:
         return forward_time(self.shape, self.hw, self.tp, rows, context, width, weight_bytes=self.shape.drafter_bytes,
                             layers=1) + self.hw.draft_level_s
 
-    def iteration_overhead(self, rows: int, strategy: SpecStrategy) -> float:
-        """None beyond the forwards: the hardware's fixed costs are in them."""
+    def plain_overhead(self, rows: int) -> float:
+        """None beyond the forward: the hardware's fixed costs are in it."""
         return 0.0
 
     def sd_factor(self, rows: int) -> float:
@@ -225,9 +225,9 @@ class MeasuredCosts:
             raise ValueError("these measured costs have no drafter timings: measure them with a drafter")
         return _interp(self.draft_s, self.rows, self.contexts, self.widths, rows, context, width)
 
-    def iteration_overhead(self, rows: int, strategy: SpecStrategy) -> float:
+    def plain_overhead(self, rows: int) -> float:
         """Seconds of a plain decode iteration beyond its forward, never negative (an SD step: see ``sd_scale``)."""
-        return 0.0 if strategy.enabled else max(_by_rows(self.overhead, rows), 0.0)
+        return max(_by_rows(self.overhead, rows), 0.0)
 
     def sd_factor(self, rows: int) -> float:
         """An SD step's measured time over its forwards' at ``rows`` running rows (1 without a fit)."""
@@ -273,7 +273,7 @@ def iteration_time(costs, rows: int, context: float, strategy: SpecStrategy) -> 
     for n-gram drafts; then one verify forward over 1 + the verified drafts); with the costs' per-iteration overhead
     (plain) or SD factor."""
     if not strategy.enabled:
-        return costs.forward(rows, context, 1) + costs.iteration_overhead(rows, strategy)
+        return costs.forward(rows, context, 1) + costs.plain_overhead(rows)
     verify = costs.forward(rows, context, strategy.verify_tokens + 1)
     width = strategy.top_k if strategy.kind == "tree" else 1
     draft = 0.0 if strategy.kind == "ngram" else strategy.depth * costs.draft_level(rows, context, width)
