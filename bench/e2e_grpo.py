@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--drafter-steps", type=nonnegative_int, default=6)
     ap.add_argument("--drafter-batch", type=positive_int, default=4)
     ap.add_argument("--threshold", type=nonnegative_int, default=0, help="SD switch (0 = the device default)")
-    ap.add_argument("--on-drafter-change", default="reset", choices=["reset", "keep"],
+    ap.add_argument("--on-drafter-change", default="discount", choices=["discount", "reset", "keep"],
                     help="the tuner's reward windows of the drafter's arms after it trains: re-explore or keep")
     ap.add_argument("--held-out", type=positive_int, default=128, help="held-out problems for the final accuracy")
     ap.add_argument("--probe", type=nonnegative_int, default=16,

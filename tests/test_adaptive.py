@@ -1,13 +1,14 @@
-"""The adaptive engine's control: BEG-MAB on synthetic rewards (converges, re-explores), the batch-size switch,
-the cost model, config errors, and exactness of adaptive rollouts."""
+"""The adaptive engine's control: the batch-size switch, the controller's rewards and measured acceptance, the
+cost model (with context), the tuner's prior file, config errors, and exactness of adaptive rollouts (the tuner
+itself: tests/test_bandit.py)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from tltlib.adaptive import (BEGMAB, AdaptiveConfig, AdaptiveController, CostModel, TunerConfig, default_threshold,
-                             expected_tokens, measure_costs, timed_rollout)
+from tltlib.adaptive import (AdaptiveConfig, AdaptiveController, CostModel, DepthAcceptance, TunerConfig,
+                             default_threshold, expected_tokens, load_prior, measure_costs, save_prior, timed_rollout)
 from tltlib.drafter import Drafter, DrafterConfig
 from tltlib.model import ModelConfig, Transformer
 from tltlib.rollout import RolloutConfig, RolloutEngine
@@ -15,128 +16,6 @@ from tltlib.sampling import SamplingConfig
 from tltlib.speculative import OFF, SpecStrategy
 
 ARMS = ("chain-2", "chain-6", "tree-4x2-8", "ngram-4")
-
-
-def _play(bandit, reward_of, batch, steps, rng):
-    for _ in range(steps):
-        arm = bandit.select(batch)
-        bandit.update(batch, arm, reward_of[arm.name] + rng.normal(0, 0.3))
-
-
-def test_bandit_converges_to_the_best_arm_per_bucket():
-    bandit = BEGMAB(TunerConfig(arms=ARMS, buckets=(1, 8), epsilon=0.1, window=30, seed=1))
-    rng = np.random.default_rng(0)
-    small = {"chain-2": 1.0, "chain-6": 2.0, "tree-4x2-8": 1.5, "ngram-4": 0.8}
-    large = {"chain-2": 1.6, "chain-6": 1.1, "tree-4x2-8": 0.9, "ngram-4": 1.2}
-    _play(bandit, small, 3, 400, rng)
-    _play(bandit, large, 20, 400, rng)
-    assert bandit.best(1).name == "chain-6" and bandit.best(20).name == "chain-2"
-    plays = {r["arm"]: r["plays"] for r in bandit.summary() if r["bucket"] == 0}
-    assert plays["chain-6"] > 0.8 * 400 and min(plays.values()) >= 1          # exploited, and every arm tried
-
-
-def test_untried_arms_first_in_prior_order():
-    prior = {"chain-2": 0.5, "chain-6": 3.0, "tree-4x2-8": 2.0, "ngram-4": 1.0}
-    bandit = BEGMAB(TunerConfig(arms=ARMS, buckets=(1,), prune=0.0), prior=lambda a, b: prior[a.name])
-    order = []
-    for _ in range(4):
-        arm = bandit.select(1)
-        order.append(arm.name)
-        bandit.update(1, arm, 1.0)
-    assert order == ["chain-6", "tree-4x2-8", "ngram-4", "chain-2"]
-
-
-def test_under_tried_arms_are_played_round_robin_until_min_samples():
-    prior = {"chain-2": 0.5, "chain-6": 3.0, "tree-4x2-8": 2.0, "ngram-4": 1.0}
-    bandit = BEGMAB(TunerConfig(arms=ARMS, buckets=(1,), prune=0.0, epsilon=0.0, min_samples=3),
-                    prior=lambda a, b: prior[a.name])
-    order = []
-    for _ in range(12):
-        arm = bandit.select(1)
-        order.append(arm.name)
-        bandit.update(1, arm, 5.0 if arm.name == "chain-2" else 1.0)   # the arm the prior ranks last is best
-    assert order == ["chain-6", "tree-4x2-8", "ngram-4", "chain-2"] * 3
-    assert bandit.select(1).name == "chain-2"
-    with pytest.raises(ValueError, match="min_samples"):
-        TunerConfig(min_samples=0)
-
-
-def test_bandit_re_explores_after_a_reset_and_tracks_a_change():
-    bandit = BEGMAB(TunerConfig(arms=ARMS, buckets=(1,), epsilon=0.1, window=20, seed=2))
-    rng = np.random.default_rng(1)
-    before = {"chain-2": 1.0, "chain-6": 2.0, "tree-4x2-8": 1.5, "ngram-4": 0.8}
-    after = {"chain-2": 2.5, "chain-6": 0.7, "tree-4x2-8": 1.2, "ngram-4": 0.9}
-    _play(bandit, before, 1, 200, rng)
-    assert bandit.best(1).name == "chain-6"
-    bandit.reset(lambda a: a.uses_drafter)                 # drafter changed: its arms are unknown again
-    assert bandit.score(0, SpecStrategy.parse("ngram-4")) > -np.inf
-    tried = set()
-    for _ in range(3):                                     # the three drafter arms are replayed first
-        arm = bandit.select(1)
-        tried.add(arm.name)
-        bandit.update(1, arm, after[arm.name])
-    assert tried == {"chain-2", "chain-6", "tree-4x2-8"}
-    _play(bandit, after, 1, 200, rng)
-    assert bandit.best(1).name == "chain-2"
-    # without a reset, epsilon exploration and the sliding window also follow a change
-    _play(bandit, before, 1, 400, rng)
-    assert bandit.best(1).name == "chain-6"
-
-
-def test_prior_prunes_hopeless_arms_until_measurements_say_otherwise():
-    prior = {"chain-2": 0.5, "chain-6": 3.0, "tree-4x2-8": 2.0, "ngram-4": 1.0}
-    bandit = BEGMAB(TunerConfig(arms=ARMS, buckets=(1,), prune=0.5, epsilon=1.0), prior=lambda a, b: prior[a.name])
-    assert {a.name for a in bandit.candidates(1)} == {"chain-6", "tree-4x2-8"}
-    played = set()
-    for _ in range(200):
-        arm = bandit.select(1)
-        played.add(arm.name)
-        bandit.update(1, arm, 1.0)
-    assert played == {"chain-6", "tree-4x2-8"}               # explored, but never the ruled-out arms
-    prior["ngram-4"] = 2.9                                    # e.g. measured acceptance raised its prediction
-    assert "ngram-4" in {a.name for a in bandit.candidates(1)}
-    with pytest.raises(ValueError, match=r"prune must be in \[0, 1\]"):
-        TunerConfig(prune=1.5)
-
-
-def test_epsilon_zero_never_explores_and_one_always_does():
-    bandit = BEGMAB(TunerConfig(arms=ARMS, buckets=(1,), epsilon=0.0, min_samples=1))
-    for a in bandit.bucket_arms[0]:
-        bandit.update(1, a, 2.0 if a.name == "ngram-4" else 1.0)
-    assert {bandit.select(1).name for _ in range(50)} == {"ngram-4"}
-    bandit = BEGMAB(TunerConfig(arms=ARMS, buckets=(1,), epsilon=1.0, seed=3, min_samples=1))
-    for a in bandit.bucket_arms[0]:
-        bandit.update(1, a, 2.0 if a.name == "ngram-4" else 1.0)
-    assert len({bandit.select(1).name for _ in range(200)}) == 4
-
-
-def test_tuner_config_errors():
-    with pytest.raises(ValueError, match="arms is empty"):
-        TunerConfig(arms=())
-    with pytest.raises(ValueError, match="strictly increasing"):
-        TunerConfig(buckets=(1, 8, 4))
-    with pytest.raises(ValueError, match="start at batch size 1"):
-        TunerConfig(buckets=(2, 8))
-    for eps in (-0.1, 1.5):
-        with pytest.raises(ValueError, match=r"epsilon must be in \[0, 1\]"):
-            TunerConfig(epsilon=eps)
-    with pytest.raises(ValueError, match="bucket 1 .* has no arm"):
-        TunerConfig(arms=ARMS, buckets=(1, 4), bucket_arms=(("chain-2",), ()))
-    with pytest.raises(ValueError, match="bucket 1 .* has no arm"):
-        TunerConfig(arms=("chain-8",), buckets=(1, 64), max_verify_rows=256)
-    with pytest.raises(ValueError, match="one tuple of arms per bucket"):
-        TunerConfig(arms=ARMS, buckets=(1, 4), bucket_arms=(("chain-2",),))
-    with pytest.raises(ValueError, match="cannot read speculative strategy"):
-        TunerConfig(arms=("chain4",))
-    with pytest.raises(ValueError, match="threshold must be >= 0"):
-        AdaptiveConfig(threshold=-1)
-    with pytest.raises(ValueError, match="accept_prior"):
-        AdaptiveConfig(accept_prior=(1.2,))
-
-
-def test_max_verify_rows_drops_big_arms_from_big_buckets():
-    cfg = TunerConfig(arms=("chain-2", "chain-8"), buckets=(1, 64), max_verify_rows=256)
-    assert [[a.name for a in arms] for arms in cfg.arms_per_bucket()] == [["chain-2", "chain-8"], ["chain-2"]]
 
 
 # --------------------------------------------------------------------------------------------- controller
@@ -148,18 +27,22 @@ def test_controller_switches_on_at_the_threshold_and_back_off_when_rows_grow():
     d = _Versioned()
     ctl = AdaptiveController(AdaptiveConfig(threshold=8, tuner=TunerConfig(arms=ARMS, buckets=(1, 4))), drafter=d)
     assert ctl.choose(0, 64) == OFF and ctl.choose(1, 9) == OFF
+    assert ctl.choose(2, 8) == OFF                         # no prior: untried arms in order, off first
+    ctl.tuner.update(8, OFF, 1.0)
     on = ctl.choose(2, 8)
     assert on.enabled
+    ctl.tuner.update(3, OFF, 1.0)
     assert ctl.choose(3, 40) == OFF and ctl.choose(4, 3).enabled
     ctl.observe(on, 3, 30, 0.01)
     ctl.choose(4, 40)
     ctl.observe(OFF, 40, 40, 0.01)                          # plain steps above the threshold are not rewards
     assert ctl.log["arm"] == [on.name] and ctl.log["reward"] == [3000.0]
     ctl.choose(5, 8)
-    assert len(ctl.tuner.windows[ctl.tuner.bucket(3)][on]) == 1
-    d.version += 1                                         # a drafter training step happened
+    b = ctl.tuner.bucket(3)
+    assert list(ctl.tuner.weights[b][on]) == [1.0]
+    d.version += 1                                         # a drafter training step happened: evidence discounted
     ctl.choose(6, 8)
-    assert ctl.resets == 1 and (not ctl.tuner.windows[ctl.tuner.bucket(3)][on]) == on.uses_drafter
+    assert ctl.resets == 1 and list(ctl.tuner.weights[b][on]) == ([0.25] if on.uses_drafter else [1.0])
     assert AdaptiveController(AdaptiveConfig(threshold=0)).choose(0, 1) == OFF
 
 
@@ -171,8 +54,16 @@ def test_controller_can_keep_its_windows_when_the_drafter_changes():
     ctl.observe(arm, 4, 20, 0.01)
     d.version += 1
     ctl.choose(1, 4)
-    assert ctl.resets == 0 and len(ctl.tuner.windows[0][arm]) == 1
-    with pytest.raises(ValueError, match="on_drafter_change must be 'reset' or 'keep', got 'clear'"):
+    assert ctl.resets == 0 and list(ctl.tuner.weights[0][arm]) == [1.0]
+    ctl = AdaptiveController(AdaptiveConfig(threshold=8, tuner=TunerConfig(arms=("chain-4",), buckets=(1,)),
+                                            on_drafter_change="reset"), drafter=d)
+    ctl.tuner.update(4, OFF, 1.0)
+    arm = ctl.choose(0, 4)
+    ctl.observe(arm, 4, 20, 0.01)
+    d.version += 1
+    ctl.choose(1, 4)
+    assert ctl.resets == 1 and not ctl.tuner.rewards[0][arm]
+    with pytest.raises(ValueError, match="on_drafter_change must be 'discount', 'reset' or 'keep', got 'clear'"):
         AdaptiveConfig(on_drafter_change="clear")
 
 
@@ -203,7 +94,8 @@ def test_measure_costs_on_a_small_model():
     target = Transformer(cfg).eval()
     drafter = Drafter(DrafterConfig.from_target(cfg)).eval().attach(target)
     cm = measure_costs(target, drafter, batches=(1, 4), tokens=(1, 5), context=16, repeats=1)
-    assert cm.target_s.shape == (2, 2) and cm.draft_s.shape == (2, 2)
+    assert cm.target_s.shape == (2, 2) and cm.draft_s.shape == (2, 2) and cm.long_s.shape == (2,)
+    assert cm.long_context == 158                                # 512 capped by the model's 160 positions
     assert np.isfinite(cm.target_s).all() and (cm.target_s > 0).all() and (cm.draft_s > 0).all()
     assert cm.plain_rate(2) > 0 and np.isfinite(cm.predict(SpecStrategy("tree", 3, 2, 4), 2, 0.7))
 
@@ -226,14 +118,14 @@ def test_adaptive_rollout_is_token_identical_to_plain_at_temperature_zero(small_
                         drafter=drafter)
     plain = eng.generate(prompts)
     ctl = AdaptiveController(AdaptiveConfig(threshold=12, tuner=TunerConfig(arms=ARMS, buckets=(1, 3, 6),
-                                                                            epsilon=0.3)))
+                                                                            rule="epsilon-greedy", epsilon=0.3)))
     for _ in range(2):                                      # the tuner keeps learning across rollouts
         res = eng.generate(prompts, strategy=ctl)
         assert torch.equal(plain.tokens, res.tokens) and torch.equal(plain.lengths, res.lengths)
     strategies = set(res.timeline["strategy"])
     assert "off" in strategies and len(strategies - {"off"}) >= 3    # plain above the threshold, arms explored
     on = res.timeline["strategy"] != "off"
-    assert (res.timeline["active"][on] <= 12).all() and (res.timeline["active"][~on] > 12).all()
+    assert (res.timeline["active"][on] <= 12).all() and not on[res.timeline["active"] > 12].any()
     assert len(ctl.log["reward"]) > 0
 
 
@@ -252,13 +144,14 @@ def test_engine_reports_only_continuing_rows(small_pair):
 
     class Recorder:
         def __init__(self):
-            self.calls = []
+            self.calls, self.hists = [], []
 
         def choose(self, step, active):
             return SpecStrategy("chain", 3)
 
-        def observe(self, strategy, active, tokens, seconds, rows):
+        def observe(self, strategy, active, tokens, seconds, rows, context=None, accepted=None):
             self.calls.append((active, tokens, rows))
+            self.hists.append((context, accepted))
 
     rec = Recorder()
     eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=30), group_size=2),
@@ -268,11 +161,16 @@ def test_engine_reports_only_continuing_rows(small_pair):
     assert rec.calls[-1][2] == 0                         # the step that ended the last response
     assert any(rows < active for active, _, rows in rec.calls[:-1])      # responses end at different steps
     assert len(rec.calls) == len(res.timeline["iter_time"])
+    # each SD step's histogram of rows by accepted drafts (0..3) is the timeline's, the context grows
+    for (context, hist), tl_hist in zip(rec.hists, res.timeline["accept_hist"]):
+        assert hist.shape == (4,) and (hist == tl_hist).all()
+    contexts = [c for c, _ in rec.hists[:5]]
+    assert contexts == sorted(contexts) and contexts[0] >= 2
 
 
-def test_off_can_be_an_arm_and_is_rewarded():
-    ctl = AdaptiveController(AdaptiveConfig(threshold=8, tuner=TunerConfig(arms=("off", "ngram-4"), buckets=(1,),
-                                                                           epsilon=0.0)))
+def test_off_is_an_arm_and_is_rewarded():
+    ctl = AdaptiveController(AdaptiveConfig(threshold=8, tuner=TunerConfig(arms=("ngram-4",), buckets=(1,),
+                                                                           rule="epsilon-greedy", epsilon=0.0)))
     for _ in range(6):                                         # min_samples (3) rewards for each arm
         arm = ctl.choose(0, 4)
         ctl.observe(arm, 4, 8 if arm.enabled else 4, 0.01)     # n-gram emits 2 tokens per row here, plain 1
@@ -289,18 +187,63 @@ def test_prior_follows_measured_acceptance():
     assert ctl._prior(deep, 1) > ctl._prior(shallow, 1)        # the 0.8 prior favours depth at batch 1
     for _ in range(30):                                        # chain-2 steps that accept nothing: alpha -> 0
         ctl.choose(0, 4)
-        ctl.observe(shallow, 4, 4, 0.01)
-    assert ctl.alpha["learned"] < 0.1
+        ctl.observe(shallow, 4, 4, 0.01, accepted=np.array([4, 0, 0]))
+    assert max(ctl.alpha["learned"]) < 0.05
     assert ctl._prior(deep, 1) < ctl._prior(shallow, 1) < 1.0
 
 
-def test_best_by_bucket_names_the_best_measured_arm_of_each_bucket():
-    bandit = BEGMAB(TunerConfig(arms=("chain-2", "chain-6"), buckets=(1, 4, 16), min_samples=1))
-    for arm, batch, reward in (("chain-2", 2, 1.5), ("chain-6", 2, 2.5), ("chain-2", 8, 1.2), ("chain-6", 8, 0.9)):
-        bandit.update(batch, SpecStrategy.parse(arm), reward)
-    rows = bandit.best_by_bucket()
-    assert [(r["batch_lo"], r["batch_hi"], r["arm"], r["median_reward"]) for r in rows] == [
-        (1, 3, "chain-6", 2.5), (4, 15, "chain-2", 1.2)]                  # bucket 16+ has no measurement
+def test_depth_acceptance_recovers_the_rate_of_each_depth():
+    acc = DepthAcceptance((0.5,), weight=4.0)
+    rng = np.random.default_rng(0)
+    truth = [0.9, 0.6, 0.3]
+    for _ in range(400):                                       # chain-3 steps of 8 rows
+        k = np.zeros(8, dtype=int)
+        for r in range(8):
+            while k[r] < 3 and rng.random() < truth[k[r]]:
+                k[r] += 1
+        acc.update(np.bincount(k, minlength=4))
+    assert acc.rates(3) == pytest.approx(truth, abs=0.03)
+    assert acc.rates(5)[3:] == [0.5, 0.5]                     # never reached: the prior
+    reached = acc.reached.copy()
+    acc.discount(0.25)
+    assert acc.reached[:3] == pytest.approx(reached[:3] * 0.25) and acc.rates(3) == pytest.approx(truth, abs=0.04)
+
+
+def test_cost_model_scales_with_context_and_the_reward_is_normalised_by_it():
+    cm = CostModel(np.array([1.0, 16.0]), np.array([1.0, 9.0]), np.array([[1.0, 1.2], [2.0, 4.0]]),
+                   context=64.0, long_context=512.0, long_s=np.array([1.448, 4.24]))
+    assert cm.target_time(1, 1, 512) == pytest.approx(1.448) and cm.target_time(1, 1) == pytest.approx(1.0)
+    assert cm.target_time(16, 1, 288) == pytest.approx(3.12) and cm.target_time(16, 9, 288) == pytest.approx(5.12)
+    assert CostModel.from_dict(cm.to_dict()).to_dict() == cm.to_dict()
+    ctl = AdaptiveController(AdaptiveConfig(threshold=16, tuner=TunerConfig(arms=("chain-2",), buckets=(1,))), cm)
+    ctl.choose(0, 16)
+    ctl.observe(OFF, 16, 16, 3.12, context=288)                 # plain decoding, as fast as the model says
+    assert ctl.log["reward"] == [pytest.approx(1.0)]
+
+
+def test_prior_file_round_trip_and_refusals(tmp_path, small_pair):
+    target, drafter = small_pair
+    cm = measure_costs(target, drafter, batches=(1, 2), tokens=(1, 5), context=8, long_context=32, repeats=1)
+    ctl = AdaptiveController(AdaptiveConfig(threshold=4), cm, drafter)
+    ctl.accept["learned"].update(np.array([1, 2, 5]))
+    save_prior(tmp_path / "prior.json", ctl, target, drafter)
+    costs, accept = load_prior(tmp_path / "prior.json", target, drafter)
+    assert costs.to_dict() == cm.to_dict() and accept["learned"]["reached"][:2] == [8.0, 7.0]
+    other = Transformer(ModelConfig(vocab_size=24, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=4,
+                                    num_kv_heads=2, eos_token_ids=(2,), max_position_embeddings=160))
+    with pytest.raises(ValueError, match="measured for another model"):
+        load_prior(tmp_path / "prior.json", other)
+    import json
+    d = json.loads((tmp_path / "prior.json").read_text())
+    d["fingerprint"]["machine"]["cpu"] = "some other CPU"
+    (tmp_path / "other.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="measured for another machine"):
+        load_prior(tmp_path / "other.json", target, drafter)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a tuner prior file"):
+        load_prior(tmp_path / "bad.json", target, drafter)
+    with pytest.raises(ValueError, match="no cost model"):
+        save_prior(tmp_path / "x.json", AdaptiveController(), target)
 
 
 def test_accept_prior_per_arm_family():

@@ -1,6 +1,7 @@
 """Drafter training: the pairs it trains on are exactly what the engine feeds the drafter; the loss trains."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tltlib.draft_train import (DrafterTrainConfig, DrafterTrainer, depth_accuracy, drafter_loss, pairs_from_sequences,
@@ -124,6 +125,40 @@ def test_chunked_head_loss_equals_one_pass_over_all_logits():
         torch.testing.assert_close(loss, ref, atol=1e-6, rtol=1e-5)
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
+def test_unrolled_loss_trains_on_the_drafters_own_features():
+    """unroll=2: the first step's loss plus 0.7 x the loss of a second step that reads, at position t, the feature
+    the drafter predicted from position t-1 (position 0 carries no second-step loss); gradients flow through it."""
+    import torch.nn.functional as F
+
+    from tltlib.pairs import PairBatch
+    target, drafter = _pair()
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(2, 7, target.config.hidden_size, generator=g)
+    batch = PairBatch(h, torch.randint(0, target.config.vocab_size, (2, 7), generator=g), torch.ones(2, 6, dtype=bool))
+    one, _ = drafter_loss(drafter, batch, DrafterTrainConfig())
+    two, stats = drafter_loss(drafter, batch, DrafterTrainConfig(unroll=2))
+
+    def ref_step(feats, mask):
+        pred = drafter.features(feats, batch.tokens[:, :-1])
+        logits = drafter.logits(pred, full=True).float()
+        p_t = torch.softmax(drafter.logits(h[:, 1:], full=True).float(), -1)
+        m = mask.float()
+        return pred, ((F.smooth_l1_loss(pred, h[:, 1:], reduction="none").mean(-1) * m).sum() + 0.1 * (
+            -(p_t * torch.log_softmax(logits, -1)).sum(-1) * m).sum()) / m.sum()
+    pred1, l1 = ref_step(h[:, :-1], batch.mask)
+    second = batch.mask.clone()
+    second[:, 0] = False
+    _, l2 = ref_step(torch.cat([h[:, :1], pred1[:, :-1]], 1), second)
+    torch.testing.assert_close(one, l1, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(two, l1 + 0.7 * l2, atol=1e-6, rtol=1e-5)
+    assert stats["drafter/loss"] == pytest.approx(float(two.detach()), rel=1e-6)
+    drafter.zero_grad()
+    two.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in drafter.parameters())
+    with pytest.raises(ValueError, match="unroll must be >= 1"):
+        DrafterTrainConfig(unroll=0)
 
 
 def test_subsampled_cross_entropy_is_an_unbiased_estimate_of_the_full_one():

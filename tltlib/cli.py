@@ -165,16 +165,22 @@ def cmd_train_drafter(args) -> int:
     out = args.out or str(ROOT / "runs" / "drafters" / f"{Path(args.model).resolve().name}-drafter")
     command = "python -m tltlib train-drafter " + " ".join(a for a in sys.argv[2:] if a != "--quiet")
     from .checkpoint import pick_device
-    recipe = DrafterTrainConfig(steps=args.steps, ce_positions=args.ce_positions, **({"lr": args.lr} if args.lr else {}),
+    recipe = DrafterTrainConfig(steps=args.steps, ce_positions=args.ce_positions, unroll=args.unroll,
+                                **({"lr": args.lr} if args.lr else {}),
                                 **({"batch_sequences": args.batch} if args.batch else {}))
     print(train_warm_drafter(args.model, out, recipe, seed=args.seed, progress=not args.quiet,
                              overwrite=args.overwrite, task_max_steps=args.task_max_steps, command=command.strip(),
                              device=pick_device(args.device), dtype=args.dtype, dataset=args.dataset,
                              init=args.init, n_train=args.n_train, n_eval=args.n_eval,
                              max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             n_accept=args.n_accept, draft_vocab=args.draft_vocab))
+                             n_accept=args.n_accept, draft_vocab=args.draft_vocab, responses=args.responses))
     print(f"saved {out}")
     return 0
+
+
+def cmd_sample_responses(args) -> int:
+    from .draft_data import run_command
+    return run_command(args)
 
 
 def cmd_get_model(args) -> int:
@@ -317,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
     _train_reasoner_command(sub)
     _train_drafter_command(sub)
+    from .draft_data import add_command
+    add_command(sub)
     _model_commands(sub)
     _train_grpo_command(sub)
     _simulate_command(sub)
@@ -376,6 +384,10 @@ def _train_drafter_command(sub) -> None:
     td.add_argument("--draft-vocab", type=int, default=0, help="propose only the N most frequent tokens of the "
                     "training data (EAGLE-3's reduced draft vocabulary: drafting reads N rows of the LM head instead "
                     "of all; lossless either way; 0: the whole vocabulary or --init's)")
+    td.add_argument("--responses", default="", help="train on this responses file (python -m tltlib "
+                    "sample-responses) instead of sampling; its last --n-eval rows are held out")
+    td.add_argument("--unroll", type=int, default=1, help="draft steps trained per batch on the drafter's own "
+                    "predicted features (EAGLE-3's training-time test; default %(default)s)")
     td.add_argument("--steps", type=int, default=1500)
     td.add_argument("--task-max-steps", type=int, default=52,
                     help="train on chain problems of at most this many steps (a drafter warmed on another mix)")
@@ -475,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         _reexec_in_venv([*argv[:i], "run-notebooks" if args.cmd == "run" else args.cmd, *argv[i + 1:]])
     handlers = {"run": cmd_run_notebooks, "run-notebooks": cmd_run_notebooks, "test": cmd_test,
                 "train-reasoner": cmd_train_reasoner, "train-drafter": cmd_train_drafter, "train-grpo": cmd_train_grpo,
+                "sample-responses": cmd_sample_responses,
                 "get-model": cmd_get_model, "import-gguf": cmd_import_gguf,
                 "bench": cmd_bench, "simulate": cmd_simulate}
     previous = signal.signal(signal.SIGTERM, _terminate)

@@ -39,7 +39,8 @@ from .pairs import PairBatch, PairBuffer, PairBufferConfig
 from .rollout import RolloutConfig, RolloutEngine
 from .sampling import SamplingConfig
 from .speculative import SpecStrategy
-from .tasks import ChainTaskConfig, encode_prompts, generate_problems, generate_task, load_problems
+from .tasks import (ChainTaskConfig, encode_prompts, generate_problems, generate_task, load_problems,
+                    read_responses)
 from .tokenizer import load_tokenizer
 
 
@@ -70,6 +71,12 @@ class DrafterTrainConfig:
     online training, which has no end)."""
     seed: int = 0
     """Seeds batch sampling."""
+    unroll: int = 1
+    """Draft steps trained per batch (EAGLE-3's training-time test): step k reads the features the drafter itself
+    predicted at step k-1 (as drafting does from depth 2 on) and predicts the same targets; step k's loss weighs
+    ``unroll_decay`` ** (k - 1). 1 = EAGLE-1 (true features only). Each step costs one more drafter forward."""
+    unroll_decay: float = 0.7
+    """Weight ratio of successive unrolled steps' losses."""
     ce_positions: int = 0
     """At most this many randomly chosen pairs per batch carry the soft cross-entropy (an unbiased estimate of its
     mean; the hidden-state loss keeps every pair); 0 = all. With a 49k vocabulary the LM head is ~90% of a step's
@@ -82,6 +89,8 @@ class DrafterTrainConfig:
             raise ValueError(f"schedule must be 'cosine' or 'constant', got {self.schedule!r}")
         if self.lr <= 0 or self.hidden_weight < 0 or self.token_weight < 0:
             raise ValueError("lr must be > 0 and the loss weights >= 0")
+        if self.unroll < 1 or not 0 < self.unroll_decay <= 1:
+            raise ValueError(f"unroll must be >= 1 and unroll_decay in (0, 1], got {self.unroll}, {self.unroll_decay}")
         if self.ce_positions < 0:
             raise ValueError(f"ce_positions must be >= 0 (0: every pair), got {self.ce_positions}")
 
@@ -148,16 +157,35 @@ def _soft_ce(drafter, pred: torch.Tensor, target_f: torch.Tensor) -> tuple[torch
 
 def drafter_loss(drafter, batch: PairBatch, cfg: DrafterTrainConfig, chunk: int = HEAD_CHUNK,
                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
-    """EAGLE loss of one batch; returns (loss, ``drafter/*`` stats).
+    """EAGLE loss of one batch, summed over ``cfg.unroll`` draft steps; returns (loss, ``drafter/*`` stats of the
+    first step).
 
     The soft cross-entropy runs over the pairs that carry loss in chunks of ``chunk``, each under activation
     checkpointing when gradients are on: at most one chunk's ``[chunk, V]`` logits exist at a time (the same maths
     as one pass over ``[B, T, V]``). With ``cfg.ce_positions`` it runs on that many pairs drawn without replacement
-    (``generator``) and is scaled to the mean over all pairs."""
+    (``generator``) and is scaled to the mean over all pairs. Unrolled step k reads at position t the feature the
+    drafter predicted at step k-1 from position t-1 (positions before k-1 carry no loss there: they have no such
+    feature)."""
     hid_in, tok_in = batch.inputs
-    pred = drafter.features(hid_in, tok_in)
-    target_f = batch.hidden[:, 1:]
-    m = batch.mask
+    feats, total, stats = hid_in, 0.0, {}
+    for k in range(cfg.unroll):
+        pred = drafter.features(feats, tok_in)
+        mask = batch.mask.clone()
+        mask[:, :k] = False
+        loss, st = _step_loss(drafter, pred, batch.hidden[:, 1:], mask, cfg, chunk, generator)
+        total = total + cfg.unroll_decay ** k * loss
+        stats = stats or st
+        if k + 1 < cfg.unroll:
+            feats = torch.cat([hid_in[:, :1], pred[:, :-1]], 1)
+    if cfg.unroll > 1:
+        stats["drafter/loss"] = float(total.detach())
+    return total, stats
+
+
+def _step_loss(drafter, pred: torch.Tensor, target_f: torch.Tensor, m: torch.Tensor, cfg: DrafterTrainConfig,
+               chunk: int, generator) -> tuple[torch.Tensor, dict]:
+    """One draft step's loss: SmoothL1 to the target's features ``target_f [B, T, H]`` of ``pred`` plus the soft
+    cross-entropy, over the pairs ``m [B, T]``."""
     denom = m.sum().clamp_min(1).float()
     vloss = F.smooth_l1_loss(pred.float(), target_f.float(), reduction="none").mean(-1)
     sel_pred, sel_target = pred[m], target_f[m]
@@ -371,6 +399,22 @@ def training_pairs(target, tokenizer, problems, seed: int, temperature: float, m
                            seed=seed, progress=progress)
 
 
+def response_pairs(target, tokenizer, path, n_train: int, n_eval: int) -> tuple[PairBuffer, PairBuffer, str]:
+    """(training pairs, held-out pairs, description) of a responses file (:func:`tltlib.draft_data.read_responses`):
+    its last ``n_eval`` rows held out, at most ``n_train`` of the others trained on; hidden states from one forward
+    of the target."""
+    rows = read_responses(path, target.config.vocab_size)
+    if len(rows) <= n_eval:
+        raise ValueError(f"{path}: {len(rows)} responses cannot hold {n_eval} held-out ones and training ones apart; "
+                         f"lower --n-eval (at most {len(rows) - 1}) or sample more")
+    ctx, pad = target.config.max_position_embeddings, tokenizer.pad_token_id or 0
+
+    def pairs(part):
+        return pairs_from_sequences(target, [(p + r)[:ctx] for p, r in part], [len(p) for p, _ in part], pad)
+    train = rows[:-n_eval][:n_train]
+    return pairs(train), pairs(rows[-n_eval:]), f"the target's sampled responses in {Path(path).name}"
+
+
 def _vocab_line(drafter, eval_data: PairBuffer) -> str:
     """What the drafter proposes from, for its card (with the held-out tokens a draft vocabulary covers)."""
     if drafter.draft_ids is None:
@@ -405,7 +449,7 @@ def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = Non
                        task_max_steps: int = 52, command: str = "python -m tltlib train-drafter",
                        device: str = "cpu", dtype: str = "auto", dataset: str = "", init=None,
                        max_new_tokens: int = 720, n_accept: int = 32, temperature: float = 0.9,
-                       draft_vocab: int = 0) -> str:
+                       draft_vocab: int = 0, responses: str = "") -> str:
     """Build (or continue from ``init``), train and save the warm drafter of any local target; returns its card.
 
     Data (:func:`drafter_problems`, :func:`training_pairs`): the target's own sampled responses (``temperature``, at
@@ -418,7 +462,9 @@ def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = Non
     card (README.md) and train_log.json. ``dtype`` is the target's (``auto``: bfloat16 on CUDA, else float32); the
     drafter trains in float32 under autocast to it, then is measured and saved in it. ``draft_vocab`` > 0 gives the
     drafter a draft vocabulary of that many tokens, the most frequent in the training pairs (plus EOS), and the card
-    reports how much of the held-out pairs' tokens it covers (0 keeps ``init``'s, or the whole vocabulary)."""
+    reports how much of the held-out pairs' tokens it covers (0 keeps ``init``'s, or the whole vocabulary).
+    ``responses``: train on a responses file (:mod:`tltlib.draft_data`; its last ``n_eval`` rows held out) instead of
+    sampling; the acceptance is still measured on ``dataset``'s held-out prompts."""
     check_output_folder(out_dir, overwrite, is_drafter_folder, "drafter")
     cfg = cfg or DrafterTrainConfig()
     dtype = parse_dtype(("bfloat16" if str(device).startswith("cuda") else "float32") if dtype == "auto" else dtype)
@@ -428,10 +474,14 @@ def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = Non
         drafter = load_drafter(init, target).float()             # refused here if it belongs to another target
     train_probs, eval_probs, accept_probs, source = drafter_problems(dataset, n_train, n_eval, n_accept, seed,
                                                                      task_max_steps)
-    for probs in (train_probs, eval_probs):
-        check_context(encode_prompts(probs, tok), target.config.max_position_embeddings, dataset or "the task", name)
-    data = training_pairs(target, tok, train_probs, seed, temperature, max_new_tokens, progress)
-    eval_data = training_pairs(target, tok, eval_probs, seed + 1, temperature, max_new_tokens, progress)
+    if responses:
+        data, eval_data, source = response_pairs(target, tok, responses, n_train, n_eval)
+    else:
+        for probs in (train_probs, eval_probs):
+            check_context(encode_prompts(probs, tok), target.config.max_position_embeddings, dataset or "the task",
+                          name)
+        data = training_pairs(target, tok, train_probs, seed, temperature, max_new_tokens, progress)
+        eval_data = training_pairs(target, tok, eval_probs, seed + 1, temperature, max_new_tokens, progress)
     torch.manual_seed(seed)
     if not init:
         drafter = Drafter(DrafterConfig.from_target(target.config)).to(device).attach(target)

@@ -167,7 +167,7 @@ SCHEMA: dict[str, Param] = {
     "DEMO_THRESHOLD": _COUNT,
     "ARMS": Param("strategies"),
     "FIXED": Param("strategy"),
-    "EPSILON": _PROB,
+    "RULE": Param("str", choices=("thompson", "epsilon-greedy")),
     "TUNING_ROLLOUTS": Param("int", lo=0),
     "WINDOW": _COUNT,
     # drafter training

@@ -77,6 +77,8 @@ METRICS: dict[str, str] = {
     "adaptive/speedup_vs_fixed": "rollout time with a fixed strategy / with the adaptive engine",
     "adaptive/explored_arms": "distinct strategies the adaptive rollout played",
     "spec/ngram_match_rate": "share of n-gram draft requests that found an earlier occurrence of the suffix",
+    "spec/suffix_match_rate": "share of suffix-drafter requests that found a recurring suffix (a non-empty tree)",
+    "spec/suffix_nodes": "draft nodes the suffix drafter proposed per request (before padding to the budget)",
     "spec/chi2_pvalue": "chi-square p-value of plain vs speculative samples (large = same distribution)",
     "rl/reward_mean": "mean reward of the rollout's responses",
     "rl/accuracy": "share of responses whose final answer is correct",

@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 from .cudagraph import GraphConfig, GraphPool, Replay
 from .ngram import NgramConfig, NgramDrafter
+from .suffix import SuffixConfig, SuffixDrafter, SuffixHistory
 from .profiling import rollout_stats, spec_stats
 from .sampling import SamplingConfig, sample_from_logits
 from .specdecode import Emitted, SpecDecoder
@@ -144,10 +145,14 @@ class RolloutEngine:
         drafter: a :class:`tltlib.drafter.Drafter` for ``chain``/``tree`` steps, attached to ``model`` here if it
             is not already (None: plain and ``ngram`` steps only).
         ngram: settings of the model-free n-gram drafter used by ``ngram`` steps.
+        suffix: settings of the model-free suffix drafter used by ``suffix`` steps; the engine keeps its rollouts'
+            responses per prompt (:attr:`suffix_history`, the newest ``suffix.history`` each) for later rollouts of
+            the same prompts (GRPO's next epochs).
     """
 
     def __init__(self, model, config: RolloutConfig | None = None, eos_ids: Sequence[int] | None = None,
-                 pad_id: int | None = None, drafter=None, ngram: NgramConfig | None = None):
+                 pad_id: int | None = None, drafter=None, ngram: NgramConfig | None = None,
+                 suffix: SuffixConfig | None = None):
         self.model = model
         self.config = config or RolloutConfig()
         eos = tuple(eos_ids) if eos_ids is not None else tuple(model.config.eos_token_ids)
@@ -159,6 +164,8 @@ class RolloutEngine:
             drafter.attach(model)
         self.drafter = drafter
         self.ngram_config = ngram or NgramConfig()
+        self.suffix_config = suffix or SuffixConfig()
+        self.suffix_history = SuffixHistory(self.suffix_config.history)
         self._workspace: tuple | None = None      # (key, Workspace, weakref to its rollout) kept on CUDA
 
     def _workspace_for(self, owner: "Rollout", rows: int, max_len: int) -> "Workspace":
@@ -259,12 +266,14 @@ class Rollout:
         ctx = model.config.max_position_embeddings
         plen = torch.tensor([len(p) for p in prompts])
         self.budget = torch.clamp(ctx - plen, max=s.max_new_tokens).repeat_interleave(G).to(dev)
+        self.plen_rows = plen.repeat_interleave(G).to(dev)          # each sequence's prompt length
         max_len = int((plen + self.budget[::G].cpu()).max()) + cfg.draft_margin
         self.done = False
         ws = engine._workspace_for(self, N, max_len)
         self.cache, self.spec, self.replay = ws.cache, ws.spec, ws.replay
         self._graph_stats0 = dict(self.replay.pool.stats) if self.replay.pool is not None else {}
         self.ngram: NgramDrafter | None = None
+        self.suffix: SuffixDrafter | None = None
         self.eos = torch.tensor(engine.eos_ids, device=dev)
         self.pairs = pairs
 
@@ -371,8 +380,20 @@ class Rollout:
 
     def _speculate(self, st: SpecStrategy, commit) -> Emitted:
         """One SD step: drafts from the learned drafter or, for ``ngram``, from earlier text; one verify forward."""
-        propose = self._ngram_proposer() if st.kind == "ngram" else None
+        propose = {"ngram": self._ngram_proposer, "suffix": self._suffix_proposer}.get(st.kind, lambda: None)()
         return self.spec.draft_and_verify(st, self.last, self.cache, self.generator, commit, propose)
+
+    def _suffix_proposer(self):
+        """``propose(strategy) -> DraftTree``: trees from the rows' groups and their prompts' earlier responses."""
+        if self.suffix is None:
+            self.suffix = SuffixDrafter(self.prompts, self.engine.config.group_size, self.engine.suffix_config,
+                                        self.engine.suffix_history)
+        ids = self.seq.tolist()
+
+        def propose(st):
+            self.suffix.update(ids, self.out_tokens, self.n_out)
+            return self.suffix.propose(ids, self.last, st.depth, st.budget)
+        return propose
 
     def _ngram_proposer(self):
         """``propose(depth) -> [rows, depth]`` drafts copied from the rows' earlier text and their siblings'."""
@@ -380,9 +401,9 @@ class Rollout:
             self.ngram = NgramDrafter(self.prompts, self.engine.config.group_size, self.engine.ngram_config)
         ids = self.seq.tolist()
 
-        def propose(depth):
+        def propose(st):
             self.ngram.update(ids, self.out_tokens, self.n_out)
-            return self.ngram.propose(ids, depth, self.device)
+            return self.ngram.propose(ids, st.depth, self.device)
         return propose
 
     def _check(self, st: SpecStrategy) -> None:
@@ -442,13 +463,16 @@ class Rollout:
         self.last = out.tokens.gather(1, (keep - 1).clamp_min(0)[:, None])[:, 0]
         t_now = time.perf_counter()
         if self.iteration > 0:
-            self._extend_timeline(out, keep, n_alive_before, t_now)
+            hist = self._extend_timeline(out, keep, n_alive_before, t_now)
+            context = float((self.n_gen[alive].sum() + self.plen_rows[seq[alive]].sum()) / max(int(alive.sum()), 1))
             self.source.observe(self.strategy, n_alive_before, int((out.count * alive).sum()), t_now - self.t_prev,
-                                n_alive_before - n_done)    # alive: the rows that keep running
+                                n_alive_before - n_done, context=context,     # alive: the rows that keep running
+                                accepted=hist if self.strategy.enabled else None)
         self.t_prev = t_now
         self.active = n_alive_before - n_done
 
-    def _extend_timeline(self, out: Emitted, keep: torch.Tensor, active: int, t_now: float) -> None:
+    def _extend_timeline(self, out: Emitted, keep: torch.Tensor, active: int, t_now: float) -> np.ndarray:
+        """Append the iteration to the timeline; returns its histogram of rows by accepted drafts."""
         st = self.strategy
         counted = out.accepted[keep > 0]
         acc = int(counted.sum()) if st.enabled else 0
@@ -459,6 +483,7 @@ class Rollout:
                          ("accepted", acc), ("drafted", out.drafted * active), ("draft_s", out.draft_s),
                          ("verify_s", out.verify_s), ("accept_hist", hist)):
             self.tl[key].append(val)
+        return hist
 
     # ----------------------------------------------------------------------------------------------- finish
     def finish(self) -> RolloutResult:
@@ -486,5 +511,10 @@ class Rollout:
                           "rollout/graph_capture_s": g["capture_s"]})
         if self.ngram is not None:
             stats["spec/ngram_match_rate"] = self.ngram.proposed / max(self.ngram.asked, 1)
+        if self.suffix is not None:
+            stats["spec/suffix_match_rate"] = self.suffix.proposed / max(self.suffix.asked, 1)
+            stats["spec/suffix_nodes"] = self.suffix.nodes / max(self.suffix.asked, 1)
+        self.engine.suffix_history.add_rollout(self.prompts, self.engine.config.group_size, self.out_tokens,
+                                               lengths_cpu)
         return RolloutResult(self.prompts, self.engine.config.group_size, self.out_tokens, lengths_cpu,
                              self.out_logp, self.finish_iter, self.finish_time, truncated, timeline, stats)

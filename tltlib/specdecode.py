@@ -219,12 +219,15 @@ class SpecDecoder:
                          generator: torch.Generator | None, commit_mask=1, propose=None) -> Emitted:
         """One SD step for every row. ``root [B]``: each row's last emitted token (the backlog ends with it).
         ``commit_mask``: 1, or a ``[B]`` 0/1 mask; rows with 0 (finished, not yet compacted away) are computed but
-        commit nothing and emit nothing. ``propose(depth) -> [B, depth]``: the drafts of an ``ngram`` strategy."""
+        commit nothing and emit nothing. ``propose(strategy)``: the drafts of a model-free strategy (``ngram``: a
+        ``[B, depth]`` chain; ``suffix``: a :class:`DraftTree` with ``root`` as node 0)."""
         t0 = time.perf_counter()
-        if strategy.kind == "ngram":
+        if strategy.kind in ("ngram", "suffix"):
             if propose is None:
-                raise ValueError("an ngram step needs propose=...: run it through RolloutEngine.generate")
-            return self._verify_point(root, tcache, generator, propose(strategy.depth), commit_mask, t0)
+                raise ValueError(f"a {strategy.kind} step needs propose=...: run it through RolloutEngine.generate")
+            if strategy.kind == "suffix":
+                return self._verify_tree_point(propose(strategy), tcache, generator, commit_mask, t0)
+            return self._verify_point(root, tcache, generator, propose(strategy), commit_mask, t0)
         if self.drafter is None:
             raise ValueError(f"strategy {strategy.name} needs a learned drafter; pass drafter=... or use ngram-D")
         probs = None
@@ -275,6 +278,18 @@ class SpecDecoder:
         out = self._commit(tree, _chain_path(drafts), accepted, nxt, logits, hidden, tcache, False, commit_mask,
                            probs)
         out.drafted = drafts.shape[1]
+        out.draft_s, out.verify_s = t1 - t0, time.perf_counter() - t1
+        return out
+
+    def _verify_tree_point(self, tree: DraftTree, tcache, generator, commit_mask, t0) -> Emitted:
+        """Verify a deterministic draft tree (a function of earlier text: target-only verification) and commit."""
+        t1 = time.perf_counter()
+        positions = tcache.lengths[: tcache.rows, None] + tree.depth
+        logits, hidden = self._verify_forward("tree", tree.tokens, tcache, positions, tree.mask())
+        s = self.sampling
+        path, accepted, nxt = verify_tree(logits, tree, s.temperature, s.top_k, s.top_p, generator)
+        out = self._commit(tree, path, accepted, nxt, logits, hidden, tcache, True, commit_mask)
+        out.drafted = tree.size - 1
         out.draft_s, out.verify_s = t1 - t0, time.perf_counter() - t1
         return out
 

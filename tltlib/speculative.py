@@ -32,7 +32,7 @@ import torch
 
 from .sampling import probs_from_logits, sample, uniforms
 
-KINDS = ("off", "chain", "tree", "ngram")
+KINDS = ("off", "chain", "tree", "ngram", "suffix")
 
 
 @dataclass(frozen=True)
@@ -42,18 +42,21 @@ class SpecStrategy:
     ``off`` decodes plainly; ``chain`` drafts ``depth`` tokens one after another; ``tree`` expands the ``top_k``
     best children of the ``top_k`` best nodes per level for ``depth`` levels and verifies the ``budget`` most
     probable nodes (SGLang's ``steps_topk_verifyTokens``); ``ngram`` proposes ``depth`` tokens copied from earlier
-    text of the sequence or of its GRPO siblings (:mod:`tltlib.ngram`; model-free, no drafter needed).
+    text of the sequence or of its GRPO siblings (:mod:`tltlib.ngram`; model-free, no drafter needed); ``suffix``
+    proposes a tree of at most ``budget`` nodes and ``depth`` levels from what followed the row's longest recurring
+    suffix in its group and in earlier responses to its prompt (:mod:`tltlib.suffix`; model-free).
 
     Names round-trip: ``SpecStrategy.parse("tree-8x4-32") == SpecStrategy("tree", 8, 4, 32)``."""
 
     kind: str = "off"
-    """``"off"``, ``"chain"``, ``"tree"`` or ``"ngram"``."""
+    """``"off"``, ``"chain"``, ``"tree"``, ``"ngram"`` or ``"suffix"``."""
     depth: int = 1
     """Draft depth (tokens per chain, levels per tree)."""
     top_k: int = 1
     """Tree branching: children kept per node and nodes kept per level."""
     budget: int = 0
-    """Tree: draft tokens verified per step (0 = every drafted node). Chains verify ``depth``."""
+    """Tree: draft tokens verified per step (0 = every drafted node); suffix: at most this many (>= 1). Chains
+    verify ``depth``."""
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -65,12 +68,15 @@ class SpecStrategy:
         if self.kind == "tree" and self.budget and self.budget < self.depth:
             raise ValueError(f"verify budget ({self.budget}) must be >= the draft depth ({self.depth}) so the "
                              "deepest path fits; raise the budget or lower the depth")
-        if self.kind in ("chain", "ngram") and self.top_k != 1:
+        if self.kind == "suffix" and self.budget < max(self.depth, 1):
+            raise ValueError(f"a suffix draft needs a budget of at least its depth ({self.depth}) draft nodes, got "
+                             f"{self.budget}; write suffix-DEPTH-BUDGET, e.g. suffix-8-16")
+        if self.kind in ("chain", "ngram", "suffix") and self.top_k != 1:
             raise ValueError(f"a {self.kind} draft has top_k == 1; use kind='tree' for branching")
 
     @classmethod
     def parse(cls, name: str) -> "SpecStrategy":
-        """The strategy called ``name``: ``off``, ``chain-D``, ``ngram-D`` or ``tree-DxK-N``."""
+        """The strategy called ``name``: ``off``, ``chain-D``, ``ngram-D``, ``tree-DxK-N`` or ``suffix-D-N``."""
         text = str(name).strip()
         try:
             if text == "off":
@@ -78,6 +84,9 @@ class SpecStrategy:
             kind, _, rest = text.partition("-")
             if kind in ("chain", "ngram"):
                 return cls(kind, int(rest))
+            if kind == "suffix":
+                d, _, budget = rest.partition("-")
+                return cls("suffix", int(d), 1, int(budget))
             if kind == "tree":
                 dk, _, budget = rest.partition("-")
                 d, _, k = dk.partition("x")
@@ -85,12 +94,13 @@ class SpecStrategy:
         except ValueError as e:
             if "invalid literal" not in str(e):
                 raise
-        raise ValueError(f"cannot read speculative strategy {name!r}: write off, chain-DEPTH, ngram-DEPTH or "
-                         "tree-DEPTHxTOPK-BUDGET (e.g. chain-4, ngram-8, tree-8x4-32)")
+        raise ValueError(f"cannot read speculative strategy {name!r}: write off, chain-DEPTH, ngram-DEPTH, "
+                         "tree-DEPTHxTOPK-BUDGET or suffix-DEPTH-BUDGET (e.g. chain-4, ngram-8, tree-8x4-32, "
+                         "suffix-8-16)")
 
     @property
     def uses_drafter(self) -> bool:
-        """Needs a learned drafter (chain, tree); ``ngram`` and ``off`` do not."""
+        """Needs a learned drafter (chain, tree); ``ngram``, ``suffix`` and ``off`` do not."""
         return self.kind in ("chain", "tree")
 
     @property
@@ -102,6 +112,8 @@ class SpecStrategy:
         """Draft nodes the tree expansion produces before the budget cut."""
         if self.kind in ("chain", "ngram"):
             return self.depth
+        if self.kind == "suffix":
+            return self.budget
         return self.top_k + (self.depth - 1) * self.top_k * self.top_k
 
     @property
@@ -111,6 +123,8 @@ class SpecStrategy:
             return 0
         if self.kind in ("chain", "ngram"):
             return self.depth
+        if self.kind == "suffix":
+            return self.budget
         return min(self.budget or self.max_nodes, self.max_nodes)
 
     @property
@@ -119,6 +133,8 @@ class SpecStrategy:
             return "off"
         if self.kind in ("chain", "ngram"):
             return f"{self.kind}-{self.depth}"
+        if self.kind == "suffix":
+            return f"suffix-{self.depth}-{self.budget}"
         return f"tree-{self.depth}x{self.top_k}-{self.verify_tokens}"
 
 
@@ -133,9 +149,11 @@ class StrategySource:
     def choose(self, iteration: int, active: int) -> SpecStrategy:
         raise NotImplementedError
 
-    def observe(self, strategy: SpecStrategy, active: int, tokens: int, seconds: float, rows: int) -> None:
+    def observe(self, strategy: SpecStrategy, active: int, tokens: int, seconds: float, rows: int,
+                context: float | None = None, accepted=None) -> None:
         """The iteration just run with ``strategy`` at ``active`` rows took ``seconds``; the ``rows`` of them that
-        keep running emitted ``tokens``."""
+        keep running emitted ``tokens``; ``context``: their mean cached tokens; ``accepted``: for an SD step, its
+        histogram of rows by accepted drafts (``[depth + 1]``)."""
 
 
 class FixedStrategy(StrategySource):

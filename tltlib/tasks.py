@@ -341,3 +341,33 @@ def score_responses(texts: list[str], problems: list[Problem], group_size: int =
     if len(texts) != len(problems) * group_size:
         raise ValueError(f"{len(texts)} responses for {len(problems)} problems x group size {group_size}")
     return [reward(t, problems[i // group_size].answer) for i, t in enumerate(texts)]
+
+
+def read_responses(path, vocab_size: int | None = None) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids) of every row of a responses file; a malformed row, or an id outside
+    ``vocab_size`` (a file sampled from another model), is refused with its row number. A last line cut short (a
+    sampling run killed mid-write) is refused too: delete that line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"responses file {str(path)!r} does not exist; write one with "
+                                "python -m tltlib sample-responses")
+    out = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            p, r = row["prompt_ids"], row["response_ids"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{path}, row {i}: expected {{\"prompt_ids\": [...], \"response_ids\": [...]}} "
+                             "(a line cut short by a killed run: delete it)") from None
+        ids = p + r
+        if not p or not r or not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise ValueError(f"{path}, row {i}: prompt_ids and response_ids must be non-empty lists of token ids")
+        if vocab_size is not None and max(ids) >= vocab_size:
+            raise ValueError(f"{path}, row {i}: token id {max(ids)} is outside this model's vocabulary of "
+                             f"{vocab_size}: the file was sampled from another model")
+        out.append((p, r))
+    if not out:
+        raise ValueError(f"{path} holds no responses")
+    return out

@@ -75,9 +75,10 @@ class TLTConfig:
     arms: tuple = ("off", *DEFAULT_ARMS)
     """The adaptive tuner's strategies; ``off`` lets it keep plain decoding where no SD strategy pays (a drafter
     that RL has left behind, or a compute-bound batch)."""
-    on_drafter_change: str = "reset"
-    """What the adaptive tuner does when the online drafter has trained: ``"reset"`` re-explores the drafter's arms,
-    ``"keep"`` keeps their reward windows (see :class:`~tltlib.adaptive.AdaptiveConfig`)."""
+    on_drafter_change: str = "discount"
+    """What the adaptive tuner does when the online drafter has trained: ``"discount"`` keeps part of the weight of
+    the drafter arms' evidence, ``"reset"`` re-explores them, ``"keep"`` keeps it whole (see
+    :class:`~tltlib.adaptive.AdaptiveConfig`)."""
     online_drafter: bool = True
     """Train the drafter on every rollout's pairs (False: the drafter stays as loaded, "frozen")."""
     drafter_steps: int = 6

@@ -1,0 +1,228 @@
+"""The tuner (tltlib.bandit) on synthetic rewards: Thompson sampling from a prior (converges, keeps to plain
+decoding where SD loses, softens evidence when the drafter changes) and the paper's epsilon-greedy BEG-MAB."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tltlib.bandit import BEGMAB, Bandit, TunerConfig
+from tltlib.speculative import OFF, SpecStrategy
+
+ARMS = ("chain-2", "chain-6", "tree-4x2-8", "ngram-4")
+EG = dict(rule="epsilon-greedy")
+
+
+def _play(bandit, reward_of, batch, steps, rng, sd=0.3):
+    for _ in range(steps):
+        arm = bandit.select(batch)
+        bandit.update(batch, arm, max(reward_of[arm.name] + rng.normal(0, sd), 0.05))
+
+
+def _plays(bandit, bucket=0):
+    return {r["arm"]: r["plays"] for r in bandit.summary() if r["bucket"] == bucket}
+
+
+# ------------------------------------------------------------------------------------------------ thompson
+def test_off_is_an_arm_of_every_bucket_and_listed_once():
+    cfg = TunerConfig(arms=("chain-2", "off", "chain-2", "ngram-4"), buckets=(1, 8))
+    assert [[a.name for a in arms] for arms in cfg.arms_per_bucket()] == [["off", "chain-2", "ngram-4"]] * 2
+    assert TunerConfig(arms=("off",)).arms_per_bucket()[0] == (OFF,)
+
+
+def test_thompson_converges_to_the_best_arm_per_bucket_and_to_off_where_sd_loses():
+    rng = np.random.default_rng(0)
+    bandit = Bandit(TunerConfig(arms=ARMS, buckets=(1, 8), seed=1))
+    small = {"off": 1.0, "chain-2": 1.3, "chain-6": 2.0, "tree-4x2-8": 1.5, "ngram-4": 0.8}
+    large = {"off": 1.0, "chain-2": 0.8, "chain-6": 0.5, "tree-4x2-8": 0.6, "ngram-4": 0.9}
+    _play(bandit, small, 3, 300, rng, sd=0.2)
+    _play(bandit, large, 20, 300, rng, sd=0.2)
+    assert bandit.best(1).name == "chain-6" and bandit.best(20).name == "off"
+    assert _plays(bandit, 0)["chain-6"] > 0.85 * 300 and _plays(bandit, 1)["off"] > 0.85 * 300
+
+
+def test_thompson_with_an_honest_prior_loses_almost_nothing_to_exploration():
+    """The prior (the cost model) says SD loses at this batch: plain decoding is played from the start, and the SD
+    arms, each worth 2 rewards of a 0.6x prior, are tried rarely."""
+    truth = {"off": 1.0, "chain-2": 0.7, "chain-6": 0.5, "tree-4x2-8": 0.55, "ngram-4": 0.9}
+    prior = {"off": 1.0, "chain-2": 0.75, "chain-6": 0.55, "tree-4x2-8": 0.6, "ngram-4": 0.85}
+    bandit = Bandit(TunerConfig(arms=ARMS, buckets=(1,), prune=0.0, seed=3), prior=lambda a, b: prior[a.name])
+    rng = np.random.default_rng(1)
+    gained = []
+    for _ in range(400):
+        arm = bandit.select(4)
+        gained.append(truth[arm.name])
+        bandit.update(4, arm, truth[arm.name] * math.exp(rng.normal(0, 0.1)))
+    assert np.mean(gained) >= 0.98 and _plays(bandit)["off"] > 380
+
+
+def test_thompson_learns_against_a_wrong_prior():
+    """The prior promises a 2x chain (a drafter that was good), the measurements say 0.6x (it is stale): within a
+    few tries plain decoding takes over; the mean over 300 iterations stays >= 0.98 of plain."""
+    truth = {"off": 1.0, "chain-2": 0.7, "chain-6": 0.6, "tree-4x2-8": 0.6, "ngram-4": 0.95}
+    prior = {"off": 1.0, "chain-2": 1.6, "chain-6": 2.0, "tree-4x2-8": 1.8, "ngram-4": 0.9}
+    bandit = Bandit(TunerConfig(arms=ARMS, buckets=(1,), seed=4), prior=lambda a, b: prior[a.name])
+    rng = np.random.default_rng(2)
+    gained = []
+    for _ in range(300):
+        arm = bandit.select(2)
+        gained.append(truth[arm.name])
+        bandit.update(2, arm, truth[arm.name] * math.exp(rng.normal(0, 0.1)))
+    assert bandit.best(2) == OFF and np.mean(gained) >= 0.97
+    assert sum(n for a, n in _plays(bandit).items() if a != "off") < 30
+
+
+def test_untried_arms_without_a_prior_are_played_first():
+    bandit = Bandit(TunerConfig(arms=("chain-2", "chain-6"), buckets=(1,)))
+    first = []
+    for _ in range(3):
+        arm = bandit.select(1)
+        first.append(arm.name)
+        bandit.update(1, arm, 1.0)
+    assert sorted(first) == ["chain-2", "chain-6", "off"]
+    mean, sd = bandit.belief(1, SpecStrategy.parse("chain-2"))
+    assert mean == pytest.approx(0.0) and math.isfinite(sd)
+
+
+def test_belief_is_the_prior_updated_by_weighted_rewards_and_discount_widens_it():
+    arm = SpecStrategy.parse("chain-6")
+    bandit = Bandit(TunerConfig(arms=("chain-6",), buckets=(1,), prior_weight=2.0, noise=0.2),
+                    prior=lambda a, b: 2.0 if a.enabled else 1.0)
+    assert bandit.belief(1, arm) == (pytest.approx(math.log(2.0)), pytest.approx(0.2 / math.sqrt(2)))
+    for _ in range(2):
+        bandit.update(1, arm, 0.5)
+    mean, sd = bandit.belief(1, arm)                      # (2 log 2 + 2 log 0.5) / 4 = 0, noise pooled from 2 equal
+    assert mean == pytest.approx(0.0) and sd == pytest.approx(math.sqrt(4 * 0.04 / 5) / 2)
+    bandit.discount(lambda a: a.uses_drafter, 0.25)       # the drafter changed: its evidence weighs 2 x 0.25
+    mean2, sd2 = bandit.belief(1, arm)
+    assert mean2 == pytest.approx((2 * math.log(2) + 0.5 * math.log(0.5)) / 2.5) and sd2 > sd
+    assert len(bandit.rewards[0][arm]) == 2               # softened, not erased
+    bandit.reset(lambda a: a.uses_drafter)
+    assert not bandit.rewards[0][arm] and bandit.belief(1, OFF)[0] == pytest.approx(0.0)
+
+
+def test_rewards_that_are_not_positive_and_finite_are_ignored():
+    bandit = Bandit(TunerConfig(arms=("chain-2",), buckets=(1,)))
+    for r in (0.0, -1.0, float("nan"), float("inf")):
+        bandit.update(1, OFF, r)
+    assert not bandit.rewards[0][OFF]
+
+
+def test_state_dict_round_trip_and_refusals():
+    bandit = Bandit(TunerConfig(arms=ARMS, buckets=(1, 8), seed=5))
+    _play(bandit, {"off": 1, "chain-2": 1.2, "chain-6": 1.5, "tree-4x2-8": 1.1, "ngram-4": 0.9}, 3, 40,
+          np.random.default_rng(0))
+    bandit.discount(lambda a: a.uses_drafter, 0.5)
+    other = Bandit(TunerConfig(arms=ARMS, buckets=(1, 8), seed=5))
+    other.load_state_dict(bandit.state_dict())
+    assert other.state_dict() == bandit.state_dict() and other.select(3) == bandit.select(3)
+    with pytest.raises(ValueError, match="other buckets or arms"):
+        Bandit(TunerConfig(arms=ARMS[:2], buckets=(1, 8))).load_state_dict(bandit.state_dict())
+    with pytest.raises(ValueError, match="older"):
+        other.load_state_dict({"windows": []})
+
+
+# ------------------------------------------------------------------------------------------ epsilon-greedy
+def test_epsilon_greedy_converges_to_the_best_arm_per_bucket():
+    bandit = BEGMAB(TunerConfig(arms=ARMS, buckets=(1, 8), epsilon=0.1, window=30, seed=1, **EG))
+    rng = np.random.default_rng(0)
+    small = {"off": 1.0, "chain-2": 1.0, "chain-6": 2.0, "tree-4x2-8": 1.5, "ngram-4": 0.8}
+    large = {"off": 1.0, "chain-2": 1.6, "chain-6": 1.1, "tree-4x2-8": 0.9, "ngram-4": 1.2}
+    _play(bandit, small, 3, 400, rng)
+    _play(bandit, large, 20, 400, rng)
+    assert bandit.best(1).name == "chain-6" and bandit.best(20).name == "chain-2"
+    plays = _plays(bandit)
+    assert plays["chain-6"] > 0.8 * 400 and min(plays.values()) >= 1          # exploited, and every arm tried
+
+
+def test_epsilon_greedy_plays_under_tried_arms_round_robin_in_prior_order():
+    prior = {"off": 0.9, "chain-2": 0.5, "chain-6": 3.0, "tree-4x2-8": 2.0, "ngram-4": 1.0}
+    bandit = BEGMAB(TunerConfig(arms=ARMS, buckets=(1,), prune=0.0, epsilon=0.0, min_samples=3, **EG),
+                    prior=lambda a, b: prior[a.name])
+    order = []
+    for _ in range(15):
+        arm = bandit.select(1)
+        order.append(arm.name)
+        bandit.update(1, arm, 5.0 if arm.name == "chain-2" else 1.0)   # the arm the prior ranks last is best
+    assert order == ["chain-6", "tree-4x2-8", "ngram-4", "off", "chain-2"] * 3
+    assert bandit.select(1).name == "chain-2"
+
+
+def test_epsilon_greedy_re_explores_after_a_reset():
+    bandit = BEGMAB(TunerConfig(arms=ARMS, buckets=(1,), epsilon=0.1, window=20, seed=2, **EG))
+    rng = np.random.default_rng(1)
+    before = {"off": 1.0, "chain-2": 1.0, "chain-6": 2.0, "tree-4x2-8": 1.5, "ngram-4": 0.8}
+    after = {"off": 1.0, "chain-2": 2.5, "chain-6": 0.7, "tree-4x2-8": 1.2, "ngram-4": 0.9}
+    _play(bandit, before, 1, 200, rng)
+    assert bandit.best(1).name == "chain-6"
+    bandit.reset(lambda a: a.uses_drafter)                 # drafter changed: its arms are unknown again
+    assert bandit.score(0, SpecStrategy.parse("ngram-4")) > -np.inf
+    tried = set()
+    for _ in range(3):                                     # the three drafter arms are replayed first
+        arm = bandit.select(1)
+        tried.add(arm.name)
+        bandit.update(1, arm, after[arm.name])
+    assert tried == {"chain-2", "chain-6", "tree-4x2-8"}
+    _play(bandit, after, 1, 200, rng)
+    assert bandit.best(1).name == "chain-2"
+
+
+def test_prior_prunes_hopeless_sd_arms_until_measurements_say_otherwise():
+    prior = {"off": 1.0, "chain-2": 0.5, "chain-6": 3.0, "tree-4x2-8": 2.0, "ngram-4": 1.0}
+    bandit = BEGMAB(TunerConfig(arms=ARMS, buckets=(1,), prune=0.5, epsilon=1.0, **EG),
+                    prior=lambda a, b: prior[a.name])
+    assert {a.name for a in bandit.candidates(1)} == {"off", "chain-6", "tree-4x2-8"}   # off is never pruned
+    played = set()
+    for _ in range(200):
+        arm = bandit.select(1)
+        played.add(arm.name)
+        bandit.update(1, arm, 1.0)
+    assert played == {"off", "chain-6", "tree-4x2-8"}
+    prior["ngram-4"] = 2.9                                    # e.g. measured acceptance raised its prediction
+    assert "ngram-4" in {a.name for a in bandit.candidates(1)}
+
+
+def test_epsilon_zero_never_explores_and_one_always_does():
+    bandit = BEGMAB(TunerConfig(arms=ARMS, buckets=(1,), epsilon=0.0, min_samples=1, **EG))
+    for a in bandit.bucket_arms[0]:
+        bandit.update(1, a, 2.0 if a.name == "ngram-4" else 1.0)
+    assert {bandit.select(1).name for _ in range(50)} == {"ngram-4"}
+    bandit = BEGMAB(TunerConfig(arms=ARMS, buckets=(1,), epsilon=1.0, seed=3, min_samples=1, **EG))
+    for a in bandit.bucket_arms[0]:
+        bandit.update(1, a, 2.0 if a.name == "ngram-4" else 1.0)
+    assert len({bandit.select(1).name for _ in range(200)}) == 5
+
+
+def test_best_by_bucket_names_the_best_measured_arm_of_each_bucket():
+    bandit = BEGMAB(TunerConfig(arms=("chain-2", "chain-6"), buckets=(1, 4, 16), min_samples=1, **EG))
+    for arm, batch, reward in (("chain-2", 2, 1.5), ("chain-6", 2, 2.5), ("chain-2", 8, 1.2), ("chain-6", 8, 0.9)):
+        bandit.update(batch, SpecStrategy.parse(arm), reward)
+    rows = bandit.best_by_bucket()
+    assert [(r["batch_lo"], r["batch_hi"], r["arm"], r["median_reward"]) for r in rows] == [
+        (1, 3, "chain-6", 2.5), (4, 15, "chain-2", 1.2)]                  # bucket 16+ has no measurement
+
+
+# ----------------------------------------------------------------------------------------------- config
+def test_tuner_config_errors():
+    bad = [(dict(arms=()), "arms is empty"), (dict(buckets=(1, 8, 4)), "strictly increasing"),
+           (dict(buckets=(2, 8)), "start at batch size 1"), (dict(rule="ucb"), "rule must be one of"),
+           (dict(epsilon=0.2), "settings of rule='epsilon-greedy'"), (dict(min_samples=2), "settings of rule"),
+           (dict(epsilon=1.5, **EG), r"epsilon must be in \[0, 1\]"), (dict(min_samples=0, **EG), "min_samples"),
+           (dict(prune=1.5), r"prune must be in \[0, 1\]"), (dict(prior_weight=0), "prior_weight must be > 0"),
+           (dict(noise=0), "noise must be > 0"), (dict(discount=1.5), r"discount must be in \[0, 1\]"),
+           (dict(arms=ARMS, buckets=(1, 4), bucket_arms=(("chain-2",),)), "one tuple of arms per bucket"),
+           (dict(arms=("chain4",)), "cannot read speculative strategy")]
+    for kw, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            TunerConfig(**kw)
+    eg = TunerConfig(**EG)
+    assert (eg.epsilon, eg.min_samples) == (0.1, 3)
+
+
+def test_max_verify_rows_drops_big_arms_from_big_buckets_but_never_off():
+    cfg = TunerConfig(arms=("chain-2", "chain-8"), buckets=(1, 64), max_verify_rows=256)
+    assert [[a.name for a in arms] for arms in cfg.arms_per_bucket()] == [["off", "chain-2", "chain-8"],
+                                                                          ["off", "chain-2"]]
+    assert [a.name for a in TunerConfig(arms=("chain-8",), buckets=(1, 64), max_verify_rows=256)
+            .arms_per_bucket()[1]] == ["off"]

@@ -1,0 +1,131 @@
+"""The suffix drafter: the trees it proposes (from the row, its siblings and earlier rollouts of its prompt), and
+that SD with them stays exact in the engine (greedy identity, chi-square of sampled sequences)."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import chi2_pvalue
+from tltlib import speculative as S
+from tltlib.model import ModelConfig, Transformer
+from tltlib.rollout import RolloutConfig, RolloutEngine
+from tltlib.sampling import SamplingConfig, probs_from_logits
+from tltlib.speculative import SpecStrategy
+from tltlib.suffix import SuffixConfig, SuffixDrafter, SuffixHistory, trie_nodes
+
+
+def _drafter(prompt, responses, history=None, **kw):
+    d = SuffixDrafter([prompt], len(responses), SuffixConfig(**kw), history)
+    width = max(map(len, responses))
+    toks = torch.zeros(len(responses), width, dtype=torch.long)
+    for i, r in enumerate(responses):
+        toks[i, : len(r)] = torch.tensor(r)
+    d.update(range(len(responses)), toks, torch.tensor([len(r) for r in responses]))
+    return d
+
+
+def test_trie_nodes_are_the_most_probable_paths_parents_first():
+    nodes = trie_nodes([[1, 2, 3], [1, 2, 4], [1, 5], [6]], budget=4)
+    # 1 (3/4), then 2 (2/4), then the 1/4 nodes: the shallower 5 and 6 before 3 and 4
+    assert nodes == [(1, -1, 0.75), (6, -1, 0.25), (2, 0, 0.5), (5, 0, 0.25)]
+    assert [t for t, _, _ in trie_nodes([[1, 2, 3], [1, 2, 4]], budget=10)] == [1, 2, 3, 4]
+    assert trie_nodes([], 4) == [] and trie_nodes([[1]], 0) == []
+
+
+def test_siblings_and_the_row_merge_into_one_tree():
+    d = _drafter([1, 2], [[7, 8, 9, 4, 7, 8], [3, 7, 8, 5, 6], [6, 7, 8]], min_match=2)
+    conts = d.continuations(2, depth=3)                    # row 2 ends with "7 8": what followed it elsewhere
+    assert sorted(conts) == [[5, 6], [9, 4, 7]]
+    tree = d.propose([2], torch.tensor([8]), depth=3, budget=4)
+    assert tree.tokens[0].tolist() == [8, 9, 5, 4, 6] and tree.parents[0].tolist() == [-1, 0, 0, 1, 2]
+    assert tree.depth[0].tolist() == [0, 1, 1, 2, 2]
+    padded = d.propose([2], torch.tensor([8]), depth=3, budget=8)       # 5 nodes; 3 padding nodes hang off nothing
+    assert padded.parents[0, 6:].tolist() == [-1, -1, -1] and d.proposed == 2 and d.asked == 2
+
+
+def test_earlier_rollouts_of_the_prompt_supply_drafts_and_no_match_gives_the_root_alone():
+    hist = SuffixHistory(keep=2)
+    for resp in ([4, 4, 5, 6, 7], [9, 9, 9], [4, 5, 6, 8]):
+        hist.add([1, 2], resp)
+    assert len(hist) == 2 and hist.of([1, 2]) == [[9, 9, 9], [4, 5, 6, 8]]   # the newest 2
+    d = _drafter([1, 2], [[3, 4, 5]], history=hist)
+    assert d.continuations(0, 2) == [[6, 8]]
+    assert _drafter([1, 2], [[3, 4, 5]]).continuations(0, 2) == []
+    tree = _drafter([1, 2], [[3, 4, 5]]).propose([0], torch.tensor([5]), 2, 3)
+    assert (tree.parents[0, 1:] == -1).all()              # nothing recurs: no draft can be accepted
+
+
+def test_config_errors():
+    for kw, msg in ((dict(min_match=0), "min_match"), (dict(min_match=5, max_match=4), "min_match"),
+                    (dict(occurrences=0), "occurrences"), (dict(history=-1), "history")):
+        with pytest.raises(ValueError, match=msg):
+            SuffixConfig(**kw)
+    for name in ("suffix-8-0", "suffix-8--1", "suffix-8-4"):
+        with pytest.raises(ValueError, match="budget of at least its depth"):
+            SpecStrategy.parse(name)
+    assert SpecStrategy.parse("suffix-8-16").name == "suffix-8-16" and not SpecStrategy.parse("suffix-4-8").uses_drafter
+
+
+CFG = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  eos_token_ids=(2,), pad_token_id=0, bos_token_id=1, max_position_embeddings=160)
+SMALL = ModelConfig(vocab_size=6, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                    eos_token_ids=(5,), pad_token_id=0, max_position_embeddings=32)
+
+
+def _model(cfg, seed=0, std=0.4):
+    torch.manual_seed(seed)
+    return Transformer(cfg, init_std=std).eval()
+
+
+def test_greedy_suffix_sd_is_token_identical_to_plain_and_learns_from_earlier_rollouts():
+    target = _model(CFG)
+    prompts = [[1, 5, 6, 5, 6], [1, 7], [1, 3, 4, 3, 4, 3], [1, 9, 9, 9]]
+    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=40), group_size=3,
+                                              compact_fraction=0.3), suffix=SuffixConfig(min_match=1))
+    plain = eng.generate(prompts)
+    assert len(eng.suffix_history) == 12                   # every rollout's responses are kept per prompt
+    first = None
+    for st in ("suffix-1-1", "suffix-6-12", "suffix-6-12"):
+        spec = eng.generate(prompts, strategy=SpecStrategy.parse(st))
+        assert torch.equal(plain.tokens, spec.tokens) and torch.equal(plain.lengths, spec.lengths)
+        torch.testing.assert_close(plain.logprobs, spec.logprobs, atol=1e-4, rtol=0)
+        first = first or spec.stats["spec/accept_len_mean"]
+    # greedy responses repeat the earlier rollouts' word for word: nearly every draft of 6 is accepted
+    assert spec.stats["spec/suffix_match_rate"] > 0.9 and spec.stats["spec/accept_len_mean"] > 4.0
+
+
+def _suffix_joint_pvalue(temperature, top_k, top_p, rows=6000):
+    target = _model(SMALL, seed=5)
+    with torch.no_grad():
+        target.embed.weight[5] *= 0.0
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=3)
+    eng = RolloutEngine(target, RolloutConfig(sampling, group_size=rows, compact_fraction=0.0),
+                        suffix=SuffixConfig(min_match=1, max_match=2, occurrences=8, history=4))
+    prompt = [1, 3, 4, 1, 3]
+    eng.suffix_history.add(prompt, [4, 1, 2])
+    eng.suffix_history.add(prompt, [3, 2, 4])
+    res = eng.generate([prompt], torch.Generator().manual_seed(0), strategy=SpecStrategy("suffix", 2, 1, 4))
+    assert 1.0 < res.stats["spec/accept_len_mean"] < 3.0                # branches are accepted and rejected
+    v = SMALL.vocab_size
+    seqs = list(itertools.product(range(v), repeat=3))
+    with torch.no_grad():
+        logits = target(torch.tensor([prompt + list(s) for s in seqs]))
+    probs = probs_from_logits(logits[:, len(prompt) - 1: len(prompt) + 2], temperature, top_k, top_p).double()
+    exact = probs.gather(-1, torch.tensor(seqs)[..., None])[..., 0].prod(-1).numpy()
+    full = res.lengths.numpy() == 3
+    counts = np.bincount(np.ravel_multi_index(res.tokens[:, :3].numpy()[full].T, [v] * 3), minlength=v ** 3)
+    eos_paths = np.array([5 in s[:2] for s in seqs])
+    return chi2_pvalue(counts[~eos_paths], exact[~eos_paths])
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 4, 0.9)])
+def test_suffix_sd_sampling_distribution_equals_plain(temperature, top_k, top_p):
+    assert _suffix_joint_pvalue(temperature, top_k, top_p) > 1e-3
+
+
+def test_suffix_chi_square_detects_siblings_left_in_the_residual(monkeypatch):
+    monkeypatch.setattr(S, "drop_children", lambda p, tree, is_child: p)
+    assert _suffix_joint_pvalue(1.0, 0, 1.0) < 1e-6
