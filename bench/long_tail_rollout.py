@@ -49,8 +49,14 @@ def parse_args(argv: list[str] | None = None):
                     type=listed(strategy, "off;chain-4;ngram-4", sep=";"),
                     help="';'-separated strategies of the learned-drafter adaptive policy (each SD one also runs "
                          "fixed); 'off' lets the tuner fall back to plain steps, as TLTConfig.arms does")
-    ap.add_argument("--ngram-arms", default="off;ngram-2;ngram-4", type=listed(strategy, "off;ngram-4", sep=";"),
-                    help="arms of the n-gram-only adaptive policy (no learned drafter)")
+    ap.add_argument("--ngram-arms", default="off;ngram-4;suffix-6-12;suffix-12-24",
+                    type=listed(strategy, "off;ngram-4;suffix-8-16", sep=";"),
+                    help="arms of the model-free adaptive policy (no learned drafter): ngram-D chains and suffix-D-N "
+                         "trees (each SD one also runs fixed)")
+    ap.add_argument("--revisit", action="store_true",
+                    help="GRPO's later epochs: the suffix drafter keeps the responses of a first rollout of the timed "
+                         "prompts (and of the earlier repeats); default: a single pass (its history is cleared "
+                         "before every timed rollout)")
     ap.add_argument("--threshold", type=nonnegative_int, default=None,
                     help="adaptive SD threshold (default: per device)")
     ap.add_argument("--fixed-threshold", type=nonnegative_int, default=32,
@@ -74,11 +80,11 @@ def _check_arms(ap, arms, ngram_arms) -> None:
         ap.error("argument --arms: no chain or tree strategy; the learned-drafter policies need one, e.g. "
                  "off;chain-4;ngram-4")
     if any(a.uses_drafter for a in ngram_arms):
-        ap.error("argument --ngram-arms: chain and tree strategies need the learned drafter; give off and ngram-DEPTH "
-                 "strategies only, e.g. off;ngram-2;ngram-4")
-    if not any(a.kind == "ngram" for a in (*arms, *ngram_arms)):
-        ap.error("argument --ngram-arms: no ngram strategy (nor in --arms); the n-gram policies need one, e.g. "
-                 "off;ngram-2;ngram-4")
+        ap.error("argument --ngram-arms: chain and tree strategies need the learned drafter; give off, ngram-DEPTH "
+                 "and suffix-DEPTH-BUDGET strategies only, e.g. off;ngram-4;suffix-8-16")
+    if not any(a.kind in ("ngram", "suffix") for a in (*arms, *ngram_arms)):
+        ap.error("argument --ngram-arms: no ngram or suffix strategy (nor in --arms); the model-free policies need "
+                 "one, e.g. off;ngram-4;suffix-8-16")
 
 
 class Policy(NamedTuple):
@@ -110,6 +116,8 @@ def main() -> None:
     runner = Runner(target, drafter, device, args, _controllers(policies, args, threshold, costs, drafter))
     hot = runner.engines(args.temperature)
     tuned = _warm_up_and_tune(runner, hot, policies, tune_sets, args)
+    if args.revisit:                                      # the previous epoch's rollout of the same prompts
+        runner.run(hot, Policy("no SD", "none", "plain", lambda: None), prompts, seed=99)
     buckets = TunerConfig().buckets
     times, by_bucket, results = _time_policies(runner, hot, policies, prompts, args.repeats, buckets)
     identical = {} if args.no_identity else _identity(runner, policies, prompts)
@@ -127,6 +135,7 @@ def main() -> None:
                "tuning_rollout_s": tuned, "results": out, "summary": summary}
     shape = "" if (args.prompts, args.group) == (64, 8) else f"-{args.prompts}x{args.group}"
     shape += model_suffix(args.model) + ("" if args.task == "chain" else f"-{args.task}")
+    shape += "-revisit" if args.revisit else ""
     write_results(result_name("long_tail_rollout", device, args.dtype, shape), payload,
                   _table(args, device, rows, results["no SD"], summary, best_fixed, cost_s), args.out)
 
@@ -137,7 +146,8 @@ def _policies(args, threshold: int) -> tuple[list[Policy], list]:
     from tltlib.speculative import SpecStrategy
     arms, ngram_arms = args.arms.items, args.ngram_arms.items
     policies = [Policy("no SD", "none", "plain", lambda: None)]
-    fixed_arms = [a for a in arms if a.enabled] + [x for x in ngram_arms if x.kind == "ngram" and x not in arms]
+    fixed_arms = [a for a in arms if a.enabled] + [x for x in ngram_arms if x.enabled and not x.uses_drafter
+                                                   and x not in arms]
     for a in fixed_arms:                          # an "off" arm is the no-SD policy, already in the list
         fam = "learned" if a.uses_drafter else "ngram"
         if not args.no_always:
@@ -146,7 +156,7 @@ def _policies(args, threshold: int) -> tuple[list[Policy], list]:
         policies.append(Policy(f"<= {thr} rows: {a.name}", fam, "fixed",
                                lambda a=a, thr=thr: (lambda step, active: a if active <= thr else SpecStrategy())))
     policies += [Policy(f"adaptive (<= {threshold} rows, BEG-MAB over {len(arms)} arms)", "learned", "adaptive", None),
-                 Policy(f"adaptive n-gram only (<= {threshold} rows, {len(ngram_arms)} arms)", "ngram", "adaptive",
+                 Policy(f"adaptive model-free (<= {threshold} rows, {len(ngram_arms)} arms)", "ngram", "adaptive",
                         None)]
     return policies, fixed_arms
 
@@ -176,13 +186,17 @@ class Runner:
         from tltlib.sampling import SamplingConfig
         cfg = RolloutConfig(SamplingConfig(temperature=temp, max_new_tokens=self.args.max_new),
                             group_size=self.args.group)
-        return RolloutEngine(self.target, cfg, drafter=self.drafter), RolloutEngine(self.target, cfg)
+        learned, free = RolloutEngine(self.target, cfg, drafter=self.drafter), RolloutEngine(self.target, cfg)
+        free.suffix_history = learned.suffix_history          # one history: a prompt's earlier responses
+        return learned, free
 
     def run(self, engines: tuple, policy: Policy, prompts, seed: int = 0):
         import torch
         eng = engines[1] if policy.family in ("ngram", "none") else engines[0]
         g = torch.Generator(device=self.device).manual_seed(seed)
         source = self.controllers[policy.name] if policy.name in self.controllers else policy.factory()
+        if not self.args.revisit:                             # a single pass: no earlier responses of these prompts
+            eng.suffix_history.by_prompt.clear()
         return eng.generate(prompts, g, strategy=source)
 
 
@@ -296,8 +310,9 @@ def _table(args, device: str, rows: list, r0, summary: dict, best_fixed: dict, c
             f"{args.repeats}; adaptive policies tuned on {args.tune_rollouts} earlier rollouts of other prompts; "
             f"cost model measured in {cost_s:.1f} s\n\n" + markdown_table(header, rows)
             + f"\n\nAdaptive vs no SD: **{summary['adaptive_vs_no_sd']:.2f}x**; vs best fixed "
-              f"({best_fixed['learned']}): **{summary['adaptive_vs_best_fixed']:.2f}x**. n-gram only: adaptive vs "
-              f"no SD {summary['ngram_adaptive_vs_no_sd']:.2f}x, vs best fixed n-gram ({best_fixed['ngram']}) "
+              f"({best_fixed['learned']}): **{summary['adaptive_vs_best_fixed']:.2f}x**. Model-free (n-gram, "
+              f"suffix): adaptive vs no SD {summary['ngram_adaptive_vs_no_sd']:.2f}x, vs best fixed model-free "
+              f"({best_fixed['ngram']}) "
               f"{summary['ngram_adaptive_vs_best_fixed']:.2f}x. Per-bucket oracle (the fastest of no SD and each "
               f"{oracle_of} in every tuner bucket, in hindsight): {summary['oracle_vs_no_sd']:.2f}x over no SD, "
               f"{summary['oracle_vs_best_fixed']:.2f}x over the best fixed policy; adaptive reaches "

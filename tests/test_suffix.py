@@ -129,3 +129,30 @@ def test_suffix_sd_sampling_distribution_equals_plain(temperature, top_k, top_p)
 def test_suffix_chi_square_detects_siblings_left_in_the_residual(monkeypatch):
     monkeypatch.setattr(S, "drop_children", lambda p, tree, is_child: p)
     assert _suffix_joint_pvalue(1.0, 0, 1.0) < 1e-6
+
+
+def test_hybrid_picks_per_row_the_tree_expecting_more_and_stays_token_identical():
+    from tltlib.drafter import Drafter, DrafterConfig
+    from tltlib.specdecode import _pick_trees
+    from tltlib.speculative import DraftTree
+    two = (lambda row: torch.tensor([row] * 2))
+    eagle = DraftTree(two([9, 1, 2]), two([-1, 0, 1]), two([0, 1, 2]))           # a chain 1 -> 2
+    suffix = DraftTree(two([9, 3, 4]), two([-1, 0, 0]), two([0, 1, 1]))          # two branches
+    scores = torch.log(torch.tensor([[1.0, 0.5, 0.25], [1.0, 0.9, 0.8]]))      # expects 0.75 and 1.7 tokens
+    tree, _ = _pick_trees(eagle, scores, suffix, torch.tensor([1.0, 1.0]))
+    assert tree.tokens.tolist() == [[9, 3, 4], [9, 1, 2]] and tree.parents.tolist() == [[-1, 0, 0], [-1, 0, 1]]
+    with pytest.raises(ValueError, match="hybrid trees differ in size"):
+        _pick_trees(eagle, scores, DraftTree(suffix.tokens[:, :2], suffix.parents[:, :2], suffix.depth[:, :2]),
+                    torch.ones(2))
+    target = _model(CFG)
+    torch.manual_seed(1)
+    drafter = Drafter(DrafterConfig.from_target(CFG), init_std=0.3).eval().attach(target)
+    prompts = [[1, 5, 6, 5, 6], [1, 7], [1, 3, 4, 3, 4, 3]]
+    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=30), group_size=2),
+                        drafter=drafter, suffix=SuffixConfig(min_match=1))
+    plain = eng.generate(prompts)
+    for _ in range(2):
+        res = eng.generate(prompts, strategy=SpecStrategy.parse("hybrid-3x2-6"))
+        assert torch.equal(plain.tokens, res.tokens) and torch.equal(plain.lengths, res.lengths)
+    # the random drafter's trees accept little; the repeated greedy text makes the suffix trees win
+    assert res.stats["spec/suffix_match_rate"] > 0.5 and res.stats["spec/accept_len_mean"] > 2.0

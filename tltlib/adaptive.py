@@ -115,8 +115,8 @@ class CostModel:
         if not arm.enabled:
             return self.target_time(batch, 1, context)
         verify = self.target_time(batch, arm.verify_tokens + 1, context)
-        if arm.kind == "ngram":
-            return verify + self.ngram_s_per_row * batch
+        if arm.kind in ("ngram", "suffix"):
+            return verify + self.ngram_s_per_row * batch * (arm.verify_tokens if arm.kind == "suffix" else 1)
         levels = arm.depth + 1                          # one catch-up over the backlog + one forward per level
         width = 1 if arm.kind == "chain" else arm.top_k
         return verify + levels * self.draft_time(batch, width)
@@ -152,7 +152,7 @@ def expected_tokens(arm: SpecStrategy, accept: Sequence[float] | float) -> float
         return 1.0
     rates = [float(accept)] * arm.depth if np.isscalar(accept) else [float(a) for a in accept]
     rates = (rates + [rates[-1]] * arm.depth)[: arm.depth]
-    if arm.kind == "tree":
+    if arm.kind in ("tree", "hybrid", "suffix"):
         w = max(1, min(arm.top_k, arm.verify_tokens // arm.depth))
         rates = [1 - (1 - a) ** w for a in rates]
     total, run = 1.0, 1.0
@@ -288,7 +288,7 @@ class AdaptiveConfig:
 
 
 def _family(arm: SpecStrategy) -> str:
-    return "ngram" if arm.kind == "ngram" else "learned"
+    return "ngram" if arm.kind in ("ngram", "suffix") else "learned"
 
 
 class AdaptiveController(StrategySource):
@@ -363,7 +363,7 @@ class AdaptiveController(StrategySource):
             return
         if context is not None:
             self._context = float(context)
-        if strategy.kind in ("chain", "ngram") and accepted is not None:
+        if strategy.kind in ("chain", "ngram") and accepted is not None:      # chains measure depth by depth
             self.accept[_family(strategy)].update(accepted)
         per_row = tokens / rows
         rate = per_row * active / seconds                 # tokens/s of the batch if every row yielded per_row

@@ -72,7 +72,8 @@ def run_command(args) -> int:
     from .loading import load
     from .tasks import generate_task, load_problems
     target, tok, _ = load(args.model, None, device=args.device)
-    problems = (generate_task(args.dataset or "chain", args.n, args.seed + 1000) if args.dataset in ("", "chain", "words")
+    generated = args.dataset in ("", "chain", "words")
+    problems = (generate_task(args.dataset or "chain", args.n, args.seed + 1000) if generated
                 else load_problems(resolve(args.dataset))[: args.n])
     st = sample_responses(target, tok, problems, args.out, args.temperature, args.max_new_tokens, args.batch,
                           args.seed, progress=not args.quiet)

@@ -379,26 +379,26 @@ class Rollout:
         return self.engine.model.forward_cached(tokens, self.cache)
 
     def _speculate(self, st: SpecStrategy, commit) -> Emitted:
-        """One SD step: drafts from the learned drafter or, for ``ngram``, from earlier text; one verify forward."""
-        propose = {"ngram": self._ngram_proposer, "suffix": self._suffix_proposer}.get(st.kind, lambda: None)()
+        """One SD step: drafts from the learned drafter and/or earlier text (ngram, suffix); one verify forward."""
+        propose = self._ngram_proposer() if st.kind == "ngram" else self._suffix_proposer() if st.kind in (
+            "suffix", "hybrid") else None
         return self.spec.draft_and_verify(st, self.last, self.cache, self.generator, commit, propose)
 
     def _suffix_proposer(self):
         """``propose(strategy) -> DraftTree``: trees from the rows' groups and their prompts' earlier responses."""
-        if self.suffix is None:
-            self.suffix = SuffixDrafter(self.prompts, self.engine.config.group_size, self.engine.suffix_config,
-                                        self.engine.suffix_history)
+        self.suffix = self.suffix or SuffixDrafter(self.prompts, self.engine.config.group_size,
+                                                   self.engine.suffix_config, self.engine.suffix_history)
         ids = self.seq.tolist()
 
-        def propose(st):
+        def propose(st):            # suffix: the tree; hybrid: a tree the size of the drafter's, and its value
             self.suffix.update(ids, self.out_tokens, self.n_out)
-            return self.suffix.propose(ids, self.last, st.depth, st.budget)
+            tree = self.suffix.propose(ids, self.last, st.depth, st.verify_tokens)
+            return tree if st.kind == "suffix" else (tree, self.suffix.expected)
         return propose
 
     def _ngram_proposer(self):
-        """``propose(depth) -> [rows, depth]`` drafts copied from the rows' earlier text and their siblings'."""
-        if self.ngram is None:
-            self.ngram = NgramDrafter(self.prompts, self.engine.config.group_size, self.engine.ngram_config)
+        """``propose(strategy) -> [rows, depth]`` drafts copied from the rows' earlier text and their siblings'."""
+        self.ngram = self.ngram or NgramDrafter(self.prompts, self.engine.config.group_size, self.engine.ngram_config)
         ids = self.seq.tolist()
 
         def propose(st):

@@ -238,6 +238,10 @@ class SpecDecoder:
         else:
             tree, scores = self._draft_tree_replayed(strategy, root, q_logits, feat)
             qs = None
+            if strategy.kind == "hybrid":
+                if propose is None:
+                    raise ValueError("a hybrid step needs propose=...: run it through RolloutEngine.generate")
+                tree, scores = _pick_trees(tree, scores, *propose(strategy))
         t1 = time.perf_counter()
         positions = tcache.lengths[: tcache.rows, None] + tree.depth
         tree_mask = None if strategy.kind == "chain" else tree.mask()
@@ -257,7 +261,7 @@ class SpecDecoder:
             node_q = (qs.gather(-1, drafts[..., None])[..., 0] if strategy.kind == "chain"
                       else (scores[:, 1:] - scores.gather(1, tree.parents[:, 1:].clamp_min(0))).exp())
             self.trace = self._trace(strategy, tree, node_q, qs, path, accepted, nxt, logits)
-        out = self._commit(tree, path, accepted, nxt, logits, hidden, tcache, strategy.kind == "tree", commit_mask,
+        out = self._commit(tree, path, accepted, nxt, logits, hidden, tcache, strategy.kind != "chain", commit_mask,
                            probs)
         out.drafted = tree.size - 1
         out.draft_s, out.verify_s = t1 - t0, time.perf_counter() - t1
@@ -446,6 +450,21 @@ class SpecDecoder:
         else:
             lp = token_logprobs(logits[rows, nodes], emitted, self.sampling)
         return Emitted(emitted, count, lp, h, accepted)
+
+
+def _pick_trees(eagle: DraftTree, scores: torch.Tensor, suffix: DraftTree, expected: torch.Tensor):
+    """Per row, the drafter's tree or the suffix tree (same size), whichever expects more accepted tokens: the sum
+    of its nodes' path probabilities (the drafter's cumulative q, ``scores [B, N+1]`` log, node 0 the root; the
+    suffix tree's empirical ones, ``expected [B]``). Both are functions of earlier text, so the choice keeps
+    target-only verification exact. Returns (tree, scores: the drafter's, or log of the suffix path probability)."""
+    if suffix.tokens.shape != eagle.tokens.shape:
+        raise ValueError(f"hybrid trees differ in size: drafter {tuple(eagle.tokens.shape)}, suffix "
+                         f"{tuple(suffix.tokens.shape)}")
+    mine = scores[:, 1:].exp().sum(1)
+    use = (expected > mine)[:, None]
+    pick = (lambda a, b: torch.where(use, a, b))
+    return (DraftTree(pick(suffix.tokens, eagle.tokens), pick(suffix.parents, eagle.parents),
+                      pick(suffix.depth, eagle.depth)), scores)
 
 
 def _chain_path(drafts: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch
 
 from .sampling import probs_from_logits, sample, uniforms
 
-KINDS = ("off", "chain", "tree", "ngram", "suffix")
+KINDS = ("off", "chain", "tree", "ngram", "suffix", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -44,12 +44,14 @@ class SpecStrategy:
     probable nodes (SGLang's ``steps_topk_verifyTokens``); ``ngram`` proposes ``depth`` tokens copied from earlier
     text of the sequence or of its GRPO siblings (:mod:`tltlib.ngram`; model-free, no drafter needed); ``suffix``
     proposes a tree of at most ``budget`` nodes and ``depth`` levels from what followed the row's longest recurring
-    suffix in its group and in earlier responses to its prompt (:mod:`tltlib.suffix`; model-free).
+    suffix in its group and in earlier responses to its prompt (:mod:`tltlib.suffix`; model-free); ``hybrid`` drafts
+    both the ``tree`` and a ``suffix`` tree of the same size and verifies, per row, the one with more expected
+    accepted tokens (the drafter's path probabilities vs the suffix tree's empirical ones).
 
     Names round-trip: ``SpecStrategy.parse("tree-8x4-32") == SpecStrategy("tree", 8, 4, 32)``."""
 
     kind: str = "off"
-    """``"off"``, ``"chain"``, ``"tree"``, ``"ngram"`` or ``"suffix"``."""
+    """``"off"``, ``"chain"``, ``"tree"``, ``"ngram"``, ``"suffix"`` or ``"hybrid"``."""
     depth: int = 1
     """Draft depth (tokens per chain, levels per tree)."""
     top_k: int = 1
@@ -65,7 +67,7 @@ class SpecStrategy:
             raise ValueError(f"draft depth must be >= 1, got {self.depth}")
         if self.top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
-        if self.kind == "tree" and self.budget and self.budget < self.depth:
+        if self.kind in ("tree", "hybrid") and self.budget and self.budget < self.depth:
             raise ValueError(f"verify budget ({self.budget}) must be >= the draft depth ({self.depth}) so the "
                              "deepest path fits; raise the budget or lower the depth")
         if self.kind == "suffix" and self.budget < max(self.depth, 1):
@@ -76,7 +78,8 @@ class SpecStrategy:
 
     @classmethod
     def parse(cls, name: str) -> "SpecStrategy":
-        """The strategy called ``name``: ``off``, ``chain-D``, ``ngram-D``, ``tree-DxK-N`` or ``suffix-D-N``."""
+        """The strategy called ``name``: ``off``, ``chain-D``, ``ngram-D``, ``tree-DxK-N``, ``suffix-D-N`` or
+        ``hybrid-DxK-N``."""
         text = str(name).strip()
         try:
             if text == "off":
@@ -87,21 +90,21 @@ class SpecStrategy:
             if kind == "suffix":
                 d, _, budget = rest.partition("-")
                 return cls("suffix", int(d), 1, int(budget))
-            if kind == "tree":
+            if kind in ("tree", "hybrid"):
                 dk, _, budget = rest.partition("-")
                 d, _, k = dk.partition("x")
-                return cls("tree", int(d), int(k), int(budget))
+                return cls(kind, int(d), int(k), int(budget))
         except ValueError as e:
             if "invalid literal" not in str(e):
                 raise
         raise ValueError(f"cannot read speculative strategy {name!r}: write off, chain-DEPTH, ngram-DEPTH, "
-                         "tree-DEPTHxTOPK-BUDGET or suffix-DEPTH-BUDGET (e.g. chain-4, ngram-8, tree-8x4-32, "
-                         "suffix-8-16)")
+                         "tree-DEPTHxTOPK-BUDGET, suffix-DEPTH-BUDGET or hybrid-DEPTHxTOPK-BUDGET (e.g. chain-4, "
+                         "ngram-8, tree-8x4-32, suffix-8-16, hybrid-6x4-24)")
 
     @property
     def uses_drafter(self) -> bool:
-        """Needs a learned drafter (chain, tree); ``ngram``, ``suffix`` and ``off`` do not."""
-        return self.kind in ("chain", "tree")
+        """Needs a learned drafter (chain, tree, hybrid); ``ngram``, ``suffix`` and ``off`` do not."""
+        return self.kind in ("chain", "tree", "hybrid")
 
     @property
     def enabled(self) -> bool:
@@ -135,7 +138,7 @@ class SpecStrategy:
             return f"{self.kind}-{self.depth}"
         if self.kind == "suffix":
             return f"suffix-{self.depth}-{self.budget}"
-        return f"tree-{self.depth}x{self.top_k}-{self.verify_tokens}"
+        return f"{self.kind}-{self.depth}x{self.top_k}-{self.verify_tokens}"
 
 
 OFF = SpecStrategy()

@@ -180,22 +180,26 @@ class SuffixDrafter:
     def propose(self, seqs: Sequence[int], root: torch.Tensor, depth: int, budget: int) -> DraftTree:
         """Draft trees for sequences ``seqs`` (``root [B]``: each row's last token, node 0): at most ``budget``
         nodes of at most ``depth`` levels. Rows with fewer nodes are padded with nodes that hang off no tree node
-        (parent -1: never a child of any node the walk reaches, so never accepted)."""
+        (parent -1: never a child of any node the walk reaches, so never accepted). :attr:`expected` ``[B]``: each
+        tree's expected accepted drafts under its empirical probabilities (the sum of its nodes')."""
         b = len(seqs)
         tok = np.zeros((b, budget + 1), dtype=np.int64)
         par = np.full((b, budget + 1), -1, dtype=np.int64)
         dep = np.ones((b, budget + 1), dtype=np.int64)
         dep[:, 0] = 0
+        expected = np.zeros(b)
         for r, s in enumerate(seqs):
             nodes = trie_nodes(self.continuations(int(s), depth), budget)
             self.asked += 1
             self.proposed += bool(nodes)
             self.nodes += len(nodes)
+            expected[r] = sum(prob for _, _, prob in nodes)
             for i, (t, p, _) in enumerate(nodes, 1):
                 tok[r, i], par[r, i] = t, p + 1 if p >= 0 else 0
                 dep[r, i] = dep[r, p + 1] + 1 if p >= 0 else 1
             tok[r, len(nodes) + 1:] = self.text[int(s)][-1]
         dev = root.device
+        self.expected = torch.from_numpy(expected).to(dev)
         tokens = torch.from_numpy(tok).to(dev)
         tokens[:, 0] = root
         return DraftTree(tokens, torch.from_numpy(par).to(dev), torch.from_numpy(dep).to(dev))
