@@ -156,3 +156,18 @@ def test_hybrid_picks_per_row_the_tree_expecting_more_and_stays_token_identical(
         assert torch.equal(plain.tokens, res.tokens) and torch.equal(plain.lengths, res.lengths)
     # the random drafter's trees accept little; the repeated greedy text makes the suffix trees win
     assert res.stats["spec/suffix_match_rate"] > 0.5 and res.stats["spec/accept_len_mean"] > 2.0
+
+
+def test_the_combined_drafter_refuses_a_drafter_of_another_target_and_trees_the_cache_cannot_hold():
+    from dataclasses import replace
+
+    from tltlib.drafter import Drafter, DrafterConfig
+    target = _model(CFG)
+    for other in (replace(CFG, hidden_size=48), replace(CFG, vocab_size=30)):
+        with pytest.raises(ValueError, match="does not match the target"):
+            RolloutEngine(target, RolloutConfig(), drafter=Drafter(DrafterConfig.from_target(other)))
+    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(max_new_tokens=4), draft_margin=8),
+                        drafter=Drafter(DrafterConfig.from_target(CFG)))
+    for name in ("suffix-8-16", "hybrid-4x4-16"):
+        with pytest.raises(ValueError, match="verifies 16 tokens but the cache leaves room for 7"):
+            eng.generate([[1, 4, 5]], strategy=name)
