@@ -30,8 +30,8 @@ class _Tok:
 
 
 def test_responses_are_appended_per_batch_and_a_rerun_continues(tmp_path, monkeypatch):
-    import tltlib.draft_data as dd
-    monkeypatch.setattr(dd, "encode_prompts", lambda probs, tok: [[1] + [3 + ord(c) % 20 for c in p.prompt]
+    import tltlib.tasks
+    monkeypatch.setattr(tltlib.tasks, "encode_prompts", lambda probs, tok: [[1] + [3 + ord(c) % 20 for c in p.prompt]
                                                                   for p in probs])
     torch.manual_seed(0)
     target = Transformer(CFG, init_std=0.4).eval()

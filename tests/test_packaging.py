@@ -50,3 +50,12 @@ def test_shipped_data_stays_small():
     """data/ holds only the small shipped models and sample data (the project's budget: ~40 MB in all)."""
     size = sum(f.stat().st_size for f in (ROOT / "data").rglob("*") if f.is_file())
     assert size <= 40e6, f"data/ is {size / 1e6:.1f} MB; keep large artefacts out of git (runs/, a cache folder)"
+
+
+def test_the_command_line_parser_builds_without_torch():
+    """``python -m tltlib setup`` runs from a bare Python: building the parser must not import torch."""
+    code = ("import sys; sys.modules['torch'] = None; import tltlib.cli as c; p = c.build_parser(); "
+            "print(sorted(p._subparsers._group_actions[0].choices))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "sample-responses" in out.stdout and "setup" in out.stdout

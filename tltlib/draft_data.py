@@ -13,11 +13,8 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
-from .rollout import RolloutConfig, RolloutEngine
-from .sampling import SamplingConfig
-from .tasks import encode_prompts, read_responses
+# torch and the engine are imported where used: ``python -m tltlib`` builds its parser (add_command) from a bare
+# Python, before set-up has installed torch.
 
 
 def sample_responses(target, tokenizer, problems, out, temperature: float = 0.9, max_new_tokens: int = 512,
@@ -25,6 +22,11 @@ def sample_responses(target, tokenizer, problems, out, temperature: float = 0.9,
     """Sample one response per problem in batches of ``batch`` prompts and append each batch's rows to ``out``
     (created if missing; rows already there are kept, so a stopped run continues with the next problems: the
     file's row count says where). Returns ``{"rows": ..., "tokens": ..., "seconds": ...}`` of this call."""
+    import torch
+
+    from .rollout import RolloutConfig, RolloutEngine
+    from .sampling import SamplingConfig
+    from .tasks import encode_prompts, read_responses
     if batch < 1 or max_new_tokens < 1:
         raise ValueError(f"batch and max_new_tokens must be >= 1, got {batch}, {max_new_tokens}")
     out = Path(out)
