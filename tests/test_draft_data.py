@@ -78,3 +78,11 @@ def test_response_pairs_hold_out_the_last_rows_and_refuse_too_few(tmp_path):
     assert held.tok[: held.size].tolist() == [4, 5, 9, 7, 2]             # the last row's next tokens
     with pytest.raises(ValueError, match="4 responses cannot hold 4 held-out"):
         response_pairs(target, _Tok(), f, n_train=2, n_eval=4)
+
+
+def test_a_gzipped_responses_file_reads_the_same(tmp_path):
+    import gzip
+    rows = "".join(json.dumps({"prompt_ids": [1, 2], "response_ids": [3 + i, 2]}) + "\n" for i in range(3))
+    (tmp_path / "r.jsonl").write_text(rows)
+    (tmp_path / "r.jsonl.gz").write_bytes(gzip.compress(rows.encode()))
+    assert read_responses(tmp_path / "r.jsonl.gz") == read_responses(tmp_path / "r.jsonl")

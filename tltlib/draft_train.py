@@ -97,17 +97,20 @@ class DrafterTrainConfig:
 
 @torch.no_grad()
 def target_hidden(target, sequences: list[list[int]], pad_id: int = 0, chunk: int = 16) -> list[torch.Tensor]:
-    """The target's final hidden states of each (prompt + response) sequence, by one training forward."""
-    out = []
+    """The target's final hidden states of each (prompt + response) sequence, by one training forward (in chunks of
+    sequences of similar length, so little is computed on padding)."""
+    out: list = [None] * len(sequences)
     dev = target.embed.weight.device
-    for i in range(0, len(sequences), chunk):
-        part = sequences[i: i + chunk]
-        width = max(map(len, part))
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    for i in range(0, len(order), chunk):
+        part = order[i: i + chunk]
+        width = max(len(sequences[k]) for k in part)
         x = torch.full((len(part), width), pad_id, dtype=torch.long)
-        for j, s in enumerate(part):
-            x[j, : len(s)] = torch.tensor(s)
+        for j, k in enumerate(part):
+            x[j, : len(sequences[k])] = torch.tensor(sequences[k])
         _, h = target(x.to(dev), return_hidden=True)       # right padding: causal, so real positions are exact
-        out += [h[j, : len(s)].detach() for j, s in enumerate(part)]
+        for j, k in enumerate(part):
+            out[k] = h[j, : len(sequences[k])].detach()
     return out
 
 

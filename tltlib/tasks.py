@@ -346,13 +346,18 @@ def score_responses(texts: list[str], problems: list[Problem], group_size: int =
 def read_responses(path, vocab_size: int | None = None) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, response ids) of every row of a responses file; a malformed row, or an id outside
     ``vocab_size`` (a file sampled from another model), is refused with its row number. A last line cut short (a
-    sampling run killed mid-write) is refused too: delete that line."""
+    sampling run killed mid-write) is refused too: delete that line. ``.jsonl.gz``: read through gzip."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"responses file {str(path)!r} does not exist; write one with "
                                 "python -m tltlib sample-responses")
     out = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    if path.suffix == ".gz":
+        import gzip
+        text = gzip.decompress(path.read_bytes()).decode("utf-8")
+    else:
+        text = path.read_text(encoding="utf-8")
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
