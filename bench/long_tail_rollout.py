@@ -136,6 +136,7 @@ def main() -> None:
     shape = "" if (args.prompts, args.group) == (64, 8) else f"-{args.prompts}x{args.group}"
     shape += model_suffix(args.model) + ("" if args.task == "chain" else f"-{args.task}")
     shape += "-revisit" if args.revisit else ""
+    shape += "" if args.drafter == DRAFTER else "-" + Path(args.drafter).expanduser().resolve().name
     write_results(result_name("long_tail_rollout", device, args.dtype, shape), payload,
                   _table(args, device, rows, results["no SD"], summary, best_fixed, cost_s), args.out)
 

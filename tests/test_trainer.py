@@ -111,7 +111,7 @@ def test_bad_input_is_one_clear_error(shipped):
     model, tok, drafter = shipped
     with pytest.raises(ValueError, match="drafter_steps is the drafter-training budget per RL step and must be >= 0"):
         TLTConfig(drafter_steps=-1)
-    with pytest.raises(ValueError, match="on_drafter_change must be 'reset' or 'keep', got 'never'"):
+    with pytest.raises(ValueError, match="on_drafter_change must be 'discount', 'reset' or 'keep', got 'never'"):
         TLTConfig(on_drafter_change="never")
     with pytest.raises(ValueError, match="3 training problems but a step needs 4"):
         GRPOTrainer(model, tok, PROBLEMS[:3], ARGS)
