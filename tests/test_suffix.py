@@ -44,6 +44,10 @@ def test_siblings_and_the_row_merge_into_one_tree():
     assert tree.depth[0].tolist() == [0, 1, 1, 2, 2]
     padded = d.propose([2], torch.tensor([8]), depth=3, budget=8)       # 5 nodes; 3 padding nodes hang off nothing
     assert padded.parents[0, 6:].tolist() == [-1, -1, -1] and d.proposed == 2 and d.asked == 2
+    trimmed = d.propose([2], torch.tensor([8]), depth=3, budget=8, trim=True)  # only as wide as its 5 nodes
+    assert trimmed.tokens.shape == (1, 6) and torch.equal(trimmed.tokens, padded.tokens[:, :6])
+    lone = _drafter([1, 2], [[3, 4, 5]]).propose([0], torch.tensor([5]), 3, 8, trim=True)
+    assert lone.tokens.shape == (1, 2) and lone.parents[0, 1] == -1       # nothing recurs: one padding node
 
 
 def test_earlier_rollouts_of_the_prompt_supply_drafts_and_no_match_gives_the_root_alone():

@@ -36,6 +36,8 @@ import numpy as np
 from .speculative import OFF, SpecStrategy
 
 DEFAULT_ARMS = ("chain-4", "chain-8", "chain-16", "tree-6x4-24", "ngram-4")
+PRIOR_REFRESH = 16
+"""Choices a cached prior value is used for before the prior (measured acceptance, context) is asked again."""
 RULES = ("thompson", "epsilon-greedy")
 
 
@@ -141,6 +143,9 @@ class Bandit:
         self.rewards = [{a: deque(maxlen=w) for a in arms} for arms in self.bucket_arms]
         self.weights = [{a: deque(maxlen=w) for a in arms} for arms in self.bucket_arms]
         self.plays = [{a: 0 for a in arms} for arms in self.bucket_arms]
+        self._prior_cache: dict = {}
+        self._stat_cache: dict = {}
+        self._choices = 0
 
     def bucket(self, batch: int) -> int:
         """Index of the bucket holding ``batch`` rows."""
@@ -153,17 +158,34 @@ class Bandit:
         w = self.rewards[bucket][arm]
         return float(np.median(w)) if w else -math.inf
 
-    def _prior_log(self, arm: SpecStrategy, batch: int) -> float:
-        return math.log(max(self.prior(arm, batch), 1e-3)) if self.prior else 0.0
+    def predicted(self, arm: SpecStrategy, batch: int) -> float:
+        """The prior's reward of ``arm`` at ``batch`` rows, cached for :data:`PRIOR_REFRESH` choices (the tuner
+        runs every decode iteration: its own cost must stay far below one)."""
+        key = (arm, batch)
+        hit = self._prior_cache.get(key)
+        if hit is None or self._choices - hit[1] >= PRIOR_REFRESH:
+            hit = self._prior_cache[key] = (float(self.prior(arm, batch)), self._choices)
+        return hit[0]
+
+    def _stats(self, b: int, arm: SpecStrategy) -> tuple[float, float, float, int]:
+        """(sum of weights, weighted sum of log-rewards, squared deviations of the log-rewards around their mean,
+        count) of ``arm`` in bucket ``b``, recomputed only when its rewards change."""
+        key = (b, arm)
+        if key not in self._stat_cache:
+            x = np.log(np.maximum(np.asarray(self.rewards[b][arm], dtype=np.float64), 1e-3))
+            w = np.asarray(self.weights[b][arm], dtype=np.float64)
+            ss = float(((x - x.mean()) ** 2).sum()) if x.size > 1 else 0.0
+            self._stat_cache[key] = (float(w.sum()), float((w * x).sum()), ss, int(x.size))
+        return self._stat_cache[key]
 
     def noise(self, bucket: int) -> float:
         """Standard deviation of one log-reward in ``bucket``: pooled over its arms' rewards around their own means,
         with ``config.noise`` worth 4 degrees of freedom (so a few rewards cannot make it tiny)."""
         ss, dof = 4 * self.config.noise ** 2, 4.0
-        for arm, r in self.rewards[bucket].items():
-            if len(r) > 1:
-                x = np.log(np.maximum(np.asarray(r), 1e-3))
-                ss, dof = ss + float(((x - x.mean()) ** 2).sum()), dof + len(x) - 1
+        for arm in self.rewards[bucket]:
+            _, _, s, n = self._stats(bucket, arm)
+            if n > 1:
+                ss, dof = ss + s, dof + n - 1
         return math.sqrt(ss / dof)
 
     def belief(self, batch: int, arm: SpecStrategy) -> tuple[float, float]:
@@ -172,13 +194,12 @@ class Bandit:
         an infinite deviation (it is tried first)."""
         b = self.bucket(batch)
         n0 = self.config.prior_weight if self.prior else 0.0
-        x = np.log(np.maximum(np.asarray(self.rewards[b][arm], dtype=np.float64), 1e-3))
-        w = np.asarray(self.weights[b][arm], dtype=np.float64)
-        n = n0 + float(w.sum())
+        wsum, wx, _, _ = self._stats(b, arm)
+        n = n0 + wsum
         if n <= 0:
             return 0.0, math.inf
-        mean = (n0 * self._prior_log(arm, batch) + float((w * x).sum())) / n
-        return mean, self.noise(b) / math.sqrt(n)
+        prior = math.log(max(self.predicted(arm, batch), 1e-3)) if self.prior else 0.0
+        return (n0 * prior + wx) / n, self.noise(b) / math.sqrt(n)
 
     def best(self, batch: int) -> SpecStrategy:
         """The arm the tuner currently believes best at ``batch`` (no exploration)."""
@@ -194,7 +215,7 @@ class Bandit:
         arms = self.bucket_arms[b]
         if not self.prior or not self.config.prune or len(arms) == 1:
             return arms
-        pred = {a: self.prior(a, batch) for a in arms}
+        pred = {a: self.predicted(a, batch) for a in arms}
         cut = self.config.prune * max(pred.values())
         return tuple(a for a in arms if not a.enabled or pred[a] >= cut or self.rewards[b][a])
 
@@ -202,6 +223,7 @@ class Bandit:
         """The arm to play at ``batch`` rows (``config.rule``)."""
         b = self.bucket(batch)
         arms = self.candidates(batch)
+        self._choices += 1
         arm = self._epsilon_greedy(b, batch, arms) if self.config.rule == "epsilon-greedy" else \
             self._thompson(batch, arms)
         self.plays[b][arm] += 1
@@ -220,7 +242,7 @@ class Bandit:
         fewest = min(seen.values())
         if fewest < self.config.min_samples:
             under = [a for a in arms if seen[a] == fewest]
-            return max(under, key=lambda a: self.prior(a, batch)) if self.prior else under[0]
+            return max(under, key=lambda a: self.predicted(a, batch)) if self.prior else under[0]
         if len(arms) > 1 and self.rng.random() < self.config.epsilon:
             return arms[int(self.rng.integers(len(arms)))]
         return max(arms, key=lambda a: self.score(b, a))
@@ -232,6 +254,7 @@ class Bandit:
         if r is not None and math.isfinite(reward) and reward > 0:
             r.append(float(reward))
             self.weights[b][arm].append(1.0)
+            self._stat_cache.pop((b, arm), None)
 
     def discount(self, which, keep: float) -> None:
         """Multiply the weights of the rewards of the arms for which ``which(arm)`` is true by ``keep`` (0 clears
@@ -239,6 +262,7 @@ class Bandit:
         for rewards, weights in zip(self.rewards, self.weights):
             for a in rewards:
                 if which(a):
+                    self._stat_cache.clear()
                     kept = [w * keep for w in weights[a]] if keep > 0 else []
                     weights[a].clear()
                     weights[a].extend(kept)
@@ -270,6 +294,7 @@ class Bandit:
             for a in plays:
                 plays[a] = saved[a.name]
         self.rng.bit_generator.state = d["rng"]
+        self._stat_cache.clear()
 
     def best_by_bucket(self) -> list[dict]:
         """Per bucket with measurements: its batch range, the arm with the best median reward, and that reward."""

@@ -392,7 +392,7 @@ class Rollout:
 
         def propose(st):            # suffix: the tree; hybrid: a tree the size of the drafter's, and its value
             self.suffix.update(ids, self.out_tokens, self.n_out)
-            tree = self.suffix.propose(ids, self.last, st.depth, st.verify_tokens)
+            tree = self.suffix.propose(ids, self.last, st.depth, st.verify_tokens, trim=st.kind == "suffix")
             return tree if st.kind == "suffix" else (tree, self.suffix.expected)
         return propose
 

@@ -177,11 +177,13 @@ class SuffixDrafter:
                 return conts
         return []
 
-    def propose(self, seqs: Sequence[int], root: torch.Tensor, depth: int, budget: int) -> DraftTree:
+    def propose(self, seqs: Sequence[int], root: torch.Tensor, depth: int, budget: int,
+                trim: bool = False) -> DraftTree:
         """Draft trees for sequences ``seqs`` (``root [B]``: each row's last token, node 0): at most ``budget``
         nodes of at most ``depth`` levels. Rows with fewer nodes are padded with nodes that hang off no tree node
         (parent -1: never a child of any node the walk reaches, so never accepted). :attr:`expected` ``[B]``: each
-        tree's expected accepted drafts under its empirical probabilities (the sum of its nodes')."""
+        tree's expected accepted drafts under its empirical probabilities (the sum of its nodes'). ``trim``: the
+        trees are only as wide as the largest one (at least one node): no verify work on padding."""
         b = len(seqs)
         tok = np.zeros((b, budget + 1), dtype=np.int64)
         par = np.full((b, budget + 1), -1, dtype=np.int64)
@@ -198,6 +200,9 @@ class SuffixDrafter:
                 tok[r, i], par[r, i] = t, p + 1 if p >= 0 else 0
                 dep[r, i] = dep[r, p + 1] + 1 if p >= 0 else 1
             tok[r, len(nodes) + 1:] = self.text[int(s)][-1]
+        if trim:
+            width = 1 + max(1, int((par[:, 1:] >= 0).sum(1).max()) if b else 1)
+            tok, par, dep = tok[:, :width], par[:, :width], dep[:, :width]
         dev = root.device
         self.expected = torch.from_numpy(expected).to(dev)
         tokens = torch.from_numpy(tok).to(dev)
