@@ -68,3 +68,24 @@ def chi2_pvalue(counts, probs, min_expected: float = 5.0) -> float:
     if exp[-1] == 0:
         obs, exp = obs[:-1], exp[:-1]
     return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
+
+
+def first_tokens_pvalue(target, prompt, res, temperature, top_k, top_p, n: int = 3) -> float:
+    """Chi-square p-value of the first ``n`` sampled tokens of every response in ``res`` that has at least ``n``
+    (no EOS among its first n - 1) against their exact joint distribution under ``target`` (enumerated)."""
+    import itertools
+
+    import numpy as np
+    import torch
+
+    from tltlib.sampling import probs_from_logits
+    v, eos = target.config.vocab_size, target.config.eos_token_ids[0]
+    seqs = list(itertools.product(range(v), repeat=n))
+    with torch.no_grad():
+        logits = target(torch.tensor([prompt + list(s) for s in seqs]))
+    probs = probs_from_logits(logits[:, len(prompt) - 1: len(prompt) + n - 1], temperature, top_k, top_p).double()
+    exact = probs.gather(-1, torch.tensor(seqs)[..., None])[..., 0].prod(-1).numpy()
+    full = res.lengths.numpy() == n
+    counts = np.bincount(np.ravel_multi_index(res.tokens[:, :n].numpy()[full].T, [v] * n), minlength=v ** n)
+    eos_paths = np.array([eos in s[: n - 1] for s in seqs])
+    return chi2_pvalue(counts[~eos_paths], exact[~eos_paths])

@@ -1,18 +1,16 @@
 """The model-free n-gram drafter: what it proposes, and that SD with it stays exact in the engine."""
 from __future__ import annotations
 
-import itertools
 
-import numpy as np
 import pytest
 import torch
 
-from conftest import chi2_pvalue
+from conftest import first_tokens_pvalue
 from tltlib import speculative as S
 from tltlib.model import ModelConfig, Transformer
 from tltlib.ngram import NgramConfig, NgramDrafter
 from tltlib.rollout import RolloutConfig, RolloutEngine
-from tltlib.sampling import SamplingConfig, probs_from_logits
+from tltlib.sampling import SamplingConfig
 from tltlib.speculative import SpecStrategy
 
 
@@ -102,16 +100,7 @@ def _ngram_joint_pvalue(temperature, top_k, top_p, rows=12000):
     prompt = [1, 3, 4, 1, 3]
     res = eng.generate([prompt], torch.Generator().manual_seed(0), strategy=SpecStrategy("ngram", 2))
     assert 1.0 < res.stats["spec/accept_len_mean"] < 3.0                # proposals are accepted and rejected
-    v = SMALL.vocab_size
-    seqs = list(itertools.product(range(v), repeat=3))
-    with torch.no_grad():
-        logits = target(torch.tensor([prompt + list(s) for s in seqs]))
-    probs = probs_from_logits(logits[:, len(prompt) - 1: len(prompt) + 2], temperature, top_k, top_p).double()
-    exact = probs.gather(-1, torch.tensor(seqs)[..., None])[..., 0].prod(-1).numpy()
-    full = res.lengths.numpy() == 3
-    counts = np.bincount(np.ravel_multi_index(res.tokens[:, :3].numpy()[full].T, [v] * 3), minlength=v ** 3)
-    eos_paths = np.array([5 in s[:2] for s in seqs])
-    return chi2_pvalue(counts[~eos_paths], exact[~eos_paths])
+    return first_tokens_pvalue(target, prompt, res, temperature, top_k, top_p)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 4, 0.9)])

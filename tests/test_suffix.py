@@ -2,17 +2,15 @@
 that SD with them stays exact in the engine (greedy identity, chi-square of sampled sequences)."""
 from __future__ import annotations
 
-import itertools
 
-import numpy as np
 import pytest
 import torch
 
-from conftest import chi2_pvalue
+from conftest import first_tokens_pvalue
+from test_ngram import CFG, SMALL, _model      # the same small models as the n-gram drafter's tests
 from tltlib import speculative as S
-from tltlib.model import ModelConfig, Transformer
 from tltlib.rollout import RolloutConfig, RolloutEngine
-from tltlib.sampling import SamplingConfig, probs_from_logits
+from tltlib.sampling import SamplingConfig
 from tltlib.speculative import SpecStrategy
 from tltlib.suffix import SuffixConfig, SuffixDrafter, SuffixHistory, trie_nodes
 
@@ -73,17 +71,6 @@ def test_config_errors():
     assert SpecStrategy.parse("suffix-8-16").name == "suffix-8-16" and not SpecStrategy.parse("suffix-4-8").uses_drafter
 
 
-CFG = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                  eos_token_ids=(2,), pad_token_id=0, bos_token_id=1, max_position_embeddings=160)
-SMALL = ModelConfig(vocab_size=6, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                    eos_token_ids=(5,), pad_token_id=0, max_position_embeddings=32)
-
-
-def _model(cfg, seed=0, std=0.4):
-    torch.manual_seed(seed)
-    return Transformer(cfg, init_std=std).eval()
-
-
 def test_greedy_suffix_sd_is_token_identical_to_plain_and_learns_from_earlier_rollouts():
     target = _model(CFG)
     prompts = [[1, 5, 6, 5, 6], [1, 7], [1, 3, 4, 3, 4, 3], [1, 9, 9, 9]]
@@ -113,16 +100,7 @@ def _suffix_joint_pvalue(temperature, top_k, top_p, rows=6000):
     eng.suffix_history.add(prompt, [3, 2, 4])
     res = eng.generate([prompt], torch.Generator().manual_seed(0), strategy=SpecStrategy("suffix", 2, 1, 4))
     assert 1.0 < res.stats["spec/accept_len_mean"] < 3.0                # branches are accepted and rejected
-    v = SMALL.vocab_size
-    seqs = list(itertools.product(range(v), repeat=3))
-    with torch.no_grad():
-        logits = target(torch.tensor([prompt + list(s) for s in seqs]))
-    probs = probs_from_logits(logits[:, len(prompt) - 1: len(prompt) + 2], temperature, top_k, top_p).double()
-    exact = probs.gather(-1, torch.tensor(seqs)[..., None])[..., 0].prod(-1).numpy()
-    full = res.lengths.numpy() == 3
-    counts = np.bincount(np.ravel_multi_index(res.tokens[:, :3].numpy()[full].T, [v] * 3), minlength=v ** 3)
-    eos_paths = np.array([5 in s[:2] for s in seqs])
-    return chi2_pvalue(counts[~eos_paths], exact[~eos_paths])
+    return first_tokens_pvalue(target, prompt, res, temperature, top_k, top_p)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 4, 0.9)])

@@ -44,6 +44,19 @@ class NgramConfig:
             raise ValueError(f"occurrences must be >= 1, got {self.occurrences}")
 
 
+def grow_texts(text: list[list[int]], prompt_len: list[int], members: Sequence[int], tokens: torch.Tensor,
+               counts) -> None:
+    """Extend each ``text[s]`` (prompt + response so far) of ``members`` with what the engine wrote since:
+    ``tokens [N, max_new]`` with ``counts [N]`` tokens per sequence. Only rows that grew are copied (one transfer
+    from a GPU)."""
+    counts = counts.cpu().numpy() if isinstance(counts, torch.Tensor) else np.asarray(counts)
+    stale = [s for s in members if int(counts[s]) > len(text[s]) - prompt_len[s]]
+    if stale:
+        rows = tokens.index_select(0, torch.tensor(stale, device=tokens.device)).cpu()
+        for r, s in enumerate(stale):
+            text[s].extend(rows[r, len(text[s]) - prompt_len[s]:int(counts[s])].tolist())
+
+
 class NgramDrafter:
     """Per-rollout n-gram index over the prompts and the responses generated so far.
 
@@ -92,14 +105,7 @@ class NgramDrafter:
         groups = sorted({int(s) // self.group_size for s in seqs}) if self.config.siblings else None
         members = ([g * self.group_size + j for g in groups for j in range(self.group_size)] if groups is not None
                    else sorted({int(s) for s in seqs}))
-        counts = counts.cpu().numpy() if isinstance(counts, torch.Tensor) else np.asarray(counts)
-        stale = [s for s in members if int(counts[s]) > len(self.text[s]) - self.prompt_len[s]]
-        if stale:                                     # copy only the rows that grew (one transfer on GPU)
-            idx = torch.tensor(stale, device=tokens.device)
-            rows = tokens.index_select(0, idx).cpu()
-            for r, s in enumerate(stale):
-                have = len(self.text[s]) - self.prompt_len[s]
-                self.text[s].extend(rows[r, have:int(counts[s])].tolist())
+        grow_texts(self.text, self.prompt_len, members, tokens, counts)
         for s in members:
             if len(self.text[s]) > self.indexed[s]:
                 self._index_upto(s)

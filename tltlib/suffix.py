@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .ngram import grow_texts
 from .speculative import DraftTree
 
 
@@ -153,13 +154,7 @@ class SuffixDrafter:
         max_new]`` with ``counts [N]`` tokens written per sequence."""
         groups = sorted({int(s) // self.group_size for s in seqs})
         members = [g * self.group_size + j for g in groups for j in range(self.group_size)]
-        counts = counts.cpu().numpy() if isinstance(counts, torch.Tensor) else np.asarray(counts)
-        stale = [s for s in members if int(counts[s]) > len(self.text[s]) - self.prompt_len[s]]
-        if stale:                                       # copy only the rows that grew (one transfer on GPU)
-            rows = tokens.index_select(0, torch.tensor(stale, device=tokens.device)).cpu()
-            for r, s in enumerate(stale):
-                have = len(self.text[s]) - self.prompt_len[s]
-                self.text[s].extend(rows[r, have:int(counts[s])].tolist())
+        grow_texts(self.text, self.prompt_len, members, tokens, counts)
         for s in members:
             if len(self.text[s]) > self.indexed[s]:
                 self._index(s)
