@@ -143,6 +143,8 @@ def test_engine_reports_only_continuing_rows(small_pair):
     target, drafter = small_pair
 
     class Recorder:
+        wants_context = True
+
         def __init__(self):
             self.calls, self.hists = [], []
 

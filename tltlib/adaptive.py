@@ -301,6 +301,8 @@ class AdaptiveController(StrategySource):
         drafter: the learned drafter whose ``version`` is watched (see ``on_drafter_change``).
     """
 
+    wants_context = True                          # rewards are normalised by the plain rate at the mean context
+
     def __init__(self, config: AdaptiveConfig | None = None, costs: CostModel | None = None, drafter=None):
         self.config = config or AdaptiveConfig()
         self.costs = costs

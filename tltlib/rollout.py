@@ -266,14 +266,13 @@ class Rollout:
         ctx = model.config.max_position_embeddings
         plen = torch.tensor([len(p) for p in prompts])
         self.budget = torch.clamp(ctx - plen, max=s.max_new_tokens).repeat_interleave(G).to(dev)
-        self.plen_rows = plen.repeat_interleave(G).to(dev)          # each sequence's prompt length
+        self.plen_rows = plen.repeat_interleave(G).to(dev)
         max_len = int((plen + self.budget[::G].cpu()).max()) + cfg.draft_margin
         self.done = False
         ws = engine._workspace_for(self, N, max_len)
         self.cache, self.spec, self.replay = ws.cache, ws.spec, ws.replay
         self._graph_stats0 = dict(self.replay.pool.stats) if self.replay.pool is not None else {}
-        self.ngram: NgramDrafter | None = None
-        self.suffix: SuffixDrafter | None = None
+        self.ngram, self.suffix = None, None          # the model-free drafters (NgramDrafter, SuffixDrafter), on use
         self.eos = torch.tensor(engine.eos_ids, device=dev)
         self.pairs = pairs
 
@@ -464,7 +463,8 @@ class Rollout:
         t_now = time.perf_counter()
         if self.iteration > 0:
             hist = self._extend_timeline(out, keep, n_alive_before, t_now)
-            context = float((self.n_gen[alive].sum() + self.plen_rows[seq[alive]].sum()) / max(int(alive.sum()), 1))
+            context = (float(((self.n_gen + self.plen_rows[seq]) * alive).sum()) / max(self.active - n_done, 1)
+                       if getattr(self.source, "wants_context", False) else None)
             self.source.observe(self.strategy, n_alive_before, int((out.count * alive).sum()), t_now - self.t_prev,
                                 n_alive_before - n_done, context=context,     # alive: the rows that keep running
                                 accepted=hist if self.strategy.enabled else None)

@@ -149,6 +149,9 @@ class StrategySource:
     after it, ``observe(...)`` reports what the iteration did (for tuners; the default ignores it). Subclass it, or
     pass a :class:`SpecStrategy` or a function to the engine (:func:`strategy_source` wraps them)."""
 
+    wants_context = False
+    """Whether :meth:`observe` needs the running rows' mean context (computing it costs the decode loop a sum)."""
+
     def choose(self, iteration: int, active: int) -> SpecStrategy:
         raise NotImplementedError
 
