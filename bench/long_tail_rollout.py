@@ -185,9 +185,12 @@ class Runner:
         """(engine with the learned drafter, engine without) sampling at ``temp``."""
         from tltlib.rollout import RolloutConfig, RolloutEngine
         from tltlib.sampling import SamplingConfig
+        from tltlib.suffix import SuffixConfig
         cfg = RolloutConfig(SamplingConfig(temperature=temp, max_new_tokens=self.args.max_new),
                             group_size=self.args.group)
-        learned, free = RolloutEngine(self.target, cfg, drafter=self.drafter), RolloutEngine(self.target, cfg)
+        suffix = SuffixConfig() if self.args.revisit else None      # a single pass keeps no history
+        learned = RolloutEngine(self.target, cfg, drafter=self.drafter, suffix=suffix)
+        free = RolloutEngine(self.target, cfg, suffix=suffix)
         free.suffix_history = learned.suffix_history          # one history: a prompt's earlier responses
         return learned, free
 
@@ -196,8 +199,6 @@ class Runner:
         eng = engines[1] if policy.family in ("ngram", "none") else engines[0]
         g = torch.Generator(device=self.device).manual_seed(seed)
         source = self.controllers[policy.name] if policy.name in self.controllers else policy.factory()
-        if not self.args.revisit:                             # a single pass: no earlier responses of these prompts
-            eng.suffix_history.by_prompt.clear()
         return eng.generate(prompts, g, strategy=source)
 
 

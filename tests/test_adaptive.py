@@ -206,6 +206,9 @@ def test_depth_acceptance_recovers_the_rate_of_each_depth():
         acc.update(np.bincount(k, minlength=4))
     assert acc.rates(3) == pytest.approx(truth, abs=0.03)
     assert acc.rates(5)[3:] == [0.5, 0.5]                     # never reached: the prior
+    deep = DepthAcceptance((0.5,), weight=0.0, depth=2)
+    deep.update(np.array([0, 0, 0, 4]))                       # a chain-3 step: every row accepted all 3
+    assert deep.rates(2) == [1.0, 1.0]                        # rows beyond the table still reached depth 2
     reached = acc.reached.copy()
     acc.discount(0.25)
     assert acc.reached[:3] == pytest.approx(reached[:3] * 0.25) and acc.rates(3) == pytest.approx(truth, abs=0.04)

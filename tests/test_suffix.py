@@ -60,6 +60,22 @@ def test_earlier_rollouts_of_the_prompt_supply_drafts_and_no_match_gives_the_roo
     assert (tree.parents[0, 1:] == -1).all()              # nothing recurs: no draft can be accepted
 
 
+def test_history_is_bounded_in_tokens_and_kept_only_when_asked_for():
+    hist = SuffixHistory(keep=4, max_tokens=10)
+    hist.add([1], [5] * 4)
+    hist.add([2], [6] * 4)
+    hist.add([1], [7] * 3)                                 # prompt 1 visited again: prompt 2 is now the oldest
+    hist.add([3], [8] * 2)                                 # 13 tokens > 10: prompt 2's 4 go
+    assert sorted(hist.by_prompt) == [(1,), (3,)] and hist.tokens == 9 and hist.of([1]) == [[5] * 4, [7] * 3]
+    target = _model(CFG)
+    cfg = RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=6), group_size=2)
+    plain = RolloutEngine(target, cfg)
+    plain.generate([[1, 5, 6]])
+    assert len(plain.suffix_history) == 0                  # no suffix config given: nothing copied or kept
+    with pytest.raises(ValueError, match="history and history_tokens >= 0"):
+        SuffixConfig(history_tokens=-1)
+
+
 def test_config_errors():
     for kw, msg in ((dict(min_match=0), "min_match"), (dict(min_match=5, max_match=4), "min_match"),
                     (dict(occurrences=0), "occurrences"), (dict(history=-1), "history")):
@@ -121,7 +137,7 @@ def test_hybrid_picks_per_row_the_tree_expecting_more_and_stays_token_identical(
     eagle = DraftTree(two([9, 1, 2]), two([-1, 0, 1]), two([0, 1, 2]))           # a chain 1 -> 2
     suffix = DraftTree(two([9, 3, 4]), two([-1, 0, 0]), two([0, 1, 1]))          # two branches
     scores = torch.log(torch.tensor([[1.0, 0.5, 0.25], [1.0, 0.9, 0.8]]))      # expects 0.75 and 1.7 tokens
-    tree, _ = _pick_trees(eagle, scores, suffix, torch.tensor([1.0, 1.0]))
+    tree = _pick_trees(eagle, scores, suffix, torch.tensor([1.0, 1.0]))
     assert tree.tokens.tolist() == [[9, 3, 4], [9, 1, 2]] and tree.parents.tolist() == [[-1, 0, 0], [-1, 0, 1]]
     with pytest.raises(ValueError, match="hybrid trees differ in size"):
         _pick_trees(eagle, scores, DraftTree(suffix.tokens[:, :2], suffix.parents[:, :2], suffix.depth[:, :2]),
@@ -153,3 +169,7 @@ def test_the_combined_drafter_refuses_a_drafter_of_another_target_and_trees_the_
     for name in ("suffix-8-16", "hybrid-4x4-16"):
         with pytest.raises(ValueError, match="verifies 16 tokens but the cache leaves room for 7"):
             eng.generate([[1, 4, 5]], strategy=name)
+    from tltlib.explain import trace_step
+    for name in ("ngram-2", "suffix-2-4", "hybrid-2x2-4"):              # traces need the drafter's q at every node
+        with pytest.raises(ValueError, match="trace a chain-D or tree-DxK-N step"):
+            trace_step(target, eng.drafter, [1, 4, 5], SpecStrategy.parse(name), SamplingConfig(), context_steps=1)

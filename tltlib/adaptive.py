@@ -29,6 +29,7 @@ every running request).
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Sequence
@@ -228,9 +229,9 @@ class DepthAcceptance:
 
     def update(self, hist: np.ndarray) -> None:
         """Add a chain step's histogram: ``hist[k]`` rows accepted exactly k drafts (k = 0..D)."""
-        hist = np.asarray(hist, dtype=np.float64)[: self.reached.size + 1]
+        hist = np.asarray(hist, dtype=np.float64)
         at_least = hist[::-1].cumsum()[::-1]             # at_least[k]: rows that accepted >= k drafts
-        d = hist.size - 1
+        d = min(hist.size - 1, self.reached.size)        # depths beyond the table are not tracked
         self.reached[:d] += at_least[:d]
         self.accepted[:d] += at_least[1: d + 1]
 
@@ -394,7 +395,7 @@ def save_prior(path, controller: AdaptiveController, target, drafter=None) -> No
         raise ValueError("this controller has no cost model to save; build it with costs=measure_costs(...)")
     d = {"format": PRIOR_FORMAT, "fingerprint": _fingerprint(target, drafter, str(target.embed.weight.device)),
          "costs": controller.costs.to_dict(), "accept": {f: a.state_dict() for f, a in controller.accept.items()}}
-    atomic_write_text(path, json_dumps(d))
+    atomic_write_text(path, json.dumps(d, indent=1) + "\n")
 
 
 def load_prior(path, target, drafter=None) -> tuple[CostModel, dict]:
@@ -411,11 +412,6 @@ def load_prior(path, target, drafter=None) -> tuple[CostModel, dict]:
                              f"{here[part]}): its costs would mislead the tuner. Measure afresh (measure_costs) "
                              "and save_prior for this setting")
     return CostModel.from_dict(d["costs"]), d["accept"]
-
-
-def json_dumps(d: dict) -> str:
-    import json
-    return json.dumps(d, indent=1) + "\n"
 
 
 def timed_rollout(engine, prompts, strategy=None, seed: int = 0, progress: bool = False):

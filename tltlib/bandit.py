@@ -259,10 +259,10 @@ class Bandit:
     def discount(self, which, keep: float) -> None:
         """Multiply the weights of the rewards of the arms for which ``which(arm)`` is true by ``keep`` (0 clears
         them, so those arms are re-explored)."""
+        self._stat_cache.clear()
         for rewards, weights in zip(self.rewards, self.weights):
             for a in rewards:
                 if which(a):
-                    self._stat_cache.clear()
                     kept = [w * keep for w in weights[a]] if keep > 0 else []
                     weights[a].clear()
                     weights[a].extend(kept)

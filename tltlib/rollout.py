@@ -145,9 +145,9 @@ class RolloutEngine:
         drafter: a :class:`tltlib.drafter.Drafter` for ``chain``/``tree`` steps, attached to ``model`` here if it
             is not already (None: plain and ``ngram`` steps only).
         ngram: settings of the model-free n-gram drafter used by ``ngram`` steps.
-        suffix: settings of the model-free suffix drafter used by ``suffix`` steps; the engine keeps its rollouts'
-            responses per prompt (:attr:`suffix_history`, the newest ``suffix.history`` each) for later rollouts of
-            the same prompts (GRPO's next epochs).
+        suffix: settings of the model-free suffix drafter used by ``suffix`` and ``hybrid`` steps. Given, the engine
+            also keeps its rollouts' responses per prompt (:attr:`suffix_history`, bounded by ``suffix.history``
+            and ``history_tokens``) for later rollouts of the same prompts (GRPO's epochs); None: defaults, no history.
     """
 
     def __init__(self, model, config: RolloutConfig | None = None, eos_ids: Sequence[int] | None = None,
@@ -164,8 +164,8 @@ class RolloutEngine:
             drafter.attach(model)
         self.drafter = drafter
         self.ngram_config = ngram or NgramConfig()
-        self.suffix_config = suffix or SuffixConfig()
-        self.suffix_history = SuffixHistory(self.suffix_config.history)
+        c = self.suffix_config = suffix or SuffixConfig()
+        self.suffix_history = SuffixHistory(c.history if suffix else 0, c.history_tokens)
         self._workspace: tuple | None = None      # (key, Workspace, weakref to its rollout) kept on CUDA
 
     def _workspace_for(self, owner: "Rollout", rows: int, max_len: int) -> "Workspace":

@@ -219,29 +219,19 @@ class SpecDecoder:
                          generator: torch.Generator | None, commit_mask=1, propose=None) -> Emitted:
         """One SD step for every row. ``root [B]``: each row's last emitted token (the backlog ends with it).
         ``commit_mask``: 1, or a ``[B]`` 0/1 mask; rows with 0 (finished, not yet compacted away) are computed but
-        commit nothing and emit nothing. ``propose(strategy)``: the drafts of a model-free strategy (``ngram``: a
-        ``[B, depth]`` chain; ``suffix``: a :class:`DraftTree` with ``root`` as node 0)."""
+        commit nothing and emit nothing. ``propose(strategy)``: the drafts from earlier text (``ngram``: a
+        ``[B, depth]`` chain; ``suffix``: a :class:`DraftTree` with ``root`` as node 0; ``hybrid``: such a tree the
+        size of the drafter's, and its expected accepted drafts ``[B]``)."""
         t0 = time.perf_counter()
-        if strategy.kind in ("ngram", "suffix"):
-            if propose is None:
-                raise ValueError(f"a {strategy.kind} step needs propose=...: run it through RolloutEngine.generate")
-            if strategy.kind == "suffix":
-                return self._verify_tree_point(propose(strategy), tcache, generator, commit_mask, t0)
+        if strategy.kind in ("ngram", "suffix", "hybrid") and propose is None:
+            raise ValueError(f"a {strategy.kind} step needs propose=...: run it through RolloutEngine.generate")
+        if self.keep_trace and strategy.kind in ("ngram", "suffix", "hybrid"):
+            raise ValueError(f"a trace shows the learned drafter's chain or tree step; {strategy.name} has no "
+                             "drafter probabilities for every node: trace a chain-D or tree-DxK-N step")
+        if strategy.kind == "ngram":
             return self._verify_point(root, tcache, generator, propose(strategy), commit_mask, t0)
-        if self.drafter is None:
-            raise ValueError(f"strategy {strategy.name} needs a learned drafter; pass drafter=... or use ngram-D")
+        tree, drafts, qs, scores = self._draft(strategy, root, generator, propose)
         probs = None
-        q_logits, feat = self._catch_up()
-        if strategy.kind == "chain":
-            drafts, qs = self._draft_chain(strategy.depth, q_logits, feat, generator)
-            tree = chain_tree(root, drafts)
-        else:
-            tree, scores = self._draft_tree_replayed(strategy, root, q_logits, feat)
-            qs = None
-            if strategy.kind == "hybrid":
-                if propose is None:
-                    raise ValueError("a hybrid step needs propose=...: run it through RolloutEngine.generate")
-                tree, scores = _pick_trees(tree, scores, *propose(strategy))
         t1 = time.perf_counter()
         positions = tcache.lengths[: tcache.rows, None] + tree.depth
         tree_mask = None if strategy.kind == "chain" else tree.mask()
@@ -267,6 +257,25 @@ class SpecDecoder:
         out.draft_s, out.verify_s = t1 - t0, time.perf_counter() - t1
         return out
 
+    def _draft(self, strategy: SpecStrategy, root, generator, propose):
+        """The step's draft tree and what verifying or tracing it needs: (tree, chain drafts ``[B, D]`` or None,
+        their q ``[B, D, V]`` or None, the tree nodes' cumulative log q ``[B, N+1]`` or None). A ``suffix`` tree
+        comes from ``propose`` alone (the drafter's backlog waits for its next step); a ``hybrid`` one is the
+        drafter's or the suffix tree per row (:func:`_pick_trees`)."""
+        if strategy.kind == "suffix":
+            return propose(strategy), None, None, None
+        if self.drafter is None:
+            raise ValueError(f"strategy {strategy.name} needs a learned drafter; pass drafter=... or use ngram-D or "
+                             "suffix-D-N")
+        q_logits, feat = self._catch_up()
+        if strategy.kind == "chain":
+            drafts, qs = self._draft_chain(strategy.depth, q_logits, feat, generator)
+            return chain_tree(root, drafts), drafts, qs, None
+        tree, scores = self._draft_tree_replayed(strategy, root, q_logits, feat)
+        if strategy.kind == "hybrid":
+            tree = _pick_trees(tree, scores, *propose(strategy))
+        return tree, None, None, scores
+
     def _verify_point(self, root, tcache, generator, drafts, commit_mask, t0) -> Emitted:
         """Verify deterministic drafts ``[B, D]`` (a chain whose q is a point mass) and commit."""
         t1 = time.perf_counter()
@@ -282,18 +291,6 @@ class SpecDecoder:
         out = self._commit(tree, _chain_path(drafts), accepted, nxt, logits, hidden, tcache, False, commit_mask,
                            probs)
         out.drafted = drafts.shape[1]
-        out.draft_s, out.verify_s = t1 - t0, time.perf_counter() - t1
-        return out
-
-    def _verify_tree_point(self, tree: DraftTree, tcache, generator, commit_mask, t0) -> Emitted:
-        """Verify a deterministic draft tree (a function of earlier text: target-only verification) and commit."""
-        t1 = time.perf_counter()
-        positions = tcache.lengths[: tcache.rows, None] + tree.depth
-        logits, hidden = self._verify_forward("tree", tree.tokens, tcache, positions, tree.mask())
-        s = self.sampling
-        path, accepted, nxt = verify_tree(logits, tree, s.temperature, s.top_k, s.top_p, generator)
-        out = self._commit(tree, path, accepted, nxt, logits, hidden, tcache, True, commit_mask)
-        out.drafted = tree.size - 1
         out.draft_s, out.verify_s = t1 - t0, time.perf_counter() - t1
         return out
 
@@ -452,19 +449,19 @@ class SpecDecoder:
         return Emitted(emitted, count, lp, h, accepted)
 
 
-def _pick_trees(eagle: DraftTree, scores: torch.Tensor, suffix: DraftTree, expected: torch.Tensor):
+def _pick_trees(eagle: DraftTree, scores: torch.Tensor, suffix: DraftTree, expected: torch.Tensor) -> DraftTree:
     """Per row, the drafter's tree or the suffix tree (same size), whichever expects more accepted tokens: the sum
     of its nodes' path probabilities (the drafter's cumulative q, ``scores [B, N+1]`` log, node 0 the root; the
     suffix tree's empirical ones, ``expected [B]``). Both are functions of earlier text, so the choice keeps
-    target-only verification exact. Returns (tree, scores: the drafter's, or log of the suffix path probability)."""
+    target-only verification exact."""
     if suffix.tokens.shape != eagle.tokens.shape:
         raise ValueError(f"hybrid trees differ in size: drafter {tuple(eagle.tokens.shape)}, suffix "
                          f"{tuple(suffix.tokens.shape)}")
     mine = scores[:, 1:].exp().sum(1)
     use = (expected > mine)[:, None]
     pick = (lambda a, b: torch.where(use, a, b))
-    return (DraftTree(pick(suffix.tokens, eagle.tokens), pick(suffix.parents, eagle.parents),
-                      pick(suffix.depth, eagle.depth)), scores)
+    return DraftTree(pick(suffix.tokens, eagle.tokens), pick(suffix.parents, eagle.parents),
+                     pick(suffix.depth, eagle.depth))
 
 
 def _chain_path(drafts: torch.Tensor) -> torch.Tensor:

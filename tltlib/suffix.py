@@ -21,7 +21,7 @@ rows are few).
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,38 +44,52 @@ class SuffixConfig:
     """Most recent occurrences kept per n-gram and prompt (the continuations merged into one tree)."""
     history: int = 16
     """Responses per prompt kept from earlier rollouts (0: the group's own text only)."""
+    history_tokens: int = 1 << 22
+    """Most response tokens kept over all prompts (int32: 16 MB); the prompts visited longest ago go first."""
 
     def __post_init__(self):
         if not 1 <= self.min_match <= self.max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {self.min_match}, {self.max_match}")
-        if self.occurrences < 1 or self.history < 0:
-            raise ValueError(f"occurrences must be >= 1 and history >= 0, got {self.occurrences}, {self.history}")
+        if self.occurrences < 1 or self.history < 0 or self.history_tokens < 0:
+            raise ValueError(f"occurrences must be >= 1, history and history_tokens >= 0, got {self.occurrences}, "
+                             f"{self.history}, {self.history_tokens}")
 
 
 class SuffixHistory:
-    """Responses to each prompt from earlier rollouts (the newest ``keep`` per prompt): what a prompt's responses
-    looked like the last times GRPO visited it."""
+    """Responses to each prompt from earlier rollouts (the newest ``keep`` per prompt, at most ``max_tokens`` over
+    all prompts, the least recently visited prompts dropped first): what a prompt's responses looked like the last
+    times GRPO visited it."""
 
-    def __init__(self, keep: int = 16):
-        self.keep = keep
-        self.by_prompt: dict[tuple, deque] = {}
+    def __init__(self, keep: int = 16, max_tokens: int = 1 << 22):
+        self.keep, self.max_tokens = keep, max_tokens
+        self.by_prompt: OrderedDict[tuple, deque] = OrderedDict()
+        self.tokens = 0
 
     def add(self, prompt: Sequence[int], response: Sequence[int]) -> None:
-        if self.keep:
-            self.by_prompt.setdefault(tuple(prompt), deque(maxlen=self.keep)).append(list(response))
+        if not self.keep or not self.max_tokens:
+            return
+        key = tuple(prompt)
+        kept = self.by_prompt.setdefault(key, deque(maxlen=self.keep))
+        self.by_prompt.move_to_end(key)
+        if len(kept) == self.keep:
+            self.tokens -= kept[0].size
+        kept.append(np.asarray(response, dtype=np.int32))
+        self.tokens += kept[-1].size
+        while self.tokens > self.max_tokens and len(self.by_prompt) > 1:
+            self.tokens -= sum(r.size for r in self.by_prompt.popitem(last=False)[1])
 
     def add_rollout(self, prompts: Sequence[Sequence[int]], group_size: int, tokens: torch.Tensor,
                     lengths: torch.Tensor) -> None:
         """Keep a rollout's responses (``tokens [N, max_new]``, ``lengths [N]``; sequence i answers prompt
         i // group_size)."""
-        if not self.keep:
+        if not self.keep or not self.max_tokens:
             return
-        out = tokens.cpu()
+        out = tokens.cpu().numpy()
         for i in range(out.shape[0]):
-            self.add(prompts[i // group_size], out[i, : int(lengths[i])].tolist())
+            self.add(prompts[i // group_size], out[i, : int(lengths[i])])
 
     def of(self, prompt: Sequence[int]) -> list[list[int]]:
-        return list(self.by_prompt.get(tuple(prompt), ()))
+        return [r.tolist() for r in self.by_prompt.get(tuple(prompt), ())]
 
     def __len__(self) -> int:
         return sum(len(d) for d in self.by_prompt.values())
