@@ -2,17 +2,17 @@
 threshold + fixed strategy, and adaptive (threshold + BEG-MAB), with the learned EAGLE drafter and with the
 model-free n-gram drafter. Total rollout time, ratios, and token identity at temperature 0.
 
-Workload: ``--prompts`` held-out chain problems x ``--group`` samples at ``--temperature`` on the tiny reasoner
-(the notebook-01 rollout: a few responses run ~15x longer than the median). Every policy runs the same prompts with
-the same seed, side by side in one process, after a common warm-up; the adaptive controllers first tune on
-``--tune-rollouts`` rollouts of other prompts (as they would on the previous RL steps: the controller lives across
-the whole RL run), then are timed. Time = wall time of ``RolloutEngine.generate`` (median of ``--repeats``,
-policies interleaved; each repeat samples with its own seed, shared by all policies, so the median also spans
-different draws of the long tail: at temperature > 0 SD and plain decoding draw different, equally distributed,
-responses). "best fixed" = the fastest policy that plays one strategy (always, or below the threshold)
-with the same drafter family. "per-bucket oracle" = in hindsight, the fastest of no-SD and each always-strategy
-(with --no-always: each threshold strategy) in every batch-size bucket of the tuner, summed: the most any per-bucket
-tuner could achieve on this workload.
+Workload: ``--prompts`` held-out chain problems x ``--group`` samples at ``--temperature`` on the tiny reasoner (the
+notebook-01 rollout: a few responses run ~15x longer than the median). Every policy runs the same prompts with the
+same seed, side by side in one process, after a common warm-up; the adaptive controllers first tune on
+``--tune-rollouts`` rollouts of other prompts (as they would on the previous RL steps: the controller lives across the
+whole RL run), then are timed. Time = wall time of ``RolloutEngine.generate`` (median of ``--repeats``, policies
+interleaved, each round in a rotated order; each repeat samples with its own seed, shared by all policies, so the
+median also spans different draws of the long tail: at temperature > 0 SD and plain decoding draw different, equally
+distributed, responses). "best fixed" = the fastest policy that plays one strategy (always, or below the threshold)
+with the same drafter family. "per-bucket oracle" = in hindsight, the fastest of no-SD and each always-strategy (with
+--no-always: each threshold strategy) in every batch-size bucket of the tuner, summed: the most any per-bucket tuner
+could achieve on this workload.
 
     python -m tltlib bench long_tail_rollout                 # CPU, ~15 min
     python -m tltlib bench long_tail_rollout --prompts 16    # the paper's Fig. 14 case study size: 128 requests
@@ -226,7 +226,8 @@ def _time_policies(runner: Runner, hot: tuple, policies: list[Policy], prompts, 
     by_bucket = {p.name: [] for p in policies}
     results = {}
     for rep in range(repeats):
-        for p in policies:
+        shift = rep * len(policies) // repeats            # each round starts elsewhere in the list: no policy always
+        for p in policies[shift:] + policies[:shift]:     # runs right after the same (slow, cache-cold) neighbour
             box = {}
             t = timed(lambda: box.__setitem__("r", runner.run(hot, p, prompts, seed=100 + rep)), runner.device)
             times[p.name].append(t)

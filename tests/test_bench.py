@@ -47,6 +47,8 @@ def assert_one_line_error(out: subprocess.CompletedProcess, *expected: str) -> N
     (["decode", "--model", "no/such/model"], ["argument --model", "no model folder 'no/such/model'"]),
     (["speculative", "--drafter", "no/such/drafter"], ["argument --drafter", "data/tiny-reasoner-drafter"]),
     (["e2e_grpo", "--replot", "no/such.json"], ["argument --replot", "no file 'no/such.json'"]),
+    (["drafters", "--model", "data/tiny-reasoner", "--drafters", "data/tiny-reasoner-drafter;no/such",
+      "--responses", "README.md"], ["argument --drafters", "no drafter folder 'no/such'", "';'-separated list"]),
 ])
 def test_a_bad_flag_is_one_line_before_anything_loads(args, expected, tmp_path):
     assert_one_line_error(bench(tmp_path, *args), *expected)
@@ -188,3 +190,24 @@ def test_trl_tables_show_every_run_and_read_older_results():
     assert "| TRL defaults | 100.00 | 0.50 | 40.00 | 360.00 | 400.00 | 502.00 | 33.47x |" in text
     assert "| defaults | tuned | 5.00x | 4.00x | 18.00x | 9.65x |" in text
     assert e2e_grpo._trl_tables({}, None, s, args) == ""
+
+
+def test_drafters_bench_reports_depth_accuracy_and_accept_lengths_per_drafter(tmp_path):
+    from tltlib import load
+    from tltlib.draft_data import sample_responses
+    from tltlib.tasks import generate_task
+    target, tok, _ = load("data/tiny-reasoner", device="cpu")
+    responses = tmp_path / "r.jsonl"
+    sample_responses(target, tok, generate_task("chain", 4, 7), responses, max_new_tokens=24, progress=False)
+    drafters = "data/tiny-reasoner-drafter;data/tiny-reasoner-drafter-short"
+    out = bench(tmp_path, "drafters", "--model", "data/tiny-reasoner", "--drafters", drafters, "--task", "chain",
+                "--responses", str(responses), "--n-eval", "3", "--depth", "2", "--prompts", "2", "--max-new", "24",
+                "--temperatures", "0", "--strategies", "chain-3")
+    assert out.returncode == 0, out.stderr
+    res = json.loads((tmp_path / "drafters-cpu-float32.json").read_text())["results"]
+    assert [r["drafter"] for r in res] == drafters.split(";")
+    for r in res:
+        assert len(r["top1_by_depth"]) == 2 and all(0 <= a <= 1 for a in r["top1_by_depth"])
+        assert list(r["accept"]) == ["chain-3@T=0"] and 1 <= r["accept"]["chain-3@T=0"] <= 4
+    # the short-trained drafter is the weaker one on full-length chain problems (what notebook 05 shows)
+    assert res[0]["top1_by_depth"][0] > res[1]["top1_by_depth"][0]

@@ -96,26 +96,27 @@ class DrafterTrainConfig:
 
 
 @torch.no_grad()
-def target_hidden(target, sequences: list[list[int]], pad_id: int = 0, chunk: int = 16) -> list[torch.Tensor]:
-    """The target's final hidden states of each (prompt + response) sequence, by one training forward (in chunks of
-    sequences of similar length, so little is computed on padding)."""
+def target_hidden(target, sequences: list[list[int]], pad_id: int = 0, chunk: int = 16,
+                  progress: bool = False) -> list[torch.Tensor]:
+    """The target's final hidden states of each (prompt + response) sequence, by one training forward without the
+    LM head (in chunks of sequences of similar length, so little is computed on padding)."""
     out: list = [None] * len(sequences)
     dev = target.embed.weight.device
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    for i in range(0, len(order), chunk):
+    for i in tqdm(range(0, len(order), chunk), desc="target hidden states", unit="chunk", disable=not progress):
         part = order[i: i + chunk]
         width = max(len(sequences[k]) for k in part)
         x = torch.full((len(part), width), pad_id, dtype=torch.long)
         for j, k in enumerate(part):
             x[j, : len(sequences[k])] = torch.tensor(sequences[k])
-        _, h = target(x.to(dev), return_hidden=True)       # right padding: causal, so real positions are exact
+        h = target.hidden_states(x.to(dev))                # right padding: causal, so real positions are exact
         for j, k in enumerate(part):
             out[k] = h[j, : len(sequences[k])].detach()
     return out
 
 
 def pairs_from_sequences(target, sequences: list[list[int]], prompt_lens: list[int], pad_id: int = 0,
-                         config=None):
+                         config=None, progress: bool = False):
     """A :class:`tltlib.pairs.PairBuffer` of given token sequences (prompt + response), their hidden states from one
     training forward of the target (for data that was not streamed by a rollout, e.g. a dataset's responses)."""
     if not sequences:
@@ -126,7 +127,7 @@ def pairs_from_sequences(target, sequences: list[list[int]], prompt_lens: list[i
     total = sum(len(s) - 1 for s in sequences)
     buf = PairBuffer(target.config.hidden_size, config or PairBufferConfig(max_tokens=max(2, total)), w.dtype,
                      w.device)
-    for seq, plen, h in zip(sequences, prompt_lens, target_hidden(target, sequences, pad_id)):
+    for seq, plen, h in zip(sequences, prompt_lens, target_hidden(target, sequences, pad_id, progress=progress)):
         (pid,), first = buf.begin([seq[:plen]], 1)
         n, dev = len(seq) - 1, w.device
         t = torch.arange(n, device=dev)
@@ -335,9 +336,9 @@ An EAGLE-1-style one-layer drafter ({params_k:.0f} K trainable parameters: fc 2H
 embedding and LM head are the target's, shared and frozen, not stored here) for `{target}`.
 
 ## How it was made
-`{command}` — offline warm-up, {start}, on the target's own responses: {n_train} responses (sampled at
-temperature {temperature}, or the dataset's) to {source}, {pairs} training pairs; {steps} AdamW steps (lr {lr}, batch
-{batch} sequences, loss = SmoothL1(hidden) + 0.1 x soft CE), {minutes:.1f} minutes on {where}.
+`{command}` — offline warm-up, {start}, on the target's own responses: {n_train} {data_line}, {pairs} training
+pairs; {steps} AdamW steps (lr {lr}, batch {batch} sequences, loss = SmoothL1(hidden) + 0.1 x soft CE{unroll_line}),
+{minutes:.1f} minutes on {where}.
 
 ## Quality on {n_eval} held-out responses
 Top-1 agreement with the target's argmax by draft depth (predicted features, true tokens):
@@ -402,7 +403,8 @@ def training_pairs(target, tokenizer, problems, seed: int, temperature: float, m
                            seed=seed, progress=progress)
 
 
-def response_pairs(target, tokenizer, path, n_train: int, n_eval: int) -> tuple[PairBuffer, PairBuffer, str]:
+def response_pairs(target, tokenizer, path, n_train: int, n_eval: int,
+                   progress: bool = False) -> tuple[PairBuffer, PairBuffer, str]:
     """(training pairs, held-out pairs, description) of a responses file (:func:`tltlib.draft_data.read_responses`):
     its last ``n_eval`` rows held out, at most ``n_train`` of the others trained on; hidden states from one forward
     of the target."""
@@ -413,9 +415,10 @@ def response_pairs(target, tokenizer, path, n_train: int, n_eval: int) -> tuple[
     ctx, pad = target.config.max_position_embeddings, tokenizer.pad_token_id or 0
 
     def pairs(part):
-        return pairs_from_sequences(target, [(p + r)[:ctx] for p, r in part], [len(p) for p, _ in part], pad)
+        return pairs_from_sequences(target, [(p + r)[:ctx] for p, r in part], [len(p) for p, _ in part], pad,
+                                    progress=progress)
     train = rows[:-n_eval][:n_train]
-    return pairs(train), pairs(rows[-n_eval:]), f"the target's sampled responses in {Path(path).name}"
+    return pairs(train), pairs(rows[-n_eval:]), f"{Path(path).name} (python -m tltlib sample-responses)"
 
 
 def _vocab_line(drafter, eval_data: PairBuffer) -> str:
@@ -434,7 +437,10 @@ def _card(drafter, out_dir, model_name: str, cfg: DrafterTrainConfig, log: dict,
     accs, device = log["eval_acc"][-1], str(about["device"])
     return WARM_CARD.format(
         name=f"{Path(out_dir).name}: EAGLE drafter", target=model_name, command=about["command"],
-        source=about["source"], start="continued from " + str(about["init"]) if about["init"] else
+        data_line=(f"responses read from {about['source']}" if about.get("from_file") else
+                   f"responses (sampled at temperature {about['temperature']}, or the dataset's) to {about['source']}"),
+        unroll_line=(f", over {cfg.unroll} draft steps on the drafter's own features, weights x{cfg.unroll_decay} per "
+                     "step" if cfg.unroll > 1 else ""), start="continued from " + str(about["init"]) if about["init"] else
         "from a random initialisation", temperature=about["temperature"],
         params_k=sum(p.numel() for p in drafter.parameters()) / 1e3, n_train=len(data), pairs=data.num_pairs,
         steps=cfg.steps, lr=cfg.lr, batch=cfg.batch_sequences, minutes=log["train_seconds"] / 60,
@@ -478,7 +484,7 @@ def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = Non
     train_probs, eval_probs, accept_probs, source = drafter_problems(dataset, n_train, n_eval, n_accept, seed,
                                                                      task_max_steps)
     if responses:
-        data, eval_data, source = response_pairs(target, tok, responses, n_train, n_eval)
+        data, eval_data, source = response_pairs(target, tok, responses, n_train, n_eval, progress)
     else:
         for probs in (train_probs, eval_probs):
             check_context(encode_prompts(probs, tok), target.config.max_position_embeddings, dataset or "the task",
@@ -496,7 +502,7 @@ def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = Non
     accept = {st.name: measure_acceptance(target, drafter, tok, accept_probs, st, temperature, max_new_tokens)
               for st in (SpecStrategy("chain", 4), SpecStrategy("tree", 6, 4, 24))}
     card = _card(drafter, out_dir, name, cfg, log, accept, data, eval_data, len(accept_probs), command=command,
-                 source=source, init=init, temperature=temperature, device=device)
+                 source=source, init=init, temperature=temperature, device=device, from_file=bool(responses))
     train_log = json.dumps({"recipe": cfg.__dict__, "data": {"dataset": dataset or "chain", "source": source},
                             "log": log, "acceptance": accept}, indent=1) + "\n"
     save_drafter(drafter, out_dir, extra_files={"README.md": card, "train_log.json": train_log})
