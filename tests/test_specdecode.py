@@ -93,14 +93,50 @@ def test_strategy_may_change_every_step_and_budgets_hold(target, drafter):
     assert not (mixed.tokens[:, :].eq(2).cumsum(1).gt(1) & (mixed.tokens != 0)).any()  # nothing after the EOS
 
 
+@pytest.fixture
+def small_backlog(monkeypatch):
+    """A backlog budget so small that plain iterations feed the drafter every 32 (the floor of ``flush_at``)."""
+    import tltlib.specdecode as sd
+    monkeypatch.setattr(sd, "BACKLOG_BYTES", 1)
+
+
 @pytest.mark.parametrize("plain_steps", [30, 31, 32, 33])
-def test_sd_switches_on_right_after_a_pending_flush(target, drafter, plain_steps):
-    """SpecDecoder flushes its backlog into the drafter every ``flush_at`` (32) plain iterations; an SD step right
-    after a flush must still find each row's last entry in the backlog (it is what proposes the first draft)."""
+def test_sd_switches_on_right_after_a_pending_flush(target, drafter, plain_steps, small_backlog):
+    """With a small backlog budget SpecDecoder flushes it into the drafter every ``flush_at`` (32) plain iterations;
+    an SD step right after a flush must still find each row's last entry in the backlog (it proposes the first
+    draft)."""
     eng = _engine(target, drafter, temperature=0, max_new_tokens=60, group_size=2, ignore_eos=True)
+    assert eng.start(PROMPTS).spec.flush_at == 32
     plain = eng.generate(PROMPTS)
     late = eng.generate(PROMPTS, strategy=lambda step, active: S.OFF if step < plain_steps else SpecStrategy("chain", 3))
     assert torch.equal(plain.tokens, late.tokens)
+
+
+def test_plain_iterations_leave_the_drafter_alone_until_sd_needs_it(target, drafter, monkeypatch):
+    """By default the backlog holds every plain iteration's pairs (rows that end while SD is off never cost a drafter
+    forward); the first SD step feeds it in one catch-up, whose time the tuner's reward leaves out."""
+    calls = []
+    real = drafter.forward_cached
+    monkeypatch.setattr(drafter, "forward_cached", lambda *a, **k: calls.append(a[0].shape[1]) or real(*a, **k))
+    eng = _engine(target, drafter, temperature=0, max_new_tokens=50, ignore_eos=True)
+    plain = eng.generate(PROMPTS)
+    assert len(calls) == 1                                       # the prompts' prefill only
+    seen = []
+
+    class Source:
+        wants_context = False
+
+        def choose(self, step, active):
+            return S.OFF if step < 40 else SpecStrategy("chain", 3)
+
+        def observe(self, strategy, active, tokens, seconds, rows=None, context=None, accepted=None):
+            seen.append((strategy.enabled, seconds))
+    calls.clear()
+    late = eng.generate(PROMPTS, strategy=Source())
+    assert torch.equal(plain.tokens, late.tokens)
+    assert calls[1] >= 39                                        # prefill, then one catch-up of the 39 plain steps
+    first_sd = next(i for i, (on, _) in enumerate(seen) if on)
+    assert seen[first_sd][1] < late.timeline["iter_time"][first_sd]          # the catch-up is not in the reward
 
 
 def test_chain_deeper_than_the_flush_size_is_exact(target, good):

@@ -465,8 +465,8 @@ class Rollout:
             hist = self._extend_timeline(out, keep, n_alive_before, t_now)
             context = (float(((self.n_gen + self.plen_rows[seq]) * alive).sum()) / max(self.active - n_done, 1)
                        if getattr(self.source, "wants_context", False) else None)
-            self.source.observe(self.strategy, n_alive_before, int((out.count * alive).sum()), t_now - self.t_prev,
-                                n_alive_before - n_done, context=context,     # alive: the rows that keep running
+            self.source.observe(self.strategy, n_alive_before, int((out.count * alive).sum()),  # alive: rows kept
+                                t_now - self.t_prev - out.catchup_s, n_alive_before - n_done, context=context,
                                 accepted=hist if self.strategy.enabled else None)
         self.t_prev = t_now
         self.active = n_alive_before - n_done

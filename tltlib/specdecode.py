@@ -14,12 +14,15 @@ alike), so the backlog is the SD state's own business. An SD step (:meth:`SpecDe
    (:mod:`tltlib.speculative`), then the accepted path is lined up in the target cache and committed; the target's
    hidden states along it are what the rollout records next, so the drafter always sees true target features.
 
-While SD is off the backlog grows by one entry per iteration; when a row's backlog would exceed ``flush_at`` it is fed
-to the drafter, all but the last entry (which the next SD step needs to propose its first draft), which bounds its
-memory. An ``ngram`` step takes its chain from a model-free proposer instead (:mod:`tltlib.ngram`) and verifies it
-with the point-mass rule (:func:`tltlib.speculative.verify_chain_point`); it needs no drafter, and with one the
-backlog simply grows. The verify and draft forwards go through :attr:`SpecDecoder.replay` (captured CUDA graphs on a
-GPU, :mod:`tltlib.cudagraph`).
+While SD is off the backlog grows by one entry per iteration and is fed to the drafter only when it must be: by the
+next SD step's catch-up, or when a row's backlog would exceed ``flush_at`` (all but the last entry, which the next SD
+step needs to propose its first draft), which bounds its memory. By default ``flush_at`` is as wide as
+:data:`BACKLOG_BYTES` of hidden states allow (up to the cache length): rows that end while SD is off, most rows of a
+long-tailed rollout, never cost a drafter forward, and a plain iteration costs the same with a drafter as without. An
+``ngram`` step takes its chain from a model-free proposer instead (:mod:`tltlib.ngram`) and verifies it with the
+point-mass rule (:func:`tltlib.speculative.verify_chain_point`); it needs no drafter, and with one the backlog simply
+grows. The verify and draft forwards go through :attr:`SpecDecoder.replay` (captured CUDA graphs on a GPU,
+:mod:`tltlib.cudagraph`).
 
 Paper: TLT §5 (adaptive rollout engine). Reference: SGLang's ``EAGLEWorker`` (draft extend, tree draft, verify).
 
@@ -43,6 +46,9 @@ from .sampling import SamplingConfig, inverse_cdf, probs_from_logits, token_logp
 from .speculative import (DraftTree, SpecStrategy, drop_children, chain_tree, residual, select_nodes,
                           verify_chain, verify_chain_greedy, verify_chain_point, verify_tree)
 
+BACKLOG_BYTES = 256 << 20
+"""Hidden states a rollout's drafter backlog may hold before plain iterations feed it (see ``SpecDecoder``)."""
+
 
 @dataclass
 class Emitted:
@@ -56,6 +62,8 @@ class Emitted:
         accepted: ``[B]`` drafts accepted (0 for a plain iteration).
         drafted: draft tokens verified per row (0 for a plain iteration).
         draft_s, verify_s: wall time of drafting (catch-up included) and of the target forward + acceptance.
+        catchup_s: the part of ``draft_s`` spent feeding the backlog (work left by the plain iterations since the
+            last SD step: a cost of switching SD on, not of the arm that pays it, so the tuner leaves it out).
     """
 
     tokens: torch.Tensor
@@ -66,6 +74,7 @@ class Emitted:
     drafted: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    catchup_s: float = 0.0
 
 
 @dataclass
@@ -104,7 +113,8 @@ class SpecDecoder:
         sampling: the rollout's sampling settings (the distribution SD must reproduce).
         rows, max_len: the target cache's shape (max_len must leave room for the deepest draft).
         max_emit: the most tokens one step may emit per row (deepest chain + 1; ``RolloutConfig.draft_margin``).
-        flush_at: backlog entries per row above which they are fed to the drafter while SD is off.
+        flush_at: backlog entries per row above which they are fed to the drafter while SD is off (None: as many
+            as :data:`BACKLOG_BYTES` of hidden states hold for ``rows`` rows, at least 32, at most ``max_len``).
         replay: the :class:`tltlib.cudagraph.Replay` every draft and verify forward goes through (the rollout's: a
             graph pool on CUDA).
 
@@ -113,11 +123,15 @@ class SpecDecoder:
     """
 
     def __init__(self, target, drafter, sampling: SamplingConfig, rows: int, max_len: int, max_emit: int,
-                 flush_at: int = 32, replay: Replay | None = None):
+                 flush_at: int | None = None, replay: Replay | None = None):
+        w = target.embed.weight
+        if flush_at is None:
+            per_entry = max(1, rows) * target.config.hidden_size * w.element_size()
+            flush_at = max(32, min(max_len, BACKLOG_BYTES // per_entry))
         if flush_at < 2:
             raise ValueError(f"flush_at must be >= 2 (a flush keeps each row's last backlog entry), got {flush_at}")
         self.target, self.drafter, self.sampling = target, drafter, sampling
-        w = target.embed.weight
+        self.catchup_s = 0.0                      # the last catch-up's seconds
         self.flush_at = flush_at
         # widest backlog: flush_at, or one kept entry + one step's max_emit entries
         self.cap = max(flush_at, max_emit + 1) if drafter is not None else 0
@@ -199,10 +213,12 @@ class SpecDecoder:
         """Feed the whole backlog; return (logits of q(x_{n+1}) ``[B, V]``, f̂_n ``[B, H]``)."""
         b, width = self.cache.rows, self.backlog_max
         n = self.backlog_n[:b].clone()
+        t0 = time.perf_counter()
         logits, feat = self._feed(self.cache, self.backlog_h[:b, :width], self.backlog_tok[:b, :width], n)
         self.cache.advance(n)
         self.backlog_n.zero_()
         self.backlog_max = 0
+        self.catchup_s = time.perf_counter() - t0
         return logits, feat
 
     def select_rows(self, index: torch.Tensor) -> None:
@@ -255,6 +271,7 @@ class SpecDecoder:
                            probs)
         out.drafted = tree.size - 1
         out.draft_s, out.verify_s = t1 - t0, time.perf_counter() - t1
+        out.catchup_s, self.catchup_s = self.catchup_s, 0.0
         return out
 
     def _draft(self, strategy: SpecStrategy, root, generator, propose):
