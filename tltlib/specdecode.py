@@ -179,6 +179,13 @@ class SpecDecoder:
         b, m = out.tokens.shape
         if self.backlog_max + m > self.flush_at:   # no-op right after an SD step (its catch-up emptied it)
             self.flush()
+        if m == 1:                                 # a plain iteration: one slot per row, no masks, no sync
+            rows, n = torch.arange(b, device=out.tokens.device), self.backlog_n[:b]
+            self.backlog_h[rows, n] = out.hidden[:, 0]          # a row that emitted nothing is overwritten later
+            self.backlog_tok[rows, n] = out.tokens[:, 0]
+            self.backlog_n[:b] += out.count
+            self.backlog_max += 1                  # an upper bound: wider catch-ups read padding only
+            return
         j = torch.arange(m, device=out.tokens.device)
         valid = j[None, :] < out.count[:, None]
         rows = torch.arange(b, device=out.tokens.device)[:, None].expand(b, m)[valid]
