@@ -47,15 +47,14 @@ def main() -> None:
     args = parse_args()
     import torch
 
-    from tltlib.draft_train import autocast_to_target, depth_accuracy, measure_acceptance, pairs_from_sequences
+    from tltlib.draft_train import autocast_to_target, depth_accuracy, measure_acceptance, rows_pairs
     from tltlib.drafter import load_drafter
     from tltlib.speculative import SpecStrategy
     from tltlib.tasks import generate_task, read_responses
 
     args.drafter = None
     target, tok, _ = load_models(args)
-    rows = read_responses(args.responses, target.config.vocab_size)[-args.n_eval:]
-    held = pairs_from_sequences(target, [p + r for p, r in rows], [len(p) for p, _ in rows], tok.pad_token_id or 0)
+    held = rows_pairs(target, tok, read_responses(args.responses, target.config.vocab_size)[-args.n_eval:])
     batch = held.batch(held.sequences())
     prompts = generate_task(args.task, args.prompts, 4000)
     rows, results = [], []

@@ -412,13 +412,17 @@ def response_pairs(target, tokenizer, path, n_train: int, n_eval: int,
     if len(rows) <= n_eval:
         raise ValueError(f"{path}: {len(rows)} responses cannot hold {n_eval} held-out ones and training ones apart; "
                          f"lower --n-eval (at most {len(rows) - 1}) or sample more")
-    ctx, pad = target.config.max_position_embeddings, tokenizer.pad_token_id or 0
-
-    def pairs(part):
-        return pairs_from_sequences(target, [(p + r)[:ctx] for p, r in part], [len(p) for p, _ in part], pad,
-                                    progress=progress)
     train = rows[:-n_eval][:n_train]
-    return pairs(train), pairs(rows[-n_eval:]), f"{Path(path).name} (python -m tltlib sample-responses)"
+    return (rows_pairs(target, tokenizer, train, progress), rows_pairs(target, tokenizer, rows[-n_eval:], progress),
+            f"{Path(path).name} (python -m tltlib sample-responses)")
+
+
+def rows_pairs(target, tokenizer, rows: list[tuple[list[int], list[int]]], progress: bool = False) -> PairBuffer:
+    """The drafter's pairs of ``(prompt_ids, response_ids)`` rows (cut at the target's context), hidden states from
+    one forward of the target."""
+    ctx = target.config.max_position_embeddings
+    return pairs_from_sequences(target, [(p + r)[:ctx] for p, r in rows], [len(p) for p, _ in rows],
+                                tokenizer.pad_token_id or 0, progress=progress)
 
 
 def _vocab_line(drafter, eval_data: PairBuffer) -> str:
@@ -440,8 +444,9 @@ def _card(drafter, out_dir, model_name: str, cfg: DrafterTrainConfig, log: dict,
         data_line=(f"responses read from {about['source']}" if about.get("from_file") else
                    f"responses (sampled at temperature {about['temperature']}, or the dataset's) to {about['source']}"),
         unroll_line=(f", over {cfg.unroll} draft steps on the drafter's own features, weights x{cfg.unroll_decay} per "
-                     "step" if cfg.unroll > 1 else ""), start="continued from " + str(about["init"]) if about["init"] else
-        "from a random initialisation", temperature=about["temperature"],
+                     "step" if cfg.unroll > 1 else ""),
+        start="continued from " + str(about["init"]) if about["init"] else "from a random initialisation",
+        temperature=about["temperature"],
         params_k=sum(p.numel() for p in drafter.parameters()) / 1e3, n_train=len(data), pairs=data.num_pairs,
         steps=cfg.steps, lr=cfg.lr, batch=cfg.batch_sequences, minutes=log["train_seconds"] / 60,
         where=(torch.cuda.get_device_name(device) if device.startswith("cuda")

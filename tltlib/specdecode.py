@@ -179,21 +179,16 @@ class SpecDecoder:
         b, m = out.tokens.shape
         if self.backlog_max + m > self.flush_at:   # no-op right after an SD step (its catch-up emptied it)
             self.flush()
-        if m == 1:                                 # a plain iteration: one slot per row, no masks, no sync
-            rows, n = torch.arange(b, device=out.tokens.device), self.backlog_n[:b]
-            self.backlog_h[rows, n] = out.hidden[:, 0]          # a row that emitted nothing is overwritten later
-            self.backlog_tok[rows, n] = out.tokens[:, 0]
-            self.backlog_n[:b] += out.count
-            self.backlog_max += 1                  # an upper bound: wider catch-ups read padding only
-            return
-        j = torch.arange(m, device=out.tokens.device)
-        valid = j[None, :] < out.count[:, None]
-        rows = torch.arange(b, device=out.tokens.device)[:, None].expand(b, m)[valid]
-        slots = (self.backlog_n[:b, None] + j[None, :])[valid]
-        self.backlog_h[rows, slots] = out.hidden[valid]
-        self.backlog_tok[rows, slots] = out.tokens[valid]
+        # every emitted column goes to the row's next slots (those past out.count are overwritten later: the backlog
+        # is read up to backlog_n only); the flush above leaves room for m more
+        rows = torch.arange(b, device=out.tokens.device)[:, None]
+        slots = self.backlog_n[:b, None] + torch.arange(m, device=out.tokens.device)
+        self.backlog_h[rows, slots] = out.hidden
+        self.backlog_tok[rows, slots] = out.tokens
         self.backlog_n[:b] += out.count
-        self.backlog_max = int(self.backlog_n[:b].max())
+        # a plain iteration adds at most one entry per row: an upper bound without a device sync (a wider catch-up
+        # reads padding only); an SD step's counts vary with acceptance, so read the true widest row
+        self.backlog_max = self.backlog_max + 1 if m == 1 else int(self.backlog_n[:b].max())
 
     def flush(self) -> None:
         """Feed every row's backlog but its last entry to the drafter (keeps its cache current while SD is off).
