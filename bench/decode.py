@@ -1,9 +1,10 @@
-"""Plain decoding throughput: tltlib's RolloutEngine vs transformers ``generate`` (and vLLM when importable).
+"""Plain decoding throughput: tltlib's RolloutEngine vs transformers ``generate`` (and vLLM when it is installed).
 
 Same model, same prompts, greedy, every row decodes exactly ``--new-tokens`` tokens (EOS ignored on all sides), so
 the token streams must be identical and the comparison is pure engine speed. Warm-up first, then ``--repeats``
 rounds per batch size in which every engine runs once (interleaved, so machine noise hits all alike); medians and
-the tltlib/transformers ratio.
+the tltlib/transformers and tltlib/vLLM ratios. vLLM runs in-process when importable (a GPU node), else from
+``.venv-vllm`` (``python -m tltlib setup-vllm``) in its own process, set up as its CPU guide says (bench/_vllm.py).
 
     python -m tltlib bench decode                       # CPU, fp32, the tiny reasoner
     python -m tltlib bench decode --device cuda --dtype bfloat16 --model /path/to/Qwen2.5-7B
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _vllm import vllm_peer  # noqa: E402
 from _common import (TASK_HELP, add_device_flags, add_model_flags, add_output_flags, bench_parser,  # noqa: E402
                      interleaved_medians, listed, load_models, machine_info, markdown_table, model_suffix,
                      parse_bench_args, positive_int, resolve, result_name, task_prompts, write_results)
@@ -26,6 +28,8 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--batches", default="1,16,64", type=listed(positive_int, "1,16,64"))
     ap.add_argument("--task", default="chain", choices=["chain", "words"], help=TASK_HELP)
     ap.add_argument("--new-tokens", type=positive_int, default=128)
+    ap.add_argument("--vllm", default="auto", choices=["auto", "compiled", "eager", "off"],
+                    help="vLLM column: auto = compiled when vLLM is installed (in .venv-vllm or here), else none")
     add_output_flags(ap, repeats=7, out_help="results folder (default bench/results)")
     return parse_bench_args(ap, argv)
 
@@ -40,18 +44,22 @@ def main() -> None:
     hf = _hf_model(path, dtype, device, tok)
     n = args.new_tokens
     engine = RolloutEngine(ours, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=n), ignore_eos=True))
-    vllm = _maybe_vllm(path, args.dtype, n)
-    measured = [_measure_batch(b, args, tok, engine, hf, vllm, device) for b in args.batches.items]
+    vllm, note = vllm_peer(args.vllm, path, args.dtype, n, max_model_len=2048)
+    try:
+        measured = [_measure_batch(b, args, tok, engine, hf, vllm, device) for b in args.batches.items]
+    finally:
+        if vllm is not None and hasattr(vllm, "close"):
+            vllm.close()
     results, rows = [rec for rec, _ in measured], [row for _, row in measured]
     header = ["batch", "tltlib tok/s", "transformers tok/s", "tltlib / transformers", "identical tokens"]
     if vllm is not None:
-        header.insert(3, "vLLM tok/s")
+        header[3:3] = ["vLLM tok/s", "tltlib / vLLM"]
     payload = {"bench": "decode", "machine": machine_info(device), "model": str(args.model), "dtype": args.dtype,
-               "settings": vars(args), "results": results}
+               "settings": vars(args), "vllm": note, "results": results}
     write_results(result_name("decode", device, args.dtype, model_suffix(args.model)), payload,
                   f"Plain greedy decoding, model {args.model}, {args.task} prompts, {n} new tokens per row, "
-                  f"{args.dtype} on {device} (median of {args.repeats} after a warm-up)\n\n"
-                  + markdown_table(header, rows), args.out)
+                  f"{args.dtype} on {device} (median of {args.repeats} after a warm-up)"
+                  + (f"; {note}" if note else "") + "\n\n" + markdown_table(header, rows), args.out)
 
 
 def _hf_model(path: Path, dtype, device: str, tok):
@@ -80,31 +88,22 @@ def _measure_batch(b: int, args, tok, engine, hf, vllm, device: str) -> tuple[di
                                                            max_new_tokens=n, min_new_tokens=n)[:, width:])
         fns = {"ours": run_ours, "hf": run_hf}
         if vllm is not None:
-            fns["vllm"] = lambda: vllm(prompts)
+            fns["vllm"] = lambda: out.__setitem__("vllm", vllm(prompts))
         timing = interleaved_medians(fns, device, args.repeats)
         (t_ours, all_ours), (t_hf, all_hf) = timing["ours"], timing["hf"]
     identical = bool(torch.equal(out["ours"].cpu(), out["hf"].cpu()))
+    if vllm is not None:
+        identical = identical and out["ours"].cpu().tolist() == out["vllm"]
     rec = {"batch": b, "new_tokens": n, "tltlib_s": t_ours, "transformers_s": t_hf, "tltlib_runs": all_ours,
            "transformers_runs": all_hf, "tltlib_tok_s": b * n / t_ours, "transformers_tok_s": b * n / t_hf,
            "ratio": t_hf / t_ours, "identical_tokens": identical}
     row = [b, rec["tltlib_tok_s"], rec["transformers_tok_s"], f"{rec['ratio']:.2f}x", identical]
     if vllm is not None:
         rec["vllm_tok_s"] = b * n / timing["vllm"][0]
-        row.insert(3, rec["vllm_tok_s"])
+        rec["vllm_runs"] = timing["vllm"][1]
+        rec["ratio_vllm"] = timing["vllm"][0] / t_ours
+        row[3:3] = [rec["vllm_tok_s"], f"{rec['ratio_vllm']:.2f}x"]
     return rec, row
-
-
-def _maybe_vllm(path: Path, dtype: str, n: int):
-    """A callable running vLLM on token prompts, or None when vLLM is not importable."""
-    try:
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
-    except ImportError:
-        return None
-    llm = LLM(model=str(path), dtype=dtype, skip_tokenizer_init=True, enforce_eager=True, max_model_len=1024)
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    return lambda prompts: llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                                        use_tqdm=False)
 
 
 if __name__ == "__main__":

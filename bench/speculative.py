@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _vllm import vllm_section, vllm_table  # noqa: E402
 from _common import (DRAFTER, TASK_HELP, add_device_flags, add_model_flags, add_output_flags,  # noqa: E402
                      bench_parser, interleaved_medians, listed, load_models, machine_info, markdown_table, model_suffix,
                      parse_bench_args, positive_int, resolve, result_name, strategy, task_prompts, temperature,
@@ -37,6 +38,9 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--steps", type=positive_int, default=10, help="chain-task steps per problem (11 tokens each)")
     ap.add_argument("--new-tokens", type=positive_int, default=128,
                     help="words task: tokens per response (EOS ignored, so the batch stays at its size)")
+    ap.add_argument("--vllm", default="auto", choices=["auto", "compiled", "eager", "off"],
+                    help="vLLM peer (plain and EAGLE with the exported drafter, per chain strategy): auto = compiled "
+                         "when vLLM is installed (in .venv-vllm or here), else none")
     add_output_flags(ap, repeats=5)
     return parse_bench_args(ap, argv)
 
@@ -53,11 +57,16 @@ def main() -> None:
             results.append(rec)
             rows += rec_rows
     peer = _assisted_peer(args, device, dtype, tok, max_new)
+    vllm = vllm_section(args, target, tok, drafter, max_new, results)
+    for rec in results:
+        rec.pop("plain_responses")
     crossover = _crossover(results)
     payload = {"bench": "speculative", "machine": machine_info(device), "settings": vars(args),
-               "results": results, "assisted_peer": peer, "crossover": crossover}
-    write_results(result_name("speculative", device, args.dtype, model_suffix(args.model)), payload,
-                  _table(args, device, max_new, rows, peer, crossover), args.out)
+               "results": results, "assisted_peer": peer, "vllm_peer": vllm, "crossover": crossover}
+    table = _table(args, device, max_new, rows, peer, crossover)
+    if vllm:
+        table += "\n\n" + vllm_table(vllm)
+    write_results(result_name("speculative", device, args.dtype, model_suffix(args.model)), payload, table, args.out)
 
 
 def _measure(target, drafter, tok, args, temp: float, b: int, max_new: int, device: str) -> tuple[dict, list]:
@@ -84,7 +93,7 @@ def _measure(target, drafter, tok, args, temp: float, b: int, max_new: int, devi
     timing = interleaved_medians(fns, device, args.repeats)
     plain = runs["plain"]
     rec = {"temperature": temp, "batch": b, "plain_tok_s": int(plain.lengths.sum()) / timing["plain"][0],
-           "strategies": {}}
+           "strategies": {}, "plain_responses": [plain.response_ids(i) for i in range(b)] if temp == 0 else None}
     plain_step = float(np.median(plain.timeline["iter_time"]))
     rows = []
     for st in strategies:

@@ -121,3 +121,34 @@ def test_cuda_greedy_matches_cpu(model):
     gpu = _engine(model.to("cuda"), temperature=0, max_new_tokens=30).generate(PROMPTS)
     model.to("cpu")
     assert torch.equal(cpu.tokens, gpu.tokens.cpu())
+
+
+def test_prefill_chunks_cover_every_row_within_the_row_and_padding_bounds():
+    from tltlib.rollout import prefill_chunks
+    g = torch.Generator().manual_seed(0)
+    lengths = sorted(torch.randint(1, 200, (157,), generator=g).tolist())
+    chunks = prefill_chunks(lengths, max_rows=16)
+    assert [c[0] for c in chunks][1:] == [c[1] for c in chunks][:-1] and chunks[0][0] == 0
+    assert chunks[-1][1] == len(lengths)
+    for c0, c1 in chunks:
+        rows = lengths[c0:c1]
+        assert 1 <= c1 - c0 <= 16
+        assert c1 - c0 == 1 or len(rows) * max(rows) <= 1.25 * sum(rows)
+    assert prefill_chunks([5] * 40, max_rows=16) == [(0, 16), (16, 32), (32, 40)]
+    assert prefill_chunks([1, 100], max_rows=16) == [(0, 1), (1, 2)]
+
+
+def test_a_prompts_tokens_do_not_depend_on_the_other_prompts_or_their_order(model):
+    """Prompts are prefilled shortest first in chunks; every response still belongs to its own prompt."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [[1] + torch.randint(3, 24, (int(n),), generator=g).tolist() for n in (3, 40, 7, 25, 2, 40, 11)]
+    cfg = RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=12), group_size=2, ignore_eos=True,
+                        prefill_rows=3)
+    eng = RolloutEngine(model, cfg)
+    together = eng.generate(prompts)
+    backwards = eng.generate(prompts[::-1])
+    for i, p in enumerate(prompts):
+        alone = eng.generate([p])
+        for g_ in range(2):
+            assert together.response_ids(2 * i + g_) == alone.response_ids(g_)
+            assert backwards.response_ids(2 * (len(prompts) - 1 - i) + g_) == alone.response_ids(g_)

@@ -40,6 +40,7 @@ import torch
 
 from .bandit import BEGMAB, DEFAULT_ARMS, Bandit, TunerConfig
 from .fileio import atomic_write_text, read_json
+from .kernels import pack_weights, packed_weights
 from .profiling import call_times, machine_info
 from .speculative import OFF, SpecStrategy, StrategySource
 
@@ -189,27 +190,28 @@ def measure_costs(target, drafter=None, batches: Sequence[int] | None = None, ma
     def timed(fn) -> float:                                  # the least disturbed of the repeats
         return float(min(call_times(fn, repeats, dev)))
 
-    for i, b in enumerate(batches):
-        cache = target.new_cache(b, max(context + max(tokens), long_context) + 1)
-        prompt = torch.randint(0, vocab, (b, context), generator=g).to(dev)
-        last = torch.full((b,), context - 1, device=dev)
-        _, h = target.forward_cached(prompt, cache, logits_at=last)
-        cache.advance(context)
-        for j, n in enumerate(tokens):
-            x = torch.randint(0, vocab, (b, n), generator=g).to(dev)
-            t_tab[i, j] = timed(lambda x=x: target.forward_cached(x, cache))
-        if long_context:
-            cache.advance(long_context - context)            # attend long_context positions (their values are moot)
-            x = torch.randint(0, vocab, (b, 1), generator=g).to(dev)
-            long_s[i] = timed(lambda x=x: target.forward_cached(x, cache))
-        if drafter is not None:
-            dcache = drafter.new_cache(b, context + 8)
-            drafter.forward_cached(h[:, :-1], prompt[:, 1:], dcache, logits_at=last - 1)
-            dcache.advance(context - 1)
-            for k, n in enumerate(draft_tokens):
-                f = h[:, -1:].expand(b, int(n), h.shape[-1]).contiguous()
-                x = torch.randint(0, vocab, (b, int(n)), generator=g).to(dev)
-                d_tab[i, k] = timed(lambda f=f, x=x: drafter.forward_cached(f, x, dcache))
+    with packed_weights(pack_weights(target)):        # what a CPU rollout runs with (RolloutConfig.packed_weights)
+        for i, b in enumerate(batches):
+            cache = target.new_cache(b, max(context + max(tokens), long_context) + 1)
+            prompt = torch.randint(0, vocab, (b, context), generator=g).to(dev)
+            last = torch.full((b,), context - 1, device=dev)
+            _, h = target.forward_cached(prompt, cache, logits_at=last)
+            cache.advance(context)
+            for j, n in enumerate(tokens):
+                x = torch.randint(0, vocab, (b, n), generator=g).to(dev)
+                t_tab[i, j] = timed(lambda x=x: target.forward_cached(x, cache))
+            if long_context:
+                cache.advance(long_context - context)        # attend long_context positions (their values are moot)
+                x = torch.randint(0, vocab, (b, 1), generator=g).to(dev)
+                long_s[i] = timed(lambda x=x: target.forward_cached(x, cache))
+            if drafter is not None:
+                dcache = drafter.new_cache(b, context + 8)
+                drafter.forward_cached(h[:, :-1], prompt[:, 1:], dcache, logits_at=last - 1)
+                dcache.advance(context - 1)
+                for k, n in enumerate(draft_tokens):
+                    f = h[:, -1:].expand(b, int(n), h.shape[-1]).contiguous()
+                    x = torch.randint(0, vocab, (b, int(n)), generator=g).to(dev)
+                    d_tab[i, k] = timed(lambda f=f, x=x: drafter.forward_cached(f, x, dcache))
     return CostModel(np.asarray(batches, dtype=np.float64), np.asarray(tokens, dtype=np.float64), t_tab,
                      draft_tokens.astype(np.float64), d_tab, context=float(context),
                      long_context=float(long_context), long_s=long_s)

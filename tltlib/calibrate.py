@@ -32,6 +32,7 @@ import torch
 from .adaptive import DEFAULT_ARMS, AdaptiveConfig, AdaptiveController, TunerConfig, timed_rollout
 from .adaptive import measure_costs as controller_costs
 from .grpo import GRPOConfig
+from .kernels import pack_weights, packed_weights
 from .rollout import RolloutConfig, RolloutEngine
 from .sampling import SamplingConfig
 from .costs import MeasuredCosts, hardware, iteration_time
@@ -114,24 +115,26 @@ def measure_costs(model, drafter=None, rows=(1, 2, 4, 8, 16, 32, 64, 128), conte
     g = torch.Generator().manual_seed(0)
     target = np.zeros((len(rows), len(contexts), len(tokens)))
     draft = np.zeros((len(rows), len(contexts), len(widths)))
-    for i, b in enumerate(rows):
-        for j, ctx in enumerate(contexts):
-            cache = model.new_cache(b, ctx + max(tokens) + 1)
-            prompt = torch.randint(0, vocab, (b, ctx), generator=g).to(dev)
-            _, h = model.forward_cached(prompt, cache, logits_at=torch.full((b,), ctx - 1, device=dev))
-            cache.advance(ctx)
-            for k, n in enumerate(tokens):
-                x = torch.randint(0, vocab, (b, n), generator=g).to(dev)
-                target[i, j, k] = _typical(lambda x=x: model.forward_cached(x, cache), repeats, dev)
-            if drafter is None:
-                continue
-            dcache = drafter.new_cache(b, ctx + max(widths) + 1)
-            drafter.forward_cached(h[:, :-1], prompt[:, 1:], dcache, logits_at=torch.full((b,), ctx - 2, device=dev))
-            dcache.advance(ctx - 1)
-            for k, n in enumerate(widths):
-                f = h[:, -1:].expand(b, n, h.shape[-1]).contiguous()
-                x = torch.randint(0, vocab, (b, n), generator=g).to(dev)
-                draft[i, j, k] = _typical(lambda f=f, x=x: drafter.forward_cached(f, x, dcache), repeats, dev)
+    with packed_weights(pack_weights(model)):         # what a CPU rollout runs with (RolloutConfig.packed_weights)
+        for i, b in enumerate(rows):
+            for j, ctx in enumerate(contexts):
+                cache = model.new_cache(b, ctx + max(tokens) + 1)
+                prompt = torch.randint(0, vocab, (b, ctx), generator=g).to(dev)
+                _, h = model.forward_cached(prompt, cache, logits_at=torch.full((b,), ctx - 1, device=dev))
+                cache.advance(ctx)
+                for k, n in enumerate(tokens):
+                    x = torch.randint(0, vocab, (b, n), generator=g).to(dev)
+                    target[i, j, k] = _typical(lambda x=x: model.forward_cached(x, cache), repeats, dev)
+                if drafter is None:
+                    continue
+                dcache = drafter.new_cache(b, ctx + max(widths) + 1)
+                last = torch.full((b,), ctx - 2, device=dev)
+                drafter.forward_cached(h[:, :-1], prompt[:, 1:], dcache, logits_at=last)
+                dcache.advance(ctx - 1)
+                for k, n in enumerate(widths):
+                    f = h[:, -1:].expand(b, n, h.shape[-1]).contiguous()
+                    x = torch.randint(0, vocab, (b, n), generator=g).to(dev)
+                    draft[i, j, k] = _typical(lambda f=f, x=x: drafter.forward_cached(f, x, dcache), repeats, dev)
     as_tuple = lambda a: tuple(tuple(tuple(float(v) for v in c) for c in r) for r in a)       # noqa: E731
     return MeasuredCosts(tuple(rows), tuple(contexts), tuple(tokens), as_tuple(target), tuple(widths),
                          as_tuple(draft) if drafter is not None else ())

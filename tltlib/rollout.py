@@ -28,7 +28,6 @@ Departures:
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,13 +35,15 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .cudagraph import GraphConfig, GraphPool, Replay
+from .cudagraph import GraphConfig
+from .kernels import packed_weights
 from .ngram import NgramConfig, NgramDrafter
 from .suffix import SuffixConfig, SuffixDrafter, SuffixHistory
 from .profiling import rollout_stats, spec_stats
 from .sampling import SamplingConfig, sample_from_logits
-from .specdecode import Emitted, SpecDecoder
+from .specdecode import Emitted
 from .speculative import OFF, SpecStrategy, StrategySource, strategy_source
+from .workspace import Kept
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,9 @@ class RolloutConfig:
     """Cache slots kept beyond the longest sequence for draft tokens (must exceed a strategy's verify tokens)."""
     graphs: GraphConfig = field(default_factory=GraphConfig)
     """CUDA graphs for the decode, verify and draft forwards of small batches (on CUDA; no effect on a CPU)."""
+    packed_weights: bool = True
+    """On a CPU in float32: the target's weights packed for oneDNN once per rollout (1.3-2x faster projections, a
+    second copy of the weights while it runs; :func:`tltlib.kernels.pack_weights`). No effect elsewhere."""
 
     def __post_init__(self):
         if self.group_size < 1:
@@ -117,21 +121,23 @@ class RolloutResult:
         return [tokenizer.decode(self.response_ids(i), skip_special_tokens=True) for i in range(self.num_sequences)]
 
 
+def prefill_chunks(lengths: Sequence[int], max_rows: int, waste: float = 0.25) -> list[tuple[int, int]]:
+    """Row ranges ``[(c0, c1)]`` to prefill prompts of ascending ``lengths`` in: at most ``max_rows`` rows each, and a
+    new chunk where padding every row to the longest would exceed ``waste`` of the chunk's real tokens."""
+    chunks, c0, real = [], 0, 0
+    for j, n in enumerate(lengths):
+        if j > c0 and (j - c0 >= max_rows or (j - c0 + 1) * n > (1 + waste) * (real + n)):
+            chunks.append((c0, j))
+            c0, real = j, 0
+        real += n
+    return chunks + [(c0, len(lengths))]
+
+
 def _pad(rows: Sequence[Sequence[int]], pad: int, device) -> torch.Tensor:
     out = torch.full((len(rows), max(len(r) for r in rows)), pad, dtype=torch.long)
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
     return out.to(device)
-
-
-@dataclass
-class Workspace:
-    """A rollout's device buffers: the target's KV cache, the SD state (the drafter's cache and backlog) and the
-    :class:`~tltlib.cudagraph.Replay` every graphed forward goes through (with its CUDA graphs)."""
-
-    cache: object
-    spec: SpecDecoder
-    replay: Replay
 
 
 class RolloutEngine:
@@ -166,46 +172,11 @@ class RolloutEngine:
         self.ngram_config = ngram or NgramConfig()
         c = self.suffix_config = suffix or SuffixConfig()
         self.suffix_history = SuffixHistory(c.history if suffix else 0, c.history_tokens)
-        self._workspace: tuple | None = None      # (key, Workspace, weakref to its rollout) kept on CUDA
-
-    def _workspace_for(self, owner: "Rollout", rows: int, max_len: int) -> "Workspace":
-        """The target's KV cache and the SD state (with the forward runner) for a rollout of ``rows`` rows of at
-        most ``max_len`` tokens.
-
-        With CUDA graphs they are kept for the next rollout of the same shape (graphs hold the buffers' addresses;
-        ``max_len`` is rounded up to a multiple of 256 so that rollouts of similar prompts share them), unless the
-        rollout that holds them is still running: call :meth:`release` to free that memory (e.g. before a training
-        update)."""
-        model, cfg = self.model, self.config
-        graphs = cfg.graphs.enabled and model.device.type == "cuda"
-        if graphs:
-            max_len = -(-max_len // 256) * 256
-            weights = (model.embed.weight.data_ptr(),
-                       None if self.drafter is None else self.drafter.fc.weight.data_ptr())
-            key = (rows, max_len, id(self.drafter), weights, model.embed.weight.dtype)
-            kept = self._workspace
-            holder = kept[2]() if kept is not None else None
-            if kept is not None and kept[0] == key and (holder is None or holder.done):
-                ws = kept[1]
-                ws.cache.reset(rows)
-                ws.spec.reset(rows)
-                self._workspace = (key, ws, weakref.ref(owner))
-                return ws
-            if holder is None or holder.done:
-                self._workspace = None            # free the old buffers before allocating new ones
-        cache = model.new_cache(rows, max_len)
-        replay = Replay()
-        spec = SpecDecoder(model, self.drafter, cfg.sampling, rows, max_len, max_emit=cfg.draft_margin, replay=replay)
-        if graphs:
-            replay.pool = GraphPool([cache] + ([spec.cache] if spec.cache is not None else []), cfg.graphs)
-        ws = Workspace(cache, spec, replay)
-        if graphs and self._workspace is None:
-            self._workspace = (key, ws, weakref.ref(owner))
-        return ws
+        self.kept = Kept(model, drafter, self.config)   # buffers (CUDA graphs) and packed weights (CPU)
 
     def release(self) -> None:
-        """Free the KV cache and captured graphs kept between rollouts (they are rebuilt on the next rollout)."""
-        self._workspace = None
+        """Free the KV cache, captured graphs and packed weights kept between rollouts (rebuilt on the next one)."""
+        self.kept.release()
 
     def check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
         """Clear errors for prompts this model cannot run (empty, too long, ids outside the vocabulary)."""
@@ -269,7 +240,7 @@ class Rollout:
         self.plen_rows = plen.repeat_interleave(G).to(dev)
         max_len = int((plen + self.budget[::G].cpu()).max()) + cfg.draft_margin
         self.done = False
-        ws = engine._workspace_for(self, N, max_len)
+        ws = engine.kept.workspace(self, N, max_len)
         self.cache, self.spec, self.replay = ws.cache, ws.spec, ws.replay
         self._graph_stats0 = dict(self.replay.pool.stats) if self.replay.pool is not None else {}
         self.ngram, self.suffix = None, None          # the model-free drafters (NgramDrafter, SuffixDrafter), on use
@@ -288,7 +259,9 @@ class Rollout:
         self.bar = tqdm(total=N, desc="rollout", unit="seq", disable=not progress, leave=False)
 
         self.t0 = time.perf_counter()
-        first = self._prefill(plen)
+        self.packs = engine.kept.weight_packs()
+        with packed_weights(self.packs):
+            first = self._prefill(plen)
         self.prefill_s = time.perf_counter() - self.t0
         self.seq = torch.arange(N, device=dev)              # sequence id of each cache row
         self.alive = torch.ones(N, dtype=torch.bool, device=dev)
@@ -301,40 +274,43 @@ class Rollout:
 
     def _prefill(self, plen: torch.Tensor) -> Emitted:
         """Prefill the prompts in row chunks (streaming their pairs), copy each cache row G times, sample every
-        row's first token."""
+        row's first token. Prompts are prefilled shortest first (cache row j holds prompt ``order[j]``) in chunks
+        of similar length, so that little of a chunk is padding."""
         engine, model, cfg = self.engine, self.engine.model, self.engine.config
         dev, G, P = self.device, cfg.group_size, len(self.prompts)
         N = P * G
         if self.pairs is not None:
             prompt_owner, first_seq = self.pairs.begin(self.prompts, G)
             self._pair_owner = torch.arange(first_seq, first_seq + N, device=dev)
+        order = sorted(range(P), key=lambda i: len(self.prompts[i]))
         last_logits, last_hidden = [], []
-        for c0 in range(0, P, cfg.prefill_rows):
-            c1 = min(P, c0 + cfg.prefill_rows)
+        for c0, c1 in prefill_chunks([len(self.prompts[i]) for i in order], cfg.prefill_rows):
+            rows = order[c0:c1]
             sub = self.cache.view(c0, c1)
-            lens = plen[c0:c1].to(dev)
-            toks = _pad(self.prompts[c0:c1], engine.pad_id, dev)
+            lens = plen[rows].to(dev)
+            toks = _pad([self.prompts[i] for i in rows], engine.pad_id, dev)
             logits, h = model.forward_cached(toks, sub, logits_at=lens - 1)
             sub.advance(lens)
             self.spec.prefill(slice(c0, c1), toks, h, lens)
             if self.pairs is not None:             # prompt pairs (f_t, x_{t+1}), t < L_p - 1, once per prompt
                 t = torch.arange(toks.shape[1] - 1, device=dev)
                 m = t[None, :] < (lens - 1)[:, None]
-                own = torch.tensor(prompt_owner[c0:c1], device=dev)[:, None].expand_as(m)
+                own = torch.tensor([prompt_owner[i] for i in rows], device=dev)[:, None].expand_as(m)
                 self.pairs.add(own[m], t.expand_as(m)[m], h[:, :-1][m], toks[:, 1:][m])
             last_logits.append(logits)
             last_hidden.append(h[torch.arange(c1 - c0, device=dev), lens - 1])
         self.cache.rows = P
         self.cache.sync_from_views()
-        expand = torch.arange(P, device=dev).repeat_interleave(G)
+        where = torch.empty(P, dtype=torch.long)
+        where[torch.tensor(order)] = torch.arange(P)          # cache row of each prompt
+        expand = where.to(dev).repeat_interleave(G)
         self.cache.select_rows(expand)
         self.spec.after_prefill(P)
         self.spec.select_rows(expand)
-        logits = torch.cat(last_logits).repeat_interleave(G, 0)
+        logits = torch.cat(last_logits)[expand]
         tok, logp = sample_from_logits(logits, cfg.sampling, self.generator)
         return Emitted(tok[:, None], torch.ones(N, dtype=torch.long, device=dev), logp[:, None],
-                       torch.cat(last_hidden).repeat_interleave(G, 0)[:, None],
-                       torch.zeros(N, dtype=torch.long, device=dev))
+                       torch.cat(last_hidden)[expand][:, None], torch.zeros(N, dtype=torch.long, device=dev))
 
     @property
     def running(self) -> bool:
@@ -359,7 +335,8 @@ class Rollout:
         self._compact_if_due()
         # rows that finished but are not compacted away yet are computed and commit nothing
         commit = 1 if self.active == int(self.seq.numel()) else self.alive.long()
-        out = self._decode(commit) if not st.enabled else self._speculate(st, commit)
+        with packed_weights(self.packs):
+            out = self._decode(commit) if not st.enabled else self._speculate(st, commit)
         self.spec.record(out)                     # the drafter's backlog: every emitted (hidden, token)
         self._record(out)
         for hook in self.hooks:
@@ -490,7 +467,7 @@ class Rollout:
         """The result (runs the remaining iterations first if the rollout is not done)."""
         while self.iterate():
             pass
-        self.done = True
+        self.done, self.packs = True, None
         self.bar.close()
         total = time.perf_counter() - self.t0
         N, dev = self.num_sequences, self.device

@@ -1,0 +1,93 @@
+"""Packed weights (tltlib.kernels.WeightPacks): on a CPU in float32 a rollout's projections run through oneDNN with
+the weights laid out once. They must compute what F.linear computes, give the same tokens as an unpacked rollout
+(greedy, Qwen2 with q/k/v biases and Llama), follow weight updates between rollouts (optimizer steps, ``.data``
+writes, a reloaded model) and refuse a weight changed during a rollout."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tltlib.kernels as K
+from tltlib.checkpoint import load_model
+from tltlib.rollout import RolloutConfig, RolloutEngine
+from tltlib.sampling import SamplingConfig
+
+from conftest import make_hf_model
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def target(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    make_hf_model(request.param).save_pretrained(path)
+    return load_model(path)
+
+
+def _prompts(n=6):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 97, (int(k),), generator=g).tolist() for k in torch.randint(2, 9, (n,), generator=g)]
+
+
+def _engine(model, packed: bool, **kw):
+    return RolloutEngine(model, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=24), ignore_eos=True,
+                                              packed_weights=packed, **kw))
+
+
+@pytest.mark.parametrize("rows", [3, 17, 300])
+def test_a_packed_projection_equals_f_linear_and_is_used_from_three_rows(rows, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(40, 24)
+    x = torch.randn(rows, 40, generator=g)
+    packs = K.pack_weights(lin)
+    assert set(packs) == {id(lin.weight)}                       # the bias is not a matrix: not packed
+    with torch.inference_mode(), K.packed_weights(packs):
+        monkeypatch.setattr(torch, "mm", lambda *a: pytest.fail("weight @ x.T used although the weight is packed"))
+        got = K.linear(x.view(1, rows, 40), lin.weight, lin.bias)
+    torch.testing.assert_close(got.view(rows, 24), torch.nn.functional.linear(x, lin.weight, lin.bias),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_a_packed_rollout_gives_the_unpacked_tokens(target):
+    ps = _prompts()
+    plain = _engine(target, False).generate(ps)
+    packed_engine = _engine(target, True, group_size=2)
+    assert torch.equal(packed_engine.generate(ps).tokens[::2], plain.tokens)
+    assert packed_engine.kept.packs.packs, "a CPU float32 rollout made no packed weights"
+
+
+def test_packs_follow_weight_updates_between_rollouts(target):
+    ps = _prompts()
+    eng = _engine(target, True)
+    eng.generate(ps)
+    w = target.layers[0].mlp.down.weight
+    saved = w.detach().clone()
+    try:
+        for update in (lambda: w.data.copy_(w.data.flip(0)),                 # bypasses the version counter
+                       lambda: torch.optim.SGD([w], lr=5.0).step()):         # an optimizer step
+            w.grad = torch.randn_like(w)
+            update()
+            assert torch.equal(eng.generate(ps).tokens, _engine(target, False).generate(ps).tokens)
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+        w.grad = None
+
+
+def test_a_weight_changed_during_a_rollout_is_refused(target):
+    eng = _engine(target, True)
+    w = target.layers[1].attn.o.weight
+
+    def bump(rollout):
+        if rollout.iteration == 3:
+            with torch.no_grad():
+                w.mul_(1.0)                              # any in-place update moves the version counter
+    with pytest.raises(RuntimeError, match="changed in place after it was packed"):
+        eng.start(_prompts(), hooks=[bump]).finish()
+
+
+def test_release_drops_the_packed_copies(target):
+    eng = _engine(target, True)
+    eng.generate(_prompts())
+    eng.release()
+    assert eng.kept.packs.packs == {}

@@ -1,0 +1,77 @@
+"""What a :class:`tltlib.rollout.RolloutEngine` keeps between rollouts: the device buffers of a rollout (the target's
+KV cache, the SD state with the drafter's cache and backlog, the CUDA graphs replaying its forwards) and, on a CPU,
+the target's weights packed for oneDNN (:class:`tltlib.kernels.WeightPacks`).
+
+Buffers are kept only with CUDA graphs (graphs hold their addresses; elsewhere a rollout allocates its own), packs
+only on a CPU in float32 (re-made when a weight changed). :meth:`Kept.release` frees both.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+from .cudagraph import GraphPool, Replay
+from .kernels import WeightPacks
+from .specdecode import SpecDecoder
+
+
+@dataclass
+class Workspace:
+    """A rollout's device buffers: the target's KV cache, the SD state (the drafter's cache and backlog) and the
+    :class:`~tltlib.cudagraph.Replay` every graphed forward goes through (with its CUDA graphs)."""
+
+    cache: object
+    spec: SpecDecoder
+    replay: Replay
+
+
+class Kept:
+    """The workspace and packed weights of one engine (``model``, ``drafter``, its :class:`RolloutConfig`)."""
+
+    def __init__(self, model, drafter, config):
+        self.model, self.drafter, self.config = model, drafter, config
+        self._workspace: tuple | None = None      # (key, Workspace, weakref to its rollout) kept on CUDA
+        self.packs = WeightPacks(model)
+
+    def weight_packs(self) -> dict | None:
+        """The packed weights a rollout runs with (re-packed when the weights changed), or None."""
+        return self.packs.current() if self.config.packed_weights and self.model.device.type == "cpu" else None
+
+    def workspace(self, owner, rows: int, max_len: int) -> Workspace:
+        """The target's KV cache and the SD state (with the forward runner) for the rollout ``owner`` of ``rows``
+        rows of at most ``max_len`` tokens.
+
+        With CUDA graphs they are kept for the next rollout of the same shape (graphs hold the buffers' addresses;
+        ``max_len`` is rounded up to a multiple of 256 so that rollouts of similar prompts share them), unless the
+        rollout that holds them is still running: :meth:`release` frees that memory (e.g. before a training
+        update)."""
+        model, cfg = self.model, self.config
+        graphs = cfg.graphs.enabled and model.device.type == "cuda"
+        if graphs:
+            max_len = -(-max_len // 256) * 256
+            weights = (model.embed.weight.data_ptr(),
+                       None if self.drafter is None else self.drafter.fc.weight.data_ptr())
+            key = (rows, max_len, id(self.drafter), weights, model.embed.weight.dtype)
+            kept = self._workspace
+            holder = kept[2]() if kept is not None else None
+            if kept is not None and kept[0] == key and (holder is None or holder.done):
+                ws = kept[1]
+                ws.cache.reset(rows)
+                ws.spec.reset(rows)
+                self._workspace = (key, ws, weakref.ref(owner))
+                return ws
+            if holder is None or holder.done:
+                self._workspace = None            # free the old buffers before allocating new ones
+        cache = model.new_cache(rows, max_len)
+        replay = Replay()
+        spec = SpecDecoder(model, self.drafter, cfg.sampling, rows, max_len, max_emit=cfg.draft_margin, replay=replay)
+        if graphs:
+            replay.pool = GraphPool([cache] + ([spec.cache] if spec.cache is not None else []), cfg.graphs)
+        ws = Workspace(cache, spec, replay)
+        if graphs and self._workspace is None:
+            self._workspace = (key, ws, weakref.ref(owner))
+        return ws
+
+    def release(self) -> None:
+        self._workspace = None
+        self.packs.clear()
