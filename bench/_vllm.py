@@ -13,9 +13,10 @@ import glob
 import importlib.util
 import json
 import os
-import select
+import queue
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -72,19 +73,29 @@ class VLLMPeer:
         self.proc = subprocess.Popen([str(python), str(WORKER), json.dumps(spec)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True, env=env, cwd=ROOT)
         self.spec = spec
+        self._lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
         self.startup_s = self._reply(startup_timeout, "start")["startup_s"]
+
+    def _read(self) -> None:
+        """The reader thread: every line of the worker's protocol stream into the queue, then None at its end."""
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
 
     def _reply(self, timeout: float, what: str) -> dict:
         """The worker's next JSON line (other lines are skipped), or a RuntimeError with its log's tail."""
         deadline = time.monotonic() + timeout
         while True:
-            left = deadline - time.monotonic()
-            ready = select.select([self.proc.stdout], [], [], max(left, 0))[0] if left > 0 else []
-            line = self.proc.stdout.readline() if ready else None
-            if line is None or line == "":
+            try:
+                line = self._lines.get(timeout=max(deadline - time.monotonic(), 0.001))
+            except queue.Empty:
+                line = ""
+            if not line:
+                tail = self._tail()
                 self.close()
-                why = "timed out" if line is None else f"exited with status {self.proc.returncode}"
-                raise RuntimeError(f"vLLM worker {why} during {what}; its log ends:\n{self._tail()}")
+                why = "timed out" if line == "" else f"exited with status {self.proc.returncode}"
+                raise RuntimeError(f"vLLM worker {why} during {what}; its log ends:\n{tail}")
             if line.startswith("{"):
                 msg = json.loads(line)
                 if "error" in msg:
@@ -111,6 +122,7 @@ class VLLMPeer:
         return self._reply(timeout, "generate")
 
     def close(self) -> None:
+        """Stop the worker (end of input, then a kill after 60 s) and remove its temporary folder."""
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.close()
@@ -119,13 +131,13 @@ class VLLMPeer:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+        self.cache.cleanup()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
-        self.cache.cleanup()
 
 
 class _InProcess:

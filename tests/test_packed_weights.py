@@ -53,7 +53,9 @@ def test_a_packed_rollout_gives_the_unpacked_tokens(target):
     plain = _engine(target, False).generate(ps)
     packed_engine = _engine(target, True, group_size=2)
     assert torch.equal(packed_engine.generate(ps).tokens[::2], plain.tokens)
-    assert packed_engine.kept.packs.packs, "a CPU float32 rollout made no packed weights"
+    packs = packed_engine.kept.packs.packs
+    assert packs, "a CPU float32 rollout made no packed weights"
+    assert (id(target.embed.weight) in packs) == (target.lm_head is None)     # an untied embedding is not packed
 
 
 def test_packs_follow_weight_updates_between_rollouts(target):
@@ -64,6 +66,7 @@ def test_packs_follow_weight_updates_between_rollouts(target):
     saved = w.detach().clone()
     try:
         for update in (lambda: w.data.copy_(w.data.flip(0)),                 # bypasses the version counter
+                       lambda: w.data[5].mul_(-3.0),                         # one row, through .data
                        lambda: torch.optim.SGD([w], lr=5.0).step()):         # an optimizer step
             w.grad = torch.randn_like(w)
             update()

@@ -47,47 +47,54 @@ CPU_MM_MAX_ROWS = 64
 _PACKED: ContextVar[dict | None] = ContextVar("tltlib_packed_weights", default=None)
 
 
-def _packable(p: torch.Tensor) -> bool:
-    return p.dim() == 2 and p.dtype == torch.float32 and p.device.type == "cpu"
-
-
-def pack_weights(module: torch.nn.Module) -> dict[int, tuple[torch.Tensor, int, torch.Tensor]]:
-    """oneDNN-packed copies of ``module``'s 2-D float32 CPU parameters (every projection and the LM head), for
-    :func:`packed_weights`: ``{id(weight): (weight, weight._version, packed)}``; empty when oneDNN is missing or the
-    weights live elsewhere. Costs a second copy of those weights (SmolLM2-135M: 0.2 s, 540 MB)."""
+def pack_weights(module: torch.nn.Module, skip: tuple = ()) -> dict[int, tuple[torch.Tensor, int, torch.Tensor]]:
+    """oneDNN-packed copies of ``module``'s 2-D float32 CPU parameters (every projection and the LM head; not those in
+    ``skip``, e.g. an untied input embedding), for :func:`packed_weights`: ``{id(weight): (weight, weight._version,
+    packed)}``; empty when oneDNN is missing or the weights live elsewhere. Costs a second copy of those weights
+    (SmolLM2-135M: 0.2 s, 540 MB)."""
     if not torch.backends.mkldnn.is_available():
         return {}
     with torch.no_grad():
         return {id(p): (p, p._version, torch.ops.mkldnn._reorder_linear_weight(p.detach(), 64))
-                for p in module.parameters() if _packable(p)}
+                for p in _packable(module, skip)}
+
+
+def _packable(module: torch.nn.Module, skip: tuple = ()) -> list[torch.Tensor]:
+    return [p for p in module.parameters() if p.dim() == 2 and p.dtype == torch.float32 and p.device.type == "cpu"
+            and not any(p is q for q in skip)]
 
 
 class WeightPacks:
     """:func:`pack_weights` of one module, kept between rollouts and re-made when a weight changed.
 
     A weight counts as changed when it is another tensor, when autograd's version counter moved (optimizer steps,
-    ``load_state_dict``, any in-place update of the parameter) or when any of 64 values sampled across it differ
-    (writes through ``.data``, which bypass the counter). Call :meth:`clear` to drop the copies."""
+    ``load_state_dict``, any in-place update of the parameter) or when its product with a fixed random vector
+    changed (one pass over the weights, ~30 ms for SmolLM2: catches writes through ``.data`` or fused optimizers,
+    which bypass the counter, wherever they land). ``skip``: parameters never packed. Call :meth:`clear` to drop
+    the copies."""
 
-    SAMPLES = 64
-
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
+    def __init__(self, module: torch.nn.Module, skip: tuple = ()):
+        self.module, self.skip = module, skip
         self.packs: dict = {}
         self._seen: tuple | None = None
+        self._probe: dict[int, torch.Tensor] = {}
 
     def _fingerprint(self) -> tuple:
-        params = [p for p in self.module.parameters() if _packable(p)]
+        params = _packable(self.module, self.skip)
         with torch.no_grad():
-            values = [p.reshape(-1)[torch.arange(self.SAMPLES) * (p.numel() - 1) // (self.SAMPLES - 1)] for p in params]
-        return tuple((id(p), p._version) for p in params), torch.cat(values) if values else torch.zeros(0)
+            for p in params:
+                if p.shape[1] not in self._probe:
+                    g = torch.Generator().manual_seed(p.shape[1])
+                    self._probe[p.shape[1]] = torch.rand(p.shape[1], generator=g) + 0.5
+            sums = [torch.mv(p, self._probe[p.shape[1]]) for p in params]
+        return tuple((id(p), p._version) for p in params), torch.cat(sums) if sums else torch.zeros(0)
 
     def current(self) -> dict:
         """The packs, re-made first if a weight changed since they were made."""
         seen = self._fingerprint()
         if self._seen is None or seen[0] != self._seen[0] or not torch.equal(seen[1], self._seen[1]):
             self.packs = {}                             # free the old copies before making new ones
-            self.packs, self._seen = pack_weights(self.module), seen
+            self.packs, self._seen = pack_weights(self.module, self.skip), seen
         return self.packs
 
     def clear(self) -> None:
@@ -98,7 +105,9 @@ class WeightPacks:
 def packed_weights(packs: dict | None):
     """Within this block, :func:`linear` without autograd uses the packed copies in ``packs`` (from
     :func:`pack_weights`; None or empty: no effect). The packs are valid only while their weights are unchanged: a
-    weight updated in place since packing stops :func:`linear` with an error instead of using stale values."""
+    weight updated in place through autograd's counter since packing stops :func:`linear` with an error instead of
+    using stale values; writes that bypass the counter (``.data``, fused optimizers) are not seen within a block,
+    only by :class:`WeightPacks` between rollouts."""
     token = _PACKED.set(packs or None)
     try:
         yield
@@ -170,8 +179,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     entry = packs.get(id(weight)) if packs is not None and m >= CPU_PACKED_MIN_ROWS else None
     if entry is not None and entry[0] is weight:
         if weight._version != entry[1]:
-            raise RuntimeError("a weight changed in place after it was packed for this rollout: update weights "
-                               "between rollouts, not during one (its packed copy would be stale)")
+            raise RuntimeError(f"a {tuple(weight.shape)} weight changed in place after it was packed for this rollout: "
+                               "update weights between rollouts, not during one (its packed copy would be stale)")
         return torch.ops.mkldnn._linear_pointwise(x, entry[2], bias, "none", [], "")
     if not CPU_MM_MIN_ROWS <= m <= CPU_MM_MAX_ROWS:
         return F.linear(x, weight, bias)

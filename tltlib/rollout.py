@@ -172,7 +172,7 @@ class RolloutEngine:
         self.ngram_config = ngram or NgramConfig()
         c = self.suffix_config = suffix or SuffixConfig()
         self.suffix_history = SuffixHistory(c.history if suffix else 0, c.history_tokens)
-        self.kept = Kept(model, drafter, self.config)   # buffers (CUDA graphs) and packed weights (CPU)
+        self.kept = Kept(self)                    # buffers (CUDA graphs) and packed weights (CPU)
 
     def release(self) -> None:
         """Free the KV cache, captured graphs and packed weights kept between rollouts (rebuilt on the next one)."""

@@ -26,16 +26,21 @@ class Workspace:
 
 
 class Kept:
-    """The workspace and packed weights of one engine (``model``, ``drafter``, its :class:`RolloutConfig`)."""
+    """The workspace and packed weights of one :class:`~tltlib.rollout.RolloutEngine` (its model, drafter and
+    config are read from the engine at every rollout)."""
 
-    def __init__(self, model, drafter, config):
-        self.model, self.drafter, self.config = model, drafter, config
+    def __init__(self, engine):
+        self.engine = engine
         self._workspace: tuple | None = None      # (key, Workspace, weakref to its rollout) kept on CUDA
-        self.packs = WeightPacks(model)
+        model = engine.model                      # an untied input embedding never goes through a projection
+        self.packs = WeightPacks(model, skip=(model.embed.weight,) if model.lm_head is not None else ())
 
     def weight_packs(self) -> dict | None:
         """The packed weights a rollout runs with (re-packed when the weights changed), or None."""
-        return self.packs.current() if self.config.packed_weights and self.model.device.type == "cpu" else None
+        e = self.engine
+        if self.packs.module is not e.model:
+            raise RuntimeError("RolloutEngine.model was replaced after the engine was made: make a new engine")
+        return self.packs.current() if e.config.packed_weights and e.model.device.type == "cpu" else None
 
     def workspace(self, owner, rows: int, max_len: int) -> Workspace:
         """The target's KV cache and the SD state (with the forward runner) for the rollout ``owner`` of ``rows``
@@ -45,13 +50,13 @@ class Kept:
         ``max_len`` is rounded up to a multiple of 256 so that rollouts of similar prompts share them), unless the
         rollout that holds them is still running: :meth:`release` frees that memory (e.g. before a training
         update)."""
-        model, cfg = self.model, self.config
+        model, cfg, drafter = self.engine.model, self.engine.config, self.engine.drafter
         graphs = cfg.graphs.enabled and model.device.type == "cuda"
         if graphs:
             max_len = -(-max_len // 256) * 256
             weights = (model.embed.weight.data_ptr(),
-                       None if self.drafter is None else self.drafter.fc.weight.data_ptr())
-            key = (rows, max_len, id(self.drafter), weights, model.embed.weight.dtype)
+                       None if drafter is None else drafter.fc.weight.data_ptr())
+            key = (rows, max_len, id(drafter), weights, model.embed.weight.dtype)
             kept = self._workspace
             holder = kept[2]() if kept is not None else None
             if kept is not None and kept[0] == key and (holder is None or holder.done):
@@ -64,7 +69,7 @@ class Kept:
                 self._workspace = None            # free the old buffers before allocating new ones
         cache = model.new_cache(rows, max_len)
         replay = Replay()
-        spec = SpecDecoder(model, self.drafter, cfg.sampling, rows, max_len, max_emit=cfg.draft_margin, replay=replay)
+        spec = SpecDecoder(model, drafter, cfg.sampling, rows, max_len, max_emit=cfg.draft_margin, replay=replay)
         if graphs:
             replay.pool = GraphPool([cache] + ([spec.cache] if spec.cache is not None else []), cfg.graphs)
         ws = Workspace(cache, spec, replay)
