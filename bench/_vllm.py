@@ -48,6 +48,12 @@ def setup_note(python: Path, eager: bool) -> str:
             f"{', '.join(libs) if libs else 'nothing (no libiomp5/tcmalloc found)'}")
 
 
+def engine_spec(model, dtype: str, max_model_len: int, eager: bool, drafter, k: int) -> dict:
+    """What ``vllm_worker.build`` makes an engine from (JSON-able)."""
+    return {"model": str(model), "dtype": dtype, "max_model_len": max_model_len, "eager": eager,
+            "drafter": str(drafter) if drafter else None, "k": k}
+
+
 class VLLMPeer:
     """One vLLM engine in ``python`` (the vLLM venv), answering :meth:`generate` calls; :meth:`close` (or ``with``)
     stops it.
@@ -59,8 +65,7 @@ class VLLMPeer:
     def __init__(self, python: Path, model: str | os.PathLike, dtype: str = "float32", max_model_len: int = 1024,
                  eager: bool = False, drafter: str | os.PathLike | None = None, k: int = 0,
                  startup_timeout: float = 900):
-        spec = {"model": str(model), "dtype": dtype, "max_model_len": max_model_len, "eager": eager,
-                "drafter": str(drafter) if drafter else None, "k": k}
+        spec = engine_spec(model, dtype, max_model_len, eager, drafter, k)
         self.cache = tempfile.TemporaryDirectory(prefix="tltlib-vllm-")
         env = dict(os.environ, VLLM_CACHE_ROOT=os.path.join(self.cache.name, "cache"))
         libs = preload(python)
@@ -196,8 +201,7 @@ def vllm_peer(mode: str, model, dtype: str, new_tokens: int, max_model_len: int 
     print(f"starting vLLM ({'eager' if eager else 'compiled'}{', EAGLE k=%d' % k if drafter else ''}) ...",
           flush=True)
     if local:
-        spec = {"model": str(model), "dtype": dtype, "max_model_len": max_model_len, "eager": eager,
-                "drafter": str(drafter) if drafter else None, "k": k}
+        spec = engine_spec(model, dtype, max_model_len, eager, drafter, k)
         return VLLMColumn(_InProcess(spec), new_tokens, temperature, stop), \
             f"vLLM {'eager' if eager else 'torch.compile'} (in-process)"
     peer = VLLMPeer(python, model, dtype, max_model_len, eager, drafter, k)

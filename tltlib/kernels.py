@@ -47,21 +47,25 @@ CPU_MM_MAX_ROWS = 64
 _PACKED: ContextVar[dict | None] = ContextVar("tltlib_packed_weights", default=None)
 
 
-def pack_weights(module: torch.nn.Module, skip: tuple = ()) -> dict[int, tuple[torch.Tensor, int, torch.Tensor]]:
-    """oneDNN-packed copies of ``module``'s 2-D float32 CPU parameters (every projection and the LM head; not those in
-    ``skip``, e.g. an untied input embedding), for :func:`packed_weights`: ``{id(weight): (weight, weight._version,
+def pack_weights(module: torch.nn.Module) -> dict[int, tuple[torch.Tensor, int, torch.Tensor]]:
+    """oneDNN-packed copies of ``module``'s 2-D float32 CPU parameters (every projection and the LM head; an input
+    embedding only when it is also the head), for :func:`packed_weights`: ``{id(weight): (weight, weight._version,
     packed)}``; empty when oneDNN is missing or the weights live elsewhere. Costs a second copy of those weights
     (SmolLM2-135M: 0.2 s, 540 MB)."""
     if not torch.backends.mkldnn.is_available():
         return {}
     with torch.no_grad():
         return {id(p): (p, p._version, torch.ops.mkldnn._reorder_linear_weight(p.detach(), 64))
-                for p in _packable(module, skip)}
+                for p in _packable(module)}
 
 
-def _packable(module: torch.nn.Module, skip: tuple = ()) -> list[torch.Tensor]:
+def _packable(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters :func:`pack_weights` packs: 2-D, float32, on a CPU, and not an untied input embedding (a
+    module with ``embed`` and a separate ``lm_head``), which never goes through :func:`linear`."""
+    untied = getattr(module, "embed", None) is not None and getattr(module, "lm_head", None) is not None
+    skip = module.embed.weight if untied else None
     return [p for p in module.parameters() if p.dim() == 2 and p.dtype == torch.float32 and p.device.type == "cpu"
-            and not any(p is q for q in skip)]
+            and p is not skip]
 
 
 class WeightPacks:
@@ -70,17 +74,16 @@ class WeightPacks:
     A weight counts as changed when it is another tensor, when autograd's version counter moved (optimizer steps,
     ``load_state_dict``, any in-place update of the parameter) or when its product with a fixed random vector
     changed (one pass over the weights, ~30 ms for SmolLM2: catches writes through ``.data`` or fused optimizers,
-    which bypass the counter, wherever they land). ``skip``: parameters never packed. Call :meth:`clear` to drop
-    the copies."""
+    which bypass the counter, wherever they land). Call :meth:`clear` to drop the copies."""
 
-    def __init__(self, module: torch.nn.Module, skip: tuple = ()):
-        self.module, self.skip = module, skip
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
         self.packs: dict = {}
         self._seen: tuple | None = None
         self._probe: dict[int, torch.Tensor] = {}
 
     def _fingerprint(self) -> tuple:
-        params = _packable(self.module, self.skip)
+        params = _packable(self.module)
         with torch.no_grad():
             for p in params:
                 if p.shape[1] not in self._probe:
@@ -94,7 +97,7 @@ class WeightPacks:
         seen = self._fingerprint()
         if self._seen is None or seen[0] != self._seen[0] or not torch.equal(seen[1], self._seen[1]):
             self.packs = {}                             # free the old copies before making new ones
-            self.packs, self._seen = pack_weights(self.module, self.skip), seen
+            self.packs, self._seen = pack_weights(self.module), seen
         return self.packs
 
     def clear(self) -> None:

@@ -65,8 +65,9 @@ class RolloutConfig:
     graphs: GraphConfig = field(default_factory=GraphConfig)
     """CUDA graphs for the decode, verify and draft forwards of small batches (on CUDA; no effect on a CPU)."""
     packed_weights: bool = True
-    """On a CPU in float32: the target's weights packed for oneDNN once per rollout (1.3-2x faster projections, a
-    second copy of the weights while it runs; :func:`tltlib.kernels.pack_weights`). No effect elsewhere."""
+    """On a CPU in float32: projections of 3+ rows through oneDNN on a packed copy of the target's weights, kept
+    between rollouts and re-made when a weight changed (1.2-2x faster projections for a second copy of the weights;
+    :class:`tltlib.kernels.WeightPacks`). No effect elsewhere."""
 
     def __post_init__(self):
         if self.group_size < 1:

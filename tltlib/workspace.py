@@ -32,8 +32,7 @@ class Kept:
     def __init__(self, engine):
         self.engine = engine
         self._workspace: tuple | None = None      # (key, Workspace, weakref to its rollout) kept on CUDA
-        model = engine.model                      # an untied input embedding never goes through a projection
-        self.packs = WeightPacks(model, skip=(model.embed.weight,) if model.lm_head is not None else ())
+        self.packs = WeightPacks(engine.model)
 
     def weight_packs(self) -> dict | None:
         """The packed weights a rollout runs with (re-packed when the weights changed), or None."""
