@@ -9,10 +9,12 @@ same seed, side by side in one process, after a common warm-up; the adaptive con
 whole RL run), then are timed. Time = wall time of ``RolloutEngine.generate`` (median of ``--repeats``, policies
 interleaved, each round in its own shuffled order; each repeat samples with its own seed, shared by all policies,
 so the median also spans different draws of the long tail: at temperature > 0 SD and plain decoding draw different,
-equally distributed, responses; the guarantee line compares within rounds). "best fixed" = the fastest policy
-that plays one strategy (always, or below the threshold) with the same drafter family. "per-bucket oracle" = in
-hindsight, the fastest of no-SD and each always-strategy (with --no-always: each threshold strategy) in every
-batch-size bucket of the tuner, summed: the most any per-bucket tuner could achieve on this workload.
+equally distributed, responses; the guarantee line compares within rounds). ``--same-lengths`` takes the draw of
+lengths out: every round first runs no SD untimed and gives its response lengths to every policy (EOS ignored), so
+all run one schedule of running rows and the within-round ratios measure the policies alone. "best fixed" = the
+fastest policy that plays one strategy (always, or below the threshold) with the same drafter family.
+"per-bucket oracle" = in hindsight, the fastest of no-SD and each always-strategy (with --no-always: each threshold
+strategy) in every batch-size bucket of the tuner, summed: the most any per-bucket tuner could achieve here.
 
     python -m tltlib bench long_tail_rollout                 # CPU, ~15 min
     python -m tltlib bench long_tail_rollout --prompts 16    # the paper's Fig. 14 case study size: 128 requests
@@ -64,6 +66,10 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--tune-rollouts", type=nonnegative_int, default=3,
                     help="rollouts of other prompts the adaptive controllers learn on before they are timed")
+    ap.add_argument("--same-lengths", action="store_true",
+                    help="every round, give each policy the response lengths of that round's no-SD rollout (EOS "
+                         "ignored): one schedule of running rows for all, so the paired ratios measure the policies, "
+                         "not the lengths drawn (SD at T > 0 samples other tokens than plain decoding)")
     ap.add_argument("--no-identity", action="store_true", help="skip the temperature-0 identity check")
     ap.add_argument("--no-always", action="store_true",
                     help="skip the always-SD policies (slow where SD loses at large batches); the per-bucket oracle "
@@ -119,7 +125,8 @@ def main() -> None:
     if args.revisit:                                      # the previous epoch's rollout of the same prompts
         runner.run(hot, Policy("no SD", "none", "plain", lambda: None), prompts, seed=99)
     buckets = TunerConfig().buckets
-    times, by_bucket, results = _time_policies(runner, hot, policies, prompts, args.repeats, buckets)
+    times, by_bucket, results = _time_policies(runner, hot, policies, prompts, args.repeats, buckets,
+                                               args.same_lengths)
     identical = {} if args.no_identity else _identity(runner, policies, prompts)
     med = {k: float(np.median(v)) for k, v in times.items()}
     best_fixed = {fam: min((med[p.name], p.name) for p in policies if p.family == fam and p.kind == "fixed")[1]
@@ -136,6 +143,7 @@ def main() -> None:
     shape = "" if (args.prompts, args.group) == (64, 8) else f"-{args.prompts}x{args.group}"
     shape += model_suffix(args.model) + ("" if args.task == "chain" else f"-{args.task}")
     shape += "-revisit" if args.revisit else ""
+    shape += "-same-lengths" if args.same_lengths else ""
     shape += "" if args.drafter == DRAFTER else "-" + Path(args.drafter).expanduser().resolve().name
     write_results(result_name("long_tail_rollout", device, args.dtype, shape), payload,
                   _table(args, device, rows, results["no SD"], summary, best_fixed, cost_s), args.out)
@@ -194,12 +202,12 @@ class Runner:
         free.suffix_history = learned.suffix_history          # one history: a prompt's earlier responses
         return learned, free
 
-    def run(self, engines: tuple, policy: Policy, prompts, seed: int = 0):
+    def run(self, engines: tuple, policy: Policy, prompts, seed: int = 0, lengths=None):
         import torch
         eng = engines[1] if policy.family in ("ngram", "none") else engines[0]
         g = torch.Generator(device=self.device).manual_seed(seed)
         source = self.controllers[policy.name] if policy.name in self.controllers else policy.factory()
-        return eng.generate(prompts, g, strategy=source)
+        return eng.generate(prompts, g, strategy=source, lengths=lengths)
 
 
 def _warm_up_and_tune(runner: Runner, hot: tuple, policies: list[Policy], tune_sets: list, args) -> dict:
@@ -218,19 +226,22 @@ def _warm_up_and_tune(runner: Runner, hot: tuple, policies: list[Policy], tune_s
     return tuned
 
 
-def _time_policies(runner: Runner, hot: tuple, policies: list[Policy], prompts, repeats: int, buckets):
-    """``repeats`` rounds over every policy, each round with its own seed: seconds and decode time per batch-size
-    bucket by policy, and each policy's last result."""
+def _time_policies(runner: Runner, hot: tuple, policies: list[Policy], prompts, repeats: int, buckets,
+                   same_lengths: bool = False):
+    """``repeats`` rounds over every policy, each round with its own seed (and with ``same_lengths``, the lengths of
+    an untimed no-SD rollout with that seed): seconds and decode time per batch-size bucket by policy, and each
+    policy's last result."""
     from tltlib.profiling import time_by_bucket
     times = {p.name: [] for p in policies}
     by_bucket = {p.name: [] for p in policies}
     results = {}
     import numpy as np
     for rep in range(repeats):
+        lengths = runner.run(hot, policies[0], prompts, seed=100 + rep).lengths if same_lengths else None
         order = np.random.default_rng(rep).permutation(len(policies))   # each round in its own order: no policy
         for p in (policies[i] for i in order):            # always runs after the same (slow, cache-cold) neighbour
             box = {}
-            t = timed(lambda: box.__setitem__("r", runner.run(hot, p, prompts, seed=100 + rep)), runner.device)
+            t = timed(lambda: box.__setitem__("r", runner.run(hot, p, prompts, 100 + rep, lengths)), runner.device)
             times[p.name].append(t)
             results[p.name] = box["r"]
             tl = box["r"].timeline
@@ -321,10 +332,12 @@ def _table(args, device: str, rows: list, r0, summary: dict, best_fixed: dict, c
               "identical at T=0"]
     oracle_of = f"'<= {args.fixed_threshold} rows' strategy" if args.no_always else "always-strategy"
     g = summary["guarantee"]
+    same = "; every policy given the lengths of the round's no-SD rollout" if args.same_lengths else ""
     return (f"Long-tail rollout: {args.prompts} prompts x {args.group} samples, temperature {args.temperature}, "
             f"max {args.max_new} new tokens, {args.dtype} on {device}; {int(r0.lengths.sum()):,} tokens, response "
             f"length median {int(np.median(r0.lengths.numpy()))} / max {int(r0.lengths.max())}; median of "
-            f"{args.repeats}; adaptive policies tuned on {args.tune_rollouts} earlier rollouts of other prompts; "
+            f"{args.repeats}{same}"
+            f"; adaptive policies tuned on {args.tune_rollouts} earlier rollouts of other prompts; "
             f"cost model measured in {cost_s:.1f} s\n\n" + markdown_table(header, rows)
             + f"\n\nAdaptive vs no SD: **{summary['adaptive_vs_no_sd']:.2f}x**; vs best fixed "
               f"({best_fixed['learned']}): **{summary['adaptive_vs_best_fixed']:.2f}x**. Model-free (n-gram, "

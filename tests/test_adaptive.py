@@ -94,7 +94,8 @@ def test_measure_costs_on_a_small_model():
     target = Transformer(cfg).eval()
     drafter = Drafter(DrafterConfig.from_target(cfg)).eval().attach(target)
     cm = measure_costs(target, drafter, batches=(1, 4), tokens=(1, 5), context=16, repeats=1)
-    assert cm.target_s.shape == (2, 2) and cm.draft_s.shape == (2, 2) and cm.long_s.shape == (2,)
+    assert cm.target_s.shape == (2, 2) and cm.draft_s.shape == (2, 3) and cm.long_s.shape == (2,)
+    assert cm.draft_tokens.tolist() == [1, 4, 64] and cm.catch_up_time(4, 64) > 0
     assert cm.long_context == 158                                # 512 capped by the model's 160 positions
     assert np.isfinite(cm.target_s).all() and (cm.target_s > 0).all() and (cm.draft_s > 0).all()
     assert cm.plain_rate(2) > 0 and np.isfinite(cm.predict(SpecStrategy("tree", 3, 2, 4), 2, 0.7))
@@ -263,3 +264,71 @@ def test_timed_rollout_runs_the_named_strategy_seeded(small_pair):
     a, sa = timed_rollout(eng, [[1, 5, 6]], "chain-3", seed=4)
     b, _ = timed_rollout(eng, [[1, 5, 6]], SpecStrategy.parse("chain-3"), seed=4)
     assert sa > 0 and torch.equal(a.tokens, b.tokens) and set(a.timeline["strategy"]) == {"chain-3"}
+
+
+# --------------------------------------------------------------------------------------------- switching charge
+def _costs_with_a_slow_catch_up():
+    """1 and 16 rows; a plain step 10/20 ms, a 3-token verify 11/24 ms; a drafter forward 1 ms at 1-4 tokens and
+    200 ms at 64 tokens (a catch-up over a 64-entry backlog)."""
+    return CostModel(np.array([1.0, 16.0]), np.array([1.0, 3.0]), np.array([[0.010, 0.011], [0.020, 0.024]]),
+                     np.array([1.0, 4.0, 64.0]), np.array([[0.001, 0.001, 0.2], [0.001, 0.001, 0.2]]))
+
+
+def test_cost_model_catch_up_time_grows_with_the_backlog():
+    cm = _costs_with_a_slow_catch_up()
+    assert cm.catch_up_time(1, 1) == 0.0 and cm.catch_up_time(1, 4) == pytest.approx(0.0)
+    assert cm.catch_up_time(1, 64) == pytest.approx(0.199)
+    assert cm.catch_up_time(1, 124) == pytest.approx(0.398)           # extrapolated linearly past the widest
+    old = CostModel(np.array([1.0]), np.array([1.0]), np.array([[0.01]]))
+    assert old.catch_up_time(1, 100) == 0.0                           # no drafter timings: nothing to charge
+
+
+def test_switching_to_a_drafter_arm_is_charged_its_catch_up():
+    """A drafter arm predicted 1.25x is played right after SD steps (backlog of a few entries) but not after a long
+    stretch of plain decoding, whose catch-up it would pay; n-gram arms are never charged; horizon 0 = free."""
+    chain = SpecStrategy("chain", 2)
+
+    def controller(horizon):
+        cfg = AdaptiveConfig(threshold=16, tuner=TunerConfig(arms=("chain-2", "ngram-4"), buckets=(1,), seed=0),
+                             accept_prior=(0.5,), ngram_accept_prior=0.0, switch_horizon=horizon)
+        return AdaptiveController(cfg, _costs_with_a_slow_catch_up())
+
+    ctl = controller(16.0)
+    assert ctl._prior(chain, 1) == pytest.approx(1.75 * 0.010 / (0.011 + 3 * 0.001))   # 1 + 0.5 + 0.25 tokens
+    charge = ctl.switch_charge(1, 64)
+    assert set(charge) == {chain} and charge[chain] == pytest.approx(np.log1p(0.199 / (16 * 0.014)))
+    assert ctl.switch_charge(1, 1) == {} and controller(0.0).switch_charge(1, 64) == {}
+    near = [ctl.choose(0, 1, backlog=2).name for _ in range(100)]
+    far = [ctl.choose(0, 1, backlog=64).name for _ in range(100)]
+    assert near.count("chain-2") > 80 and far.count("chain-2") < 5
+    free = controller(0.0)
+    assert [free.choose(0, 1, backlog=64).name for _ in range(100)].count("chain-2") > 80
+    with pytest.raises(ValueError, match="switch_horizon"):
+        AdaptiveConfig(switch_horizon=-1)
+
+
+class _Recorder:
+    wants_backlog = True
+
+    def __init__(self, plan):
+        self.plan, self.seen = plan, []
+
+    def choose(self, iteration, active, backlog=0):
+        self.seen.append(backlog)
+        return self.plan(iteration)
+
+    def observe(self, *a, **k):
+        pass
+
+
+def test_the_engine_tells_the_source_the_drafter_backlog(small_pair):
+    """Each plain iteration adds one backlog entry per row; an SD step's catch-up empties it (then the step's
+    emitted tokens are its new backlog, at most depth + 1)."""
+    target, drafter = small_pair
+    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=24)), drafter=drafter)
+    src = _Recorder(lambda i: SpecStrategy("chain", 3) if i in (6, 7) else OFF)
+    res = eng.generate([[1, 7]], strategy=src)
+    assert res.lengths[0] > 12, "the test needs a response longer than the probed iterations"
+    seen = src.seen
+    assert seen[1:6] == [seen[1] + k for k in range(5)]                # grows by one per plain iteration
+    assert 1 <= seen[7] <= 4 and 1 <= seen[8] <= 4                     # after SD steps: that step's emitted tokens

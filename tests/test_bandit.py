@@ -228,3 +228,41 @@ def test_max_verify_rows_drops_big_arms_from_big_buckets_but_never_off():
                                                                           ["off", "chain-2"]]
     assert [a.name for a in TunerConfig(arms=("chain-8",), buckets=(1, 64), max_verify_rows=256)
             .arms_per_bucket()[1]] == ["off"]
+
+
+def test_a_charge_weighs_the_choice_but_not_the_rewards():
+    """An arm slightly ahead of `off` is played most of the time; charged more than its lead (the drafter's
+    catch-up before a switch), it is almost never played, and its evidence is untouched."""
+    prior = {"off": 1.0, "chain-2": 1.08}
+    for rule in ({}, dict(EG, epsilon=0.0)):
+        bandit = Bandit(TunerConfig(arms=("chain-2",), buckets=(1,), prune=0.0, seed=5, **rule),
+                        prior=lambda a, b: prior[a.name])
+        for arm, r in ((OFF, 1.0), (SpecStrategy("chain", 2), 1.08)) * 3:
+            bandit.update(2, arm, r)
+        chain = SpecStrategy("chain", 2)
+        free = [bandit.select(2).name for _ in range(200)]
+        charged = [bandit.select(2, {chain: math.log(1.5)}).name for _ in range(200)]
+        assert free.count("chain-2") > 150 and charged.count("chain-2") < 10
+        assert list(bandit.rewards[0][chain]) == [1.08] * 3
+
+
+def test_running_statistics_equal_the_window_recomputed():
+    """The tuner keeps running sums per arm (it runs every decode iteration): after the window has turned over and
+    after a discount they equal the statistics recomputed from the window."""
+    bandit = Bandit(TunerConfig(arms=("chain-2",), buckets=(1,), window=20))
+    rng = np.random.default_rng(0)
+    chain = SpecStrategy("chain", 2)
+
+    def direct():
+        x = np.log(np.asarray(bandit.rewards[0][chain]))
+        w = np.asarray(bandit.weights[0][chain])
+        return w.sum(), (w * x).sum(), ((x - x.mean()) ** 2).sum(), x.size
+
+    for step in range(75):
+        bandit.update(1, chain, float(rng.lognormal(0.2, 0.3)))
+        if step in (5, 40):
+            bandit.belief(1, chain)                              # the sums exist from here on
+        if step == 60:
+            bandit.discount(lambda a: True, 0.5)
+    assert np.allclose(bandit._stats(0, chain), direct(), rtol=1e-9)
+    assert bandit._stats(0, chain)[3] == 20

@@ -211,3 +211,16 @@ def test_drafters_bench_reports_depth_accuracy_and_accept_lengths_per_drafter(tm
         assert list(r["accept"]) == ["chain-3@T=0"] and 1 <= r["accept"]["chain-3@T=0"] <= 4
     # the short-trained drafter is the weaker one on full-length chain problems (what notebook 05 shows)
     assert res[0]["top1_by_depth"][0] > res[1]["top1_by_depth"][0]
+
+
+def test_long_tail_bench_with_same_lengths_runs_every_policy_on_one_schedule(tmp_path):
+    """``--same-lengths``: each policy is given the lengths of its round's no-SD rollout, so every policy emits the
+    same number of tokens although SD at T=0.9 samples other responses; the guarantee line is reported."""
+    out = bench(tmp_path, "long_tail_rollout", "--prompts", "3", "--group", "3", "--max-new", "40", "--repeats", "2",
+                "--tune-rollouts", "1", "--threshold", "4", "--fixed-threshold", "4", "--arms", "off;chain-2",
+                "--ngram-arms", "off;ngram-2", "--no-always", "--no-identity", "--same-lengths")
+    assert out.returncode == 0, out.stderr
+    d = json.loads((tmp_path / "long_tail_rollout-cpu-float32-3x3-same-lengths.json").read_text())
+    tokens = {r["policy"]: r["tokens"] for r in d["results"]}
+    assert len(tokens) == 5 and len(set(tokens.values())) == 1, tokens
+    assert d["settings"]["same_lengths"] and "met" in d["summary"]["guarantee"]

@@ -8,7 +8,6 @@ tokens equal tltlib's.
 """
 from __future__ import annotations
 
-import os
 import sys
 import textwrap
 from pathlib import Path

@@ -152,3 +152,23 @@ def test_a_prompts_tokens_do_not_depend_on_the_other_prompts_or_their_order(mode
         for g_ in range(2):
             assert together.response_ids(2 * i + g_) == alone.response_ids(g_)
             assert backwards.response_ids(2 * (len(prompts) - 1 - i) + g_) == alone.response_ids(g_)
+
+
+def test_forced_lengths_replay_a_length_distribution(model):
+    """``lengths=``: every response has exactly its given length, EOS ignored; a plain rollout given its own lengths
+    and seed reproduces itself; lengths that do not fit are refused."""
+    eng = _engine(model, temperature=1.0, max_new_tokens=20, group_size=3, draft_margin=8)   # a tight cache
+    free = eng.generate(PROMPTS, torch.Generator().manual_seed(4))
+    assert free.lengths.min() < 20                                    # some end at EOS
+    again = eng.generate(PROMPTS, torch.Generator().manual_seed(4), lengths=free.lengths)
+    assert torch.equal(again.tokens, free.tokens) and torch.equal(again.lengths, free.lengths)
+    want = torch.tensor([1, 20, 13] * len(PROMPTS))                   # the longest of a group is not its first
+    for strategy in (None, "ngram-4"):                                # SD steps emit several tokens: cut too
+        other = eng.generate(PROMPTS, torch.Generator().manual_seed(5), lengths=want.tolist(), strategy=strategy)
+        assert torch.equal(other.lengths, want)
+    with pytest.raises(ValueError, match="one length per response"):
+        eng.generate(PROMPTS, lengths=[3])
+    with pytest.raises(ValueError, match=r"lengths\[1\] = 0 is outside 1..20"):
+        eng.generate(PROMPTS, lengths=[3, 0] + [3] * (len(PROMPTS) * 3 - 2))
+    with pytest.raises(ValueError, match="outside 1..20"):
+        eng.generate(PROMPTS, lengths=[21] * (len(PROMPTS) * 3))

@@ -6,6 +6,9 @@
   hidden states (:mod:`tltlib.specdecode`). It is re-evaluated every iteration, so SD switches back off if rows grow.
 * **The tuner.** Below the threshold a bucketed bandit chooses among the arms, no SD (``off``) always among them, so
   it can fall back to plain decoding wherever SD loses (a weak or stale drafter, too many rows for this device).
+  Switching from plain decoding to a drafter arm costs the drafter's catch-up over its backlog once: the tuner is
+  charged it, amortised over ``switch_horizon`` steps, when it chooses (not in the arm's reward), so it does not
+  explore a doubtful arm at the price of a long catch-up.
   Reward = tokens per second of the decode iteration over plain decoding's tokens per second at that batch size and
   mean context (from the cost model), i.e. the iteration's speedup; this makes rewards from different batch sizes
   and contexts of one bucket comparable. Tokens are counted per row over the rows that keep running: a response's
@@ -29,6 +32,7 @@ every running request).
 """
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import time
@@ -38,7 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .bandit import BEGMAB, DEFAULT_ARMS, Bandit, TunerConfig
+from .bandit import BEGMAB, DEFAULT_ARMS, PRIOR_REFRESH, Bandit, TunerConfig
 from .fileio import atomic_write_text, read_json
 from .kernels import pack_weights, packed_weights
 from .profiling import call_times, machine_info
@@ -60,6 +64,10 @@ def default_threshold(device: str | torch.device) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ cost model
+CATCH_UP_WIDTH = 64
+"""Backlog entries per row of the drafter forward that :func:`measure_costs` times as a catch-up (wider ones are
+extrapolated linearly)."""
+
 @dataclass
 class CostModel:
     """Measured forward costs. ``target_s[i, j]``: seconds of a target forward of ``batches[i]`` rows x
@@ -77,23 +85,32 @@ class CostModel:
     context: float = 64.0
     long_context: float = 0.0
     long_s: np.ndarray | None = None
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def _interp(self, table, cols, batch, n) -> float:
-        lb = np.log(np.clip(batch, self.batches[0], self.batches[-1]))
-        per_col = [math.exp(np.interp(lb, np.log(self.batches), np.log(table[:, j]))) for j in range(len(cols))]
-        if n > cols[-1]:                               # extrapolate linearly in tokens beyond the last column
-            slope = (per_col[-1] - per_col[-2]) / (cols[-1] - cols[-2]) if len(cols) > 1 else per_col[-1] / cols[-1]
-            return per_col[-1] + slope * (n - cols[-1])
-        return float(np.interp(n, cols, per_col))
+        return _along(cols, self._columns(table, batch), n)
+
+    def _columns(self, table, batch) -> list[float]:
+        """``table``'s seconds at ``batch`` rows, one per column (log-log between measured batch sizes); kept per
+        table and batch size (the tuner asks every decode iteration)."""
+        key = (id(table), batch)
+        hit = self._memo.get(key)
+        if hit is None:
+            lb = np.log(np.clip(batch, self.batches[0], self.batches[-1]))
+            hit = self._memo[key] = [math.exp(np.interp(lb, np.log(self.batches), np.log(table[:, j])))
+                                     for j in range(table.shape[1])]
+        return hit
 
     def context_s(self, batch: int, context: float | None) -> float:
         """Seconds a forward of ``batch`` rows gains (or saves) by attending ``context`` cached tokens instead of
         ``self.context`` (linear between the two measured contexts; 0 without a long-context measurement)."""
         if context is None or self.long_s is None or self.long_context <= self.context:
             return 0.0
-        lb = np.log(np.clip(batch, self.batches[0], self.batches[-1]))
-        per_token = (np.asarray(self.long_s) - self.target_s[:, 0]) / (self.long_context - self.context)
-        slope = max(float(np.interp(lb, np.log(self.batches), per_token)), 0.0)
+        slope = self._memo.get(("slope", batch))
+        if slope is None:
+            lb = np.log(np.clip(batch, self.batches[0], self.batches[-1]))
+            per_token = (np.asarray(self.long_s) - self.target_s[:, 0]) / (self.long_context - self.context)
+            slope = self._memo[("slope", batch)] = max(float(np.interp(lb, np.log(self.batches), per_token)), 0.0)
         return slope * (context - self.context)
 
     def target_time(self, batch: int, tokens: int, context: float | None = None) -> float:
@@ -107,6 +124,19 @@ class CostModel:
         if self.draft_s is None:
             return 0.0
         return self._interp(self.draft_s, self.draft_tokens, batch, tokens)
+
+    def catch_up_time(self, batch: int, width: int, columns: list[float] | None = None) -> float:
+        """Seconds a drafter catch-up over ``width`` backlog entries per row costs beyond the one-entry catch-up of
+        an SD step that follows an SD step (:meth:`iteration_time` counts that one). ``columns``: this batch's
+        :meth:`draft_columns`, when already known (the tuner asks every iteration)."""
+        if width <= 1 or self.draft_s is None:
+            return 0.0
+        cols = self.draft_columns(batch) if columns is None else columns
+        return max(_along(self.draft_tokens, cols, width) - _along(self.draft_tokens, cols, 1), 0.0)
+
+    def draft_columns(self, batch: int) -> list[float]:
+        """Seconds of a drafter forward at ``batch`` rows for each measured token count (``draft_tokens``)."""
+        return self._columns(self.draft_s, batch)
 
     def plain_rate(self, batch: int, context: float | None = None) -> float:
         """Tokens per second of plain decoding at ``batch`` rows (and ``context``)."""
@@ -147,6 +177,19 @@ class CostModel:
                    float(d.get("long_context", 0.0)), arr("long_s"))
 
 
+def _along(cols, per_col: list[float], n: float) -> float:
+    """Seconds at ``n`` tokens from seconds at the measured token counts ``cols`` (linear; beyond the last, the last
+    segment's slope)."""
+    if n > cols[-1]:
+        slope = (per_col[-1] - per_col[-2]) / (cols[-1] - cols[-2]) if len(cols) > 1 else per_col[-1] / cols[-1]
+        return per_col[-1] + slope * (n - cols[-1])
+    if n <= cols[0]:
+        return per_col[0]
+    j = bisect.bisect_left(cols, n)                 # cols[j - 1] < n <= cols[j] (pure Python: asked every iteration)
+    f = (n - cols[j - 1]) / (cols[j] - cols[j - 1])
+    return per_col[j - 1] + f * (per_col[j] - per_col[j - 1])
+
+
 def expected_tokens(arm: SpecStrategy, accept: Sequence[float] | float) -> float:
     """Expected tokens emitted per row per step (bonus included): 1 + sum_j prod_{i<=j} a_i, where a tree level
     with w candidates (w = top_k, at most budget / depth) is accepted with 1 - (1 - a)^w."""
@@ -169,8 +212,9 @@ def measure_costs(target, drafter=None, batches: Sequence[int] | None = None, ma
                   tokens: Sequence[int] = (1, 9, 25), context: int = 64, long_context: int = 512,
                   repeats: int = 2) -> CostModel:
     """Time target forwards of B rows x T tokens at ``context`` cached positions, plain forwards at
-    ``long_context`` (0: skip), and drafter forwards of B x 1 and B x 4; each the fastest of ``repeats`` after one
-    warm-up (the least disturbed run). ``batches`` default: powers of four up to ``max_batch``, and ``max_batch``
+    ``long_context`` (0: skip), and drafter forwards of B x 1, B x 4 (a draft level) and B x 64 with logits at the
+    last only (a catch-up over a backlog); each the fastest of ``repeats`` after one warm-up (the least disturbed
+    run). ``batches`` default: powers of four up to ``max_batch``, and ``max_batch``
     itself (make it the SD threshold: rewards are normalised by the plain rate up to there). ``long_context`` is
     capped by the model's context. Nothing is committed to any cache."""
     if batches is None:
@@ -184,7 +228,8 @@ def measure_costs(target, drafter=None, batches: Sequence[int] | None = None, ma
     g = torch.Generator(device="cpu").manual_seed(0)
     t_tab = np.zeros((len(batches), len(tokens)))
     long_s = np.zeros(len(batches)) if long_context else None
-    draft_tokens = np.array([1, 4])
+    wide = max(5, min(CATCH_UP_WIDTH, target.config.max_position_embeddings - context - 1))
+    draft_tokens = np.array([1, 4, wide])
     d_tab = np.zeros((len(batches), len(draft_tokens))) if drafter is not None else None
 
     def timed(fn) -> float:                                  # the least disturbed of the repeats
@@ -205,13 +250,14 @@ def measure_costs(target, drafter=None, batches: Sequence[int] | None = None, ma
                 x = torch.randint(0, vocab, (b, 1), generator=g).to(dev)
                 long_s[i] = timed(lambda x=x: target.forward_cached(x, cache))
             if drafter is not None:
-                dcache = drafter.new_cache(b, context + 8)
+                dcache = drafter.new_cache(b, context + wide + 1)
                 drafter.forward_cached(h[:, :-1], prompt[:, 1:], dcache, logits_at=last - 1)
                 dcache.advance(context - 1)
-                for k, n in enumerate(draft_tokens):
-                    f = h[:, -1:].expand(b, int(n), h.shape[-1]).contiguous()
-                    x = torch.randint(0, vocab, (b, int(n)), generator=g).to(dev)
-                    d_tab[i, k] = timed(lambda f=f, x=x: drafter.forward_cached(f, x, dcache))
+                for k, n in enumerate(draft_tokens.tolist()):
+                    f = h[:, -1:].expand(b, n, h.shape[-1]).contiguous()
+                    x = torch.randint(0, vocab, (b, n), generator=g).to(dev)
+                    at = torch.full((b,), n - 1, device=dev) if n == wide else None
+                    d_tab[i, k] = timed(lambda f=f, x=x, at=at: drafter.forward_cached(f, x, dcache, logits_at=at))
     return CostModel(np.asarray(batches, dtype=np.float64), np.asarray(tokens, dtype=np.float64), t_tab,
                      draft_tokens.astype(np.float64), d_tab, context=float(context),
                      long_context=float(long_context), long_s=long_s)
@@ -273,6 +319,11 @@ class AdaptiveConfig:
     measure it (last value repeats)."""
     ngram_accept_prior: float = 0.3
     """Acceptance per depth assumed by the prior for n-gram arms."""
+    switch_horizon: float = 16.0
+    """SD steps a switch from plain decoding to a drafter arm is expected to last. The first such step pays the
+    drafter's catch-up over its backlog (every row's tokens since the last SD step): the tuner charges a drafter
+    arm ``log(1 + catch-up / (switch_horizon x the arm's step time))`` when it chooses (needs a cost model), so a
+    doubtful arm is not explored at the price of a long catch-up. 0 = switching is free."""
 
     def accept_for(self, arm: SpecStrategy) -> tuple[float, ...] | float:
         """The acceptance the cost-model prior assumes for ``arm`` before any is measured."""
@@ -283,6 +334,9 @@ class AdaptiveConfig:
             raise ValueError(f"threshold must be >= 0 running rows (0 = SD never on), got {self.threshold}")
         if not self.accept_prior or not all(0.0 <= a <= 1.0 for a in self.accept_prior):
             raise ValueError(f"accept_prior must hold rates in [0, 1], got {self.accept_prior}")
+        if not self.switch_horizon >= 0:
+            raise ValueError(f"switch_horizon must be >= 0 SD steps (0 = switching to SD is charged nothing), got "
+                             f"{self.switch_horizon}")
         if not 0.0 <= self.ngram_accept_prior <= 1.0:
             raise ValueError(f"ngram_accept_prior must be in [0, 1], got {self.ngram_accept_prior}")
         if self.on_drafter_change not in ("discount", "reset", "keep"):
@@ -305,6 +359,7 @@ class AdaptiveController(StrategySource):
     """
 
     wants_context = True                          # rewards are normalised by the plain rate at the mean context
+    wants_backlog = True                          # a drafter arm is charged the catch-up over the pending backlog
 
     def __init__(self, config: AdaptiveConfig | None = None, costs: CostModel | None = None, drafter=None):
         self.config = config or AdaptiveConfig()
@@ -314,6 +369,8 @@ class AdaptiveController(StrategySource):
         self._version = getattr(drafter, "version", None)
         self._tuned = False                       # whether the last choice came from the tuner
         self._context: float | None = None       # mean context of the running rows at the last observation
+        self._step_s: dict = {}                   # batch -> (choice computed at, drafter arms' step s, draft columns)
+        self._choices = 0
         self.accept = {"learned": DepthAcceptance(self.config.accept_prior),
                        "ngram": DepthAcceptance((self.config.ngram_accept_prior,))}
         self.log: dict[str, list] = {"active": [], "arm": [], "reward": [], "tokens_per_s": []}
@@ -340,11 +397,31 @@ class AdaptiveController(StrategySource):
         rates = self.accept[_family(arm)].rates(max(arm.depth, 1))
         return self.costs.predict(arm, batch, rates, self._context)
 
-    def choose(self, iteration: int, active: int) -> SpecStrategy:
-        """The strategy of the next decode iteration at ``active`` running rows."""
+    def switch_charge(self, active: int, backlog: int) -> dict:
+        """Per drafter arm, the log-reward charged for switching to it now: its first step's catch-up over
+        ``backlog`` entries per row, amortised over ``switch_horizon`` steps (empty without a cost model, a
+        backlog or a horizon)."""
+        h = self.config.switch_horizon
+        if self.costs is None or backlog <= 1 or not h:
+            return {}
+        hit = self._step_s.get(active)
+        if hit is None or self._choices - hit[0] >= PRIOR_REFRESH:  # the context moves slowly: cache like the prior
+            steps = {a: self.costs.iteration_time(a, active, self._context)
+                     for a in self.tuner.bucket_arms[self.tuner.bucket(active)] if a.uses_drafter}
+            hit = self._step_s[active] = (self._choices, steps, self.costs.draft_columns(active))
+        _, steps, columns = hit
+        if not steps:
+            return {}
+        extra = self.costs.catch_up_time(active, backlog, columns)
+        return {arm: math.log1p(extra / (h * t)) for arm, t in steps.items()}
+
+    def choose(self, iteration: int, active: int, backlog: int = 0) -> SpecStrategy:
+        """The strategy of the next decode iteration at ``active`` running rows; ``backlog``: the entries per row
+        the drafter must catch up on before an SD step (the engine's; see ``switch_horizon``)."""
         self._tuned = active <= self.config.threshold
         if not self._tuned:
             return OFF
+        self._choices += 1
         version = getattr(self.drafter, "version", None)
         if version != self._version:
             mode = self.config.on_drafter_change
@@ -354,7 +431,7 @@ class AdaptiveController(StrategySource):
                 self.accept["learned"].discount(keep)
                 self.resets += 1
             self._version = version
-        return self.tuner.select(active)
+        return self.tuner.select(active, self.switch_charge(active, backlog))
 
     def observe(self, strategy: SpecStrategy, active: int, tokens: int, seconds: float,
                 rows: int | None = None, context: float | None = None, accepted: np.ndarray | None = None) -> None:

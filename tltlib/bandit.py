@@ -145,13 +145,17 @@ class Bandit:
         self.plays = [{a: 0 for a in arms} for arms in self.bucket_arms]
         self._prior_cache: dict = {}
         self._stat_cache: dict = {}
+        self._bucket_of: dict = {}
         self._choices = 0
 
     def bucket(self, batch: int) -> int:
         """Index of the bucket holding ``batch`` rows."""
-        if batch < 1:
-            raise ValueError(f"batch size must be >= 1, got {batch}")
-        return int(np.searchsorted(self.config.buckets, batch, side="right")) - 1
+        b = self._bucket_of.get(batch)
+        if b is None:
+            if batch < 1:
+                raise ValueError(f"batch size must be >= 1, got {batch}")
+            b = self._bucket_of[batch] = int(np.searchsorted(self.config.buckets, batch, side="right")) - 1
+        return b
 
     def score(self, bucket: int, arm: SpecStrategy) -> float:
         """Median reward of ``arm`` over its window in ``bucket`` (-inf when empty)."""
@@ -169,14 +173,15 @@ class Bandit:
 
     def _stats(self, b: int, arm: SpecStrategy) -> tuple[float, float, float, int]:
         """(sum of weights, weighted sum of log-rewards, squared deviations of the log-rewards around their mean,
-        count) of ``arm`` in bucket ``b``, recomputed only when its rewards change."""
-        key = (b, arm)
-        if key not in self._stat_cache:
-            x = np.log(np.maximum(np.asarray(self.rewards[b][arm], dtype=np.float64), 1e-3))
-            w = np.asarray(self.weights[b][arm], dtype=np.float64)
-            ss = float(((x - x.mean()) ** 2).sum()) if x.size > 1 else 0.0
-            self._stat_cache[key] = (float(w.sum()), float((w * x).sum()), ss, int(x.size))
-        return self._stat_cache[key]
+        count) of ``arm`` in bucket ``b``: running sums, kept up to date by :meth:`update` (the tuner runs every
+        decode iteration), recomputed from the window after a discount or a load."""
+        sums = self._stat_cache.get((b, arm))
+        if sums is None:
+            sums = self._stat_cache[(b, arm)] = [0.0, 0.0, 0.0, 0.0, 0]
+            for r, w in zip(self.rewards[b][arm], self.weights[b][arm]):
+                _add(sums, _log_reward(r), w, 1)
+        wsum, wx, sx, sxx, n = sums
+        return wsum, wx, (max(sxx - sx * sx / n, 0.0) if n > 1 else 0.0), n
 
     def noise(self, bucket: int) -> float:
         """Standard deviation of one log-reward in ``bucket``: pooled over its arms' rewards around their own means,
@@ -188,10 +193,10 @@ class Bandit:
                 ss, dof = ss + s, dof + n - 1
         return math.sqrt(ss / dof)
 
-    def belief(self, batch: int, arm: SpecStrategy) -> tuple[float, float]:
+    def belief(self, batch: int, arm: SpecStrategy, noise: float | None = None) -> tuple[float, float]:
         """(mean, standard deviation) of ``arm``'s mean log-reward at ``batch`` rows: the prior (weight
         ``prior_weight``; none without a prior) updated by the bucket's weighted rewards. An arm with neither has
-        an infinite deviation (it is tried first)."""
+        an infinite deviation (it is tried first). ``noise``: the bucket's :meth:`noise`, when already known."""
         b = self.bucket(batch)
         n0 = self.config.prior_weight if self.prior else 0.0
         wsum, wx, _, _ = self._stats(b, arm)
@@ -199,7 +204,7 @@ class Bandit:
         if n <= 0:
             return 0.0, math.inf
         prior = math.log(max(self.predicted(arm, batch), 1e-3)) if self.prior else 0.0
-        return (n0 * prior + wx) / n, self.noise(b) / math.sqrt(n)
+        return (n0 * prior + wx) / n, (self.noise(b) if noise is None else noise) / math.sqrt(n)
 
     def best(self, batch: int) -> SpecStrategy:
         """The arm the tuner currently believes best at ``batch`` (no exploration)."""
@@ -219,25 +224,32 @@ class Bandit:
         cut = self.config.prune * max(pred.values())
         return tuple(a for a in arms if not a.enabled or pred[a] >= cut or self.rewards[b][a])
 
-    def select(self, batch: int) -> SpecStrategy:
-        """The arm to play at ``batch`` rows (``config.rule``)."""
+    def select(self, batch: int, charge: dict | None = None) -> SpecStrategy:
+        """The arm to play at ``batch`` rows (``config.rule``). ``charge``: a one-off cost of playing an arm now,
+        as a log-reward to subtract (e.g. the drafter's catch-up before its first SD step, amortised over the steps
+        the switch is expected to last); it weighs the choice, not the arm's rewards."""
         b = self.bucket(batch)
         arms = self.candidates(batch)
         self._choices += 1
-        arm = self._epsilon_greedy(b, batch, arms) if self.config.rule == "epsilon-greedy" else \
-            self._thompson(batch, arms)
+        charge = charge or {}
+        arm = self._epsilon_greedy(b, batch, arms, charge) if self.config.rule == "epsilon-greedy" else \
+            self._thompson(batch, arms, charge)
         self.plays[b][arm] += 1
         return arm
 
-    def _thompson(self, batch: int, arms) -> SpecStrategy:
-        beliefs = [self.belief(batch, a) for a in arms]
+    def _thompson(self, batch: int, arms, charge: dict) -> SpecStrategy:
+        if len(arms) == 1:
+            return arms[0]
+        noise = self.noise(self.bucket(batch))
+        beliefs = [self.belief(batch, a, noise) for a in arms]
         untried = [a for a, (_, sd) in zip(arms, beliefs) if math.isinf(sd)]
         if untried:
             return untried[0]
-        draws = [m + sd * self.rng.standard_normal() for m, sd in beliefs]
+        z = self.rng.standard_normal(len(arms))
+        draws = [m + sd * zi - charge.get(a, 0.0) for a, (m, sd), zi in zip(arms, beliefs, z)]
         return arms[int(np.argmax(draws))]
 
-    def _epsilon_greedy(self, b: int, batch: int, arms) -> SpecStrategy:
+    def _epsilon_greedy(self, b: int, batch: int, arms, charge: dict) -> SpecStrategy:
         seen = {a: len(self.rewards[b][a]) for a in arms}
         fewest = min(seen.values())
         if fewest < self.config.min_samples:
@@ -245,16 +257,21 @@ class Bandit:
             return max(under, key=lambda a: self.predicted(a, batch)) if self.prior else under[0]
         if len(arms) > 1 and self.rng.random() < self.config.epsilon:
             return arms[int(self.rng.integers(len(arms)))]
-        return max(arms, key=lambda a: self.score(b, a))
+        return max(arms, key=lambda a: self.score(b, a) * math.exp(-charge.get(a, 0.0)))
 
     def update(self, batch: int, arm: SpecStrategy, reward: float) -> None:
         """Record the reward ``arm`` earned at ``batch`` rows (ignored if the arm is not in that bucket)."""
         b = self.bucket(batch)
         r = self.rewards[b].get(arm)
         if r is not None and math.isfinite(reward) and reward > 0:
+            w = self.weights[b][arm]
+            sums = self._stat_cache.get((b, arm))
+            if sums is not None:
+                if len(r) == r.maxlen:                # the oldest reward leaves the window
+                    _add(sums, _log_reward(r[0]), w[0], -1)
+                _add(sums, _log_reward(reward), 1.0, 1)
             r.append(float(reward))
-            self.weights[b][arm].append(1.0)
-            self._stat_cache.pop((b, arm), None)
+            w.append(1.0)
 
     def discount(self, which, keep: float) -> None:
         """Multiply the weights of the rewards of the arms for which ``which(arm)`` is true by ``keep`` (0 clears
@@ -315,6 +332,20 @@ class Bandit:
                 out.append({"bucket": b, "batch_lo": lo, "batch_hi": hi, "arm": a.name, "plays": self.plays[b][a],
                             "samples": len(self.rewards[b][a]), "median_reward": self.score(b, a)})
         return out
+
+
+def _log_reward(r: float) -> float:
+    return math.log(max(r, 1e-3))
+
+
+def _add(sums: list, x: float, w: float, sign: int) -> None:
+    """Add (sign 1) or remove (-1) one log-reward ``x`` of weight ``w`` to the running [sum w, sum w x, sum x,
+    sum x^2, count]."""
+    sums[0] += sign * w
+    sums[1] += sign * w * x
+    sums[2] += sign * x
+    sums[3] += sign * x * x
+    sums[4] += sign
 
 
 BEGMAB = Bandit

@@ -195,14 +195,14 @@ class RolloutEngine:
                                  "model's tokenizer?")
 
     def start(self, prompts: Sequence[Sequence[int]], generator: torch.Generator | None = None,
-              progress: bool = False, strategy=None, pairs=None, hooks: Sequence = ()) -> "Rollout":
+              progress: bool = False, strategy=None, pairs=None, hooks: Sequence = (), lengths=None) -> "Rollout":
         """Prefill ``prompts`` and sample every row's first token; returns the :class:`Rollout` to step.
 
         Args: as :meth:`generate`, plus ``hooks``: callables ``hook(rollout)`` run after every decode iteration."""
-        return Rollout(self, prompts, generator, progress, strategy, pairs, hooks)
+        return Rollout(self, prompts, generator, progress, strategy, pairs, hooks, lengths)
 
     def generate(self, prompts: Sequence[Sequence[int]], generator: torch.Generator | None = None,
-                 progress: bool = False, strategy=None, pairs=None) -> RolloutResult:
+                 progress: bool = False, strategy=None, pairs=None, lengths=None) -> RolloutResult:
         """Sample ``group_size`` responses for each tokenized prompt.
 
         Args:
@@ -214,8 +214,25 @@ class RolloutEngine:
                 :class:`tltlib.speculative.StrategySource` (the adaptive controller: ``choose`` before each
                 iteration, ``observe`` after it).
             pairs: a :class:`tltlib.pairs.PairBuffer` to stream the drafter's (hidden, token) pairs into.
+            lengths: benchmarks: every response's exact length (``P x G`` ints, in order), EOS ignored, e.g. the
+                lengths of an earlier rollout: policies compared on one schedule of running rows, though their
+                samples differ (SD at a temperature > 0 samples other tokens, hence other lengths, than plain).
         """
-        return self.start(prompts, generator, progress, strategy, pairs).finish()
+        return self.start(prompts, generator, progress, strategy, pairs, lengths=lengths).finish()
+
+
+def _forced_lengths(lengths, budget: torch.Tensor) -> torch.Tensor:
+    """``lengths`` as a budget per row, refused unless there is one per row, each in 1..the row's budget."""
+    n = torch.as_tensor(lengths).reshape(-1).long()
+    if n.numel() != budget.numel():
+        raise ValueError(f"lengths has {n.numel()} entries for {budget.numel()} responses (prompts x group_size); "
+                         "give one length per response")
+    bad = ((n < 1) | (n > budget.cpu())).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise ValueError(f"lengths[{i}] = {int(n[i])} is outside 1..{int(budget[i])} (max_new_tokens and the "
+                         "context leave no more): lengths must be ones this rollout could produce")
+    return n.to(budget.device)
 
 
 class Rollout:
@@ -224,7 +241,7 @@ class Rollout:
     :attr:`elapsed` say where it stands."""
 
     @torch.no_grad()
-    def __init__(self, engine: RolloutEngine, prompts, generator, progress, strategy, pairs, hooks):
+    def __init__(self, engine: RolloutEngine, prompts, generator, progress, strategy, pairs, hooks, lengths=None):
         engine.check_prompts(prompts)
         self.engine, self.prompts = engine, [list(p) for p in prompts]
         cfg, model = engine.config, engine.model
@@ -238,8 +255,11 @@ class Rollout:
         ctx = model.config.max_position_embeddings
         plen = torch.tensor([len(p) for p in prompts])
         self.budget = torch.clamp(ctx - plen, max=s.max_new_tokens).repeat_interleave(G).to(dev)
+        self.ignore_eos = cfg.ignore_eos or lengths is not None
+        if lengths is not None:
+            self.budget = _forced_lengths(lengths, self.budget)
         self.plen_rows = plen.repeat_interleave(G).to(dev)
-        max_len = int((plen + self.budget[::G].cpu()).max()) + cfg.draft_margin
+        max_len = int((plen + self.budget.cpu().view(P, G).amax(1)).max()) + cfg.draft_margin
         self.done = False
         ws = engine.kept.workspace(self, N, max_len)
         self.cache, self.spec, self.replay = ws.cache, ws.spec, ws.replay
@@ -331,7 +351,9 @@ class Rollout:
         if not self.running:
             return False
         self.iteration += 1
-        st = self.strategy = strategy or self.source.choose(self.iteration, self.active)
+        st = self.strategy = strategy or (
+            self.source.choose(self.iteration, self.active, backlog=self.spec.backlog_max)
+            if getattr(self.source, "wants_backlog", False) else self.source.choose(self.iteration, self.active))
         self._check(st)
         self._compact_if_due()
         # rows that finished but are not compacted away yet are computed and commit nothing
@@ -411,7 +433,7 @@ class Rollout:
         j = self._j[:m]
         valid = (j[None, :] < out.count[:, None]) & alive[:, None]
         keep = torch.minimum(out.count, self.budget[seq] - self.n_gen) * alive
-        if not self.engine.config.ignore_eos:
+        if not self.ignore_eos:
             is_eos = torch.isin(out.tokens, self.eos) & valid
             first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, m)
             keep = torch.minimum(keep, first_eos)

@@ -227,9 +227,10 @@ class SpecDecoder:
         if self.drafter is None:
             return
         self.cache.select_rows(index)
-        n = index.numel()
-        self.backlog_h[:n] = self.backlog_h[index]
-        self.backlog_tok[:n] = self.backlog_tok[index]
+        n, w = index.numel(), self.backlog_max    # only the used width: the buffers span the whole rollout
+        if w:
+            self.backlog_h[:n, :w] = self.backlog_h[index, :w]
+            self.backlog_tok[:n, :w] = self.backlog_tok[index, :w]
         self.backlog_n[:n] = self.backlog_n[index]
 
     # ------------------------------------------------------------------------------------------- the step

@@ -60,7 +60,11 @@ class SpecStrategy:
     """Tree: draft tokens verified per step (0 = every drafted node); suffix: at most this many (>= 1). Chains
     verify ``depth``."""
 
+    def __hash__(self) -> int:                  # kept: strategies key the tuner's tables every decode iteration
+        return self._hash
+
     def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((self.kind, self.depth, self.top_k, self.budget)))
         if self.kind not in KINDS:
             raise ValueError(f"unknown speculative strategy kind {self.kind!r}; choose one of {KINDS}")
         if self.depth < 1:
@@ -151,6 +155,9 @@ class StrategySource:
 
     wants_context = False
     """Whether :meth:`observe` needs the running rows' mean context (computing it costs the decode loop a sum)."""
+    wants_backlog = False
+    """Whether :meth:`choose` takes ``backlog=``: the widest row's entries the drafter must catch up on before an
+    SD step (a host integer: free to pass)."""
 
     def choose(self, iteration: int, active: int) -> SpecStrategy:
         raise NotImplementedError

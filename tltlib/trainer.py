@@ -329,7 +329,7 @@ class GRPOTrainer:
         self.model.eval()
         res = self.engine.generate(encode_prompts(problems, self.tokenizer), self.generator, progress=self.progress,
                                    strategy=self.strategy, pairs=self.buffer)
-        self.engine.kept.packs.clear()            # the update changes the weights: free their packed copy now
+        self.engine.kept.release(keep_graphs=True)   # the update needs the memory: free the packs and CPU buffers
         if clock is not None:
             clock.span("rollout", t)
         return res

@@ -2,8 +2,9 @@
 KV cache, the SD state with the drafter's cache and backlog, the CUDA graphs replaying its forwards) and, on a CPU,
 the target's weights packed for oneDNN (:class:`tltlib.kernels.WeightPacks`).
 
-Buffers are kept only with CUDA graphs (graphs hold their addresses; elsewhere a rollout allocates its own), packs
-only on a CPU in float32 (re-made when a weight changed). :meth:`Kept.release` frees both.
+Buffers are kept with CUDA graphs (graphs hold their addresses) and on a CPU (allocating and zeroing them costs a
+rollout of the tiny reasoner ~1%), not on a GPU without graphs; packs only on a CPU in float32 (re-made when a
+weight changed). :meth:`Kept.release` frees both.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class Kept:
 
     def __init__(self, engine):
         self.engine = engine
-        self._workspace: tuple | None = None      # (key, Workspace, weakref to its rollout) kept on CUDA
+        self._workspace: tuple | None = None      # (key, Workspace, weakref to its rollout)
         self.packs = WeightPacks(engine.model)
 
     def weight_packs(self) -> dict | None:
@@ -45,13 +46,14 @@ class Kept:
         """The target's KV cache and the SD state (with the forward runner) for the rollout ``owner`` of ``rows``
         rows of at most ``max_len`` tokens.
 
-        With CUDA graphs they are kept for the next rollout of the same shape (graphs hold the buffers' addresses;
-        ``max_len`` is rounded up to a multiple of 256 so that rollouts of similar prompts share them), unless the
-        rollout that holds them is still running: :meth:`release` frees that memory (e.g. before a training
-        update)."""
+        With CUDA graphs, and on a CPU, they are kept for the next rollout of the same shape (graphs hold the
+        buffers' addresses; ``max_len`` is rounded up to a multiple of 256 so that rollouts of similar prompts share
+        them), unless the rollout that holds them is still running: :meth:`release` frees that memory (e.g. before
+        a training update)."""
         model, cfg, drafter = self.engine.model, self.engine.config, self.engine.drafter
         graphs = cfg.graphs.enabled and model.device.type == "cuda"
-        if graphs:
+        keep = graphs or model.device.type == "cpu"
+        if keep:
             max_len = -(-max_len // 256) * 256
             weights = (model.embed.weight.data_ptr(),
                        None if drafter is None else drafter.fc.weight.data_ptr())
@@ -72,10 +74,13 @@ class Kept:
         if graphs:
             replay.pool = GraphPool([cache] + ([spec.cache] if spec.cache is not None else []), cfg.graphs)
         ws = Workspace(cache, spec, replay)
-        if graphs and self._workspace is None:
+        if keep and self._workspace is None:
             self._workspace = (key, ws, weakref.ref(owner))
         return ws
 
-    def release(self) -> None:
-        self._workspace = None
+    def release(self, keep_graphs: bool = False) -> None:
+        """Free the packed weights and the kept buffers (``keep_graphs``: not buffers that CUDA graphs replay,
+        which would have to be captured again)."""
+        if not (keep_graphs and self._workspace is not None and self._workspace[1].replay.pool is not None):
+            self._workspace = None
         self.packs.clear()
