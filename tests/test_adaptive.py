@@ -94,8 +94,10 @@ def test_measure_costs_on_a_small_model():
     target = Transformer(cfg).eval()
     drafter = Drafter(DrafterConfig.from_target(cfg)).eval().attach(target)
     cm = measure_costs(target, drafter, batches=(1, 4), tokens=(1, 5), context=16, repeats=1)
-    assert cm.target_s.shape == (2, 2) and cm.draft_s.shape == (2, 3) and cm.long_s.shape == (2,)
-    assert cm.draft_tokens.tolist() == [1, 4, 64] and cm.catch_up_time(4, 64) > 0
+    assert cm.target_s.shape == (2, 2) and cm.draft_s.shape == (2, 2) and cm.long_s.shape == (2,)
+    assert cm.draft_tokens.tolist() == [1, 4] and cm.catch_up_width == 64 and cm.catch_up_s.shape == (2,)
+    assert cm.catch_up_time(4, 64) > 0 and CostModel.from_dict(cm.to_dict()).catch_up_time(4, 64) == \
+        cm.catch_up_time(4, 64)
     assert cm.long_context == 158                                # 512 capped by the model's 160 positions
     assert np.isfinite(cm.target_s).all() and (cm.target_s > 0).all() and (cm.draft_s > 0).all()
     assert cm.plain_rate(2) > 0 and np.isfinite(cm.predict(SpecStrategy("tree", 3, 2, 4), 2, 0.7))
@@ -268,19 +270,23 @@ def test_timed_rollout_runs_the_named_strategy_seeded(small_pair):
 
 # --------------------------------------------------------------------------------------------- switching charge
 def _costs_with_a_slow_catch_up():
-    """1 and 16 rows; a plain step 10/20 ms, a 3-token verify 11/24 ms; a drafter forward 1 ms at 1-4 tokens and
-    200 ms at 64 tokens (a catch-up over a 64-entry backlog)."""
+    """1 and 16 rows; a plain step 10/20 ms, a 3-token verify 11/24 ms; a drafter forward 1 ms at 1-4 tokens, a
+    catch-up over a 64-entry backlog 200 ms."""
     return CostModel(np.array([1.0, 16.0]), np.array([1.0, 3.0]), np.array([[0.010, 0.011], [0.020, 0.024]]),
-                     np.array([1.0, 4.0, 64.0]), np.array([[0.001, 0.001, 0.2], [0.001, 0.001, 0.2]]))
+                     np.array([1.0, 4.0]), np.array([[0.001, 0.001], [0.001, 0.001]]), catch_up_width=64.0,
+                     catch_up_s=np.array([0.2, 0.2]))
 
 
 def test_cost_model_catch_up_time_grows_with_the_backlog():
     cm = _costs_with_a_slow_catch_up()
-    assert cm.catch_up_time(1, 1) == 0.0 and cm.catch_up_time(1, 4) == pytest.approx(0.0)
+    assert cm.catch_up_time(1, 1) == 0.0 and cm.catch_up_time(1, 4) == pytest.approx(3 / 63 * 0.199)
     assert cm.catch_up_time(1, 64) == pytest.approx(0.199)
-    assert cm.catch_up_time(1, 124) == pytest.approx(0.398)           # extrapolated linearly past the widest
-    old = CostModel(np.array([1.0]), np.array([1.0]), np.array([[0.01]]))
-    assert old.catch_up_time(1, 100) == 0.0                           # no drafter timings: nothing to charge
+    assert cm.catch_up_time(1, 124) == pytest.approx(0.199 * 123 / 63)  # extrapolated linearly past the widest
+    none = CostModel(np.array([1.0]), np.array([1.0]), np.array([[0.01]]))
+    assert none.catch_up_time(1, 100) == 0.0                          # no drafter timings: nothing to charge
+    old = CostModel(np.array([1.0]), np.array([1.0]), np.array([[0.01]]), np.array([1.0, 4.0]),
+                    np.array([[0.001, 0.004]]))                        # a prior file from before catch-up timings
+    assert old.catch_up_time(1, 64) == pytest.approx(0.063)
 
 
 def test_switching_to_a_drafter_arm_is_charged_its_catch_up():

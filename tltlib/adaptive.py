@@ -73,8 +73,9 @@ class CostModel:
     """Measured forward costs. ``target_s[i, j]``: seconds of a target forward of ``batches[i]`` rows x
     ``tokens[j]`` tokens (1 = a plain decode iteration) after ``context`` cached tokens; ``long_s[i]``: a plain
     forward of ``batches[i]`` rows after ``long_context`` (how attention grows with the context); ``draft_s[i, k]``:
-    a drafter forward of ``batches[i]`` rows x ``draft_tokens[k]`` tokens. Between measured sizes it interpolates
-    log-log in rows, linearly in tokens and context."""
+    a drafter forward of ``batches[i]`` rows x ``draft_tokens[k]`` tokens; ``catch_up_s[i]``: a drafter catch-up
+    over ``catch_up_width`` backlog entries per row (logits at the last only). Between measured sizes it
+    interpolates log-log in rows, linearly in tokens and context. Treat it as read-only (it memoises lookups)."""
 
     batches: np.ndarray
     tokens: np.ndarray
@@ -85,17 +86,18 @@ class CostModel:
     context: float = 64.0
     long_context: float = 0.0
     long_s: np.ndarray | None = None
+    catch_up_width: float = 0.0
+    catch_up_s: np.ndarray | None = None
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
-    def _interp(self, table, cols, batch, n) -> float:
-        return _along(cols, self._columns(table, batch), n)
-
-    def _columns(self, table, batch) -> list[float]:
-        """``table``'s seconds at ``batch`` rows, one per column (log-log between measured batch sizes); kept per
-        table and batch size (the tuner asks every decode iteration)."""
-        key = (id(table), batch)
+    def _columns(self, name: str, batch) -> list[float]:
+        """The seconds of table ``name`` (``target_s``, ``draft_s``, ``catch_up_s``) at ``batch`` rows, one per
+        column (log-log between measured batch sizes); kept per table and batch size (the tuner asks every decode
+        iteration)."""
+        key = (name, batch)
         hit = self._memo.get(key)
         if hit is None:
+            table = np.asarray(getattr(self, name), dtype=np.float64).reshape(len(self.batches), -1)
             lb = np.log(np.clip(batch, self.batches[0], self.batches[-1]))
             hit = self._memo[key] = [math.exp(np.interp(lb, np.log(self.batches), np.log(table[:, j])))
                                      for j in range(table.shape[1])]
@@ -116,14 +118,14 @@ class CostModel:
     def target_time(self, batch: int, tokens: int, context: float | None = None) -> float:
         """Seconds of one target forward over ``batch`` rows x ``tokens`` tokens (after ``context`` cached tokens;
         None: the measured short context)."""
-        base = self._interp(self.target_s, self.tokens, batch, tokens)
+        base = _along(self.tokens, self._columns("target_s", batch), tokens)
         return max(base + self.context_s(batch, context), 0.5 * base)
 
     def draft_time(self, batch: int, tokens: int = 1) -> float:
         """Seconds of one drafter forward over ``batch`` rows x ``tokens`` tokens (0 without drafter timings)."""
         if self.draft_s is None:
             return 0.0
-        return self._interp(self.draft_s, self.draft_tokens, batch, tokens)
+        return _along(self.draft_tokens, self._columns("draft_s", batch), tokens)
 
     def catch_up_time(self, batch: int, width: int, columns: list[float] | None = None) -> float:
         """Seconds a drafter catch-up over ``width`` backlog entries per row costs beyond the one-entry catch-up of
@@ -132,11 +134,15 @@ class CostModel:
         if width <= 1 or self.draft_s is None:
             return 0.0
         cols = self.draft_columns(batch) if columns is None else columns
-        return max(_along(self.draft_tokens, cols, width) - _along(self.draft_tokens, cols, 1), 0.0)
+        if self.catch_up_s is None:                    # an older prior file: extrapolate the draft forwards
+            return max(_along(self.draft_tokens, cols[:-1], width) - cols[0], 0.0)
+        return max(_along((1.0, self.catch_up_width), (cols[0], cols[-1]), width) - cols[0], 0.0)
 
     def draft_columns(self, batch: int) -> list[float]:
-        """Seconds of a drafter forward at ``batch`` rows for each measured token count (``draft_tokens``)."""
-        return self._columns(self.draft_s, batch)
+        """Seconds at ``batch`` rows of a drafter forward for each measured token count (``draft_tokens``), then of
+        the measured catch-up (or a copy of the last)."""
+        cols = self._columns("draft_s", batch)
+        return cols + (self._columns("catch_up_s", batch) if self.catch_up_s is not None else cols[-1:])
 
     def plain_rate(self, batch: int, context: float | None = None) -> float:
         """Tokens per second of plain decoding at ``batch`` rows (and ``context``)."""
@@ -167,14 +173,17 @@ class CostModel:
                 "draft_tokens": self.draft_tokens.tolist(),
                 "draft_s": None if self.draft_s is None else self.draft_s.tolist(),
                 "ngram_s_per_row": self.ngram_s_per_row, "context": self.context, "long_context": self.long_context,
-                "long_s": None if self.long_s is None else list(map(float, self.long_s))}
+                "long_s": None if self.long_s is None else list(map(float, self.long_s)),
+                "catch_up_width": self.catch_up_width,
+                "catch_up_s": None if self.catch_up_s is None else list(map(float, self.catch_up_s))}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
         arr = (lambda k: None if d.get(k) is None else np.asarray(d[k], dtype=np.float64))
         return cls(arr("batches"), arr("tokens"), arr("target_s"), arr("draft_tokens"), arr("draft_s"),
                    float(d.get("ngram_s_per_row", 2e-5)), float(d.get("context", 64.0)),
-                   float(d.get("long_context", 0.0)), arr("long_s"))
+                   float(d.get("long_context", 0.0)), arr("long_s"), float(d.get("catch_up_width", 0.0)),
+                   arr("catch_up_s"))
 
 
 def _along(cols, per_col: list[float], n: float) -> float:
@@ -212,11 +221,11 @@ def measure_costs(target, drafter=None, batches: Sequence[int] | None = None, ma
                   tokens: Sequence[int] = (1, 9, 25), context: int = 64, long_context: int = 512,
                   repeats: int = 2) -> CostModel:
     """Time target forwards of B rows x T tokens at ``context`` cached positions, plain forwards at
-    ``long_context`` (0: skip), and drafter forwards of B x 1, B x 4 (a draft level) and B x 64 with logits at the
-    last only (a catch-up over a backlog); each the fastest of ``repeats`` after one warm-up (the least disturbed
-    run). ``batches`` default: powers of four up to ``max_batch``, and ``max_batch``
-    itself (make it the SD threshold: rewards are normalised by the plain rate up to there). ``long_context`` is
-    capped by the model's context. Nothing is committed to any cache."""
+    ``long_context`` (0: skip), and drafter forwards of B x 1, B x 4 (draft levels) and B x ``CATCH_UP_WIDTH`` with
+    logits at the last only (a catch-up over a backlog); each the fastest of ``repeats`` after one warm-up (the least
+    disturbed run). ``batches`` default: powers of four up to ``max_batch``, and ``max_batch`` itself (make it the
+    SD threshold: rewards are normalised by the plain rate up to there). ``long_context`` is capped by the model's
+    context. Nothing is committed to any cache."""
     if batches is None:
         batches = [4 ** i for i in range(int(math.log(max(1, max_batch), 4) + 1e-9) + 1)]
         if batches[-1] < max_batch:
@@ -228,9 +237,10 @@ def measure_costs(target, drafter=None, batches: Sequence[int] | None = None, ma
     g = torch.Generator(device="cpu").manual_seed(0)
     t_tab = np.zeros((len(batches), len(tokens)))
     long_s = np.zeros(len(batches)) if long_context else None
-    wide = max(5, min(CATCH_UP_WIDTH, target.config.max_position_embeddings - context - 1))
-    draft_tokens = np.array([1, 4, wide])
+    wide = max(2, min(CATCH_UP_WIDTH, target.config.max_position_embeddings - context - 1))
+    draft_tokens = np.array([1, 4])
     d_tab = np.zeros((len(batches), len(draft_tokens))) if drafter is not None else None
+    catch_up = np.zeros(len(batches)) if drafter is not None else None
 
     def timed(fn) -> float:                                  # the least disturbed of the repeats
         return float(min(call_times(fn, repeats, dev)))
@@ -253,14 +263,19 @@ def measure_costs(target, drafter=None, batches: Sequence[int] | None = None, ma
                 dcache = drafter.new_cache(b, context + wide + 1)
                 drafter.forward_cached(h[:, :-1], prompt[:, 1:], dcache, logits_at=last - 1)
                 dcache.advance(context - 1)
-                for k, n in enumerate(draft_tokens.tolist()):
+                for k, n in enumerate(draft_tokens.tolist() + [wide]):
                     f = h[:, -1:].expand(b, n, h.shape[-1]).contiguous()
                     x = torch.randint(0, vocab, (b, n), generator=g).to(dev)
-                    at = torch.full((b,), n - 1, device=dev) if n == wide else None
-                    d_tab[i, k] = timed(lambda f=f, x=x, at=at: drafter.forward_cached(f, x, dcache, logits_at=at))
+                    at = torch.full((b,), n - 1, device=dev) if k == len(draft_tokens) else None
+                    t = timed(lambda f=f, x=x, at=at: drafter.forward_cached(f, x, dcache, logits_at=at))
+                    if at is None:
+                        d_tab[i, k] = t
+                    else:
+                        catch_up[i] = t
     return CostModel(np.asarray(batches, dtype=np.float64), np.asarray(tokens, dtype=np.float64), t_tab,
                      draft_tokens.astype(np.float64), d_tab, context=float(context),
-                     long_context=float(long_context), long_s=long_s)
+                     long_context=float(long_context), long_s=long_s,
+                     catch_up_width=float(wide) if drafter is not None else 0.0, catch_up_s=catch_up)
 
 
 # ------------------------------------------------------------------------------------------------ acceptance
