@@ -94,3 +94,20 @@ def test_release_drops_the_packed_copies(target):
     eng.generate(_prompts())
     eng.release()
     assert eng.kept.packs.packs == {}
+
+
+def test_engines_over_one_model_share_one_packed_copy(target):
+    """Two engines over one model (the bench's with and without a drafter) use one packed copy of its weights,
+    and the registry does not keep a model alive."""
+    import gc
+    a, b = _engine(target, True), _engine(target, True)
+    a.generate(_prompts())
+    assert b.kept.weight_packs() is a.kept.packs.packs and a.kept.packs is b.kept.packs
+    other = make_hf_model("llama")
+    gc.collect()                                   # entries of models other tests dropped leave first
+    n = len(K.WeightPacks._shared)
+    K.WeightPacks.of(other)
+    assert len(K.WeightPacks._shared) == n + 1
+    del other
+    gc.collect()
+    assert len(K.WeightPacks._shared) == n

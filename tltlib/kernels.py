@@ -23,6 +23,7 @@ Departures: none (kernel selection only; every path computes the same function).
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -74,13 +75,28 @@ class WeightPacks:
     A weight counts as changed when it is another tensor, when autograd's version counter moved (optimizer steps,
     ``load_state_dict``, any in-place update of the parameter) or when its product with a fixed random vector
     changed (one pass over the weights, ~30 ms for SmolLM2: catches writes through ``.data`` or fused optimizers,
-    which bypass the counter, wherever they land). Call :meth:`clear` to drop the copies."""
+    which bypass the counter, wherever they land). Call :meth:`clear` to drop the copies. :meth:`of` gives every
+    engine over one module the same packs (one copy of the weights, warm in the CPU's caches for all of them)."""
+
+    _shared: "weakref.WeakKeyDictionary[torch.nn.Module, WeightPacks]" = weakref.WeakKeyDictionary()
 
     def __init__(self, module: torch.nn.Module):
-        self.module = module
+        self._module = weakref.ref(module)          # not a strong reference: the shared registry must not keep it
         self.packs: dict = {}
         self._seen: tuple | None = None
         self._probe: dict[int, torch.Tensor] = {}
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self._module()
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> "WeightPacks":
+        """The packs shared by every user of ``module`` (made on first use, dropped with the module)."""
+        packs = cls._shared.get(module)
+        if packs is None:
+            packs = cls._shared[module] = cls(module)
+        return packs
 
     def _fingerprint(self) -> tuple:
         params = _packable(self.module)

@@ -4,7 +4,7 @@ the target's weights packed for oneDNN (:class:`tltlib.kernels.WeightPacks`).
 
 Buffers are kept with CUDA graphs (graphs hold their addresses) and on a CPU (allocating and zeroing them costs a
 rollout of the tiny reasoner ~1%), not on a GPU without graphs; packs only on a CPU in float32 (re-made when a
-weight changed). :meth:`Kept.release` frees both.
+weight changed; one copy shared by every engine over the same model). :meth:`Kept.release` frees both.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class Kept:
     def __init__(self, engine):
         self.engine = engine
         self._workspace: tuple | None = None      # (key, Workspace, weakref to its rollout)
-        self.packs = WeightPacks(engine.model)
+        self.packs = WeightPacks.of(engine.model)  # shared by every engine over this model
 
     def weight_packs(self) -> dict | None:
         """The packed weights a rollout runs with (re-packed when the weights changed), or None."""
