@@ -65,8 +65,7 @@ def default_threshold(device: str | torch.device) -> int:
 
 # ------------------------------------------------------------------------------------------------ cost model
 CATCH_UP_WIDTH = 64
-"""Backlog entries per row of the drafter forward that :func:`measure_costs` times as a catch-up (wider ones are
-extrapolated linearly)."""
+"""Backlog entries per row of the catch-up :func:`measure_costs` times (wider ones are extrapolated linearly)."""
 
 @dataclass
 class CostModel:
@@ -263,15 +262,13 @@ def measure_costs(target, drafter=None, batches: Sequence[int] | None = None, ma
                 dcache = drafter.new_cache(b, context + wide + 1)
                 drafter.forward_cached(h[:, :-1], prompt[:, 1:], dcache, logits_at=last - 1)
                 dcache.advance(context - 1)
-                for k, n in enumerate(draft_tokens.tolist() + [wide]):
+                def draft(n: int, last_only: bool = False) -> float:      # n tokens per row, logits at all or the last
                     f = h[:, -1:].expand(b, n, h.shape[-1]).contiguous()
                     x = torch.randint(0, vocab, (b, n), generator=g).to(dev)
-                    at = torch.full((b,), n - 1, device=dev) if k == len(draft_tokens) else None
-                    t = timed(lambda f=f, x=x, at=at: drafter.forward_cached(f, x, dcache, logits_at=at))
-                    if at is None:
-                        d_tab[i, k] = t
-                    else:
-                        catch_up[i] = t
+                    at = torch.full((b,), n - 1, device=dev) if last_only else None
+                    return timed(lambda: drafter.forward_cached(f, x, dcache, logits_at=at))
+                d_tab[i] = [draft(n) for n in draft_tokens.tolist()]
+                catch_up[i] = draft(wide, last_only=True)
     return CostModel(np.asarray(batches, dtype=np.float64), np.asarray(tokens, dtype=np.float64), t_tab,
                      draft_tokens.astype(np.float64), d_tab, context=float(context),
                      long_context=float(long_context), long_s=long_s,
@@ -512,11 +509,9 @@ def timed_rollout(engine, prompts, strategy=None, seed: int = 0, progress: bool 
     """(result, wall seconds) of one rollout of ``prompts`` with ``strategy`` and a generator seeded ``seed``
     (CUDA synchronised at both ends)."""
     dev = engine.model.device
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda _: None)
+    sync(dev)
     t = time.perf_counter()
-    res = engine.generate(prompts, torch.Generator(device=dev).manual_seed(seed), progress=progress,
-                          strategy=strategy)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+    res = engine.generate(prompts, torch.Generator(device=dev).manual_seed(seed), progress=progress, strategy=strategy)
+    sync(dev)
     return res, time.perf_counter() - t
