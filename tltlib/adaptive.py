@@ -126,22 +126,16 @@ class CostModel:
             return 0.0
         return _along(self.draft_tokens, self._columns("draft_s", batch), tokens)
 
-    def catch_up_time(self, batch: int, width: int, columns: list[float] | None = None) -> float:
+    def catch_up_time(self, batch: int, width: int) -> float:
         """Seconds a drafter catch-up over ``width`` backlog entries per row costs beyond the one-entry catch-up of
-        an SD step that follows an SD step (:meth:`iteration_time` counts that one). ``columns``: this batch's
-        :meth:`draft_columns`, when already known (the tuner asks every iteration)."""
+        an SD step that follows an SD step (:meth:`iteration_time` counts that one)."""
         if width <= 1 or self.draft_s is None:
             return 0.0
-        cols = self.draft_columns(batch) if columns is None else columns
-        if self.catch_up_s is None:                    # an older prior file: extrapolate the draft forwards
-            return max(_along(self.draft_tokens, cols[:-1], width) - cols[0], 0.0)
-        return max(_along((1.0, self.catch_up_width), (cols[0], cols[-1]), width) - cols[0], 0.0)
-
-    def draft_columns(self, batch: int) -> list[float]:
-        """Seconds at ``batch`` rows of a drafter forward for each measured token count (``draft_tokens``), then of
-        the measured catch-up (or a copy of the last)."""
         cols = self._columns("draft_s", batch)
-        return cols + (self._columns("catch_up_s", batch) if self.catch_up_s is not None else cols[-1:])
+        if self.catch_up_s is None:                    # an older prior file: extrapolate the draft forwards
+            return max(_along(self.draft_tokens, cols, width) - cols[0], 0.0)
+        wide = self._columns("catch_up_s", batch)[0]
+        return max(_along((1.0, self.catch_up_width), (cols[0], wide), width) - cols[0], 0.0)
 
     def plain_rate(self, batch: int, context: float | None = None) -> float:
         """Tokens per second of plain decoding at ``batch`` rows (and ``context``)."""
@@ -381,7 +375,7 @@ class AdaptiveController(StrategySource):
         self._version = getattr(drafter, "version", None)
         self._tuned = False                       # whether the last choice came from the tuner
         self._context: float | None = None       # mean context of the running rows at the last observation
-        self._step_s: dict = {}                   # batch -> (choice computed at, drafter arms' step s, draft columns)
+        self._step_s: dict = {}                   # batch -> (choice computed at, drafter arms' step seconds)
         self._choices = 0
         self.accept = {"learned": DepthAcceptance(self.config.accept_prior),
                        "ngram": DepthAcceptance((self.config.ngram_accept_prior,))}
@@ -420,11 +414,11 @@ class AdaptiveController(StrategySource):
         if hit is None or self._choices - hit[0] >= PRIOR_REFRESH:  # the context moves slowly: cache like the prior
             steps = {a: self.costs.iteration_time(a, active, self._context)
                      for a in self.tuner.bucket_arms[self.tuner.bucket(active)] if a.uses_drafter}
-            hit = self._step_s[active] = (self._choices, steps, self.costs.draft_columns(active))
-        _, steps, columns = hit
+            hit = self._step_s[active] = (self._choices, steps)
+        steps = hit[1]
         if not steps:
             return {}
-        extra = self.costs.catch_up_time(active, backlog, columns)
+        extra = self.costs.catch_up_time(active, backlog)
         return {arm: math.log1p(extra / (h * t)) for arm, t in steps.items()}
 
     def choose(self, iteration: int, active: int, backlog: int = 0) -> SpecStrategy:
