@@ -47,7 +47,8 @@ def main() -> None:
     args = parse_args()
     import torch
 
-    from tltlib.draft_train import autocast_to_target, depth_accuracy, measure_acceptance, rows_pairs
+    from tltlib.draft_train import autocast_to_target, depth_accuracy
+    from tltlib.draft_warm import measure_acceptance, rows_pairs
     from tltlib.drafter import load_drafter
     from tltlib.speculative import SpecStrategy
     from tltlib.tasks import generate_task, read_responses

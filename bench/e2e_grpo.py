@@ -179,7 +179,7 @@ def _launch_workers(args) -> None:
     import json
     import subprocess
 
-    from tltlib.draft_train import measure_acceptance
+    from tltlib.draft_warm import measure_acceptance
     from tltlib.e2e import schedule_summary, summarize
     from tltlib.world import torchrun_command
     from tltlib.speculative import SpecStrategy

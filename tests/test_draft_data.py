@@ -67,7 +67,7 @@ def test_read_responses_refusals(tmp_path):
 
 
 def test_response_pairs_hold_out_the_last_rows_and_refuse_too_few(tmp_path):
-    from tltlib.draft_train import response_pairs
+    from tltlib.draft_warm import response_pairs
     torch.manual_seed(0)
     target = Transformer(CFG, init_std=0.4).eval()
     f = tmp_path / "r.jsonl"

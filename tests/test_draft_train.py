@@ -100,6 +100,26 @@ def test_train_offline_logs_curves():
     assert [len(a) for a in log["eval_acc"]] == [2, 2, 2] and log["eval_extra"][-1] == {"seen": 6}
 
 
+def test_a_time_budget_cuts_the_step_count_and_the_schedule_with_it():
+    """``minutes``: after the probe steps the run is cut to what fits (evaluations counted), never lengthened;
+    the learning-rate schedule then ends with the cut run; a negative budget is refused."""
+    from dataclasses import replace
+
+    from tltlib.draft_train import BUDGET_PROBE_STEPS, _budget_steps
+    cfg = DrafterTrainConfig(steps=100, minutes=1.0)
+    assert _budget_steps(cfg, 5, 10.0, 1.0, 2.0, 10) == 35                   # 60 - 10 - 10 x 2 = 30 more
+    assert _budget_steps(replace(cfg, steps=20), 5, 10.0, 1.0, 2.0, 10) == 20    # never beyond steps
+    assert _budget_steps(cfg, 5, 70.0, 1.0, 2.0, 10) == 5                      # out of time: stop now
+    target, drafter = _pair(2)
+    seqs = [[1] + torch.randint(3, 24, (12,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(6)]
+    data = pairs_from_sequences(target, seqs, [3] * 6)
+    log = train_offline(drafter, data, DrafterTrainConfig(steps=40, batch_sequences=3, eval_depth=2, minutes=1e-6),
+                        data, eval_every=4, progress=False)
+    assert log["steps"] == BUDGET_PROBE_STEPS == log["step"][-1] and log["eval_step"][-1] == BUDGET_PROBE_STEPS
+    with pytest.raises(ValueError, match="minutes must be >= 0"):
+        DrafterTrainConfig(minutes=-1)
+
+
 def test_chunked_head_loss_equals_one_pass_over_all_logits():
     import torch.nn.functional as F
 
@@ -187,7 +207,7 @@ def test_train_drafter_refuses_long_prompts_and_a_drafter_of_another_shape(tmp_p
     import pytest
 
     from tltlib.checkpoint import save_model
-    from tltlib.draft_train import check_context, train_warm_drafter
+    from tltlib.draft_warm import check_context, train_warm_drafter
     from tltlib.model import preset
     DATA = Path(__file__).resolve().parent.parent / "data"
     with pytest.raises(ValueError, match=r"data.jsonl: 2 of 3 prompts \(rows \[0, 2\]\) leave no room for a response in "
@@ -202,16 +222,17 @@ def test_train_drafter_refuses_long_prompts_and_a_drafter_of_another_shape(tmp_p
     assert not (tmp_path / "out").exists()
 
 
-def test_a_draft_vocabulary_trains_on_the_whole_head_and_measures_its_proposals():
-    """The loss (and its gradients) ignore the draft vocabulary: the drafter learns the target's whole distribution;
-    depth accuracy measures what it would propose, so excluding tokens the target picks lowers it."""
+def test_the_full_vocabulary_loss_ignores_a_draft_vocabulary_and_accuracy_measures_its_proposals():
+    """With ``ce_vocab="full"`` the loss (and its gradients) ignore the draft vocabulary: the drafter learns the
+    target's whole distribution; depth accuracy measures what it would propose, so excluding tokens the target picks
+    lowers it."""
     from tltlib.pairs import PairBatch
     target, drafter = _pair()
     g = torch.Generator().manual_seed(2)
     h = torch.randn(3, 10, target.config.hidden_size, generator=g)
     batch = PairBatch(h, torch.randint(0, target.config.vocab_size, (3, 10), generator=g),
                       torch.ones(3, 9, dtype=torch.bool))
-    cfg = DrafterTrainConfig()
+    cfg = DrafterTrainConfig(ce_vocab="full")
     out = []
     for ids in (None, torch.tensor([0, 1, 2, 3])):
         drafter.set_draft_vocab(ids)
@@ -225,12 +246,46 @@ def test_a_draft_vocabulary_trains_on_the_whole_head_and_measures_its_proposals(
     assert a1[0] < a0[0]
 
 
+def test_the_draft_vocabulary_loss_is_the_cross_entropy_renormalised_over_it():
+    """``ce_vocab="draft"`` (the default): the soft cross-entropy runs over the draft vocabulary against the target's
+    distribution renormalised there, equal to a one-pass reference; head rows outside it change nothing; a bad value
+    is refused."""
+    import torch.nn.functional as F
+
+    from tltlib.pairs import PairBatch
+    target, drafter = _pair()
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 8, target.config.hidden_size, generator=g)
+    batch = PairBatch(h, torch.randint(0, target.config.vocab_size, (2, 8), generator=g),
+                      torch.rand(2, 7, generator=g) > 0.2)
+    ids = torch.tensor([1, 4, 5, 9, 2])
+    drafter.set_draft_vocab(ids)
+    loss, stats = drafter_loss(drafter, batch, DrafterTrainConfig(), chunk=4)
+    pred, _ = drafter(*batch.inputs)
+    w = target.head_weight.detach()[drafter.draft_ids]
+    p_t = torch.softmax(h[:, 1:] @ w.T, -1)                 # renormalised over the draft vocabulary
+    m = batch.mask.float()
+    ref = ((F.smooth_l1_loss(pred, h[:, 1:], reduction="none").mean(-1) * m).sum() + 0.1 * (
+        -(p_t * torch.log_softmax(pred @ w.T, -1)).sum(-1) * m).sum()) / m.sum()
+    torch.testing.assert_close(loss, ref, atol=1e-6, rtol=1e-5)
+    assert loss != drafter_loss(drafter, batch, DrafterTrainConfig(ce_vocab="full"))[0]
+    with torch.no_grad():
+        target.head_weight[3] += 5.0                        # a token the drafter cannot propose
+    assert torch.equal(loss, drafter_loss(drafter, batch, DrafterTrainConfig(), chunk=4)[0])
+    with pytest.raises(ValueError, match="ce_vocab must be 'draft'"):
+        DrafterTrainConfig(ce_vocab="all")
+
+
 def test_train_drafter_with_a_draft_vocabulary(tmp_path):
-    from tltlib.draft_train import train_warm_drafter
+    from tltlib.draft_warm import train_warm_drafter
     from tltlib.drafter import load_drafter
     from tltlib.checkpoint import load_model
     card = train_warm_drafter("data/tiny-reasoner", tmp_path / "d", DrafterTrainConfig(steps=2, batch_sequences=2),
                               n_train=4, n_eval=2, n_accept=1, max_new_tokens=24, progress=False, draft_vocab=12)
     assert "a draft vocabulary of 1" in card and "of the held-out pairs' tokens" in card
+    assert "soft CE over the draft vocabulary" in card and "tree-6x4-24: " in card
     d = load_drafter(tmp_path / "d", load_model("data/tiny-reasoner"))
     assert 12 <= d.config.draft_vocab_size <= 13 and 2 in d.draft_ids.tolist()      # the 12 most frequent + EOS
+    card = train_warm_drafter("data/tiny-reasoner", tmp_path / "e", DrafterTrainConfig(steps=1, batch_sequences=2),
+                              n_train=4, n_eval=2, n_accept=0, max_new_tokens=24, progress=False)
+    assert "Accept lengths not measured" in card and "tokens per step" not in card

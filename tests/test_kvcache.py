@@ -124,3 +124,23 @@ def test_matmul_attention_equals_sdpa_with_mask():
     torch.testing.assert_close(gqa_attention(q, k, v, None),
                                torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
                                atol=1e-5, rtol=0)
+
+
+def test_the_mask_is_all_true_before_mask_from_and_kernels_mask_only_the_tail():
+    """After SD steps rows differ in length: the shortest row's prefix is seen by every row, so the CPU kernel masks
+    only the columns from ``mask_from`` on (the same result, exactly), and ``mask_from`` is as far as it can be."""
+    from tltlib.kernels import gqa_attention
+    cache = KVCache(1, 4, 2, 32, 8)
+    cache.advance(torch.tensor([12, 9, 15, 10]))
+    for num_new, offset, tree in ((1, 0, None), (1, 3, None), (4, 0, None), (3, 2, torch.ones(4, 3, 5, dtype=bool))):
+        w = cache.prepare(num_new, tree, offset)
+        assert w.mask[..., : w.mask_from].all() and 0 < w.mask_from < w.span
+        if num_new == 1:
+            assert not w.mask[..., w.mask_from].all()           # the shortest row's next column is masked
+    g = torch.Generator().manual_seed(1)
+    w = cache.prepare(1)
+    q = torch.randn(4, 6, 1, 8, generator=g)
+    k, v = (torch.randn(4, 2, w.span, 8, generator=g) for _ in range(2))
+    assert torch.equal(gqa_attention(q, k, v, w.mask, w.mask_from), gqa_attention(q, k, v, w.mask))
+    cache.rollback(torch.tensor([1, 0, 0, 2]))                # the minimum not tracked: no shortcut
+    assert cache.prepare(1).mask_from == 0

@@ -120,7 +120,7 @@ def test_every_command_reexecutes_inside_the_venv():
 
 def test_train_drafter_checks_its_output_before_any_work(tmp_path, monkeypatch):
     import tltlib.checkpoint
-    from tltlib.draft_train import train_warm_drafter
+    from tltlib.draft_warm import train_warm_drafter
 
     def no_work(*a, **k):
         raise AssertionError("the output folder must be checked before the target is loaded")

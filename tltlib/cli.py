@@ -161,11 +161,13 @@ def cmd_train_reasoner(args) -> int:
 
 
 def cmd_train_drafter(args) -> int:
-    from .draft_train import DrafterTrainConfig, train_warm_drafter
+    from .draft_train import DrafterTrainConfig
+    from .draft_warm import train_warm_drafter
     out = args.out or str(ROOT / "runs" / "drafters" / f"{Path(args.model).resolve().name}-drafter")
     command = "python -m tltlib train-drafter " + " ".join(a for a in sys.argv[2:] if a != "--quiet")
     from .checkpoint import pick_device
     recipe = DrafterTrainConfig(steps=args.steps, ce_positions=args.ce_positions, unroll=args.unroll,
+                                ce_vocab=args.ce_vocab, minutes=args.minutes,
                                 **({"lr": args.lr} if args.lr else {}),
                                 **({"batch_sequences": args.batch} if args.batch else {}))
     print(train_warm_drafter(args.model, out, recipe, seed=args.seed, progress=not args.quiet,
@@ -374,13 +376,17 @@ def _train_drafter_command(sub) -> None:
     td.add_argument("--n-train", type=int, default=512, help="training responses (default %(default)s)")
     td.add_argument("--n-eval", type=int, default=64, help="held-out responses for the accuracies (default %(default)s)")
     td.add_argument("--n-accept", type=int, default=32, help="held-out prompts of the measured accept lengths "
-                    "(default %(default)s)")
+                    "(default %(default)s; 0: not measured)")
     td.add_argument("--max-new-tokens", type=int, default=720, help="longest sampled response (default %(default)s)")
     td.add_argument("--temperature", type=float, default=0.9, help="sampling temperature (default %(default)s)")
     td.add_argument("--lr", type=float, help="peak learning rate (default 1e-3)")
     td.add_argument("--batch", type=int, help="sequences per step (default 16)")
     td.add_argument("--ce-positions", type=int, default=0, help="pairs per batch carrying the soft cross-entropy "
-                    "(0: all; e.g. 512 for a 49k vocabulary on a CPU, where the LM head dominates the cost)")
+                    "(0: all; e.g. 512 with --ce-vocab full for a 49k vocabulary on a CPU, where the head then "
+                    "dominates the cost)")
+    td.add_argument("--ce-vocab", default="draft", choices=["draft", "full"], help="the soft cross-entropy over "
+                    "the draft vocabulary (the target's distribution renormalised there, EAGLE-3; default) or the "
+                    "whole vocabulary")
     td.add_argument("--draft-vocab", type=int, default=0, help="propose only the N most frequent tokens of the "
                     "training data (EAGLE-3's reduced draft vocabulary: drafting reads N rows of the LM head instead "
                     "of all; lossless either way; 0: the whole vocabulary or --init's)")
@@ -389,6 +395,8 @@ def _train_drafter_command(sub) -> None:
     td.add_argument("--unroll", type=int, default=1, help="draft steps trained per batch on the drafter's own "
                     "predicted features (EAGLE-3's training-time test; default %(default)s)")
     td.add_argument("--steps", type=int, default=1500)
+    td.add_argument("--minutes", type=float, default=0.0, help="time budget of the training steps (0: none): the "
+                    "step count is cut to what fits after the first 5 steps, the schedule ends with the budget")
     td.add_argument("--task-max-steps", type=int, default=52,
                     help="train on chain problems of at most this many steps (a drafter warmed on another mix)")
     td.add_argument("--seed", type=int, default=0)

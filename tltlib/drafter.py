@@ -137,9 +137,15 @@ class Drafter(nn.Module):
         w = self.target.head_weight.detach()
         if full or self.draft_ids is None:
             return linear(hidden, w)
-        sub = linear(hidden, w.index_select(0, self.draft_ids))
+        sub = self.draft_logits(hidden)
         out = sub.new_full((*sub.shape[:-1], w.shape[0]), float("-inf"))
         return out.index_copy_(out.dim() - 1, self.draft_ids, sub)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[..., Vd]`` over the draft vocabulary only (column j is token ``draft_ids[j]``; the whole head,
+        ``Vd = V``, without one): what the drafter can propose, at ``Vd / V`` of the head's cost."""
+        w = self.target.head_weight.detach()
+        return linear(hidden, w if self.draft_ids is None else w.index_select(0, self.draft_ids))
 
     def set_draft_vocab(self, ids: torch.Tensor | None) -> "Drafter":
         """Restrict proposals to the token ids ``ids [n]`` (unique, within the vocabulary; None: all tokens);

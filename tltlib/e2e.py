@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from scipy.stats import ttest_ind
 
-from .draft_train import measure_acceptance
+from .draft_warm import measure_acceptance
 from .fileio import read_json
 from .logprobs import SequenceBatch, micro_batches, padded_tokens, response_logprobs
 from .scheduler import SchedulerConfig

@@ -31,11 +31,15 @@ class CacheWrite:
         mask: ``[rows, 1, T, span]`` bool attention mask, or None when no masking is needed (one new token per
             row and every row equally long).
         span: cache slots attention reads (``max_used + T``).
+        mask_from: ``mask[..., :mask_from]`` is all True (slots every row's new tokens see: the shortest row's
+            committed prefix), so a kernel need only mask the columns from there on; after SD steps rows differ by
+            a few tokens, and masking only that tail keeps a ragged decode as cheap as a uniform one.
     """
 
     index: torch.Tensor
     mask: torch.Tensor | None
     span: int
+    mask_from: int = 0
 
 
 class KVCache:
@@ -102,10 +106,11 @@ class KVCache:
         base = torch.arange(rows, device=dev) * (kvh * self.max_len) + lengths + offset
         index = (base[:, None, None] + new[None, :, None]
                  + (torch.arange(kvh, device=dev) * self.max_len)[None, None, :])
+        known = self.min_used >= 0 and not fixed                          # min_used exact: a common prefix
         if num_new == 1 and tree_mask is None:                            # decode / chain drafting: cheap mask
             uniform = self.min_used == self.max_used and not fixed
             mask = None if uniform else (torch.arange(span, device=dev) <= lengths[:, None] + offset)[:, None, None]
-            return CacheWrite(index, mask, span)
+            return CacheWrite(index, mask, span, self.min_used + offset + 1 if known else 0)
         slot = torch.arange(span, device=dev)
         rel = slot[None, None, :] - lengths[:, None, None]               # [rows, 1, span]: index among uncommitted
         if tree_mask is None:
@@ -114,7 +119,7 @@ class KVCache:
             width = offset + num_new
             idx = rel.clamp(0, width - 1).expand(rows, num_new, span)
             new_ok = (rel >= 0) & (rel < width) & torch.gather(tree_mask, 2, idx)
-        return CacheWrite(index, ((rel < 0) | new_ok).unsqueeze(1), span)
+        return CacheWrite(index, ((rel < 0) | new_ok).unsqueeze(1), span, self.min_used if known else 0)
 
     def write(self, layer: int, where: CacheWrite, k_new: torch.Tensor,
               v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,8 @@
 #   bench/gpu/drafter.sh sample            # the target's own responses (float32, T=0.9) to word problems
 #   bench/gpu/drafter.sh train             # train-drafter on them; the drafter and its card under $OUT
 # Knobs (environment): DEV (cuda), N (responses), BATCH, MAXTOK, STEPS, TBATCH, UNROLL, LR, VOCAB, NACC (acceptance
-# prompts), SECS (sampling cap).
+# prompts), SECS (sampling cap), MINUTES (training budget: the step count is cut to fit, so a call stays within the
+# device tool's 10-minute limit).
 set -o pipefail
 export PYTHONPATH=$PWD${EXTRA_PATH:+:$EXTRA_PATH} PYTHONUNBUFFERED=1 TLTLIB_NO_VENV=1 OUT=${OUT:-/tmp/out}
 SM=${SM:-/tmp/sm}; DEV=${DEV:-cuda}; M=$SM/smollm2-135m; R=$SM/words.jsonl
@@ -31,7 +32,7 @@ sample)
 train)
     stamp train
     python3 -m tltlib train-drafter --model "$M" --dataset words --responses "$R" --n-train 100000 --n-eval 64 \
-        --n-accept "${NACC:-32}" --max-new-tokens "${MAXTOK:-512}" --steps "${STEPS:-2000}" --batch "${TBATCH:-32}" \
+        --n-accept "${NACC:-32}" --max-new-tokens "${MAXTOK:-512}" --steps "${STEPS:-6000}" --minutes "${MINUTES:-7}" --batch "${TBATCH:-32}" \
         --unroll "${UNROLL:-3}" --lr "${LR:-1e-3}" --draft-vocab "${VOCAB:-4096}" --device "$DEV" --dtype float32 \
         --out "$SM/drafter" --overwrite --quiet 2>&1 | tee "$OUT/train.log" | tail -30
     stamp trained
