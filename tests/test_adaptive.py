@@ -338,3 +338,23 @@ def test_the_engine_tells_the_source_the_drafter_backlog(small_pair):
     seen = src.seen
     assert seen[1:6] == [seen[1] + k for k in range(5)]                # grows by one per plain iteration
     assert 1 <= seen[7] <= 4 and 1 <= seen[8] <= 4                     # after SD steps: that step's emitted tokens
+
+
+def test_only_a_switch_catch_up_is_left_out_of_the_reward(small_pair, monkeypatch):
+    """The catch-up after plain iterations is a switching cost (charged at the choice, left out of the arm's reward);
+    the catch-up of an SD step right after another feeds that step's tokens, a cost of every SD step, so it stays
+    in the reward (leaving it out made SD look cheaper than it is in steady state)."""
+    from tltlib.specdecode import SpecDecoder
+    seen = []
+    orig = SpecDecoder.draft_and_verify
+
+    def spy(self, *a, **k):
+        out = orig(self, *a, **k)
+        seen.append(out.catchup_s)
+        return out
+    monkeypatch.setattr(SpecDecoder, "draft_and_verify", spy)
+    target, drafter = small_pair
+    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=24)), drafter=drafter)
+    res = eng.generate([[1, 7]], strategy=_Recorder(lambda i: SpecStrategy("chain", 3) if i in (6, 7) else OFF))
+    assert res.lengths[0] > 12 and len(seen) == 2
+    assert seen[0] > 0 and seen[1] == 0.0

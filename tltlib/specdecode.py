@@ -62,8 +62,9 @@ class Emitted:
         accepted: ``[B]`` drafts accepted (0 for a plain iteration).
         drafted: draft tokens verified per row (0 for a plain iteration).
         draft_s, verify_s: wall time of drafting (catch-up included) and of the target forward + acceptance.
-        catchup_s: the part of ``draft_s`` spent feeding the backlog (work left by the plain iterations since the
-            last SD step: a cost of switching SD on, not of the arm that pays it, so the tuner leaves it out).
+        catchup_s: the part of ``draft_s`` spent feeding a backlog left by plain iterations (a cost of switching SD
+            on, charged when the tuner chooses, not of the arm that pays it, so its reward leaves it out); 0 when the
+            iteration before was an SD step: feeding that step's tokens is part of every SD step's cost.
     """
 
     tokens: torch.Tensor
@@ -131,7 +132,8 @@ class SpecDecoder:
         if flush_at < 2:
             raise ValueError(f"flush_at must be >= 2 (a flush keeps each row's last backlog entry), got {flush_at}")
         self.target, self.drafter, self.sampling = target, drafter, sampling
-        self.catchup_s = 0.0                      # the last catch-up's seconds
+        self.catchup_s = 0.0                      # the last catch-up's seconds, if it followed plain iterations
+        self._after_sd = False                    # whether the last recorded iteration was an SD step
         self.flush_at = flush_at
         # widest backlog: flush_at, or one kept entry + one step's max_emit entries
         self.cap = max(flush_at, max_emit + 1) if drafter is not None else 0
@@ -152,6 +154,7 @@ class SpecDecoder:
         self.backlog_n.zero_()
         self.backlog_max = 0
         self.trace = None
+        self._after_sd = False
 
     # --------------------------------------------------------------------------------------------- backlog
     def prefill(self, rows: slice, prompt_tokens: torch.Tensor, prompt_hidden: torch.Tensor,
@@ -189,6 +192,7 @@ class SpecDecoder:
         # a plain iteration adds at most one entry per row: an upper bound without a device sync (a wider catch-up
         # reads padding only); an SD step's counts vary with acceptance, so read the true widest row
         self.backlog_max = self.backlog_max + 1 if m == 1 else int(self.backlog_n[:b].max())
+        self._after_sd = m > 1
 
     def flush(self) -> None:
         """Feed every row's backlog but its last entry to the drafter (keeps its cache current while SD is off).
@@ -220,7 +224,7 @@ class SpecDecoder:
         self.cache.advance(n)
         self.backlog_n.zero_()
         self.backlog_max = 0
-        self.catchup_s = time.perf_counter() - t0
+        self.catchup_s = 0.0 if self._after_sd else time.perf_counter() - t0
         return logits, feat
 
     def select_rows(self, index: torch.Tensor) -> None:
