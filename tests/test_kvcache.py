@@ -113,23 +113,36 @@ def test_cache_errors():
         cache.rollback(1)
 
 
-def test_matmul_attention_equals_sdpa_with_mask():
+@pytest.mark.parametrize("bias_max", [0, 1 << 30], ids=["mask-in-place", "bias-in-matmul"])
+def test_matmul_attention_equals_sdpa_with_mask(monkeypatch, bias_max):
+    """Both ways the CPU kernel applies a mask (added as a bias inside the first matmul for small score tensors,
+    in place beyond), each with the per-forward memo the layers share: SDPA's result, and the memo built once."""
+    from tltlib import kernels
     from tltlib.kernels import gqa_attention
+    monkeypatch.setattr(kernels, "CPU_BIAS_MAX_SCORES", bias_max)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(s, generator=g) for s in [(3, 6, 4, 8), (3, 2, 10, 8), (3, 2, 10, 8)])
     mask = torch.rand(3, 1, 4, 10, generator=g) > 0.3
     mask[..., 0] = True
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(gqa_attention(q, k, v, mask), ref, atol=1e-5, rtol=0)
+    memo = {}
+    first = gqa_attention(q, k, v, mask, 0, memo)
+    assert len(memo) == 1
+    kept = next(iter(memo.values()))
+    torch.testing.assert_close(first, ref, atol=1e-5, rtol=0)
+    assert torch.equal(gqa_attention(q, k, v, mask, 0, memo), first) and next(iter(memo.values())) is kept
     torch.testing.assert_close(gqa_attention(q, k, v, None),
                                torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
                                atol=1e-5, rtol=0)
 
 
-def test_the_mask_is_all_true_before_mask_from_and_kernels_mask_only_the_tail():
+def test_the_mask_is_all_true_before_mask_from_and_kernels_mask_only_the_tail(monkeypatch):
     """After SD steps rows differ in length: the shortest row's prefix is seen by every row, so the CPU kernel masks
     only the columns from ``mask_from`` on (the same result, exactly), and ``mask_from`` is as far as it can be."""
+    from tltlib import kernels
     from tltlib.kernels import gqa_attention
+    monkeypatch.setattr(kernels, "CPU_BIAS_MAX_SCORES", 0)           # the in-place path (the bias ignores it)
     cache = KVCache(1, 4, 2, 32, 8)
     cache.advance(torch.tensor([12, 9, 15, 10]))
     for num_new, offset, tree in ((1, 0, None), (1, 3, None), (4, 0, None), (3, 2, torch.ones(4, 3, 5, dtype=bool))):

@@ -437,7 +437,9 @@ class AdaptiveController(StrategySource):
                 self.accept["learned"].discount(keep)
                 self.resets += 1
             self._version = version
-        return self.tuner.select(active, self.switch_charge(active, backlog))
+        settled = self.tuner.settled(active)          # settled on an arm without a charge: skip pricing the switch
+        charge = {} if settled is not None and not settled.uses_drafter else self.switch_charge(active, backlog)
+        return self.tuner.select(active, charge)
 
     def observe(self, strategy: SpecStrategy, active: int, tokens: int, seconds: float,
                 rows: int | None = None, context: float | None = None, accepted: np.ndarray | None = None) -> None:

@@ -38,6 +38,10 @@ from .speculative import OFF, SpecStrategy
 DEFAULT_ARMS = ("chain-4", "chain-8", "chain-16", "tree-6x4-24", "ngram-4")
 PRIOR_REFRESH = 16
 """Choices a cached prior value is used for before the prior (measured acceptance, context) is asked again."""
+SETTLED_Z = 3.5
+"""thompson: a bucket is *settled* on its best arm when every other arm's mean log-reward lies this many standard
+deviations (of the difference of the two draws) below; it then plays that arm for :data:`PRIOR_REFRESH` choices
+without drawing (another arm would have won a draw with probability < 2.4e-4 each time)."""
 RULES = ("thompson", "epsilon-greedy")
 
 
@@ -146,6 +150,7 @@ class Bandit:
         self._prior_cache: dict = {}
         self._stat_cache: dict = {}
         self._bucket_of: dict = {}
+        self._settled: dict = {}                 # bucket -> (arm, choice count when it was found settled)
         self._choices = 0
 
     def bucket(self, batch: int) -> int:
@@ -229,9 +234,14 @@ class Bandit:
         as a log-reward to subtract (e.g. the drafter's catch-up before its first SD step, amortised over the steps
         the switch is expected to last); it weighs the choice, not the arm's rewards."""
         b = self.bucket(batch)
+        charge = charge or {}
+        arm = self.settled(batch)
+        if arm is not None and not charge.get(arm):
+            self._choices += 1
+            self.plays[b][arm] += 1
+            return arm
         arms = self.candidates(batch)
         self._choices += 1
-        charge = charge or {}
         arm = self._epsilon_greedy(b, batch, arms, charge) if self.config.rule == "epsilon-greedy" else \
             self._thompson(batch, arms, charge)
         self.plays[b][arm] += 1
@@ -245,9 +255,21 @@ class Bandit:
         untried = [a for a, (_, sd) in zip(arms, beliefs) if math.isinf(sd)]
         if untried:
             return untried[0]
+        top = max(range(len(arms)), key=lambda i: beliefs[i][0])
+        m0, s0 = beliefs[top]
+        if all((m0 - m) >= SETTLED_Z * math.hypot(s0, sd) for i, (m, sd) in enumerate(beliefs) if i != top):
+            self._settled[self.bucket(batch)] = (arms[top], self._choices)
         z = self.rng.standard_normal(len(arms))
         draws = [m + sd * zi - charge.get(a, 0.0) for a, (m, sd), zi in zip(arms, beliefs, z)]
         return arms[int(np.argmax(draws))]
+
+    def settled(self, batch: int) -> SpecStrategy | None:
+        """thompson: the arm the bucket of ``batch`` is settled on (see :data:`SETTLED_Z`), or None. The tuner runs
+        every decode iteration; a settled bucket costs it a lookup instead of a belief per arm and a draw."""
+        hit = self._settled.get(self.bucket(batch))
+        if hit is None or self._choices - hit[1] >= PRIOR_REFRESH:
+            return None
+        return hit[0]
 
     def _epsilon_greedy(self, b: int, batch: int, arms, charge: dict) -> SpecStrategy:
         seen = {a: len(self.rewards[b][a]) for a in arms}
@@ -277,6 +299,7 @@ class Bandit:
         """Multiply the weights of the rewards of the arms for which ``which(arm)`` is true by ``keep`` (0 clears
         them, so those arms are re-explored)."""
         self._stat_cache.clear()
+        self._settled.clear()
         for rewards, weights in zip(self.rewards, self.weights):
             for a in rewards:
                 if which(a):
@@ -312,6 +335,7 @@ class Bandit:
                 plays[a] = saved[a.name]
         self.rng.bit_generator.state = d["rng"]
         self._stat_cache.clear()
+        self._settled.clear()
 
     def best_by_bucket(self) -> list[dict]:
         """Per bucket with measurements: its batch range, the arm with the best median reward, and that reward."""

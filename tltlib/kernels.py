@@ -34,6 +34,9 @@ CPU_MATMUL_ATTENTION_MIN_ROWS = 8
 """CPU cached attention: two matmuls from this many rows up (PyTorch's SDPA below)."""
 CPU_MATMUL_ATTENTION_MAX_QUERIES = 8
 """CPU cached attention: two matmuls for at most this many new queries per row."""
+CPU_BIAS_MAX_SCORES = 1 << 17
+"""CPU cached attention: a ragged mask up to this many scores per layer (rows x heads x queries x positions) is added
+as a bias inside the first matmul; beyond, it is applied in place (see :func:`gqa_attention`)."""
 CPU_PACKED_MIN_ROWS = 3
 """Projections of at least this many rows use the packed weights when a rollout has them (for 1-2 rows ``weight @
 x.T`` is as fast: SmolLM2's 120 projections at 1 / 2 / 4 / 16 / 64 rows took 22 / 14 / 24 / 49 / 115 ms that way
@@ -135,36 +138,56 @@ def packed_weights(packs: dict | None):
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     mask_from: int = 0) -> torch.Tensor:
+                     mask_from: int = 0, memo: dict | None = None) -> torch.Tensor:
     """Grouped-query attention of new queries over a KV cache, by the fastest kernel for the device and shape.
 
     q ``[B, H, T, d]``; k, v ``[B, KVH, S, d]``; mask ``[B, 1, T, S]`` bool (True = may attend) or None;
-    ``mask[..., :mask_from]`` known all True (:attr:`tltlib.kvcache.CacheWrite.mask_from`). Returns ``[B, H, T, d]``."""
+    ``mask[..., :mask_from]`` known all True (:attr:`tltlib.kvcache.CacheWrite.mask_from`); ``memo``: a dict shared
+    by the layers of one forward (:attr:`tltlib.kvcache.CacheWrite.memo`), where the kernel keeps the mask in its
+    own layout after the first layer. Returns ``[B, H, T, d]``."""
     b, h, t, _ = q.shape
     if q.is_cuda:
         return gqa_sdpa(q, k, v, mask)
     if b < CPU_MATMUL_ATTENTION_MIN_ROWS or t > CPU_MATMUL_ATTENTION_MAX_QUERIES:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != h)
-    return gqa_attention(q, k, v, mask, mask_from)
+    return gqa_attention(q, k, v, mask, mask_from, memo)
 
 
 def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                  mask_from: int = 0) -> torch.Tensor:
+                  mask_from: int = 0, memo: dict | None = None) -> torch.Tensor:
     """Attention of few queries over a cache with two matmuls (faster than PyTorch's CPU flash kernel for decode).
 
     q ``[B, H, T, d]``; k, v ``[B, KVH, S, d]`` (query head i reads kv head ``i // (H // KVH)``); mask
-    ``[B, 1, T, S]`` bool or None, all True before column ``mask_from``. Returns ``[B, H, T, d]``. The scale goes
-    on q (T x d values, not T x S scores) and the mask is applied in place to the columns from ``mask_from`` on:
-    over all S columns, at 128 rows x 600 cached positions, masking was ~15% of the attention's time.
-    Per layer, 2 threads: 128 rows x 1 query x 600: 2.6 ms (SDPA 3.2); 128 x 17 x 600: 15.4 ms (SDPA 13.5)."""
+    ``[B, 1, T, S]`` bool or None, all True before column ``mask_from``; ``memo``: as :func:`cached_attention`.
+    Returns ``[B, H, T, d]``. The scale goes on q (T x d values, not T x S scores). A ragged mask (rows of unequal
+    lengths, e.g. after SD steps) costs a few small ops per layer, which for a small model is most of masking's
+    cost: up to ``CPU_BIAS_MAX_SCORES`` scores the mask becomes an additive bias (0 / -inf) built once per forward
+    and added inside the first matmul (``baddbmm``: as fast as no mask; 40 rows x 200 positions, 3 KV heads: 248
+    us per layer against 293 us masking in place and 253 us unmasked); beyond, the mask is applied in place to the
+    columns from ``mask_from`` on (over all S columns, at 128 rows x 600 cached positions, masking was ~15% of the
+    attention's time). Per layer, 2 threads: 128 rows x 1 query x 600: 2.6 ms (SDPA 3.2); 128 x 17 x 600: 15.4 ms
+    (SDPA 13.5)."""
     b, h, t, d = q.shape
-    kvh = k.shape[1]
+    kvh, s = k.shape[1], k.shape[2]
     g = h // kvh
-    scores = torch.matmul((q * d ** -0.5).reshape(b, kvh, g * t, d), k.transpose(-1, -2))
-    if mask is not None and mask_from < mask.shape[-1]:
-        tail = mask[..., mask_from:] if mask_from > 0 else mask
-        scores.view(b, kvh, g, t, -1)[..., mask_from:].masked_fill_(~tail[:, :, None], float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v).view(b, h, t, d)
+    qs = (q * d ** -0.5).reshape(b * kvh, g * t, d)
+    ks, vs = k.reshape(b * kvh, s, d), v.reshape(b * kvh, s, d)
+    memo = {} if memo is None else memo
+    if mask is None or mask_from >= s:
+        scores = torch.bmm(qs, ks.transpose(1, 2))
+    elif b * h * t * s <= CPU_BIAS_MAX_SCORES:
+        key = ("bias", kvh, g, q.dtype)
+        if key not in memo:                       # [B*KVH, G*T, S]: each KV head's G query heads x T queries
+            bias = torch.zeros(b, 1, 1, t, s, dtype=q.dtype, device=q.device)
+            bias.masked_fill_(~mask[:, :, None], float("-inf"))
+            memo[key] = bias.expand(b, kvh, g, t, s).reshape(b * kvh, g * t, s)
+        scores = torch.baddbmm(memo[key], qs, ks.transpose(1, 2))
+    else:
+        if "blocked" not in memo:                 # the columns no query of a row may see, from mask_from on
+            memo["blocked"] = ~mask[:, :, None, :, mask_from:]
+        scores = torch.bmm(qs, ks.transpose(1, 2))
+        scores.view(b, kvh, g, t, s)[..., mask_from:].masked_fill_(memo["blocked"], float("-inf"))
+    return torch.bmm(torch.softmax(scores, dim=-1), vs).view(b, h, t, d)
 
 
 def gqa_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -17,7 +17,7 @@ Departures from the paper / reference implementation:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,12 +34,15 @@ class CacheWrite:
         mask_from: ``mask[..., :mask_from]`` is all True (slots every row's new tokens see: the shortest row's
             committed prefix), so a kernel need only mask the columns from there on; after SD steps rows differ by
             a few tokens, and masking only that tail keeps a ragged decode as cheap as a uniform one.
+        memo: scratch shared by the layers of one forward: the attention kernel keeps the mask there in its own
+            layout (:func:`tltlib.kernels.cached_attention`), built on the first layer and reused by the others.
     """
 
     index: torch.Tensor
     mask: torch.Tensor | None
     span: int
     mask_from: int = 0
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 class KVCache:

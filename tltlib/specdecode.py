@@ -142,6 +142,7 @@ class SpecDecoder:
         self.backlog_h = torch.zeros(rows, self.cap, target.config.hidden_size, dtype=w.dtype, device=w.device)
         self.backlog_tok = torch.zeros(rows, self.cap, dtype=torch.long, device=w.device)
         self.backlog_n = torch.zeros(rows, dtype=torch.long, device=w.device)
+        self._row_base = torch.arange(rows, device=w.device) * self.cap     # flat index of each row's first slot
         self.backlog_max = 0
         self.replay = replay or Replay()
         self.keep_trace = False
@@ -184,10 +185,15 @@ class SpecDecoder:
             self.flush()
         # every emitted column goes to the row's next slots (those past out.count are overwritten later: the backlog
         # is read up to backlog_n only); the flush above leaves room for m more
-        rows = torch.arange(b, device=out.tokens.device)[:, None]
-        slots = self.backlog_n[:b, None] + torch.arange(m, device=out.tokens.device)
-        self.backlog_h[rows, slots] = out.hidden
-        self.backlog_tok[rows, slots] = out.tokens
+        if m == 1:                                 # a plain iteration: one flat slot per row (fewer small ops)
+            flat = self._row_base[:b] + self.backlog_n[:b]
+            self.backlog_h.view(-1, self.backlog_h.shape[-1]).index_copy_(0, flat, out.hidden[:, 0])
+            self.backlog_tok.view(-1).index_copy_(0, flat, out.tokens[:, 0])
+        else:
+            rows = torch.arange(b, device=out.tokens.device)[:, None]
+            slots = self.backlog_n[:b, None] + torch.arange(m, device=out.tokens.device)
+            self.backlog_h[rows, slots] = out.hidden
+            self.backlog_tok[rows, slots] = out.tokens
         self.backlog_n[:b] += out.count
         # a plain iteration adds at most one entry per row: an upper bound without a device sync (a wider catch-up
         # reads padding only); an SD step's counts vary with acceptance, so read the true widest row
