@@ -70,6 +70,11 @@ def parse_args(argv: list[str] | None = None):
                     help="every round, give each policy the response lengths of that round's no-SD rollout (EOS "
                          "ignored): one schedule of running rows for all, so the paired ratios measure the policies, "
                          "not the lengths drawn (SD at T > 0 samples other tokens than plain decoding)")
+    ap.add_argument("--guarantee-rounds", type=nonnegative_int, default=0,
+                    help="after the timed rounds, this many more rounds of only no SD, the best policy in hindsight "
+                         "and the two adaptive ones, run back to back (adjacent runs share the machine's state more "
+                         "closely than a whole round does); the guarantee line pools their within-round ratios with "
+                         "the timed rounds' and gives a 95%% bootstrap interval")
     ap.add_argument("--no-identity", action="store_true", help="skip the temperature-0 identity check")
     ap.add_argument("--no-always", action="store_true",
                     help="skip the always-SD policies (slow where SD loses at large batches); the per-bucket oracle "
@@ -127,6 +132,7 @@ def main() -> None:
     buckets = TunerConfig().buckets
     times, by_bucket, results = _time_policies(runner, hot, policies, prompts, args.repeats, buckets,
                                                args.same_lengths)
+    paired_times = _guarantee_rounds(runner, hot, policies, prompts, times, args)
     identical = {} if args.no_identity else _identity(runner, policies, prompts)
     med = {k: float(np.median(v)) for k, v in times.items()}
     best_fixed = {fam: min((med[p.name], p.name) for p in policies if p.family == fam and p.kind == "fixed")[1]
@@ -134,7 +140,7 @@ def main() -> None:
     out, rows = _records(policies, med, times, by_bucket, buckets, results, identical, runner.controllers,
                          best_fixed)
     summary = _summary(args, policies, fixed_arms, med, times, by_bucket, buckets, identical, runner.controllers,
-                       best_fixed)
+                       best_fixed, paired_times)
     rows.append(["per-bucket oracle (hindsight bound)", "learned", summary["oracle_s"], summary["oracle_vs_no_sd"],
                  f"{summary['oracle_vs_best_fixed']:.2f}x", "-", "-", "-"])
     payload = {"bench": "long_tail_rollout", "machine": machine_info(device), "settings": vars(args),
@@ -250,6 +256,31 @@ def _time_policies(runner: Runner, hot: tuple, policies: list[Policy], prompts, 
     return times, by_bucket, results
 
 
+def _hindsight(policies: list[Policy], times: dict) -> str:
+    """The policy a user would have picked in hindsight: the fastest by median of no SD and the learned-drafter
+    fixed policies."""
+    import numpy as np
+    return min(["no SD"] + [p.name for p in policies if p.family == "learned" and p.kind == "fixed"],
+               key=lambda n: float(np.median(times[n])))
+
+
+def _guarantee_rounds(runner: Runner, hot: tuple, policies: list[Policy], prompts, times: dict, args) -> dict:
+    """The timed rounds' seconds by policy, extended by ``--guarantee-rounds`` rounds of only no SD, the best policy
+    in hindsight and the two adaptive policies, back to back in a rotated order (seeds after the timed rounds')."""
+    names = ["no SD", _hindsight(policies, times), *(p.name for p in policies if p.kind == "adaptive")]
+    chosen = [p for n in dict.fromkeys(names) for p in policies if p.name == n]
+    out = {p.name: list(times[p.name]) for p in chosen}
+    for i in range(args.guarantee_rounds):
+        seed = 100 + args.repeats + i
+        lengths = runner.run(hot, policies[0], prompts, seed=seed).lengths if args.same_lengths else None
+        for k in range(len(chosen)):
+            p = chosen[(i + k) % len(chosen)]
+            out[p.name].append(timed(lambda: runner.run(hot, p, prompts, seed, lengths), runner.device))
+        print(f"[guarantee {i + 1}/{args.guarantee_rounds}] " + ", ".join(f"{n}: {v[-1]:.2f} s"
+                                                                         for n, v in out.items()))
+    return out
+
+
 def _identity(runner: Runner, policies: list[Policy], prompts) -> dict:
     """Whether every policy at temperature 0 produces the tokens of the first (no SD)."""
     import torch
@@ -287,14 +318,17 @@ def _records(policies, med, times, by_bucket, buckets, results, identical, contr
     return out, rows
 
 
-def _summary(args, policies, fixed_arms, med, times, by_bucket, buckets, identical, controllers, best_fixed) -> dict:
+def _summary(args, policies, fixed_arms, med, times, by_bucket, buckets, identical, controllers, best_fixed,
+             paired_times: dict | None = None) -> dict:
     """The headline ratios: adaptive vs no SD and vs the best fixed policy, the per-bucket oracle, and the
     guarantee (paired: the median over rounds of the ratio within a round, whose policies share a seed, so a slow
     spell of the machine or a longer tail drawn in one round cancels): adaptive >= 0.98x of no SD (learned and
-    model-free) and >= 0.97x of the best policy in hindsight, no SD included."""
+    model-free) and >= 0.97x of the best policy in hindsight, no SD included. ``paired_times``: the rounds the
+    guarantee reads (the timed rounds plus ``--guarantee-rounds``; default: the timed rounds), each ratio with its
+    95% bootstrap interval."""
     import numpy as np
 
-    from tltlib.profiling import per_bucket_oracle
+    from tltlib.profiling import paired_ratio, per_bucket_oracle
     base = med["no SD"]
     ad, adn = [p.name for p in policies if p.name in controllers]
     # hindsight bound of any per-bucket tuner over the learned-drafter arms: fastest of no SD / always-arm per bucket
@@ -305,12 +339,15 @@ def _summary(args, policies, fixed_arms, med, times, by_bucket, buckets, identic
     # decode time only (the buckets hold decode steps): add the median prefill + first-token time of the candidates
     overhead = float(np.median([med[n] - bucket_med[n].sum() for n in cands]))
     oracle = oracle_decode + overhead
-    paired = lambda fast, slow: float(np.median(np.asarray(times[slow]) / np.asarray(times[fast])))
-    hindsight = min(["no SD"] + [p.name for p in policies if p.family == "learned" and p.kind == "fixed"],
-                    key=med.__getitem__)
-    guarantee = {"adaptive_vs_no_sd_paired": paired(ad, "no SD"), "best_in_hindsight": hindsight,
-                 "adaptive_vs_best_in_hindsight_paired": paired(ad, hindsight),
-                 "ngram_adaptive_vs_no_sd_paired": paired(adn, "no SD")}
+    pt = paired_times or times
+    hindsight = _hindsight(policies, times)
+    ratios = {key: paired_ratio(pt[slow], pt[fast]) for key, slow, fast in (
+        ("adaptive_vs_no_sd", "no SD", ad), ("adaptive_vs_best_in_hindsight", hindsight, ad),
+        ("ngram_adaptive_vs_no_sd", "no SD", adn))}
+    guarantee = {"rounds": len(pt["no SD"]), "best_in_hindsight": hindsight}
+    for key, (m, lo, hi) in ratios.items():
+        guarantee[f"{key}_paired"] = m
+        guarantee[f"{key}_paired_ci95"] = [lo, hi]
     guarantee["met"] = (guarantee["adaptive_vs_no_sd_paired"] >= 0.98 and guarantee["ngram_adaptive_vs_no_sd_paired"]
                         >= 0.98 and guarantee["adaptive_vs_best_in_hindsight_paired"] >= 0.97)
     return {"guarantee": guarantee, "adaptive_vs_no_sd": base / med[ad],
@@ -348,11 +385,18 @@ def _table(args, device: str, rows: list, r0, summary: dict, best_fixed: dict, c
               f"{summary['oracle_vs_best_fixed']:.2f}x over the best fixed policy; adaptive reaches "
               f"{summary['adaptive_vs_oracle']:.2f}x of it. Oracle's pick by bucket: "
               + ", ".join(f"{k}: {v.removeprefix('always ')}" for k, v in summary["oracle_pick"].items()) + "."
-            + "\n\nGuarantee (paired: median over rounds of the ratio within a round, same seed): adaptive vs no SD "
-              f"**{g['adaptive_vs_no_sd_paired']:.2f}x**, model-free adaptive vs no SD "
-              f"**{g['ngram_adaptive_vs_no_sd_paired']:.2f}x**, adaptive vs the best policy in hindsight "
-              f"({g['best_in_hindsight']}) **{g['adaptive_vs_best_in_hindsight_paired']:.2f}x**: "
+            + f"\n\nGuarantee (paired: median over {g['rounds']} rounds of the ratio within a round, same seed; "
+              "95% bootstrap interval in brackets): adaptive vs no SD "
+              f"**{g['adaptive_vs_no_sd_paired']:.2f}x** {_ci(g, 'adaptive_vs_no_sd')}, model-free adaptive vs no SD "
+              f"**{g['ngram_adaptive_vs_no_sd_paired']:.2f}x** {_ci(g, 'ngram_adaptive_vs_no_sd')}, adaptive vs the "
+              f"best policy in hindsight ({g['best_in_hindsight']}) "
+              f"**{g['adaptive_vs_best_in_hindsight_paired']:.2f}x** {_ci(g, 'adaptive_vs_best_in_hindsight')}: "
               + ("met" if g["met"] else "not met") + " (>= 0.98x of no SD, >= 0.97x of the best in hindsight).")
+
+
+def _ci(g: dict, key: str) -> str:
+    lo, hi = g[f"{key}_paired_ci95"]
+    return f"[{lo:.2f}, {hi:.2f}]"
 
 
 if __name__ == "__main__":

@@ -215,12 +215,20 @@ def test_drafters_bench_reports_depth_accuracy_and_accept_lengths_per_drafter(tm
 
 def test_long_tail_bench_with_same_lengths_runs_every_policy_on_one_schedule(tmp_path):
     """``--same-lengths``: each policy is given the lengths of its round's no-SD rollout, so every policy emits the
-    same number of tokens although SD at T=0.9 samples other responses; the guarantee line is reported."""
+    same number of tokens although SD at T=0.9 samples other responses; the guarantee line is reported, over the
+    timed rounds and the ``--guarantee-rounds`` (no SD, best in hindsight, adaptive only), with its intervals."""
     out = bench(tmp_path, "long_tail_rollout", "--prompts", "3", "--group", "3", "--max-new", "40", "--repeats", "2",
                 "--tune-rollouts", "1", "--threshold", "4", "--fixed-threshold", "4", "--arms", "off;chain-2",
-                "--ngram-arms", "off;ngram-2", "--no-always", "--no-identity", "--same-lengths")
+                "--ngram-arms", "off;ngram-2", "--no-always", "--no-identity", "--same-lengths",
+                "--guarantee-rounds", "2")
     assert out.returncode == 0, out.stderr
     d = json.loads((tmp_path / "long_tail_rollout-cpu-float32-3x3-same-lengths.json").read_text())
     tokens = {r["policy"]: r["tokens"] for r in d["results"]}
     assert len(tokens) == 5 and len(set(tokens.values())) == 1, tokens
-    assert d["settings"]["same_lengths"] and "met" in d["summary"]["guarantee"]
+    g = d["summary"]["guarantee"]
+    assert d["settings"]["same_lengths"] and "met" in g and g["rounds"] == 4
+    for key in ("adaptive_vs_no_sd", "ngram_adaptive_vs_no_sd", "adaptive_vs_best_in_hindsight"):
+        lo, hi = g[f"{key}_paired_ci95"]
+        assert lo <= g[f"{key}_paired"] <= hi
+    assert out.stdout.count("[guarantee ") == 2 and "bootstrap interval" in (tmp_path / "long_tail_rollout-cpu-float32"
+                                                                             "-3x3-same-lengths.md").read_text()

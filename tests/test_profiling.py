@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from tltlib.profiling import (METRICS, active_over_time, empty_slot_fraction, length_stats, long_tail_report,
-                              per_bucket_oracle, rollout_stats, split_idle_fraction, tail_time_share, time_by_bucket)
+                              paired_ratio, per_bucket_oracle, rollout_stats, split_idle_fraction, tail_time_share,
+                              time_by_bucket)
 
 
 def test_length_stats():
@@ -62,6 +63,25 @@ def test_per_bucket_oracle_takes_the_fastest_policy_per_bucket():
     assert pick == ["a", "b", "a", None]                 # the last bucket was never visited
     with pytest.raises(ValueError):
         per_bucket_oracle({})
+
+
+def test_paired_ratio_is_the_median_within_rounds_with_an_interval_that_narrows_with_rounds():
+    # round 3 was a slow spell for both: pairing cancels it, while the ratio of medians would not
+    med, lo, hi = paired_ratio([1.0, 2.0, 9.0], [0.5, 1.0, 4.5])
+    assert (med, lo, hi) == (2.0, 2.0, 2.0)
+    assert paired_ratio([3.0], [2.0]) == (1.5, 1.5, 1.5)
+    rng = np.random.default_rng(1)
+    noisy = lambda n: (1.0 + 0.1 * rng.standard_normal(n), 1.0 + 0.1 * rng.standard_normal(n))
+    few, many = paired_ratio(*noisy(5)), paired_ratio(*noisy(200))
+    assert few[1] <= few[0] <= few[2] and many[1] <= many[0] <= many[2]
+    assert many[2] - many[1] < 0.5 * (few[2] - few[1]) and many[1] < 1.0 < many[2]
+    assert paired_ratio([2.0, 1.0, 1.5], [1.0, 2.0, 1.0], seed=3) == paired_ratio([2.0, 1.0, 1.5], [1.0, 2.0, 1.0],
+                                                                                   seed=3)
+    for bad in (([], []), ([1.0], [1.0, 2.0]), ([1.0, -1.0], [1.0, 1.0])):
+        with pytest.raises(ValueError):
+            paired_ratio(*bad)
+    with pytest.raises(ValueError, match="level"):
+        paired_ratio([1.0, 2.0], [1.0, 2.0], level=1.0)
 
 
 def test_call_times_warm_up_once_then_time_each_repeat():
