@@ -154,6 +154,29 @@ def test_a_prompts_tokens_do_not_depend_on_the_other_prompts_or_their_order(mode
             assert backwards.response_ids(2 * (len(prompts) - 1 - i) + g_) == alone.response_ids(g_)
 
 
+def test_a_cpu_rollout_reuses_a_kept_workspace_at_least_as_long_and_gives_the_same_tokens():
+    """A CPU engine keeps its workspace; a later rollout of the same rows that needs fewer slots runs in it (fresh
+    buffers cost their first touch, up to half a tiny-reasoner rollout) and draws exactly the tokens a fresh engine
+    draws; a longer one or another row count gets new buffers."""
+    from dataclasses import replace
+    torch.manual_seed(0)
+    m = Transformer(replace(CFG, max_position_embeddings=400), init_std=0.4).eval()
+    eng = _engine(m, temperature=1.0, max_new_tokens=300, group_size=3)
+    short = [4, 9, 2] * len(PROMPTS)
+    eng.generate(PROMPTS, torch.Generator().manual_seed(1), lengths=short)
+    small = eng.kept._workspace[1]
+    eng.generate(PROMPTS, torch.Generator().manual_seed(2), lengths=[300] * (3 * len(PROMPTS)))
+    big = eng.kept._workspace[1]
+    assert big is not small and big.cache.max_len > small.cache.max_len
+    again = eng.generate(PROMPTS, torch.Generator().manual_seed(3), lengths=short)
+    assert eng.kept._workspace[1] is big
+    fresh = _engine(m, temperature=1.0, max_new_tokens=300, group_size=3).generate(
+        PROMPTS, torch.Generator().manual_seed(3), lengths=short)
+    assert torch.equal(again.tokens, fresh.tokens) and torch.equal(again.logprobs, fresh.logprobs)
+    eng.generate(PROMPTS[:2], torch.Generator().manual_seed(4), lengths=short[:6])
+    assert eng.kept._workspace[1] is not big
+
+
 def test_forced_lengths_replay_a_length_distribution(model):
     """``lengths=``: every response has exactly its given length, EOS ignored; a plain rollout given its own lengths
     and seed reproduces itself; lengths that do not fit are refused."""
