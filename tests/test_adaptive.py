@@ -317,10 +317,11 @@ class _Recorder:
     wants_backlog = True
 
     def __init__(self, plan):
-        self.plan, self.seen = plan, []
+        self.plan, self.seen, self.uniform_left = plan, [], []
 
-    def choose(self, iteration, active, backlog=0):
+    def choose(self, iteration, active, backlog=0, uniform_left=0):
         self.seen.append(backlog)
+        self.uniform_left.append(uniform_left)
         return self.plan(iteration)
 
     def observe(self, *a, **k):
@@ -338,6 +339,57 @@ def test_the_engine_tells_the_source_the_drafter_backlog(small_pair):
     seen = src.seen
     assert seen[1:6] == [seen[1] + k for k in range(5)]                # grows by one per plain iteration
     assert 1 <= seen[7] <= 4 and 1 <= seen[8] <= 4                     # after SD steps: that step's emitted tokens
+
+
+def test_the_engine_tells_the_source_how_long_the_rows_stay_at_one_length(small_pair):
+    """Equal prompts: the rows stay at one length while every step is plain, so the source is told the plain steps
+    the longest row may still take (budget - iteration) until the first SD step, then 0; prompts of unequal
+    lengths are ragged from the start (0)."""
+    target, drafter = small_pair
+    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=24), group_size=2),
+                        drafter=drafter)
+    src = _Recorder(lambda i: SpecStrategy("chain", 3) if i == 6 else OFF)
+    res = eng.generate([[1, 7, 9], [1, 5, 6]], strategy=src)
+    assert int(res.timeline["strategy"].size) > 8, "the test needs more than 8 decode iterations"
+    assert src.uniform_left[:6] == [24 - i for i in range(1, 7)] and set(src.uniform_left[6:]) == {0}
+    ragged = _Recorder(lambda i: OFF)
+    eng.generate([[1, 7], [1, 5, 6]], strategy=ragged)
+    assert set(ragged.uniform_left) == {0}
+
+
+def test_an_sd_step_that_would_leave_the_rows_ragged_is_charged_for_the_masked_steps_after_it():
+    """While rows are at one length, any SD arm (n-gram too) is charged the extra seconds of every plain step left
+    (``CostModel.ragged_extra`` x ``uniform_left``), amortised over the horizon; once ragged (0), nothing; a cost
+    model without the measurement charges nothing for it."""
+    ngram, chain = SpecStrategy("ngram", 4), SpecStrategy("chain", 2)
+    base = _costs_with_a_slow_catch_up()
+    costs = CostModel(base.batches, base.tokens, base.target_s, base.draft_tokens, base.draft_s,
+                      catch_up_width=64.0, catch_up_s=base.catch_up_s, ragged_s=np.array([0.0105, 0.0210]))
+    assert costs.ragged_extra(1) == pytest.approx(0.0005) and costs.ragged_extra(16) == pytest.approx(0.001)
+    assert base.ragged_extra(16) == 0.0
+    assert CostModel.from_dict(costs.to_dict()).ragged_extra(16) == pytest.approx(0.001)
+    cfg = AdaptiveConfig(threshold=16, tuner=TunerConfig(arms=("chain-2", "ngram-4"), buckets=(1,), seed=0),
+                         accept_prior=(0.5,), ngram_accept_prior=0.5, switch_horizon=16.0)
+    ctl = AdaptiveController(cfg, costs)
+    charge = ctl.switch_charge(1, 1, uniform_left=400)
+    t_ngram, t_chain = costs.iteration_time(ngram, 1), costs.iteration_time(chain, 1)
+    assert charge[ngram] == pytest.approx(np.log1p(0.0005 * 400 / (16 * t_ngram)))
+    assert charge[chain] == pytest.approx(np.log1p(0.0005 * 400 / (16 * t_chain)))
+    both = ctl.switch_charge(1, 64, uniform_left=400)[chain]
+    assert both == pytest.approx(np.log1p((0.199 + 0.0005 * 400) / (16 * t_chain)))
+    assert ctl.switch_charge(1, 1, uniform_left=0) == {}
+    assert AdaptiveController(cfg, base).switch_charge(1, 1, uniform_left=400) == {}
+    uniform = [ctl.choose(0, 1, uniform_left=400).name for _ in range(100)]
+    ragged = [ctl.choose(0, 1, uniform_left=0).name for _ in range(100)]
+    assert uniform.count("off") > ragged.count("off") + 30
+
+
+def test_measured_costs_hold_the_ragged_forward_and_leave_the_cache_uniform(small_pair):
+    target, _ = small_pair
+    costs = measure_costs(target, None, batches=[1, 4], tokens=(1, 3), context=8, long_context=16, repeats=1)
+    assert costs.ragged_s is not None and costs.ragged_s.shape == (2,) and np.all(costs.ragged_s > 0)
+    assert costs.ragged_s[0] == costs.target_s[0, 0]                  # one row cannot be ragged
+    assert costs.ragged_extra(4) >= 0.0
 
 
 def test_only_a_switch_catch_up_is_left_out_of_the_reward(small_pair, monkeypatch):

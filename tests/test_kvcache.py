@@ -137,6 +137,23 @@ def test_matmul_attention_equals_sdpa_with_mask(monkeypatch, bias_max):
                                atol=1e-5, rtol=0)
 
 
+def test_sdpa_path_keeps_the_mask_as_a_float_bias_per_forward():
+    """Below CPU_MATMUL_ATTENTION_MIN_ROWS rows (or with many queries) the CPU kernel is SDPA; with a forward's memo
+    it converts the bool mask once (SDPA would per layer): the same result as the bool mask, the memo built once."""
+    from tltlib.kernels import cached_attention
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(s, generator=g) for s in [(3, 6, 2, 8), (3, 2, 10, 8), (3, 2, 10, 8)])
+    mask = torch.rand(3, 1, 2, 10, generator=g) > 0.3
+    mask[..., 0] = True
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    memo = {}
+    out = cached_attention(q, k, v, mask, 0, memo)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
+    kept = memo[("sdpa", q.dtype)]
+    assert kept.dtype == q.dtype and torch.equal(torch.isinf(kept), ~mask)
+    assert torch.equal(cached_attention(q, k, v, mask, 0, memo), out) and memo[("sdpa", q.dtype)] is kept
+
+
 def test_the_mask_is_all_true_before_mask_from_and_kernels_mask_only_the_tail(monkeypatch):
     """After SD steps rows differ in length: the shortest row's prefix is seen by every row, so the CPU kernel masks
     only the columns from ``mask_from`` on (the same result, exactly), and ``mask_from`` is as far as it can be."""

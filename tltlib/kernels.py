@@ -149,6 +149,11 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     if q.is_cuda:
         return gqa_sdpa(q, k, v, mask)
     if b < CPU_MATMUL_ATTENTION_MIN_ROWS or t > CPU_MATMUL_ATTENTION_MAX_QUERIES:
+        if mask is not None and memo is not None:  # SDPA turns a bool mask into a float one per call: once here
+            key = ("sdpa", q.dtype)
+            if key not in memo:
+                memo[key] = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+            mask = memo[key]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != h)
     return gqa_attention(q, k, v, mask, mask_from, memo)
 

@@ -3,18 +3,16 @@
 The engine is a stepper: ``rollout = engine.start(prompts)`` prefills and samples the first tokens, each
 ``rollout.iterate()`` runs one *decode iteration* (one target forward over the running rows; returns whether rows are
 still running), ``rollout.finish()`` returns the :class:`RolloutResult`; ``engine.generate`` is the loop over them.
-Whatever acts during a rollout (the adaptive controller, the pair stream into the drafter's buffer, progress bars,
-a caller's ``hooks``) acts in between iterations.
+The adaptive controller, the pair stream into the drafter's buffer, progress bars and ``hooks`` act in between.
 
 One rollout = prefill the unique prompts (in row chunks), copy each prompt's cache row G times (GRPO groups), sample
 every row's first token, then decode. Each iteration is either *plain* (one target forward, one token per row) or an
 *SD step* (a drafter proposes a chain or tree, one target forward verifies it, several tokens per row;
 :mod:`tltlib.specdecode`); the strategy may change from one iteration to the next. Rows that emit EOS or reach their
 token budget retire; the cache is compacted when enough have finished, so later forwards really run on fewer rows.
-Every iteration's wall time, running rows, strategy and acceptance go into a timeline, every response's finish
-iteration and time into a trace — the raw material of the long-tail analysis (notebook 01), the SD benchmarks and
-the adaptive switch. With a :class:`tltlib.pairs.PairBuffer` the (hidden, token) pairs the drafter trains on are
-streamed into it as they are produced (the drafter's online training data).
+Each iteration's wall time, running rows, strategy and acceptance go into a timeline, each response's finish into a
+trace (read by notebook 01, the SD benches and the adaptive switch); a :class:`tltlib.pairs.PairBuffer`, if given,
+receives the drafter's online training pairs (hidden, token) as they are produced.
 
 Paper: TLT §2 (rollout dominates the RL step; long-tail responses), §5 (the adaptive rollout engine SD plugs into).
 
@@ -288,6 +286,7 @@ class Rollout:
         self.alive = torch.ones(N, dtype=torch.bool, device=dev)
         self._j = torch.arange(s.max_new_tokens + cfg.draft_margin + 1, device=dev)
         self.iteration, self.strategy = 0, OFF
+        self._uniform_until = 0 if len({len(p) for p in self.prompts}) > 1 else s.max_new_tokens  # see iterate
         self.active = N
         self.t_prev = time.perf_counter()
         self.spec.record(first)
@@ -351,8 +350,9 @@ class Rollout:
         if not self.running:
             return False
         self.iteration += 1
+        left = max(self._uniform_until - self.iteration, 0)    # plain steps the rows may stay at one length
         st = self.strategy = strategy or (
-            self.source.choose(self.iteration, self.active, backlog=self.spec.backlog_max)
+            self.source.choose(self.iteration, self.active, backlog=self.spec.backlog_max, uniform_left=left)
             if getattr(self.source, "wants_backlog", False) else self.source.choose(self.iteration, self.active))
         self._check(st)
         self._compact_if_due()
@@ -360,6 +360,7 @@ class Rollout:
         commit = 1 if self.active == int(self.seq.numel()) else self.alive.long()
         with packed_weights(self.packs):
             out = self._decode(commit) if not st.enabled else self._speculate(st, commit)
+            self._uniform_until *= not st.enabled     # after an SD step the rows are at unequal lengths for good
         self.spec.record(out)                     # the drafter's backlog: every emitted (hidden, token)
         self._record(out)
         for hook in self.hooks:
@@ -500,8 +501,7 @@ class Rollout:
         hists = tl.pop("accept_hist")
         timeline = {k: np.array(v) for k, v in tl.items()}
         width = max((len(h) for h in hists), default=1)
-        timeline["accept_hist"] = np.array([np.pad(h, (0, width - len(h))) for h in hists]).reshape(len(hists),
-                                                                                                     width)
+        timeline["accept_hist"] = np.array([np.pad(h, (0, width - len(h))) for h in hists]).reshape(len(hists), width)
         stats = rollout_stats(lengths_cpu.numpy(), timeline["iter_time"], timeline["active"], N, truncated,
                               total, self.prefill_s)
         stats.update(spec_stats(timeline))

@@ -156,8 +156,9 @@ class StrategySource:
     wants_context = False
     """Whether :meth:`observe` needs the running rows' mean context (computing it costs the decode loop a sum)."""
     wants_backlog = False
-    """Whether :meth:`choose` takes ``backlog=``: the widest row's entries the drafter must catch up on before an
-    SD step (a host integer: free to pass)."""
+    """Whether :meth:`choose` takes ``backlog=`` (the widest row's entries the drafter must catch up on before an
+    SD step) and ``uniform_left=`` (while the running rows are at one length, the plain steps the longest may still
+    take, else 0: an SD step would leave them ragged); host integers, free to pass."""
 
     def choose(self, iteration: int, active: int) -> SpecStrategy:
         raise NotImplementedError
