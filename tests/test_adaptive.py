@@ -384,6 +384,31 @@ def test_an_sd_step_that_would_leave_the_rows_ragged_is_charged_for_the_masked_s
     assert uniform.count("off") > ragged.count("off") + 30
 
 
+def test_acceptance_is_measured_per_batch_size_bucket_and_shrunk_towards_the_familys():
+    """A drafter right early in responses (many rows) and wrong late (few rows): each bucket's prior follows what
+    chain steps measured there, a bucket without steps the family's overall rate; kept in the state dict; a new
+    drafter version discounts the buckets' evidence too."""
+    cfg = AdaptiveConfig(threshold=64, tuner=TunerConfig(arms=("chain-2",), buckets=(1, 8, 32), seed=0),
+                         accept_prior=(0.5,))
+    ctl = AdaptiveController(cfg, _costs_with_a_slow_catch_up())
+    chain = SpecStrategy("chain", 2)
+    ctl._tuned = True
+    for _ in range(5):
+        ctl.observe(chain, 40, 120, 0.1, accepted=np.array([0, 4, 36]))      # 40 rows: 90% accept both depths
+        ctl.observe(chain, 4, 5, 0.1, accepted=np.array([3, 1, 0]))          # 4 rows: 25% at depth 1
+    many, few, none = ctl.acceptance(chain, 40), ctl.acceptance(chain, 4), ctl.acceptance(chain, 16)
+    assert many[0] > 0.9 and few[0] < 0.4 and none == ctl.accept["learned"].rates(2)
+    assert few[0] < none[0] < many[0]
+    twin = AdaptiveController(cfg, _costs_with_a_slow_catch_up())
+    twin.load_state_dict(ctl.state_dict())
+    assert twin.acceptance(chain, 4) == few and twin.acceptance(chain, 40) == many
+    reached = ctl.bucket_accept[("learned", ctl.tuner.bucket(4))].reached.sum()
+    ctl.drafter = type("D", (), {"version": 7})()
+    ctl.choose(0, 4)
+    assert ctl.bucket_accept[("learned", ctl.tuner.bucket(4))].reached.sum() == pytest.approx(
+        reached * cfg.tuner.discount)
+
+
 def test_measured_costs_hold_the_ragged_forward_and_leave_the_cache_uniform(small_pair):
     target, _ = small_pair
     costs = measure_costs(target, None, batches=[1, 4], tokens=(1, 3), context=8, long_context=16, repeats=1)

@@ -86,10 +86,12 @@ class DepthAcceptance:
         self.reached *= keep
         self.accepted *= keep
 
-    def rates(self, depth: int | None = None) -> list[float]:
-        """Rates for depths 1..``depth`` (default: every depth measured, at least the prior's)."""
-        n = depth or max(len(self.prior), int((self.reached > 0).sum()))
-        prior = (self.prior + [self.prior[-1]] * n)[:n]
+    def rates(self, depth: int | None = None, prior: Sequence[float] | None = None) -> list[float]:
+        """Rates for depths 1..``depth`` (default: every depth measured, at least the prior's); ``prior``: rates to
+        shrink towards instead of the configured ones (e.g. the family's over all batch sizes)."""
+        prior = self.prior if prior is None else list(prior)
+        n = depth or max(len(prior), int((self.reached > 0).sum()))
+        prior = (prior + [prior[-1]] * n)[:n]
         return [float((self.accepted[i] + self.weight * prior[i]) / (self.reached[i] + self.weight))
                 for i in range(n)]
 
@@ -172,6 +174,10 @@ class AdaptiveController(StrategySource):
         self._choices = 0
         self.accept = {"learned": DepthAcceptance(self.config.accept_prior),
                        "ngram": DepthAcceptance((self.config.ngram_accept_prior,))}
+        # (family, bucket) -> acceptance measured at that bucket's batch sizes, shrunk towards the family's: where
+        # rows are few the responses are late in their text, where a drafter may be worse (one trained on short
+        # answers), so one acceptance for all buckets would keep the prior of the tail optimistic
+        self.bucket_accept: dict[tuple[str, int], DepthAcceptance] = {}
         self.log: dict[str, list] = {"active": [], "arm": [], "reward": [], "tokens_per_s": []}
         self.resets = 0
 
@@ -183,18 +189,36 @@ class AdaptiveController(StrategySource):
     def state_dict(self) -> dict:
         """The tuner, the measured acceptance, the drafter version seen and the log (JSON-able)."""
         return {"tuner": self.tuner.state_dict(), "accept": {f: a.state_dict() for f, a in self.accept.items()},
+                "bucket_accept": {f"{f}:{b}": a.state_dict() for (f, b), a in self.bucket_accept.items()},
                 "version": self._version, "resets": self.resets, "log": {k: list(v) for k, v in self.log.items()}}
 
     def load_state_dict(self, d: dict) -> None:
         self.tuner.load_state_dict(d["tuner"])
         for f, a in self.accept.items():
             a.load_state_dict(d["accept"][f])
+        self.bucket_accept = {}
+        for key, state in d.get("bucket_accept", {}).items():
+            f, b = key.rsplit(":", 1)
+            self._bucket_acceptance(f, int(b)).load_state_dict(state)
         self._version, self.resets = d["version"], d["resets"]
         self.log = {k: list(v) for k, v in d["log"].items()}
 
+    def _bucket_acceptance(self, family: str, bucket: int) -> DepthAcceptance:
+        key = (family, bucket)
+        if key not in self.bucket_accept:
+            self.bucket_accept[key] = DepthAcceptance(self.accept[family].prior)
+        return self.bucket_accept[key]
+
+    def acceptance(self, arm: SpecStrategy, batch: int) -> list[float]:
+        """The acceptance per depth the prior assumes for ``arm`` at ``batch`` rows: what chain steps measured in
+        that batch-size bucket, shrunk towards the family's over all buckets (worth 4 rows per depth)."""
+        family, depth = _family(arm), max(arm.depth, 1)
+        overall = self.accept[family].rates(depth)
+        local = self.bucket_accept.get((family, self.tuner.bucket(batch)))
+        return overall if local is None else local.rates(depth, prior=overall)
+
     def _prior(self, arm: SpecStrategy, batch: int) -> float:
-        rates = self.accept[_family(arm)].rates(max(arm.depth, 1))
-        return self.costs.predict(arm, batch, rates, self._context)
+        return self.costs.predict(arm, batch, self.acceptance(arm, batch), self._context)
 
     def switch_charge(self, active: int, backlog: int, uniform_left: int = 0) -> dict:
         """Per SD arm, the log-reward charged for switching to it now, amortised over ``switch_horizon`` steps: a
@@ -231,6 +255,8 @@ class AdaptiveController(StrategySource):
                 keep = self.config.tuner.discount if mode == "discount" else 0.0
                 self.tuner.discount(lambda a: a.uses_drafter, keep)
                 self.accept["learned"].discount(keep)
+                for a in (a for (f, _), a in self.bucket_accept.items() if f == "learned"):
+                    a.discount(keep)
                 self.resets += 1
             self._version = version
         settled = self.tuner.settled(active)          # settled on an arm without a charge: skip pricing the switch
@@ -252,6 +278,7 @@ class AdaptiveController(StrategySource):
             self._context = float(context)
         if strategy.kind in ("chain", "ngram") and accepted is not None:      # chains measure depth by depth
             self.accept[_family(strategy)].update(accepted)
+            self._bucket_acceptance(_family(strategy), self.tuner.bucket(active)).update(accepted)
         per_row = tokens / rows
         rate = per_row * active / seconds                 # tokens/s of the batch if every row yielded per_row
         reward = rate / self.costs.plain_rate(active, context) if self.costs is not None else rate
