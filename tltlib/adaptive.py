@@ -16,7 +16,10 @@
 * **The prior.** :func:`measure_costs` times target forwards of B rows x T tokens (at a short and a long cached
   context) and drafter forwards on the real models; with the acceptance per draft depth it predicts each arm's
   speedup (:meth:`CostModel.predict`): the tuner's prior. The acceptance starts from ``accept_prior`` and then
-  follows what chain SD steps measure, depth by depth (per drafter family). :func:`save_prior` / :func:`load_prior`
+  follows what chain SD steps measure, depth by depth, per drafter family and batch-size bucket (a bucket's own
+  measurement shrunk towards the family's: the tail's rows are late in their responses, where a drafter can be
+  worse than early on). While the rows are at one length, an SD step is also charged the masked attention every
+  later plain step pays once it has left them ragged. :func:`save_prior` / :func:`load_prior`
   keep the costs and the measured acceptance for the next run on the same model and machine.
 * **Drafter changes.** When the learned drafter's weights change (``drafter.version`` moves) the evidence of the
   arms that use it, and their measured acceptance, keep ``tuner.discount`` of their weight (``"discount"``), or are
