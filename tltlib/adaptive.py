@@ -239,9 +239,12 @@ class AdaptiveController(StrategySource):
             hit = self._step_s[active] = (self._choices, steps)
         catch_up = self.costs.catch_up_time(active, backlog) if backlog > 1 else 0.0
         ragged = self.costs.ragged_extra(active) * uniform_left if uniform_left > 0 else 0.0
-        out = {arm: math.log1p(((catch_up if arm.uses_drafter else 0.0) + ragged) / (h * t))
-               for arm, t in hit[1].items()}
-        return {arm: c for arm, c in out.items() if c > 0}
+        charge = {}
+        for arm, t in hit[1].items():
+            extra = ragged + (catch_up if arm.uses_drafter else 0.0)
+            if extra > 0:
+                charge[arm] = math.log1p(extra / (h * t))
+        return charge
 
     def choose(self, iteration: int, active: int, backlog: int = 0, uniform_left: int = 0) -> SpecStrategy:
         """The strategy of the next decode iteration at ``active`` running rows; ``backlog``: the entries per row
@@ -258,14 +261,12 @@ class AdaptiveController(StrategySource):
                 keep = self.config.tuner.discount if mode == "discount" else 0.0
                 self.tuner.discount(lambda a: a.uses_drafter, keep)
                 self.accept["learned"].discount(keep)
-                for a in (a for (f, _), a in self.bucket_accept.items() if f == "learned"):
-                    a.discount(keep)
+                for (family, _), acc in self.bucket_accept.items():
+                    if family == "learned":
+                        acc.discount(keep)
                 self.resets += 1
             self._version = version
-        settled = self.tuner.settled(active)          # settled on an arm without a charge: skip pricing the switch
-        charge = {} if settled is not None and not settled.enabled else self.switch_charge(active, backlog,
-                                                                                          uniform_left)
-        return self.tuner.select(active, charge)
+        return self.tuner.select(active, lambda: self.switch_charge(active, backlog, uniform_left))
 
     def observe(self, strategy: SpecStrategy, active: int, tokens: int, seconds: float,
                 rows: int | None = None, context: float | None = None, accepted: np.ndarray | None = None) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -229,13 +230,16 @@ class Bandit:
         cut = self.config.prune * max(pred.values())
         return tuple(a for a in arms if not a.enabled or pred[a] >= cut or self.rewards[b][a])
 
-    def select(self, batch: int, charge: dict | None = None) -> SpecStrategy:
+    def select(self, batch: int, charge: dict | Callable[[], dict] | None = None) -> SpecStrategy:
         """The arm to play at ``batch`` rows (``config.rule``). ``charge``: a one-off cost of playing an arm now,
         as a log-reward to subtract (e.g. the drafter's catch-up before its first SD step, amortised over the steps
-        the switch is expected to last); it weighs the choice, not the arm's rewards."""
+        the switch is expected to last); it weighs the choice, not the arm's rewards. A callable is asked only when
+        needed (not when the bucket is settled on ``off``, which no charge can make dearer)."""
         b = self.bucket(batch)
-        charge = charge or {}
         arm = self.settled(batch)
+        if callable(charge):
+            charge = {} if arm is not None and not arm.enabled else charge()
+        charge = charge or {}
         if arm is not None and not charge.get(arm):
             self._choices += 1
             self.plays[b][arm] += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -186,10 +187,10 @@ def measure_costs(target, drafter=None, batches: Sequence[int] | None = None, ma
     """Time target forwards of B rows x T tokens at ``context`` cached positions, plain forwards at
     ``long_context`` (0: skip), a plain forward with the rows 0-2 positions apart against a uniform one
     (``4 * repeats`` each, interleaved: a difference of a few percent), and drafter forwards of B x 1, B x 4 (draft
-    levels) and B x ``CATCH_UP_WIDTH`` with logits at the last only (a catch-up over a backlog); each the fastest of ``repeats`` after one warm-up (the least
-    disturbed run). ``batches`` default: powers of four up to ``max_batch``, and ``max_batch`` itself (make it the
-    SD threshold: rewards are normalised by the plain rate up to there). ``long_context`` is capped by the model's
-    context. Nothing is committed to any cache."""
+    levels) and B x ``CATCH_UP_WIDTH`` with logits at the last only (a catch-up over a backlog); each the fastest
+    of ``repeats`` after one warm-up (the least disturbed run). ``batches`` default: powers of four up to
+    ``max_batch``, and ``max_batch`` itself (make it the SD threshold: rewards are normalised by the plain rate up to
+    there). ``long_context`` is capped by the model's context. Nothing is committed to any cache."""
     if batches is None:
         batches = [4 ** i for i in range(int(math.log(max(1, max_batch), 4) + 1e-9) + 1)]
         if batches[-1] < max_batch:
@@ -250,13 +251,15 @@ def _ragged_ratio(target, cache, b: int, vocab: int, g, dev, repeats: int) -> fl
         return 1.0
     spread = (torch.arange(b) % 3).to(dev)
     x = torch.randint(0, vocab, (b, 1), generator=g).to(dev)
-    best = {True: math.inf, False: math.inf}
+    forward = lambda: target.forward_cached(x, cache)                      # noqa: E731
+    best = {False: min(call_times(forward, 1, dev)), True: math.inf}      # the warm-up: call_times' own
     for _ in range(repeats):
-        for uneven in (False, True):
-            if uneven:
-                cache.advance(spread)
-            best[uneven] = min(best[uneven], min(call_times(lambda: target.forward_cached(x, cache), 1, dev)))
-            if uneven:
-                cache.rollback(spread)
-                cache.advance(torch.zeros_like(spread))          # exact bounds again (a uniform batch)
+        for uneven in (True, False):
+            cache.advance(spread if uneven else 0)                   # a tensor advance re-reads the exact bounds
+            t = time.perf_counter()
+            forward()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            best[uneven] = min(best[uneven], time.perf_counter() - t)
+            cache.advance(-spread if uneven else 0)
     return best[True] / best[False]

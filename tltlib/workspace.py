@@ -62,8 +62,9 @@ class Kept:
             key = (rows, max_len, id(drafter), weights, model.embed.weight.dtype)
             kept = self._workspace
             holder = kept[2]() if kept is not None else None
-            fits = kept is not None and (kept[0] == key or not graphs and kept[0][0] == key[0]
-                                         and kept[0][1] >= max_len and kept[0][2:] == key[2:])
+            # the same rows, drafter, weights and dtype, and room enough (exactly as much for graphs)
+            fits = kept is not None and kept[0][0] == key[0] and kept[0][2:] == key[2:] and (
+                kept[0][1] == max_len or not graphs and kept[0][1] > max_len)
             if fits and (holder is None or holder.done):
                 key = kept[0]
                 ws = kept[1]
