@@ -212,9 +212,33 @@ def test_depth_acceptance_recovers_the_rate_of_each_depth():
     deep = DepthAcceptance((0.5,), weight=0.0, depth=2)
     deep.update(np.array([0, 0, 0, 4]))                       # a chain-3 step: every row accepted all 3
     assert deep.rates(2) == [1.0, 1.0]                        # rows beyond the table still reached depth 2
-    reached = acc.reached.copy()
+    reached, before = acc.reached.copy(), acc.rates(3)
     acc.discount(0.25)
-    assert acc.reached[:3] == pytest.approx(reached[:3] * 0.25) and acc.rates(3) == pytest.approx(truth, abs=0.04)
+    assert acc.reached[:3] == pytest.approx(reached[:3] * 0.25) and acc.rates(3) == pytest.approx(before)
+
+
+def test_a_discount_keeps_the_measured_rates_and_a_reset_returns_to_the_configured_prior():
+    """A new drafter version weakens the evidence without moving the estimate (a stale drafter's 0.3 must not drift
+    back to the optimistic configured 0.8), so the next steps move it faster; keep = 0 erases it; the state dict
+    keeps the re-anchored prior."""
+    acc = DepthAcceptance((0.8,), weight=4.0)
+    for _ in range(5):
+        acc.update(np.array([7, 3]))                               # chain-1 steps of 10 rows: 30% accepted
+    measured = acc.rates(1)[0]
+    assert measured == pytest.approx((15 + 3.2) / 54)
+    acc.discount(0.1)
+    assert acc.rates(1)[0] == pytest.approx(measured) and measured < acc.prior[0] < 0.8
+    twin = DepthAcceptance((0.8,), weight=4.0)
+    twin.load_state_dict(acc.state_dict())
+    assert twin.rates(1) == pytest.approx(acc.rates(1))
+    undiscounted = DepthAcceptance((0.8,), weight=4.0)
+    for _ in range(5):
+        undiscounted.update(np.array([7, 3]))
+    for a in (acc, undiscounted):
+        a.update(np.array([1, 9]))                                 # the new version: 90% accepted
+    assert acc.rates(1)[0] - measured > 2 * (undiscounted.rates(1)[0] - measured)
+    acc.discount(0.0)
+    assert acc.rates(1) == [0.8] and acc.prior == [0.8]
 
 
 def test_cost_model_scales_with_context_and_the_reward_is_normalised_by_it():

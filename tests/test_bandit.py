@@ -296,3 +296,26 @@ def test_a_settled_bucket_plays_its_arm_without_drawing_and_re_checks_after_a_wh
     assert bandit.settled(20) is None and {bandit.select(20) for _ in range(60)} == {OFF, chain}
     bandit.discount(lambda a: a.uses_drafter, 0.25)
     assert bandit.settled(3) is None
+
+
+def test_sd_priors_move_with_what_off_measured_against_its_own_prediction():
+    """Plain decoding measured at 0.65 of the cost model's rate (every arm slowed alike), a chain predicted at 1.05
+    measured at 0.60 (a loss): after the drafter's evidence is discounted, the calibrated prior (1.05 x off's
+    shortfall) keeps the tuner on off; the raw prior would make the barely-measured chain look like a win."""
+    chain = SpecStrategy.parse("chain-4")
+    best = {}
+    for calibrate in (True, False):
+        bandit = Bandit(TunerConfig(arms=("chain-4",), buckets=(1,), calibrate=calibrate, noise=0.1),
+                        prior=lambda a, b: 1.05 if a.enabled else 1.0)
+        assert bandit.calibration(8) == 0.0                           # nothing measured: the raw prediction
+        for _ in range(40):
+            bandit.update(8, OFF, 0.65)
+            bandit.update(8, chain, 0.60)
+        bandit.discount(lambda a: a.uses_drafter, 0.05)               # a new drafter version: 2 rewards' weight
+        best[calibrate] = bandit.best(8)
+        off_mean = 40 * math.log(0.65) / 42
+        assert bandit.belief(8, OFF)[0] == pytest.approx(off_mean)    # off's own belief is never shifted
+        shift = bandit.calibration(8) if calibrate else 0.0
+        assert shift == pytest.approx(off_mean if calibrate else 0.0)
+        assert bandit.belief(8, chain)[0] == pytest.approx((2 * (math.log(1.05) + shift) + 2 * math.log(0.60)) / 4)
+    assert best == {True: OFF, False: chain}

@@ -72,7 +72,8 @@ class DepthAcceptance:
     by depth, the last repeating) worth ``weight`` rows per depth."""
 
     def __init__(self, prior: Sequence[float], weight: float = 4.0, depth: int = 32):
-        self.prior = [float(a) for a in prior]
+        self.configured = [float(a) for a in prior]
+        self.prior = list(self.configured)       # the configured rates, or the estimate when last discounted
         self.weight = weight
         self.reached = np.zeros(depth)
         self.accepted = np.zeros(depth)
@@ -86,6 +87,18 @@ class DepthAcceptance:
         self.accepted[:d] += at_least[1: d + 1]
 
     def discount(self, keep: float) -> None:
+        """Keep ``keep`` of the evidence's weight (a new drafter version): the estimate stays where it was and only
+        its confidence drops, so new chain steps move it faster (the prior is re-anchored so that the kept counts
+        shrunk towards it give today's rates; a discount that did not re-anchor would pull a measured rate back to
+        the configured prior, e.g. a stale drafter's 0.3 towards an optimistic 0.8, and re-explore deep chains after
+        every version). ``keep = 0`` erases it: back to the configured prior."""
+        if keep <= 0:
+            self.prior = list(self.configured)
+        elif self.weight > 0:                    # the prior p' with (keep a + w p') / (keep r + w) = today's rate
+            rates, w = self.rates(), self.weight
+            n = min(len(rates), self.reached.size)
+            self.prior = [float((rates[i] * (keep * self.reached[i] + w) - keep * self.accepted[i]) / w)
+                          for i in range(n)]
         self.reached *= keep
         self.accepted *= keep
 
@@ -99,10 +112,11 @@ class DepthAcceptance:
                 for i in range(n)]
 
     def state_dict(self) -> dict:
-        return {"reached": self.reached.tolist(), "accepted": self.accepted.tolist()}
+        return {"reached": self.reached.tolist(), "accepted": self.accepted.tolist(), "prior": list(self.prior)}
 
     def load_state_dict(self, d: dict) -> None:
         self.reached[:], self.accepted[:] = d["reached"], d["accepted"]
+        self.prior = [float(a) for a in d.get("prior", self.configured)]
 
 
 # ------------------------------------------------------------------------------------------------ controller

@@ -73,6 +73,13 @@ class TunerConfig:
     """thompson: the standard deviation of one log-reward assumed until the bucket has measured its own."""
     discount: float = 0.25
     """thompson: the weight the rewards of drafter arms keep when the drafter changes (1 = all, 0 = none)."""
+    calibrate: bool = True
+    """thompson with a prior: move every SD arm's prior by what ``off`` measured in the bucket against its own
+    prediction (its mean log-reward, shrunk towards 0 with ``prior_weight``). Rewards are speedups over the cost
+    model's plain rate, timed once; when plain decoding runs slower or faster now (another process's memory state,
+    e.g. a trainer's between updates, or other load), every arm's rewards move alike, but an arm with few rewards
+    would be judged against its stale prediction: off measured at 0.65 beside a chain predicted at 1.3 looks like
+    a 2x win worth exploring. False = the raw prediction."""
     epsilon: float | None = None
     """epsilon-greedy only (default 0.1): probability of playing a random arm instead of the best one."""
     window: int = 50
@@ -209,8 +216,24 @@ class Bandit:
         n = n0 + wsum
         if n <= 0:
             return 0.0, math.inf
-        prior = math.log(max(self.predicted(arm, batch), 1e-3)) if self.prior else 0.0
+        prior = 0.0
+        if self.prior:
+            prior = math.log(max(self.predicted(arm, batch), 1e-3))
+            if arm.enabled and self.config.calibrate:
+                prior += self.calibration(batch)
         return (n0 * prior + wx) / n, (self.noise(b) if noise is None else noise) / math.sqrt(n)
+
+    def calibration(self, batch: int) -> float:
+        """thompson with a prior: the log of how much faster (> 0) or slower plain decoding runs at ``batch``'s
+        bucket than the prior predicts: ``off``'s weighted log-rewards less its predicted log-reward, over its
+        weight plus ``prior_weight`` (0 until measured). See :attr:`TunerConfig.calibrate`."""
+        b = self.bucket(batch)
+        if OFF not in self.rewards[b]:
+            return 0.0
+        wsum, wx, _, _ = self._stats(b, OFF)
+        if wsum <= 0:
+            return 0.0
+        return (wx - wsum * math.log(max(self.predicted(OFF, batch), 1e-3))) / (self.config.prior_weight + wsum)
 
     def best(self, batch: int) -> SpecStrategy:
         """The arm the tuner currently believes best at ``batch`` (no exploration)."""
