@@ -36,6 +36,9 @@ class CacheWrite:
             a few tokens, and masking only that tail keeps a ragged decode as cheap as a uniform one.
         memo: scratch shared by the layers of one forward: the attention kernel keeps the mask there in its own
             layout (:func:`tltlib.kernels.cached_attention`), built on the first layer and reused by the others.
+        limits: for one new token per row on a CPU (no tree mask): ``[rows]`` int64, the slots each row's query
+            sees (``0 .. limits[r] - 1``: its committed entries, the uncommitted ones before it, itself), which the
+            ragged kernel reads instead of the mask (:mod:`tltlib.ragged_attention`); else None.
     """
 
     index: torch.Tensor
@@ -43,6 +46,7 @@ class CacheWrite:
     span: int
     mask_from: int = 0
     memo: dict = field(default_factory=dict, repr=False, compare=False)
+    limits: torch.Tensor | None = None
 
 
 class KVCache:
@@ -113,7 +117,8 @@ class KVCache:
         if num_new == 1 and tree_mask is None:                            # decode / chain drafting: cheap mask
             uniform = self.min_used == self.max_used and not fixed
             mask = None if uniform else (torch.arange(span, device=dev) <= lengths[:, None] + offset)[:, None, None]
-            return CacheWrite(index, mask, span, self.min_used + offset + 1 if known else 0)
+            limits = lengths + (offset + 1) if dev.type == "cpu" and not fixed else None
+            return CacheWrite(index, mask, span, self.min_used + offset + 1 if known else 0, limits=limits)
         slot = torch.arange(span, device=dev)
         rel = slot[None, None, :] - lengths[:, None, None]               # [rows, 1, span]: index among uncommitted
         if tree_mask is None:

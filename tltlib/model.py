@@ -293,7 +293,7 @@ class Attention(nn.Module):
                                                  enable_gqa=kvh != h)
         else:
             k, v = cache.write(layer, write, k, v)
-            out = cached_attention(q, k, v, write.mask, write.mask_from, write.memo)
+            out = cached_attention(q, k, v, write.mask, write.mask_from, write.memo, write.limits)
         return linear(out.transpose(1, 2).reshape(b, t, h * self.d), self.o.weight, self.o.bias)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from .cudagraph import GraphPool, Replay
 from .kernels import WeightPacks
+from .ragged_attention import kernel as ragged_kernel
 from .specdecode import SpecDecoder
 
 
@@ -34,6 +35,8 @@ class Kept:
         self.engine = engine
         self._workspace: tuple | None = None      # (key, Workspace, weakref to its rollout)
         self.packs = WeightPacks.of(engine.model)  # shared by every engine over this model
+        if engine.model.device.type == "cpu":
+            ragged_kernel()                       # built or loaded now (once per process), not in the first rollout
 
     def weight_packs(self) -> dict | None:
         """The packed weights a rollout runs with (re-packed when the weights changed), or None."""

@@ -1,0 +1,111 @@
+"""The CPU ragged-attention kernel (tltlib.ragged_attention): each row attends over its own cached length and equals
+the masked matmul/SDPA attention; the rollout routes one-token forwards to it; a build failure or the switch falls
+back to the matmul path with one warning."""
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from tltlib import kernels, ragged_attention as ra
+
+needs_compiler = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                    reason="no C++ compiler: the kernel cannot be built here")
+
+
+def _reference(q, k, v, limit):
+    s = k.shape[2]
+    mask = (torch.arange(s)[None, :] < limit[:, None])[:, None, None]      # [B, 1, 1, S]
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+@needs_compiler
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 4, 8), (6, 3, 32), (9, 3, 64)])
+def test_kernel_equals_masked_attention_over_each_rows_own_length(heads, kv_heads, d):
+    assert ra.kernel() is not None, "the kernel did not build although a compiler is present"
+    g = torch.Generator().manual_seed(heads)
+    rows, span, max_len = 7, 23, 40
+    store_k, store_v = (torch.randn(rows, kv_heads, max_len, d, generator=g) for _ in range(2))
+    k, v = store_k[:, :, :span], store_v[:, :, :span]             # a cache view: strided like the real one
+    q = torch.randn(rows, heads, 1, d, generator=g)
+    limit = torch.tensor([1, span, 5, 12, span - 1, 2, 17])        # the edges: one position, the whole span
+    out = ra.ragged_attention(q, k, v, limit)
+    torch.testing.assert_close(out, _reference(q, k, v, limit), atol=1e-5, rtol=1e-5)
+    wrong = ra.ragged_attention(q, k, v, limit + (limit < span).long())  # one more position changes rows
+    assert not torch.allclose(wrong, out, atol=1e-4)
+
+
+@needs_compiler
+def test_kernel_refuses_limits_outside_the_span():
+    assert ra.kernel() is not None
+    q, k = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 5, 8)
+    for bad in ([0, 3], [3, 6]):
+        with pytest.raises(RuntimeError, match="limit must be in 1 .. 5"):
+            ra.ragged_attention(q, k, k, torch.tensor(bad))
+
+
+@needs_compiler
+def test_one_token_forwards_use_the_kernel_and_give_the_matmul_paths_logits(monkeypatch):
+    """A decode forward over rows of unequal lengths: the kernel is called once per layer and the logits equal the
+    masked matmul path's; a uniform cache of many rows keeps the matmuls."""
+    from tltlib.model import ModelConfig, Transformer
+    assert ra.kernel() is not None
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=61, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      max_position_embeddings=128)
+    model = Transformer(cfg, init_std=0.2).eval()
+    calls = []
+    real = kernels.ragged_attention
+    monkeypatch.setattr(kernels, "ragged_attention", lambda *a: calls.append(1) or real(*a))
+    lens = torch.tensor([3, 9, 1, 14, 6, 6, 11, 2, 8, 13])
+    prompt = torch.randint(0, 61, (10, 14), generator=torch.Generator().manual_seed(1))
+    step = torch.randint(0, 61, (10, 1), generator=torch.Generator().manual_seed(2))
+    out = {}
+    for on in (True, False):
+        monkeypatch.setattr(kernels, "CPU_RAGGED_MIN_ROWS", 1 if on else 10 ** 9)
+        cache = model.new_cache(10, 32)
+        with torch.no_grad():
+            model.forward_cached(prompt, cache, logits_at=lens - 1)
+            cache.advance(lens)
+            out[on] = model.forward_cached(step, cache)[0]
+    assert len(calls) == cfg.num_layers
+    torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=0)
+    calls.clear()
+    monkeypatch.setattr(kernels, "CPU_RAGGED_MIN_ROWS", 1)
+    cache = model.new_cache(40, 32)
+    with torch.no_grad():
+        model.forward_cached(torch.randint(0, 61, (40, 5)), cache, logits_at=torch.full((40,), 4))
+        cache.advance(5)
+        model.forward_cached(torch.randint(0, 61, (40, 1)), cache)
+    assert calls == []                                             # 40 equal rows > CPU_RAGGED_UNIFORM_MAX_ROWS
+
+
+def test_a_kernel_that_cannot_be_built_falls_back_with_one_warning(monkeypatch):
+    import torch.utils.cpp_extension as ext
+
+    def broken(*a, **k):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+    monkeypatch.setattr(ext, "load_inline", broken)
+    monkeypatch.setattr(ra, "_state", {})
+    with pytest.warns(UserWarning, match="could not be built.*Ninja is required.*TLTLIB_RAGGED_ATTENTION=0"):
+        assert ra.kernel() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                             # once: later calls are silent
+        assert ra.kernel() is None
+        q, k = torch.randn(9, 2, 1, 8), torch.randn(9, 1, 6, 8)
+        mask = (torch.arange(6)[None, :] < torch.tensor([1, 2, 3, 4, 5, 6, 6, 2, 3])[:, None])[:, None, None]
+        out = kernels.cached_attention(q, k, k, mask, 1, {}, torch.tensor([1, 2, 3, 4, 5, 6, 6, 2, 3]))
+    torch.testing.assert_close(out, _reference(q, k, k, torch.tensor([1, 2, 3, 4, 5, 6, 6, 2, 3])), atol=1e-5,
+                               rtol=0)
+
+
+def test_the_switch_keeps_the_kernel_off_without_building(monkeypatch):
+    import torch.utils.cpp_extension as ext
+    monkeypatch.setattr(ext, "load_inline", lambda *a, **k: pytest.fail("built although switched off"))
+    monkeypatch.setattr(ra, "_state", {})
+    monkeypatch.setenv(ra.ENV, "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ra.kernel() is None
