@@ -140,13 +140,17 @@ def kernel():
         if os.environ.get(ENV, "1") == "0":
             _state["error"] = f"{ENV}=0"
             return None
-        tag = hashlib.sha1((_SOURCE + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
+        name = "tltlib_ragged_attention_" + hashlib.sha1((_SOURCE + _cpu_flags() + torch.__version__).encode()
+                                                         ).hexdigest()[:12]
         try:
+            from torch.utils import cpp_extension
             from torch.utils.cpp_extension import load_inline
-            print("tltlib: building the CPU ragged-attention kernel (once per machine, ~20 s)", file=sys.stderr,
-                  flush=True)
+            built = os.path.join(cpp_extension._get_build_directory(name, False), name + ".so")
+            if not os.path.exists(built):
+                print("tltlib: building the CPU ragged-attention kernel (once per machine, ~20 s)", file=sys.stderr,
+                      flush=True)
             _state["module"] = load_inline(
-                f"tltlib_ragged_attention_{tag}", cpp_sources=_SOURCE, functions=["ragged_decode_attention"],
+                name, cpp_sources=_SOURCE, functions=["ragged_decode_attention"],
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"])
         except Exception as e:                      # no compiler, no ninja, a read-only cache, ...
             _state["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
