@@ -40,6 +40,8 @@ _SOURCE = r"""
 #include <cmath>
 #include <vector>
 
+static const int64_t PARALLEL_WORK = 1 << 18;        // multiply-adds of one score pass below which one thread runs
+
 // q [B, H, 1, d] float32; k, v [B, KVH, S, d] (any strides, the last dimension contiguous); limit [B] int64: row b
 // attends to cached positions 0 .. limit[b] - 1. Query head h reads KV head h / (H / KVH). Returns [B, H, 1, d].
 torch::Tensor ragged_decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit,
@@ -63,8 +65,13 @@ torch::Tensor ragged_decode_attention(torch::Tensor q, torch::Tensor k, torch::T
   const int64_t ksb = k.stride(0), ksh = k.stride(1), kss = k.stride(2);
   const int64_t vsb = v.stride(0), vsh = v.stride(1), vss = v.stride(2);
   const float sc = static_cast<float>(scale);
-  // rows differ in length: hand (row, KV head) tasks out one at a time (a static split gives one thread the long rows)
-#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  // rows differ in length: hand (row, KV head) tasks out one at a time (a static split gives one thread the long rows);
+  // small calls stay on one thread, as torch's own ops do below their grain size: a parallel region's barrier costs
+  // little alone but a scheduler quantum when another process's threads hold the cores (2x slower tests seen)
+  int64_t work = 0;
+  for (int64_t b = 0; b < B; ++b) work += lp[b];
+  work *= H * d;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads()) if (work >= PARALLEL_WORK)
   for (int64_t task = 0; task < B * KVH; ++task) {
     thread_local std::vector<float> s;
     {
