@@ -88,3 +88,24 @@ def test_an_echoed_answer_placeholder_does_not_hide_the_answer():
     text = 'She has 10 pencils left over.\n#### 10\nThe answer is "#### <number>".'
     assert extract_answer(text) == "10" and reward(text, "10") == 1.0
     assert extract_answer('The answer is "#### <number>".') is None
+
+
+def test_worked_solutions_show_every_step_and_end_in_the_answer_line():
+    """Each problem carries a worked solution (the SFT warm start's target): the start count, one line per
+    operation with arithmetic that evaluates to the next count, and GSM8K's answer line, which the task's verifier
+    scores 1; adding it left the problems of a seed as they were."""
+    import re
+
+    from tltlib.problem import reward
+    problems = generate_word_problems(WordTaskConfig(), 300, seed=7)
+    assert problems[0].prompt[0]["content"].startswith("Ava has 6 cards. She buys 28 more cards. How many cards")
+    for p in problems:
+        lines = p.meta["solution"].split("\n")
+        counts = p.meta["counts"]
+        assert len(lines) == p.meta["steps"] + 3 and lines[-1] == f"#### {p.answer}"
+        assert reward(p.meta["solution"], p.answer) == 1.0
+        for line, before, after in zip(lines[1:-2], counts, counts[1:]):
+            parts = line.split(". ", 1)[1].rstrip(".").split(" = ")   # "6 + 5 * 4 = 6 + 20 = 26"
+            assert str(before) in parts[0].split() and int(parts[-1]) == after, line
+            assert all(re.fullmatch(r"\d+( [-+*/] \d+)*", e) and eval(e.replace("/", "//")) == after
+                       for e in parts), line

@@ -52,8 +52,9 @@ class WordTaskConfig:
             raise ValueError(f"zipf_exponent must be >= 0, got {self.zipf_exponent}")
 
 
-def _operation(rng: random.Random, count: int, he: str, his: str, item: str) -> tuple[str, int]:
-    """One sentence changing ``count`` and the new count (always an integer in [0, LIMIT))."""
+def _operation(rng: random.Random, count: int, he: str, his: str, item: str) -> tuple[str, int, str]:
+    """One sentence changing ``count``, the new count (always an integer in [0, LIMIT)) and the arithmetic that
+    gives it (``"14 + 3 * 6 = 32"``, for worked solutions)."""
     kinds = ["buy", "find", "boxes"]
     if count >= 2:
         kinds += ["give", "lose", "share"]
@@ -64,18 +65,23 @@ def _operation(rng: random.Random, count: int, he: str, his: str, item: str) -> 
         if kind == "buy":
             n = rng.randint(2, 30)
             text, new = f"{he} buys {n} more {item}.", count + n
+            work = f"{count} + {n} = {new}"
         elif kind == "find":
             n = rng.randint(1, 15)
             text, new = f"{he} finds {n} {item} under the table.", count + n
+            work = f"{count} + {n} = {new}"
         elif kind == "boxes":
             n, m = rng.randint(2, 6), rng.randint(2, 12)
             text, new = f"{he} buys {n} bags with {m} {item} in each.", count + n * m
+            work = f"{count} + {n} * {m} = {count} + {n * m} = {new}"
         elif kind == "give":
             n = rng.randint(1, count - 1)
             text, new = f"Then {he.lower()} gives {n} {item} to {his} {rng.choice(RELATIVES)}.", count - n
+            work = f"{count} - {n} = {new}"
         elif kind == "lose":
             n = rng.randint(1, max(1, count // 3))
             text, new = f"{he} loses {n} of {his} {item}.", count - n
+            work = f"{count} - {n} = {new}"
         elif kind == "share":
             ways = [k for k in range(2, 7) if count % k == 0]
             if not ways:
@@ -84,10 +90,12 @@ def _operation(rng: random.Random, count: int, he: str, his: str, item: str) -> 
             text = (f"{he} shares {his} {item} equally among {k} people, {his} {k - 1} friends and "
                     f"{'herself' if he == 'She' else 'himself'}, and keeps one share.")
             new = count // k
+            work = f"{count} / {k} = {new}"
         else:
             text, new = f"The number of {his} {item} doubles.", 2 * count
+            work = f"2 * {count} = {new}"
         if 0 <= new < LIMIT:
-            return text, new
+            return text, new, work
 
 
 def make_word_problem(cfg: WordTaskConfig, rng: random.Random, steps: int | None = None) -> Problem:
@@ -98,14 +106,18 @@ def make_word_problem(cfg: WordTaskConfig, rng: random.Random, steps: int | None
     name, he, his = rng.choice(NAMES)
     item = rng.choice(ITEMS)
     count = rng.randint(3, 40)
-    counts, sentences = [count], [f"{name} has {count} {item}."]
+    counts, sentences, work = [count], [f"{name} has {count} {item}."], []
     for _ in range(n):
-        text, count = _operation(rng, count, he, his, item)
+        text, count, arithmetic = _operation(rng, count, he, his, item)
         sentences.append(text)
         counts.append(count)
+        work.append((text, arithmetic))
     question = " ".join(sentences) + f" How many {item} does {name} have now? {INSTRUCTION}"
     prompt = ({"role": "user", "content": question},) if cfg.chat else question
-    return Problem(prompt, str(count), {"steps": n, "source": "words", "counts": counts})
+    solution = "\n".join([f"{name} starts with {counts[0]} {item}."]
+                          + [f"{text} {arithmetic}." for text, arithmetic in work]
+                          + [f"{name} has {count} {item} now.", f"#### {count}"])
+    return Problem(prompt, str(count), {"steps": n, "source": "words", "counts": counts, "solution": solution})
 
 
 def generate_word_problems(cfg: WordTaskConfig, count: int, seed: int, steps: int | None = None) -> list[Problem]:
