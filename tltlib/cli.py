@@ -180,9 +180,10 @@ def cmd_train_drafter(args) -> int:
     return 0
 
 
-def cmd_sample_responses(args) -> int:
-    from .draft_data import run_command
-    return run_command(args)
+def cmd_module(args) -> int:
+    """``sample-responses``, ``warm-start``: commands whose arguments and runner live in their own module."""
+    from . import draft_data, warm_start
+    return {"sample-responses": draft_data, "warm-start": warm_start}[args.cmd].run_command(args)
 
 
 def cmd_get_model(args) -> int:
@@ -325,8 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
     _train_reasoner_command(sub)
     _train_drafter_command(sub)
-    from .draft_data import add_command
-    add_command(sub)
+    from . import draft_data, warm_start
+    draft_data.add_command(sub), warm_start.add_command(sub)
     _model_commands(sub)
     _train_grpo_command(sub)
     _simulate_command(sub)
@@ -495,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         _reexec_in_venv([*argv[:i], "run-notebooks" if args.cmd == "run" else args.cmd, *argv[i + 1:]])
     handlers = {"run": cmd_run_notebooks, "run-notebooks": cmd_run_notebooks, "test": cmd_test,
                 "train-reasoner": cmd_train_reasoner, "train-drafter": cmd_train_drafter, "train-grpo": cmd_train_grpo,
-                "sample-responses": cmd_sample_responses,
+                "sample-responses": cmd_module, "warm-start": cmd_module,
                 "get-model": cmd_get_model, "import-gguf": cmd_import_gguf,
                 "bench": cmd_bench, "simulate": cmd_simulate}
     previous = signal.signal(signal.SIGTERM, _terminate)

@@ -1,0 +1,82 @@
+"""The supervised warm start on worked solutions (tltlib.warm_start): loss only on the solution tokens, the loss
+falls and the weights move on a small model, bad settings refused."""
+from __future__ import annotations
+
+import string
+
+import pytest
+import torch
+
+from tltlib.model import ModelConfig, Transformer
+from tltlib.warm_start import WarmStartConfig, solution_batch, warm_start
+
+
+def _char_tokenizer():
+    """One token per printable ASCII character (the word problems' text), <bos> prepended, an <eos>."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    specials = ("<pad>", "<bos>", "<eos>", "<unk>")
+    vocab = {t: i for i, t in enumerate(specials + tuple(string.printable))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>")
+
+
+def test_solution_batch_puts_the_loss_on_the_response_only():
+    x, y = solution_batch([[1, 5, 6], [1, 7]], [[8, 9, 2], [4, 2]], pad_id=0)
+    assert x.tolist() == [[1, 5, 6, 8, 9, 2], [1, 7, 4, 2, 0, 0]]
+    assert y.tolist() == [[-100, -100, 8, 9, 2, -100], [-100, 4, 2, -100, -100, -100]]
+
+
+def test_warm_start_lowers_the_solution_loss_and_moves_every_trained_weight():
+    tok = _char_tokenizer()
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2,
+                                    num_heads=4, num_kv_heads=2, max_position_embeddings=512,
+                                    eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    log = warm_start(model, tok, WarmStartConfig(steps=30, batch=2, lr=3e-3, max_problem_steps=2), progress=False)
+    assert len(log["loss"]) == 30 and log["seconds"] > 0
+    assert sum(log["loss"][-5:]) / 5 < 0.75 * sum(log["loss"][:5]) / 5
+    assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert not model.training
+
+
+@pytest.mark.parametrize("kwargs,match", [({"steps": 0}, "steps and batch"), ({"lr": 0.0}, "lr must be > 0"),
+                                          ({"max_problem_steps": 0}, "min_steps <= max_steps")])
+def test_warm_start_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        WarmStartConfig(**kwargs)
+
+
+def test_the_command_writes_a_loadable_model_with_the_tokenizer_and_a_card(tmp_path, capsys):
+    """``warm-start`` on a model folder: the new folder holds the trained weights (not the source's), the source's
+    tokenizer files and the card; an existing output is refused without --overwrite (one error, nothing written)."""
+    import json
+
+    from tltlib import load
+    from tltlib.checkpoint import save_model
+    from tltlib.cli import main
+    tok = _char_tokenizer()
+    torch.manual_seed(0)
+    src, out = tmp_path / "src", tmp_path / "out"
+    save_model(Transformer(ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2,
+                                       num_heads=4, num_kv_heads=2, max_position_embeddings=512,
+                                       eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id)), src)
+    tok.save_pretrained(src)
+    args = ["warm-start", "--model", str(src), "--out", str(out), "--steps", "3", "--batch", "2", "--lr", "1e-3",
+            "--max-problem-steps", "2", "--quiet"]
+    assert main(args) == 0
+    card = json.loads((out / "tltlib-warm-start.json").read_text())
+    assert card["config"]["steps"] == 3 and len(card["loss"]) == 3
+    assert (out / "tokenizer.json").read_text() == (src / "tokenizer.json").read_text()
+    new, new_tok, _ = load(out)
+    old, _, _ = load(src)
+    assert new_tok.eos_token_id == tok.eos_token_id
+    assert not torch.equal(new.embed.weight, old.embed.weight)
+    before = sorted(p.name for p in out.iterdir())
+    assert main(args) == 1 and "pass --overwrite" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == before

@@ -1,0 +1,146 @@
+"""A supervised warm start on the word problems' worked solutions, for a real model that cannot yet do the task.
+
+GRPO learns only from groups whose rewards differ: SmolLM2-135M-Instruct answers 0-3% of even one-step word problems
+and writes the ``####`` answer line in 4-21% of its responses, so its groups are all zero. A short SFT on worked
+solutions (:attr:`tltlib.wordproblems` ``meta["solution"]``: each operation with its arithmetic, then ``#### N``)
+teaches the format and the easy cases and leaves the long problems to RL: on this 2-core CPU, 60 steps of 4
+solutions (4.3 min) took its greedy accuracy to 71% / 46% / 21% at 1 / 2 / 4 steps (the probe behind issue 23).
+
+The loss is the next-token cross-entropy on the solution tokens only (the prompt is context), the prompt built as
+the rollout builds it (:func:`tltlib.tasks.encode_prompts`: the chat template when the tokenizer has one).
+
+Departure: TRL's ``SFTTrainer`` does the same on a dataset; here the problems are generated (seeded) and the loop is
+a few lines, so the warm start needs no dataset download and no second training stack.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from .tasks import encode_prompts
+from .wordproblems import WordTaskConfig, generate_word_problems
+
+
+@dataclass(frozen=True)
+class WarmStartConfig:
+    """The warm start: how many worked solutions, of which problems, at what learning rate."""
+
+    steps: int = 60
+    """Optimizer steps."""
+    batch: int = 4
+    """Worked solutions per step."""
+    lr: float = 3e-5
+    """AdamW learning rate (constant; no weight decay)."""
+    max_problem_steps: int = 4
+    """Longest problems trained on (operations after the start count); longer ones are left to RL."""
+    seed: int = 101
+    """Seed of the training problems (keep it apart from the held-out problems' seeds)."""
+
+    def __post_init__(self):
+        if self.steps < 1 or self.batch < 1:
+            raise ValueError(f"steps and batch must be >= 1, got {self.steps} and {self.batch}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        WordTaskConfig(max_steps=self.max_problem_steps)           # raises naming the allowed range
+
+
+def solution_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
+    """Right-padded inputs ``[B, T]`` (prompt then response) and next-token targets ``[B, T]``: the response's tokens
+    at the positions that predict them, -100 elsewhere (prompt and padding carry no loss)."""
+    t = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    x = torch.full((len(prompts), t), pad_id, dtype=torch.long)
+    y = torch.full((len(prompts), t), -100, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        x[i, : len(p) + len(r)] = torch.tensor(p + r)
+        y[i, len(p) - 1: len(p) + len(r) - 1] = torch.tensor(r)
+    return x, y
+
+
+def warm_start(model, tokenizer, cfg: WarmStartConfig | None = None, progress: bool = True) -> dict:
+    """Train ``model`` (a :class:`tltlib.model.Transformer`, in place) on ``cfg.steps x cfg.batch`` worked solutions
+    of generated word problems; returns the log ``{"step": [...], "loss": [...], "seconds": float}``."""
+    cfg = cfg or WarmStartConfig()
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no end-of-sequence token: the warm start must teach the model to stop")
+    problems = generate_word_problems(WordTaskConfig(max_steps=cfg.max_problem_steps), cfg.steps * cfg.batch,
+                                      seed=cfg.seed)
+    prompts = encode_prompts(problems, tokenizer)
+    responses = [tokenizer(p.meta["solution"], add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+                 for p in problems]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    device = next(model.parameters()).device
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    model.train()
+    log, t0 = {"step": [], "loss": []}, time.perf_counter()
+    for step in tqdm(range(cfg.steps), desc="warm start", disable=not progress):
+        part = slice(step * cfg.batch, (step + 1) * cfg.batch)
+        x, y = (t.to(device) for t in solution_batch(prompts[part], responses[part], pad))
+        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        log["step"].append(step)
+        log["loss"].append(loss.item())
+    model.eval()
+    log["seconds"] = time.perf_counter() - t0
+    return log
+
+
+WEIGHT_FILES = ("config.json", "model.safetensors", "tltlib-import.json", "tltlib-warm-start.json")
+"""Files of a model folder the warm start does not carry over (it writes new weights and its own card)."""
+
+
+def write_warm_start(model, source: str | Path, out: str | Path, cfg: WarmStartConfig, log: dict) -> Path:
+    """Save the warm-started ``model`` to ``out`` with the tokenizer files of ``source`` (the folder it was loaded
+    from) and a card ``tltlib-warm-start.json`` (the settings, the loss curve, the source), in one atomic write."""
+    source = Path(source)
+    carried = {f.name: f.read_text() for f in sorted(source.iterdir())
+               if f.is_file() and f.name not in WEIGHT_FILES and not f.name.startswith("model")
+               and f.suffix in (".json", ".jinja", ".txt", ".model", ".py")}
+    card = {"format": "tltlib-warm-start", "source": str(source.resolve()), "config": asdict(cfg),
+            "loss_first": log["loss"][0], "loss_last": log["loss"][-1], "seconds": log["seconds"],
+            "loss": log["loss"]}
+    from .checkpoint import save_model
+    return save_model(model, out, extra_files={**carried, "tltlib-warm-start.json": json.dumps(card, indent=1)})
+
+
+def add_command(sub) -> None:
+    """The ``warm-start`` command's arguments (:mod:`tltlib.cli`)."""
+    d = WarmStartConfig()
+    ws = sub.add_parser("warm-start", help="supervised warm start of a real model on the word problems' worked "
+                        "solutions, written to a new model folder (so that GRPO's groups are not all zero)")
+    ws.add_argument("--model", required=True, help="the model folder (e.g. ~/.cache/tltlib/models/smollm2-135m)")
+    ws.add_argument("--out", required=True, help="the new model folder (written atomically; refused if it exists "
+                    "unless --overwrite)")
+    ws.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
+    ws.add_argument("--batch", type=int, default=d.batch, help="worked solutions per step (default %(default)s)")
+    ws.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (default %(default)s)")
+    ws.add_argument("--max-problem-steps", type=int, default=d.max_problem_steps,
+                    help="longest problems trained on (default %(default)s)")
+    ws.add_argument("--seed", type=int, default=d.seed)
+    ws.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    ws.add_argument("--quiet", action="store_true")
+
+
+def run_command(args) -> int:
+    """``python -m tltlib warm-start``: load ``--model`` (float32, CPU or the GPU), train, write ``--out``."""
+    from .fileio import resolve
+    from .loading import load
+    cfg = WarmStartConfig(args.steps, args.batch, args.lr, args.max_problem_steps, args.seed)
+    out = resolve(args.out)
+    if out.exists() and not args.overwrite:
+        raise ValueError(f"{out} exists; pass --overwrite to replace it, or choose another --out")
+    model, tok, _ = load(args.model, None, dtype="float32")
+    log = warm_start(model, tok, cfg, progress=not args.quiet)
+    write_warm_start(model, resolve(args.model), out, cfg, log)
+    print(f"warm start: loss {log['loss'][0]:.3f} -> {log['loss'][-1]:.3f} in {log['seconds']:.0f} s; "
+          f"written to {out}")
+    return 0
