@@ -58,4 +58,4 @@ def test_the_command_line_parser_builds_without_torch():
             "print(sorted(p._subparsers._group_actions[0].choices))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "sample-responses" in out.stdout and "setup" in out.stdout
+    assert "sample-responses" in out.stdout and "warm-start" in out.stdout and "setup" in out.stdout

@@ -19,12 +19,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from tqdm.auto import tqdm
-
-from .tasks import encode_prompts
 from .wordproblems import WordTaskConfig, generate_word_problems
+
+# torch, tqdm and the tokenizer-facing modules are imported where used: the CLI registers this module's command
+# before `python -m tltlib setup` has installed torch
 
 
 @dataclass(frozen=True)
@@ -50,10 +48,10 @@ class WarmStartConfig:
         WordTaskConfig(max_steps=self.max_problem_steps)           # raises naming the allowed range
 
 
-def solution_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> tuple[torch.Tensor,
-                                                                                                torch.Tensor]:
+def solution_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
     """Right-padded inputs ``[B, T]`` (prompt then response) and next-token targets ``[B, T]``: the response's tokens
     at the positions that predict them, -100 elsewhere (prompt and padding carry no loss)."""
+    import torch
     t = max(len(p) + len(r) for p, r in zip(prompts, responses))
     x = torch.full((len(prompts), t), pad_id, dtype=torch.long)
     y = torch.full((len(prompts), t), -100, dtype=torch.long)
@@ -66,6 +64,11 @@ def solution_batch(prompts: list[list[int]], responses: list[list[int]], pad_id:
 def warm_start(model, tokenizer, cfg: WarmStartConfig | None = None, progress: bool = True) -> dict:
     """Train ``model`` (a :class:`tltlib.model.Transformer`, in place) on ``cfg.steps x cfg.batch`` worked solutions
     of generated word problems; returns the log ``{"step": [...], "loss": [...], "seconds": float}``."""
+    import torch
+    import torch.nn.functional as F
+    from tqdm.auto import tqdm
+
+    from .tasks import encode_prompts
     cfg = cfg or WarmStartConfig()
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no end-of-sequence token: the warm start must teach the model to stop")
