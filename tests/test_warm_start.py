@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tltlib.model import ModelConfig, Transformer
-from tltlib.warm_start import WarmStartConfig, solution_batch, warm_start
+from tltlib.reasoner import sft_batch
+from tltlib.warm_start import WarmStartConfig, warm_start
 
 
 def _char_tokenizer():
@@ -25,8 +26,8 @@ def _char_tokenizer():
                                    unk_token="<unk>")
 
 
-def test_solution_batch_puts_the_loss_on_the_response_only():
-    x, y = solution_batch([[1, 5, 6], [1, 7]], [[8, 9, 2], [4, 2]], pad_id=0)
+def test_the_batch_puts_the_loss_on_the_response_only():
+    x, y = sft_batch([([1, 5, 6], [8, 9, 2]), ([1, 7], [4, 2])], pad_id=0)
     assert x.tolist() == [[1, 5, 6, 8, 9, 2], [1, 7, 4, 2, 0, 0]]
     assert y.tolist() == [[-100, -100, 8, 9, 2, -100], [-100, 4, 2, -100, -100, -100]]
 

@@ -48,19 +48,6 @@ class WarmStartConfig:
         WordTaskConfig(max_steps=self.max_problem_steps)           # raises naming the allowed range
 
 
-def solution_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
-    """Right-padded inputs ``[B, T]`` (prompt then response) and next-token targets ``[B, T]``: the response's tokens
-    at the positions that predict them, -100 elsewhere (prompt and padding carry no loss)."""
-    import torch
-    t = max(len(p) + len(r) for p, r in zip(prompts, responses))
-    x = torch.full((len(prompts), t), pad_id, dtype=torch.long)
-    y = torch.full((len(prompts), t), -100, dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        x[i, : len(p) + len(r)] = torch.tensor(p + r)
-        y[i, len(p) - 1: len(p) + len(r) - 1] = torch.tensor(r)
-    return x, y
-
-
 def warm_start(model, tokenizer, cfg: WarmStartConfig | None = None, progress: bool = True) -> dict:
     """Train ``model`` (a :class:`tltlib.model.Transformer`, in place) on ``cfg.steps x cfg.batch`` worked solutions
     of generated word problems; returns the log ``{"step": [...], "loss": [...], "seconds": float}``."""
@@ -68,6 +55,7 @@ def warm_start(model, tokenizer, cfg: WarmStartConfig | None = None, progress: b
     import torch.nn.functional as F
     from tqdm.auto import tqdm
 
+    from .reasoner import sft_batch
     from .tasks import encode_prompts
     cfg = cfg or WarmStartConfig()
     if tokenizer.eos_token_id is None:
@@ -84,7 +72,7 @@ def warm_start(model, tokenizer, cfg: WarmStartConfig | None = None, progress: b
     log, t0 = {"step": [], "loss": []}, time.perf_counter()
     for step in tqdm(range(cfg.steps), desc="warm start", disable=not progress):
         part = slice(step * cfg.batch, (step + 1) * cfg.batch)
-        x, y = (t.to(device) for t in solution_batch(prompts[part], responses[part], pad))
+        x, y = (t.to(device) for t in sft_batch(list(zip(prompts[part], responses[part])), pad))
         loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
