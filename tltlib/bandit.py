@@ -206,10 +206,12 @@ class Bandit:
                 ss, dof = ss + s, dof + n - 1
         return math.sqrt(ss / dof)
 
-    def belief(self, batch: int, arm: SpecStrategy, noise: float | None = None) -> tuple[float, float]:
+    def belief(self, batch: int, arm: SpecStrategy, noise: float | None = None,
+               shift: float | None = None) -> tuple[float, float]:
         """(mean, standard deviation) of ``arm``'s mean log-reward at ``batch`` rows: the prior (weight
         ``prior_weight``; none without a prior) updated by the bucket's weighted rewards. An arm with neither has
-        an infinite deviation (it is tried first). ``noise``: the bucket's :meth:`noise`, when already known."""
+        an infinite deviation (it is tried first). ``noise``, ``shift``: the bucket's :meth:`noise` and
+        :meth:`calibration`, when already known (a choice asks for every arm's belief at once)."""
         b = self.bucket(batch)
         n0 = self.config.prior_weight if self.prior else 0.0
         wsum, wx, _, _ = self._stats(b, arm)
@@ -220,7 +222,7 @@ class Bandit:
         if self.prior:
             prior = math.log(max(self.predicted(arm, batch), 1e-3))
             if arm.enabled and self.config.calibrate:
-                prior += self.calibration(batch)
+                prior += self.calibration(batch) if shift is None else shift
         return (n0 * prior + wx) / n, (self.noise(b) if noise is None else noise) / math.sqrt(n)
 
     def calibration(self, batch: int) -> float:
@@ -228,7 +230,7 @@ class Bandit:
         bucket than the prior predicts: ``off``'s weighted log-rewards less its predicted log-reward, over its
         weight plus ``prior_weight`` (0 until measured). See :attr:`TunerConfig.calibrate`."""
         b = self.bucket(batch)
-        if OFF not in self.rewards[b]:
+        if not self.prior or OFF not in self.rewards[b]:
             return 0.0
         wsum, wx, _, _ = self._stats(b, OFF)
         if wsum <= 0:
@@ -277,8 +279,8 @@ class Bandit:
     def _thompson(self, batch: int, arms, charge: dict) -> SpecStrategy:
         if len(arms) == 1:
             return arms[0]
-        noise = self.noise(self.bucket(batch))
-        beliefs = [self.belief(batch, a, noise) for a in arms]
+        noise, shift = self.noise(self.bucket(batch)), self.calibration(batch)
+        beliefs = [self.belief(batch, a, noise, shift) for a in arms]
         untried = [a for a, (_, sd) in zip(arms, beliefs) if math.isinf(sd)]
         if untried:
             return untried[0]
