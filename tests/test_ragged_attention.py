@@ -64,7 +64,7 @@ def test_one_token_forwards_use_the_kernel_and_give_the_matmul_paths_logits(monk
     step = torch.randint(0, 61, (10, 1), generator=torch.Generator().manual_seed(2))
     out = {}
     for on in (True, False):
-        monkeypatch.setattr(kernels, "CPU_RAGGED_MIN_ROWS", 1 if on else 10 ** 9)
+        monkeypatch.setattr(kernels, "ragged_kernel", ra.kernel if on else lambda: None)
         cache = model.new_cache(10, 32)
         with torch.no_grad():
             model.forward_cached(prompt, cache, logits_at=lens - 1)
@@ -73,7 +73,7 @@ def test_one_token_forwards_use_the_kernel_and_give_the_matmul_paths_logits(monk
     assert len(calls) == cfg.num_layers
     torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=0)
     calls.clear()
-    monkeypatch.setattr(kernels, "CPU_RAGGED_MIN_ROWS", 1)
+    monkeypatch.setattr(kernels, "ragged_kernel", ra.kernel)
     cache = model.new_cache(40, 32)
     with torch.no_grad():
         model.forward_cached(torch.randint(0, 61, (40, 5)), cache, logits_at=torch.full((40,), 4))

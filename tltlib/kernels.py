@@ -43,11 +43,10 @@ CPU_MATMUL_ATTENTION_MAX_QUERIES = 8
 CPU_BIAS_MAX_SCORES = 1 << 17
 """CPU cached attention: a ragged mask up to this many scores per layer (rows x heads x queries x positions) is added
 as a bias inside the first matmul; beyond, it is applied in place (see :func:`gqa_attention`)."""
-CPU_RAGGED_MIN_ROWS = 1
-"""CPU float32, one new token per row: from this many rows up the ragged C++ kernel (:mod:`tltlib.ragged_attention`)
-reads each row's own cached length, when it is built."""
 CPU_RAGGED_UNIFORM_MAX_ROWS = 32
-"""... and when every row is equally long (no mask), up to this many rows. Decode forwards, kernel against matmuls
+"""CPU float32, one new token per row: the ragged C++ kernel (:mod:`tltlib.ragged_attention`, when built) reads each
+row's own cached length whenever the rows differ in length, and when they are equally long (no mask) up to this
+many rows. Decode forwards, kernel against matmuls
 (2-core machine, medians of 25 interleaved): tiny reasoner (head dim 32) at 1 / 8 / 32 / 64 / 128 rows of 300
 positions 1.03 / 1.04 / 0.99 / 0.95 / 0.92x equal, 1.05 / 1.17 / 1.13 / 1.12 / 1.12x spread over 150-450;
 SmolLM2-135M (head dim 64) at 1 / 16 / 64 rows of 400 1.03 / 1.07 / 1.09x equal, 1.05 / 1.17 / 1.26x spread."""
@@ -164,7 +163,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     b, h, t, _ = q.shape
     if q.is_cuda:
         return gqa_sdpa(q, k, v, mask)
-    if limits is not None and t == 1 and q.dtype == torch.float32 and b >= CPU_RAGGED_MIN_ROWS and \
+    if limits is not None and t == 1 and q.dtype == torch.float32 and \
             (mask is not None or b <= CPU_RAGGED_UNIFORM_MAX_ROWS) and ragged_kernel() is not None:
         return ragged_attention(q, k, v, limits)
     if b < CPU_MATMUL_ATTENTION_MIN_ROWS or t > CPU_MATMUL_ATTENTION_MAX_QUERIES:

@@ -4,12 +4,12 @@ A dense KV cache read as one ``rows x span`` block makes every row pay for the l
 rollout differ by hundreds of tokens, and every later decode step attends (and masks) over the padded span. On the
 2-core development machine a plain decode step of the tiny reasoner at 64 rows spread over 200-600 cached positions
 took 18.2 ms against 11.9 ms with all at 400. vLLM's CPU backend reads each request's own length in one C++ op per
-layer; so does :func:`ragged_attention`, written here (read, not copied): per (row, KV head), on torch's own thread
-pool size, the scores of the query heads sharing that KV head over positions ``< limit[row]``, a softmax, and the
+layer; so does :func:`ragged_attention`, written here (read, not copied): per (row, KV head), on as many threads as
+torch uses, the scores of the query heads sharing that KV head over positions ``< limit[row]``, a softmax, and the
 weighted sum of the values. No padded positions are read, no mask is built, one op replaces ~6 per layer.
 
 It is used (by :func:`tltlib.kernels.cached_attention`) for one new token per row (decode, chain drafting) in
-float32 on a CPU, where it was measured faster than the two matmuls (see ``kernels.CPU_RAGGED_ATTENTION``); longer
+float32 on a CPU, where it was measured faster than the two matmuls (see ``kernels.CPU_RAGGED_UNIFORM_MAX_ROWS``); longer
 verifies keep the matmuls (a matrix product of several queries, which BLAS does better than this loop).
 
 Building: ``torch.utils.cpp_extension.load_inline`` compiles the source with the machine's C++ compiler into torch's
@@ -74,46 +74,44 @@ torch::Tensor ragged_decode_attention(torch::Tensor q, torch::Tensor k, torch::T
 #pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads()) if (work >= PARALLEL_WORK)
   for (int64_t task = 0; task < B * KVH; ++task) {
     thread_local std::vector<float> s;
-    {
-      const int64_t b = task / KVH, kh = task % KVH, n = lp[b];
-      if (static_cast<int64_t>(s.size()) < G * n) s.resize(G * n);
-      const float* kb = kp + b * ksb + kh * ksh;
-      const float* vb = vp + b * vsb + kh * vsh;
-      const float* qb = qp + (b * H + kh * G) * d;     // the G query heads of this KV head, d apart
-      float* ob = op + (b * H + kh * G) * d;
-      for (int64_t j = 0; j < n; ++j) {                // scores: each key read once for the G heads
-        const float* kj = kb + j * kss;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qb + g * d;
-          float acc = 0.f;
+    const int64_t b = task / KVH, kh = task % KVH, n = lp[b];
+    if (static_cast<int64_t>(s.size()) < G * n) s.resize(G * n);
+    const float* kb = kp + b * ksb + kh * ksh;
+    const float* vb = vp + b * vsb + kh * vsh;
+    const float* qb = qp + (b * H + kh * G) * d;     // the G query heads of this KV head, d apart
+    float* ob = op + (b * H + kh * G) * d;
+    for (int64_t j = 0; j < n; ++j) {                // scores: each key read once for the G heads
+      const float* kj = kb + j * kss;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qb + g * d;
+        float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-          for (int64_t i = 0; i < d; ++i) acc += qg[i] * kj[i];
-          s[g * n + j] = acc * sc;
-        }
+        for (int64_t i = 0; i < d; ++i) acc += qg[i] * kj[i];
+        s[g * n + j] = acc * sc;
       }
-      for (int64_t g = 0; g < G; ++g) {                // softmax over the row's own positions
-        float* sg = s.data() + g * n;
-        float m = sg[0];
-        for (int64_t j = 1; j < n; ++j) m = std::max(m, sg[j]);
-        float z = 0.f;
+    }
+    for (int64_t g = 0; g < G; ++g) {                // softmax over the row's own positions
+      float* sg = s.data() + g * n;
+      float m = sg[0];
+      for (int64_t j = 1; j < n; ++j) m = std::max(m, sg[j]);
+      float z = 0.f;
 #pragma omp simd reduction(+ : z)
-        for (int64_t j = 0; j < n; ++j) {
-          sg[j] = std::exp(sg[j] - m);
-          z += sg[j];
-        }
-        const float inv = 1.f / z;
-        float* og = ob + g * d;
-        for (int64_t i = 0; i < d; ++i) og[i] = 0.f;
-        for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+      for (int64_t j = 0; j < n; ++j) {
+        sg[j] = std::exp(sg[j] - m);
+        z += sg[j];
       }
-      for (int64_t j = 0; j < n; ++j) {                // weighted values: each value read once for the G heads
-        const float* vj = vb + j * vss;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = s[g * n + j];
-          float* og = ob + g * d;
+      const float inv = 1.f / z;
+      float* og = ob + g * d;
+      for (int64_t i = 0; i < d; ++i) og[i] = 0.f;
+      for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+    }
+    for (int64_t j = 0; j < n; ++j) {                // weighted values: each value read once for the G heads
+      const float* vj = vb + j * vss;
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = s[g * n + j];
+        float* og = ob + g * d;
 #pragma omp simd
-          for (int64_t i = 0; i < d; ++i) og[i] += p * vj[i];
-        }
+        for (int64_t i = 0; i < d; ++i) og[i] += p * vj[i];
       }
     }
   }

@@ -12,8 +12,9 @@ with the same verifier as the chain task and GSM8K::
 
 Every intermediate count stays a non-negative integer below 1000 (divisions are exact), so the answer is
 unambiguous. ``meta["solution"]`` is a worked solution in the same format (each operation with its arithmetic, then
-``#### N``), the target of a supervised warm start for a model that cannot yet do the task. Steps are Zipf-distributed (exponent 1.0 over 1..8 by default): most problems are short, a few long —
-and a model's responses grow with them, which is the long tail the rollout engine must handle.
+``#### N``), the target of a supervised warm start for a model that cannot yet do the task. Steps are
+Zipf-distributed (exponent 1.0 over 1..8 by default): most problems are short, a few long — and a model's responses
+grow with them, which is the long tail the rollout engine must handle.
 
 Departure: GSM8K's problems are written by people and need varied reasoning; these are generated from a dozen
 templates, so a model can learn them quickly (room for RL) while staying checkable without a dataset download.
