@@ -9,21 +9,13 @@ import torch
 
 from tltlib.model import ModelConfig, Transformer
 from tltlib.reasoner import sft_batch
+from tltlib.tokenizer import build_tokenizer
 from tltlib.warm_start import WarmStartConfig, warm_start
 
 
 def _char_tokenizer():
     """One token per printable ASCII character (the word problems' text), <bos> prepended, an <eos>."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-    specials = ("<pad>", "<bos>", "<eos>", "<unk>")
-    vocab = {t: i for i, t in enumerate(specials + tuple(string.printable))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                   unk_token="<unk>")
+    return build_tokenizer(string.printable)
 
 
 def test_the_batch_puts_the_loss_on_the_response_only():

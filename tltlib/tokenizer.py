@@ -18,12 +18,13 @@ LABELS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 CHARS = "0123456789+-*=#?: " + LABELS
 
 
-def build_tokenizer():
-    """The chain task's tokenizer: ids 0-3 are ``<pad> <bos> <eos> <unk>``, then one id per character of CHARS."""
+def build_tokenizer(chars: str = CHARS):
+    """The chain task's tokenizer: ids 0-3 are ``<pad> <bos> <eos> <unk>``, then one id per character of ``chars``
+    (another alphabet gives a character tokenizer for other text, e.g. small test models on word problems)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(SPECIALS + tuple(CHARS))}
+    vocab = {t: i for i, t in enumerate(SPECIALS + tuple(dict.fromkeys(chars)))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
