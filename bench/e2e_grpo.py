@@ -45,7 +45,7 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (DRAFTER, add_device_flags, add_model_flags, add_output_flags, bench_parser,  # noqa: E402
+from _common import (DRAFTER, MODEL, add_device_flags, add_model_flags, add_output_flags, bench_parser,  # noqa: E402
                      existing_file, listed, load_models, machine_info, markdown_table, nonnegative_int, parse_bench_args,
                      positive_float, positive_int, resolve, result_name, strategy_name, temperature, write_results)
 
@@ -70,7 +70,8 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--held-out", type=positive_int, default=128, help="held-out problems for the final accuracy")
     ap.add_argument("--probe", type=nonnegative_int, default=16,
                     help="probe prompts for the accepted-length curves (0 = off)")
-    ap.add_argument("--probe-strategy", type=strategy_name, default="chain-8")
+    ap.add_argument("--probe-strategy", type=listed(strategy_name, "chain-6,tree-6x4-24"), default="chain-8",
+                    help="strategies of the accepted-length probes, comma-separated (the first is plotted)")
     ap.add_argument("--trl-steps", type=nonnegative_int, default=2, help="TRL GRPOTrainer steps (0 = skip the peer)")
     ap.add_argument("--trl-runs", type=listed(trl_run_name, "defaults,tuned"),
                     default="defaults,no-bf16,no-bf16-no-ckpt,tuned",
@@ -87,10 +88,53 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--train-on", default="own", choices=["own", "all"],
                     help="with --workers: the spot trainer's data (scheduler.train_on; older results: pairs)")
     ap.add_argument("--tag", default="", help="suffix of the result files (e.g. -drift)")
+    ap.add_argument("--recipe", type=existing_file,
+                    help="a train-grpo parameter file (params/train/*.yaml): its model, drafter, task, curriculum, "
+                         "rewards, grpo and tlt settings and eval_problems replace the flags that set them (giving "
+                         "one of those flags too is refused; --model and --drafter override the file's)")
     add_output_flags(ap)
     ap.add_argument("--replot", metavar="JSON", type=existing_file,
                     help="only redraw the figures of an earlier result file")
-    return parse_bench_args(ap, argv)
+    ap.set_defaults(**{k: None for k in (*RECIPE_FLAGS, "model", "drafter", "trl_steps")})
+    return _with_recipe(parse_bench_args(ap, argv), ap.error)
+
+
+RECIPE_FLAGS = {"prompts": 16, "group": 8, "max_new": 720, "temperature": 0.9, "lr": 1e-4, "micro_batch_tokens": 2048,
+                "drafter_steps": 6, "drafter_batch": 4, "threshold": 0, "on_drafter_change": "discount",
+                "held_out": 128, "spot_max": 200, "train_on": "own"}
+"""The flags a ``--recipe`` sets, with their defaults without one."""
+
+
+def _with_recipe(args, error):
+    """Fill the flags a recipe sets from ``--recipe`` (refusing them given beside it) or from their defaults;
+    ``error(message)`` stops the parse."""
+    args.job = None
+    if not args.recipe:
+        for k, v in {**RECIPE_FLAGS, "model": MODEL, "drafter": DRAFTER, "trl_steps": 2}.items():
+            setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
+        return args
+    given = [k for k in RECIPE_FLAGS if getattr(args, k) is not None]
+    if given:
+        error(f"--{given[0].replace('_', '-')} is set by the recipe {args.recipe}: change it there (or "
+                         "drop --recipe)")
+    if args.trl_steps:
+        error("TRL's peer runs the chain task's accuracy reward only: give --trl-steps 0 with --recipe")
+    from tltlib.rljob import read_job
+    job = args.job = read_job(args.recipe)
+    g, t = job.grpo, job.tlt
+    if t is None:
+        error(f"{args.recipe}: tlt is null (the baseline); the comparison needs TLT's settings")
+    args.model, args.drafter = args.model or job.model, args.drafter or job.drafter
+    if not args.drafter:
+        error(f"{args.recipe}: no drafter; give --drafter")
+    args.trl_steps = 0
+    for k, v in {"prompts": g.prompts_per_step, "group": g.num_generations, "max_new": g.max_completion_length,
+                 "temperature": g.temperature, "lr": g.learning_rate, "micro_batch_tokens": g.micro_batch_tokens,
+                 "drafter_steps": t.drafter_steps, "drafter_batch": t.drafter_batch, "threshold": t.threshold,
+                 "on_drafter_change": t.on_drafter_change, "held_out": job.eval_problems,
+                 "spot_max": job.scheduler.max_micro_steps, "train_on": job.scheduler.train_on}.items():
+        setattr(args, k, v)
+    return args
 
 
 def main() -> None:
@@ -117,8 +161,9 @@ def _one_process(args) -> None:
     device = str(model.device)
     train, held, probe = _data(args)
     result = compare(model, tok, drafter, train, held, partial(_grpo, args), _tlt(args), args.seeds, args.steps,
-                     probe, args.probe_strategy, log=lambda s: print(s, flush=True))
-    upd = update_speed(GRPOTrainer(copy.deepcopy(model), tok, train, _grpo(args, 0)),
+                     probe, args.probe_strategy, log=lambda s: print(s, flush=True),
+                     trainer_kwargs=_trainer_kwargs(args))
+    upd = update_speed(GRPOTrainer(copy.deepcopy(model), tok, train, _grpo(args, 0), **_trainer_kwargs(args)),
                        encode_prompts(train[: args.prompts], tok))
     trl = _trl_peer(args, _trl_prompts(args, train, model, tok), device) if args.trl_steps else {}
     fair = trl.get("tuned") or trl.get("defaults")          # the baseline's speedup over TRL: against tuned TRL
@@ -126,8 +171,9 @@ def _one_process(args) -> None:
     if fair and fair["step_s"]:
         summary["comparison"]["trl_run"] = fair["run"]
     trl_cmp = trl_comparison(summary["baseline"], trl) if trl else None
+    summary["before"] = result["before"]
     table = _tables(summary, result["acceptance"], upd, args, device) + _trl_tables(trl, trl_cmp, summary, args)
-    payload = {"bench": "e2e_grpo", "machine": machine_info(device), "settings": vars(args), "summary": summary,
+    payload = {"bench": "e2e_grpo", "machine": machine_info(device), "settings": _settings(args), "summary": summary,
                "acceptance": result["acceptance"], "update_speed": upd, "trl": trl.get("defaults"),
                **{trl_key(name): r for name, r in trl.items() if name != "defaults"}, "trl_comparison": trl_cmp,
                "runs": result["runs"]}
@@ -135,23 +181,51 @@ def _one_process(args) -> None:
     _figures(payload, path)
 
 
+def _settings(args) -> dict:
+    """The flags as run, with the recipe's whole job when there is one."""
+    from dataclasses import asdict
+    out = {k: v for k, v in vars(args).items() if k != "job"}
+    if args.job is not None:
+        out["recipe_job"] = {k: asdict(v) if hasattr(v, "__dataclass_fields__") else v for k, v in vars(args.job).items()}
+    return out
+
+
 def _grpo(args, seed=0):
+    from dataclasses import replace
+
     from tltlib.grpo import GRPOConfig
+    if args.job is not None:
+        return replace(args.job.grpo, max_steps=args.steps, seed=seed)
     return GRPOConfig(num_generations=args.group, generation_batch_size=args.prompts * args.group,
                       max_completion_length=args.max_new, temperature=args.temperature, learning_rate=args.lr,
                       max_steps=args.steps, seed=seed, micro_batch_tokens=args.micro_batch_tokens)
 
 
 def _data(args):
-    from tltlib.tasks import ChainTaskConfig, generate_problems
+    from tltlib.tasks import ChainTaskConfig, generate_problems, generate_task
+    if args.job is not None:
+        from tltlib.rljob import job_problems
+        train, held = job_problems(args.job)
+        probe = generate_task(args.job.task_cfg, args.probe, seed=20_002) if args.probe else []
+        return train, held, probe
     train = generate_problems(ChainTaskConfig(), 4096, seed=1)
     held = generate_problems(ChainTaskConfig(zipf_exponent=0.6), args.held_out, seed=10_001)
     probe = generate_problems(ChainTaskConfig(zipf_exponent=0.6), args.probe, seed=20_002) if args.probe else []
     return train, held, probe
 
 
+def _trainer_kwargs(args) -> dict:
+    """The recipe's reward functions and curriculum (without one: the trainer's defaults)."""
+    if args.job is None:
+        return {}
+    from tltlib.grpo import reward_funcs_named
+    return {"reward_funcs": reward_funcs_named(args.job.rewards), "curriculum": args.job.curriculum}
+
+
 def _tlt(args):
     from tltlib.trainer import TLTConfig
+    if args.job is not None:
+        return args.job.tlt
     return TLTConfig(speculative="adaptive", threshold=args.threshold, drafter_steps=args.drafter_steps,
                      drafter_batch=args.drafter_batch, on_drafter_change=args.on_drafter_change)
 
@@ -168,7 +242,8 @@ def _worker(args) -> None:
     model, tok, drafter = load_models(args, drafter=True, device=world.device, all_cores=False)
     train, held, probe = _data(args)
     out = compare_workers(model, tok, drafter, train, held, _grpo(args), _tlt(args), sched, args.steps, probe,
-                          args.probe_strategy, world, log=lambda s: print(s, flush=True))
+                          args.probe_strategy, world, log=lambda s: print(s, flush=True),
+                          trainer_kwargs=_trainer_kwargs(args))
     if out is not None:
         Path(os.environ["TLTLIB_E2E_RAW"]).write_text(json.dumps(out, default=float))
     world.close()
@@ -179,10 +254,8 @@ def _launch_workers(args) -> None:
     import json
     import subprocess
 
-    from tltlib.draft_warm import measure_acceptance
-    from tltlib.e2e import schedule_summary, summarize
+    from tltlib.e2e import probe_row, schedule_summary, summarize
     from tltlib.world import torchrun_command
-    from tltlib.speculative import SpecStrategy
     from tltlib.trainer import GRPOTrainer
     args.seeds, args.trl_steps = 1, 0                 # what the data-parallel comparison runs (recorded as such)
     raw = Path(tempfile.mkdtemp()) / "raw.json"
@@ -196,14 +269,16 @@ def _launch_workers(args) -> None:
     model, tok, drafter = load_models(args, drafter=True)
     train, held, probe = _data(args)
     online = copy.deepcopy(drafter).attach(model)
-    tr = GRPOTrainer(model, tok, train, _grpo(args), drafter=online, tlt=_tlt(args))
+    tr = GRPOTrainer(model, tok, train, _grpo(args), drafter=online, tlt=_tlt(args), **_trainer_kwargs(args))
     one = []
     for step in range(args.steps):
         m = tr.step()
-        acc = measure_acceptance(model, online, tok, probe, SpecStrategy.parse(args.probe_strategy),
-                                 args.temperature, args.max_new)["spec/accept_len_mean"] if probe else None
-        one.append({"step": step + 1, "accept": acc, "step_s": m["time/step_s"]})
-        print(f"one process, step {step + 1}: {m['time/step_s']:.2f} s, accepted length {acc}", flush=True)
+        row = probe_row(model, {"online": online}, tok, probe, args.probe_strategy, args.temperature, args.max_new,
+                        step + 1) if probe else {}
+        one.append({"step": step + 1, "accept": row.get("online"), "step_s": m["time/step_s"], "probe": row,
+                    "drafter_s": m["time/drafter_s"]})
+        print(f"one process, step {step + 1}: {m['time/step_s']:.2f} s, accepted length {row.get('online')}",
+              flush=True)
     device = "cuda" if args.device.startswith("cuda") else "cpu"
     runs = result["runs"]
     summary = summarize({"baseline": runs["baseline"], "tlt": runs["tlt"]})
@@ -215,7 +290,7 @@ def _launch_workers(args) -> None:
     summary["accept_last"] = {"spot": last and last["online"], "frozen": last and last["frozen"],
                               "one_process_online": one[-1]["accept"] if one else None}
     table = _worker_tables(summary, result["acceptance"], one, args, device, runs["tlt"][0]["steps"])
-    payload = {"bench": "e2e_grpo", "workers": args.workers, "machine": machine_info(device), "settings": vars(args),
+    payload = {"bench": "e2e_grpo", "workers": args.workers, "machine": machine_info(device), "settings": _settings(args),
                "summary": summary, "acceptance": result["acceptance"], "one_process": one, "runs": runs}
     path = write_results(result_name("e2e_grpo", device, args.dtype, f"-w{args.workers}{args.tag}"), payload, table,
                          args.out)
@@ -251,11 +326,13 @@ def _worker_tables(s, acceptance, one, args, device, tlt_steps) -> str:
              f"{sc['overhead_share']:.2%} of the step (goal <= 1%); preemption "
              f"latency at most {sc['preempt_micro_steps_max']:.2f} micro-steps (goal <= 1).")
     if acceptance:
-        ref = {o["step"]: o["accept"] for o in one}
-        text += (f"\n\nAccepted length per RL step ({args.probe_strategy} on {args.probe} probe prompts, TLT's "
-                 "policy):\n\n" + markdown_table(
-                     ["step", "spot-trained", "frozen", "one-process online (own run)"],
-                     [[a["step"], a["online"], a["frozen"], ref.get(a["step"])] for a in acceptance]))
+        ref = {o["step"]: o.get("probe", {}) for o in one}
+        for name in args.probe_strategy.split(","):
+            text += (f"\n\nAccepted length per RL step ({name} on {args.probe} probe prompts, TLT's policy):\n\n"
+                     + markdown_table(["step", "spot-trained", "frozen", "one-process online (own run)"],
+                                      [[a["step"], a.get(f"online:{name}"), a.get(f"frozen:{name}"),
+                                        ref.get(a["step"], {}).get(f"online:{name}")] for a in acceptance]))
+        text += _depth_table(acceptance, args.probe_strategy, {"online": "spot-trained", "frozen": "frozen"})
         al = s["accept_last"]
         if al["one_process_online"]:
             text += (f"\n\nLast step: spot-trained {al['spot']:.2f} vs one-process online "
@@ -264,10 +341,29 @@ def _worker_tables(s, acceptance, one, args, device, tlt_steps) -> str:
     return text
 
 
+def _depth_table(acceptance: list[dict], strategies: str, labels: dict[str, str]) -> str:
+    """Per-depth acceptance at the first and the last probed RL step: P(draft d accepted | drafts 1..d-1 were),
+    from the shares of SD row-steps accepting at least d drafts."""
+    rows = []
+    for name in strategies.split(","):
+        for a in (acceptance[0], acceptance[-1]):
+            for key, label in labels.items():
+                ge = a.get(f"{key}:{name}:ge")
+                if ge:
+                    cond = [ge[0]] + [ge[d] / ge[d - 1] if ge[d - 1] > 0 else 0.0 for d in range(1, len(ge))]
+                    rows.append([name, a["step"], label, *[f"{c:.2f}" for c in cond]])
+    if not rows:
+        return ""
+    depth = max(len(r) for r in rows) - 3
+    rows = [r + [""] * (depth + 3 - len(r)) for r in rows]
+    return ("\n\nAcceptance by draft depth (P(depth d accepted | depths before it were)), first and last step:\n\n"
+            + markdown_table(["strategy", "step", "drafter", *[f"d={d}" for d in range(1, depth + 1)]], rows))
+
+
 def _figures(payload: dict, json_path: Path) -> None:
     """``<result>-acceptance.png`` (accepted length per RL step) beside the result file; with ``--workers`` also
     ``-gantt.png`` (the TLT run's last step on every worker) and ``-harvest.png`` (idle and harvested time)."""
-    from tltlib.plots import acceptance_curves, harvest_bars, worker_gantt
+    from tltlib.plots import acceptance_curves, harvest_bars, reward_curves, worker_gantt
     figs = {}
     rows = payload.get("acceptance") or []
     if payload.get("workers"):
@@ -277,8 +373,12 @@ def _figures(payload: dict, json_path: Path) -> None:
         figs["gantt"] = worker_gantt(steps[-1]["sched/timeline"], f"TLT, step {len(steps)}, "
                                      f"{payload['workers']} workers: rollout, spot training, sync, update")
         figs["harvest"] = harvest_bars(steps)
+    s = payload.get("summary", {})
+    if not payload.get("workers") and "reward_by_step" in s.get("baseline", {}):
+        figs["rewards"] = reward_curves({"baseline": s["baseline"]["reward_by_step"],
+                                         "TLT": s["tlt"]["reward_by_step"]})
     if rows:
-        figs["acceptance"] = acceptance_curves(rows, payload["settings"]["probe_strategy"], online_label=(
+        figs["acceptance"] = acceptance_curves(rows, payload["settings"]["probe_strategy"].split(",")[0], online_label=(
             "spot-trained drafter" if payload.get("workers") else "online drafter (trained each step)"))
     for name, fig in figs.items():
         out = json_path.with_name(f"{json_path.stem}-{name}.png")
@@ -543,6 +643,7 @@ def _with_iqr(v: dict, key: str) -> str:
 
 
 def _tables(s, acceptance, upd, args, device) -> str:
+    from tltlib.e2e import LENGTH_KEYS
     b, t, c = s["baseline"], s["tlt"], s["comparison"]
     rows = [[name, v["rollout"], v["logprob"], v["update"], v["drafter"], _with_iqr(v, "step"),
              f"{b['step'] / v['step']:.2f}x", f"{v['rollout'] / v['step']:.0%}"] for name, v in (("baseline", b),
@@ -565,10 +666,19 @@ def _tables(s, acceptance, upd, args, device) -> str:
              f"{statistics.mean(b['held_out']):.3f} ({', '.join(f'{x:.3f}' for x in b['held_out'])}), TLT "
              f"{statistics.mean(t['held_out']):.3f} ({', '.join(f'{x:.3f}' for x in t['held_out'])}); Welch t-test "
              f"p = {c['held_out_welch_p'] if c['held_out_welch_p'] is None else round(c['held_out_welch_p'], 3)}.")
+    if s.get("before"):
+        text += f" The initial policy: {s['before']['eval/accuracy']:.3f}."
+    text += "\n\nResponse lengths at the first and the last RL step (per seed):\n\n" + markdown_table(
+        ["policy", "seed", "step", "mean", "p50", "p90", "p99", "max"],
+        [[name, k, which, *[f"{d[key]:.0f}" if d.get(key) is not None else "n/a" for key in LENGTH_KEYS]]
+         for name, v in (("baseline", b), ("TLT", t)) for k, seed in enumerate(v.get("lengths_first_last", []))
+         for which, d in zip(("first", "last"), seed)])
     if acceptance:
-        text += (f"\n\nAccepted length per RL step ({args.probe_strategy} on {args.probe} probe prompts, seed 0):\n\n"
+        text += (f"\n\nAccepted length per RL step ({args.probe_strategy.split(',')[0]} on {args.probe} probe "
+                 "prompts, seed 0):\n\n"
                  + markdown_table(["step", "online drafter", "frozen drafter", "n-gram"],
                                   [[a["step"], a["online"], a["frozen"], a["ngram"]] for a in acceptance]))
+        text += _depth_table(acceptance, args.probe_strategy, {"online": "online", "frozen": "frozen"})
     if upd:
         text += "\n\nUpdate (forward + backward) on one rollout's batch:\n\n" + markdown_table(
             ["micro-batches", "count", "padded tokens", "tokens/s"],

@@ -47,6 +47,10 @@ def assert_one_line_error(out: subprocess.CompletedProcess, *expected: str) -> N
     (["decode", "--model", "no/such/model"], ["argument --model", "no model folder 'no/such/model'"]),
     (["speculative", "--drafter", "no/such/drafter"], ["argument --drafter", "data/tiny-reasoner-drafter"]),
     (["e2e_grpo", "--replot", "no/such.json"], ["argument --replot", "no file 'no/such.json'"]),
+    (["e2e_grpo", "--recipe", "params/train/cpu-smollm2.yaml", "--lr", "0.001"],
+     ["--lr is set by the recipe params/train/cpu-smollm2.yaml: change it there"]),
+    (["e2e_grpo", "--recipe", "params/train/cpu-smollm2.yaml", "--trl-steps", "2"],
+     ["give --trl-steps 0 with --recipe"]),
     (["drafters", "--model", "data/tiny-reasoner", "--drafters", "data/tiny-reasoner-drafter;no/such",
       "--responses", "README.md"], ["argument --drafters", "no drafter folder 'no/such'", "';'-separated list"]),
 ])
@@ -232,3 +236,27 @@ def test_long_tail_bench_with_same_lengths_runs_every_policy_on_one_schedule(tmp
         assert lo <= g[f"{key}_paired"] <= hi
     assert out.stdout.count("[guarantee ") == 2 and "bootstrap interval" in (tmp_path / "long_tail_rollout-cpu-float32"
                                                                              "-3x3-same-lengths.md").read_text()
+
+
+def test_a_recipe_sets_the_comparison_from_a_train_grpo_file(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: data/tiny-reasoner\ndrafter: data/tiny-reasoner-drafter\ntask: words\n"
+                      "rewards: [accuracy, format]\ncurriculum: {levels: [1, 2]}\neval_problems: 24\n"
+                      "grpo: {num_generations: 4, generation_batch_size: 16, learning_rate: 3.0e-6, "
+                      "reward_weights: [1.0, 0.5]}\ntlt: {drafter_steps: 3}\n")
+    ns = argparse.Namespace(recipe=str(recipe), model=None, drafter=None, trl_steps=None, probe=4, steps=5,
+                            **{k: None for k in e2e_grpo.RECIPE_FLAGS})
+    args = e2e_grpo._with_recipe(ns, pytest.fail)
+    assert (args.prompts, args.group, args.lr, args.drafter_steps, args.held_out, args.trl_steps) == \
+        (4, 4, 3e-6, 3, 24, 0)
+    assert args.model == "data/tiny-reasoner" and args.drafter == "data/tiny-reasoner-drafter" and args.train_on == "own"
+    grpo = e2e_grpo._grpo(args, seed=2)
+    assert (grpo.max_steps, grpo.seed, grpo.reward_weights) == (5, 2, (1.0, 0.5))
+    kw = e2e_grpo._trainer_kwargs(args)
+    assert [f.__name__ for f in kw["reward_funcs"]] == ["accuracy_reward", "format_reward"]
+    assert kw["curriculum"].levels == (1, 2)
+    train, held, probe = e2e_grpo._data(args)
+    assert len(held) == 24 and len(probe) == 4 and all(p.meta["source"] == "words" for p in train[:8] + held)
+    plain = e2e_grpo._with_recipe(argparse.Namespace(recipe=None, model=None, drafter=None, trl_steps=None,
+                                                     **{k: None for k in e2e_grpo.RECIPE_FLAGS}), pytest.fail)
+    assert plain.lr == 1e-4 and plain.model == "data/tiny-reasoner" and plain.trl_steps == 2 and plain.job is None

@@ -67,14 +67,29 @@ def test_a_tiny_comparison_runs_both_policies_and_probes_the_drafters():
     from tltlib.grpo import GRPOConfig
     from tltlib.tasks import ChainTaskConfig, generate_problems
     from tltlib.trainer import TLTConfig
+    from tltlib.grpo import accuracy_reward
+    from tltlib.curriculum import CurriculumConfig
+
+    def length_reward(prompts, completions, **kw):
+        return [-len(c) / 100 for c in completions]
+
     model, tok, drafter = load("data/tiny-reasoner", "data/tiny-reasoner-drafter")
     train = generate_problems(ChainTaskConfig(max_steps=4), 20, seed=1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     out = compare(model, tok, drafter, train, train[:3], lambda s: GRPOConfig(
         num_generations=2, generation_batch_size=4, max_completion_length=40, learning_rate=1e-4, seed=s),
         TLTConfig(speculative="chain-2", drafter_steps=1, drafter_batch=2), seeds=1, steps=2, probe=train[:2],
-        probe_strategy="chain-2", log=lambda s: None)
+        probe_strategy="chain-2", log=lambda s: None,
+        trainer_kwargs={"reward_funcs": [accuracy_reward, length_reward],
+                        "curriculum": CurriculumConfig(levels=(2, 4), steps_per_level=1)})
     assert [len(r["steps"]) for r in out["runs"]["tlt"]] == [2] and len(out["runs"]["baseline"]) == 1
+    assert 0.0 <= out["before"]["eval/accuracy"] <= 1.0
+    for policy in ("baseline", "tlt"):                    # both arms got the recipe's rewards and curriculum
+        steps = out["runs"][policy][0]["steps"]
+        assert [m["rl/curriculum_level"] for m in steps] == [2.0, 4.0]
+        assert all(m["rl/reward/length_reward"] < 0 for m in steps)
+    lengths = summarize(out["runs"])["tlt"]["lengths_first_last"]
+    assert len(lengths) == 1 and lengths[0][1]["len_max"] >= lengths[0][1]["len_p50"] > 0
     assert [a["step"] for a in out["acceptance"]] == [1, 2] and out["acceptance"][0]["frozen"] >= 1.0
     assert all((before[k] == v).all() for k, v in model.state_dict().items())     # the input model is untouched
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tltlib.grpo import (GRPOConfig, accuracy_reward, aggregate_loss, clipped_token_loss, compute_rewards,
-                         group_advantages, kl_k3)
+                         format_reward, group_advantages, kl_k3, reward_funcs_named)
 
 
 def test_group_advantages_by_scaling():
@@ -77,6 +77,28 @@ def test_reward_functions_are_called_with_trl_signature_and_errors_name_them():
         compute_rewards([lambda prompts, completions, **kw: ["yes", 1.0]], prompts, comps, {})
     with pytest.raises(ValueError, match="reward_weights has 1 values for 2"):
         compute_rewards([accuracy_reward, length_penalty], prompts, comps, {"answer": ["7", "7"]}, weights=(1.0,))
+
+
+def test_format_reward_scores_the_answer_line_whatever_the_number_and_refuses_what_is_not_text():
+    comps = ["Tom has 3 + 2 = 5 apples.\n#### 5", "#### 5", "x = 4\n#### 5\nSo the answer is 5.",
+             "reasoning\n####  1,200.", "a\n#### <number>", [{"role": "assistant", "content": "2 + 2\n#### 4"}],
+             "6 * 7 = 42\n#### -3"]
+    assert format_reward(["p"] * 7, comps) == [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0]
+    table, total = compute_rewards([accuracy_reward, format_reward], ["p", "p"], comps[:2], {"answer": ["5", "5"]},
+                                   weights=(1.0, 0.2))
+    torch.testing.assert_close(total, torch.tensor([1.2, 1.0]))       # the bare answer line is right, not well formed
+    with pytest.raises(ValueError, match="reward function format_reward raised TypeError: completion 1 is int"):
+        compute_rewards([format_reward], ["p", "p"], ["a\n#### 1", 3], {})
+    with pytest.raises(ValueError, match="reward function format_reward returned nan for completion 0"):
+        def format_reward_nan(prompts, completions, **kw):
+            return [float("nan")] * len(completions)
+        format_reward_nan.__name__ = "format_reward"
+        compute_rewards([format_reward_nan], ["p"], ["a"], {})
+    assert reward_funcs_named(["accuracy", "format"]) == [accuracy_reward, format_reward]
+    with pytest.raises(ValueError, match="rewards: unknown reward function 'lenght'; choose from accuracy, format"):
+        reward_funcs_named(["accuracy", "lenght"])
+    with pytest.raises(ValueError, match="named twice"):
+        reward_funcs_named(["format", "format"])
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -134,6 +134,11 @@ def test_a_key_given_twice_is_refused(tmp_path):
     ("FIGURES_DIR: README.md\n", "FIGURES_DIR = 'README.md' .*is \\(inside\\) a file, not a folder"),
     ("n_prompts: 3\n", "n_prompts is declared by no notebook \\(did you mean N_PROMPTS\\?\\)"),
     ("PAIRS: all\n", "PAIRS is declared by no notebook \\(renamed TRAIN_ON\\)"),
+    ("notebooks:\n  \"05\": {REWARDS: [accuracy, lenght]}\n", "REWARDS = .*unknown reward function 'lenght'"),
+    ("notebooks:\n  \"05\": {REWARD_WEIGHTS: [a]}\n", "REWARD_WEIGHTS = \\['a'\\] .*not null or a list of finite"),
+    ("notebooks:\n  \"06\": {CURRICULUM: {levels: [1, 1]}}\n", "CURRICULUM = .*curriculum levels must be distinct"),
+    ("notebooks:\n  \"06\": {CURRICULUM: {level: [1]}}\n", "CURRICULUM: 'level' is not a CurriculumConfig"),
+    ("notebooks:\n  \"05\": {TASK_CONFIG: 4}\n", "TASK_CONFIG = 4 .*not a mapping"),
 ])
 def test_more_values_refused_before_running(tmp_path, text, match):
     with pytest.raises(ValueError, match=match):

@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from tltlib.tasks import (ChainTaskConfig, Problem, extract_answer, generate_problems, load_problems, prompt_text,
-                          reward, save_problems, solve)
+from tltlib.tasks import (ChainTaskConfig, Problem, encode_prompts, extract_answer, generate_problems, load_problems,
+                          prompt_text, reward, save_problems, solve)
 
 
 def test_generator_is_seeded_and_solutions_are_correct():
@@ -93,6 +93,18 @@ def test_chat_template_is_used_when_the_tokenizer_has_one():
 
     p = Problem(({"role": "user", "content": "hi"},), "1")
     assert prompt_text(p, Tok()) == "hi<gen>"
+
+
+def test_chat_prompts_for_a_tokenizer_without_a_chat_template_are_refused():
+    from tltlib.loading import load
+    _, tok, _ = load("data/tiny-reasoner", None)
+    assert not getattr(tok, "chat_template", None)
+    chat = Problem(({"role": "user", "content": "A:01+02=03"},), "03")
+    with pytest.raises(ValueError, match="the prompts are chat messages but this model's tokenizer has no chat "
+                                         "template.*WordTaskConfig\\(chat=False\\)"):
+        encode_prompts([chat], tok)
+    assert prompt_text(chat) == "A:01+02=03"                    # without a tokenizer: for display
+    assert encode_prompts([Problem("A:01+02=03", "03")], tok)  # plain text is fine
 
 
 def test_dataset_errors_name_file_row_and_field(tmp_path):

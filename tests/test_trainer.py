@@ -136,3 +136,35 @@ def test_a_diverged_update_stops_the_run_without_touching_the_policy(shipped):
     with pytest.raises(FloatingPointError, match="gradient norm is nan .* lower learning_rate \\(now 0.001\\)"):
         trainer.step()
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+
+
+def test_an_update_raises_the_likelihood_of_completions_with_positive_advantage(shipped):
+    """The direction of the policy gradient: after one update, the completions the group rated above its mean are
+    more likely than before and those below less (summed response log-probabilities, same sampling settings)."""
+    import numpy as np
+    from tltlib.logprobs import response_logprobs
+    model, tok, _ = shipped
+    probs = generate_problems(ChainTaskConfig(min_steps=4, max_steps=8), 32, seed=3)
+    tr = GRPOTrainer(copy.deepcopy(model), tok, probs, GRPOConfig(
+        num_generations=4, generation_batch_size=32, max_completion_length=120, temperature=1.5, learning_rate=1e-4,
+        seed=1))
+    problems = tr.next_problems()
+    batch = tr.score(problems, tr.rollout(problems))
+
+    @torch.no_grad()
+    def logp():
+        out = {}
+        for g in batch.micro_batches:
+            mb = batch.sequence_batch(g, tr.engine.pad_id, tr.device)
+            lp = response_logprobs(tr.model, mb, tr.sampling, 2048)
+            out.update({i: float((lp[j] * mb.response_mask()[j]).sum()) for j, i in enumerate(g)})
+        return out
+
+    before = logp()
+    tr.update(batch)
+    after = logp()
+    adv = batch.advantages.numpy()
+    change = np.array([after[i] - before[i] for i in range(len(adv))])
+    assert (adv > 0).sum() >= 4 and (adv < 0).sum() >= 4              # the draw has signal both ways
+    assert change[adv > 0].mean() > 0 > change[adv < 0].mean()
+    assert np.corrcoef(adv, change)[0, 1] > 0.3

@@ -14,8 +14,11 @@ from tltlib.warm_start import WarmStartConfig, warm_start
 
 
 def _char_tokenizer():
-    """One token per printable ASCII character (the word problems' text), <bos> prepended, an <eos>."""
-    return build_tokenizer(string.printable)
+    """One token per printable ASCII character (the word problems' text), <bos> prepended, an <eos>, and a chat
+    template (the word problems are chat messages; a tokenizer without one is refused)."""
+    tok = build_tokenizer(string.printable)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    return tok
 
 
 def test_the_batch_puts_the_loss_on_the_response_only():

@@ -78,8 +78,11 @@ def test_task_names_select_the_generator_and_a_character_tokenizer_is_refused():
     assert problems_for("", 4, seed=0) == problems_for("", 4, seed=0, task="chain")
     with pytest.raises(ValueError, match="unknown task 'gsm8k'; choose one of \\('chain', 'words'\\)"):
         task_config("gsm8k")
-    with pytest.raises(ValueError, match="unknown to the tokenizer.*a real checkpoint"):
+    with pytest.raises(ValueError, match="chat messages but this model's tokenizer has no chat template"):
         encode_prompts(words, build_tokenizer())
+    plain = problems_for("", 4, seed=0, task=WordTaskConfig(chat=False))
+    with pytest.raises(ValueError, match="unknown to the tokenizer.*a real checkpoint"):
+        encode_prompts(plain, build_tokenizer())
 
 
 def test_an_echoed_answer_placeholder_does_not_hide_the_answer():

@@ -35,27 +35,33 @@ from .trainer import GRPOTrainer
 from .world import DistributedWorld
 
 PHASES = ("rollout", "reward", "logprob", "update", "drafter")
+LENGTH_KEYS = ("len_mean", "len_p50", "len_p90", "len_p99", "len_max")
+"""The response-length statistics :func:`summarize` keeps for the first and the last RL step of each seed."""
 
 
 def compare(model, tokenizer, drafter, train, held_out, grpo_for_seed, tlt, seeds: int, steps: int,
-            probe=(), probe_strategy: str = "chain-8", log=print) -> dict:
+            probe=(), probe_strategy: str = "chain-8", log=print, trainer_kwargs: dict | None = None) -> dict:
     """Train baseline and TLT side by side; returns ``{"runs": {policy: [per seed: {"steps": [...],
-    "eval/accuracy": ...}]}, "acceptance": [per step: {"step", "online", "frozen", "ngram"}]}``.
+    "eval/accuracy": ...}]}, "acceptance": [per step: {"step", "online", "frozen", "ngram"}], "before": the initial
+    policy's held-out ``eval/*``}``.
 
     Args:
         model, tokenizer, drafter: the initial policy and its warm drafter (copied per seed, never modified).
         train, held_out: problems to train on and to measure the final greedy accuracy on.
         grpo_for_seed: ``seed -> GRPOConfig``; tlt: the :class:`TLTConfig` of the TLT runs.
         probe: problems for the accepted-length curves (seed 0 only; empty: skipped).
+        trainer_kwargs: more :class:`GRPOTrainer` arguments, the same for both (``reward_funcs``, ``curriculum``).
     """
-    runs, acceptance = {"baseline": [], "tlt": []}, []
+    runs, acceptance, kw = {"baseline": [], "tlt": []}, [], dict(trainer_kwargs or {})
+    before = GRPOTrainer(model, tokenizer, train, grpo_for_seed(0), **kw).evaluate(held_out)
+    log(f"initial policy: held-out accuracy {before['eval/accuracy']:.3f}")
     for seed in range(seeds):
         base_model, tlt_model = copy.deepcopy(model), copy.deepcopy(model)
         online = copy.deepcopy(drafter).attach(tlt_model)
         frozen = copy.deepcopy(drafter).attach(tlt_model)              # the warm drafter, never trained
         cfg = grpo_for_seed(seed)
-        trainers = {"baseline": GRPOTrainer(base_model, tokenizer, train, cfg),
-                    "tlt": GRPOTrainer(tlt_model, tokenizer, train, cfg, drafter=online, tlt=tlt)}
+        trainers = {"baseline": GRPOTrainer(base_model, tokenizer, train, cfg, **kw),
+                    "tlt": GRPOTrainer(tlt_model, tokenizer, train, cfg, drafter=online, tlt=tlt, **kw)}
         hist = {k: [] for k in trainers}
         for step in range(steps):
             for name in (("baseline", "tlt") if step % 2 == 0 else ("tlt", "baseline")):
@@ -65,19 +71,36 @@ def compare(model, tokenizer, drafter, train, held_out, grpo_for_seed, tlt, seed
                     f"{m['time/rollout_s']:6.2f} s  update {m['time/update_s']:5.2f} s  drafter "
                     f"{m['time/drafter_s']:5.2f} s  reward {m['rl/reward_mean']:.3f}")
             if seed == 0 and probe:
-                st = SpecStrategy.parse(probe_strategy)
-                row = {"step": step + 1}
-                for label, d, s in (("online", online, st), ("frozen", frozen, st),
-                                    ("ngram", None, SpecStrategy("ngram", st.depth))):
-                    row[label] = measure_acceptance(tlt_model, d, tokenizer, probe, s, cfg.temperature,
-                                                    cfg.max_completion_length)["spec/accept_len_mean"]
+                row = probe_row(tlt_model, {"online": online, "frozen": frozen, "ngram": None}, tokenizer, probe,
+                                probe_strategy, cfg.temperature, cfg.max_completion_length, step + 1)
                 acceptance.append(row)
-                log(f"  accepted length ({st.name}): online {row['online']:.2f}  frozen {row['frozen']:.2f}  "
+                log(f"  accepted length ({probe_strategy}): online {row['online']:.2f}  frozen {row['frozen']:.2f}  "
                     f"n-gram {row['ngram']:.2f}")
         for name, tr in trainers.items():
             runs[name].append({"seed": seed, "steps": hist[name], **tr.evaluate(held_out)})
             log(f"seed {seed} {name}: held-out accuracy {runs[name][-1]['eval/accuracy']:.3f}")
-    return {"runs": runs, "acceptance": acceptance}
+    return {"runs": runs, "acceptance": acceptance, "before": before}
+
+
+def probe_row(model, drafters: dict, tokenizer, probe, strategies: str, temperature: float, max_new: int,
+              step: int) -> dict:
+    """The accepted length on ``probe`` of each drafter of ``drafters`` (``{label: drafter}``; None: the n-gram
+    drafter, at the first strategy's depth only) with each strategy of ``strategies`` (comma-separated names):
+    ``row[f"{label}:{strategy}"]``, and for the first strategy also ``row[label]``; the per-depth acceptance as
+    ``row[f"{label}:{strategy}:ge"]`` = [share of the SD row-steps accepting at least d drafts, d = 1..depth]."""
+    row = {"step": step}
+    for k, name in enumerate(s.strip() for s in strategies.split(",")):
+        st = SpecStrategy.parse(name)
+        for label, d in drafters.items():
+            if d is None and k:
+                continue
+            out = measure_acceptance(model, d, tokenizer, probe, SpecStrategy("ngram", st.depth) if d is None else st,
+                                     temperature, max_new)
+            row[f"{label}:{name}"] = out["spec/accept_len_mean"]
+            row[f"{label}:{name}:ge"] = [out.get(f"spec/accept_ge_{i}", 0.0) for i in range(1, st.depth + 1)]
+            if k == 0:
+                row[label] = row[f"{label}:{name}"]
+    return row
 
 
 def summarize(runs: dict, trl_step_s: float | None = None) -> dict:
@@ -93,6 +116,8 @@ def summarize(runs: dict, trl_step_s: float | None = None) -> dict:
         out[name]["reward_by_step"] = [[r["steps"][k]["rl/reward_mean"] for r in rs]
                                        for k in range(len(rs[0]["steps"]))]
         out[name]["held_out"] = [r["eval/accuracy"] for r in rs]
+        out[name]["lengths_first_last"] = [[{k: r["steps"][i].get(f"rollout/{k}") for k in LENGTH_KEYS}
+                                            for i in (0, -1)] for r in rs]
         acc = [m["spec/accept_len_mean"] for m in steps if "spec/accept_len_mean" in m]
         out[name]["accept_len"] = float(np.mean(acc)) if acc else None
     b, t = out["baseline"], out["tlt"]
@@ -168,7 +193,8 @@ def trl_phases(results_json, run: str = "tuned") -> dict | None:
 
 
 def compare_workers(model, tokenizer, drafter, train, held_out, grpo, tlt, scheduler, steps: int, probe=(),
-                    probe_strategy: str = "chain-8", world=None, log=print) -> dict | None:
+                    probe_strategy: str = "chain-8", world=None, log=print,
+                    trainer_kwargs: dict | None = None) -> dict | None:
     """:func:`compare` for data-parallel workers (call it on every rank under torchrun): the baseline, TLT with the
     spot trainer, and TLT with the same warm drafter frozen, stepped in turn on the same prompts. After every RL
     step rank 0 measures, outside the timed phases, the accepted length of the spot-trained and the frozen drafter on
@@ -179,18 +205,19 @@ def compare_workers(model, tokenizer, drafter, train, held_out, grpo, tlt, sched
     :class:`~tltlib.scheduler.SchedulerConfig` and ``world`` a :class:`~tltlib.world.DistributedWorld`.
     """
     world = world or DistributedWorld(str(model.device), scheduler.hang_timeout_s)
+    kw = dict(trainer_kwargs or {})
     models = {k: copy.deepcopy(model) for k in ("baseline", "tlt", "tlt-frozen")}
     online = copy.deepcopy(drafter).attach(models["tlt"])
     probe_frozen = copy.deepcopy(drafter).attach(models["tlt"])     # the warm drafter on TLT's policy, for probes
     trainers = {
         "baseline": GRPOTrainer(models["baseline"], tokenizer, train, grpo, world=world,
-                                scheduler=replace(scheduler, spot_trainer=False)),
+                                scheduler=replace(scheduler, spot_trainer=False), **kw),
         "tlt": GRPOTrainer(models["tlt"], tokenizer, train, grpo, drafter=online, tlt=tlt, scheduler=scheduler,
-                           world=world),
+                           world=world, **kw),
         "tlt-frozen": GRPOTrainer(models["tlt-frozen"], tokenizer, train, grpo,
                                   drafter=copy.deepcopy(drafter).attach(models["tlt-frozen"]),
                                   tlt=replace(tlt, online_drafter=False), world=world,
-                                  scheduler=SchedulerConfig(spot_trainer=False))}
+                                  scheduler=SchedulerConfig(spot_trainer=False), **kw)}
     hist, acceptance, lead = {k: [] for k in trainers}, [], world.rank == 0
     names = list(trainers)
     for step in range(steps):
@@ -202,13 +229,10 @@ def compare_workers(model, tokenizer, drafter, train, held_out, grpo, tlt, sched
                     f"  idle {m['sched/idle_frac']:.0%}  harvested {m['sched/harvested']:.0%}  reward "
                     f"{m['rl/reward_mean']:.3f}")
         if lead and probe:
-            st = SpecStrategy.parse(probe_strategy)
-            row = {"step": step + 1}
-            for label, d in (("online", online), ("frozen", probe_frozen)):
-                row[label] = measure_acceptance(models["tlt"], d, tokenizer, probe, st, grpo.temperature,
-                                                grpo.max_completion_length)["spec/accept_len_mean"]
+            row = probe_row(models["tlt"], {"online": online, "frozen": probe_frozen}, tokenizer, probe,
+                            probe_strategy, grpo.temperature, grpo.max_completion_length, step + 1)
             acceptance.append(row)
-            log(f"  accepted length ({st.name}): spot-trained {row['online']:.2f}  frozen {row['frozen']:.2f}")
+            log(f"  accepted length ({probe_strategy}): spot-trained {row['online']:.2f}  frozen {row['frozen']:.2f}")
         world.barrier()
     evals = {name: tr.evaluate(held_out) for name, tr in trainers.items()}
     if not lead:

@@ -30,6 +30,7 @@ Departures:
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -194,7 +195,43 @@ def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, 
 # --------------------------------------------------------------------------------------------------- rewards
 def accuracy_reward(prompts, completions, answer, **columns) -> list[float]:
     """1.0 when a completion's final answer (``#### x``, ``\\boxed{x}``, ``#x``) equals the ground truth, else 0.0."""
-    return [reward(c if isinstance(c, str) else c[-1]["content"], a) for c, a in zip(completions, answer)]
+    return [reward(_completion_text(c, i), a) for i, (c, a) in enumerate(zip(completions, answer))]
+
+
+_ANSWER_LINE_RE = re.compile(r"\S[^\n]*\n\s*####[ \t]*-?[\d,]*\.?\d+[ \t]*\.?\s*$", re.S)
+
+
+def _completion_text(c, i: int) -> str:
+    if isinstance(c, str):
+        return c
+    if isinstance(c, (list, tuple)) and c and isinstance(c[-1], dict) and isinstance(c[-1].get("content"), str):
+        return c[-1]["content"]
+    raise TypeError(f"completion {i} is {type(c).__name__} {str(c)[:60]!r}: a reward function takes completions as "
+                    "text or as chat messages [{'role': 'assistant', 'content': ...}] (TRL's two forms)")
+
+
+def format_reward(prompts, completions, **columns) -> list[float]:
+    """1.0 when a completion reasons first and ends with its answer alone on the last line, ``#### <number>``
+    (GSM8K's answer line, what the word task's prompt asks for), else 0.0 — whatever the number: it rewards the
+    form that :func:`accuracy_reward` can read, so a model that does not yet answer right still gets a signal
+    (TRL's ``format_reward`` recipes score their ``<think>...</think><answer>`` form the same way)."""
+    return [float(bool(_ANSWER_LINE_RE.search(_completion_text(c, i)))) for i, c in enumerate(completions)]
+
+
+REWARD_FUNCS = {"accuracy": accuracy_reward, "format": format_reward}
+"""The reward functions a parameter file names (``rewards: [accuracy, format]``)."""
+
+
+def reward_funcs_named(names: Sequence[str], source: str = "rewards") -> list[Callable]:
+    """The reward functions of :data:`REWARD_FUNCS` named in ``names`` (refused: unknown, repeated, none)."""
+    if isinstance(names, str) or not names:
+        raise ValueError(f"{source}: give a list of reward functions, e.g. [accuracy, format]")
+    unknown = [n for n in names if n not in REWARD_FUNCS]
+    if unknown:
+        raise ValueError(f"{source}: unknown reward function {unknown[0]!r}; choose from {', '.join(REWARD_FUNCS)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{source}: a reward function is named twice in {list(names)}")
+    return [REWARD_FUNCS[n] for n in names]
 
 
 def reward_name(fn: Callable) -> str:

@@ -133,6 +133,39 @@ def _device_error(name: str) -> str | None:
     return None
 
 
+def _message(check) -> Callable[[Any], str | None]:
+    """A check that raises ValueError, as one that returns the message (None when the value passes)."""
+    def run(value):
+        try:
+            check(value)
+        except ValueError as e:
+            return str(e)
+        return None
+    return run
+
+
+def _rewards(names) -> None:
+    from .grpo import reward_funcs_named
+    reward_funcs_named(names, "REWARDS")
+
+
+def _weights(value) -> None:
+    if value is not None and (not isinstance(value, list) or not all(
+            isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in value)):
+        raise ValueError("not null or a list of finite numbers, one per reward")
+
+
+def _mapping(value) -> None:
+    if not isinstance(value, dict):
+        raise ValueError("not a mapping")
+
+
+def _curriculum(value) -> None:
+    if value is not None:
+        from .curriculum import CurriculumConfig
+        dataclass_from_mapping(CurriculumConfig, value, "CURRICULUM")
+
+
 _DEVICE = Param("str", check=_device_error, expected="'auto', 'cpu', 'cuda' or 'cuda:N'")
 _COUNT = Param("int", lo=1)
 _PROB = Param("float", lo=0.0, hi=1.0)
@@ -142,6 +175,10 @@ SCHEMA: dict[str, Param] = {
     "DRAFTER_PATH": Param("path", exists="dir"),
     "DATASET": Param("path", exists="file", empty_ok=True),
     "TASK": Param("str", choices=("chain", "words")),
+    "TASK_CONFIG": Param("any", check=_message(_mapping), expected="a mapping of the task's settings"),
+    "REWARDS": Param("any", check=_message(_rewards), expected="a list of reward names (accuracy, format)"),
+    "REWARD_WEIGHTS": Param("any", check=_message(_weights), expected="null or one number per reward"),
+    "CURRICULUM": Param("any", check=_message(_curriculum), expected="null or a curriculum mapping (levels, ...)"),
     "DEVICE": _DEVICE,
     "DTYPE": Param("str", choices=("float32", "bfloat16", "float16")),
     "SEED": Param("int", lo=0),

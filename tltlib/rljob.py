@@ -4,7 +4,11 @@ The file (YAML) names the model, the drafter, the data and the configuration sec
 
     model: data/tiny-reasoner              # local checkpoint folder
     drafter: data/tiny-reasoner-drafter    # "" = no learned drafter
-    dataset: ""                            # .jsonl / .parquet; "" = the chain task
+    dataset: ""                            # .jsonl / .parquet; "" = the generated task below
+    task: chain                            # chain (the tiny reasoner's) or words (word problems, real models)
+    task_config: {}                        # the task's settings (tltlib.tasks.task_config), e.g. {max_steps: 4}
+    rewards: [accuracy]                    # reward functions (tltlib.grpo.REWARD_FUNCS), weighted by grpo.reward_weights
+    curriculum: null                       # tltlib.curriculum.CurriculumConfig, e.g. {levels: [1, 2, 4]}
     train_problems: 4096                   # prompts per epoch (dataset: cycling over the rows before the held-out)
     eval_problems: 128                     # held-out prompts for eval/accuracy, never trained on
     eval_steps: 10                         # evaluate every N steps (0 = at the end only)
@@ -43,22 +47,24 @@ import yaml
 from tqdm.auto import tqdm
 
 from .fileio import atomic_write_text, check_output_folder, read_json, remove_stale_temporaries, resolve
-from .grpo import GRPOConfig, accuracy_reward
+from .curriculum import CurriculumConfig, level_pools
+from .grpo import GRPOConfig, reward_funcs_named
 from .loading import load
 from .params import dataclass_from_mapping, load_yaml, params_path
 from .scheduler import SchedulerConfig
-from .tasks import ChainTaskConfig, split_problems
+from .tasks import TASKS, ChainTaskConfig, split_problems, task_config
 from .trainer import GRPOTrainer, TLTConfig
 from .world import DistributedWorld, launched_by_torchrun, torchrun_command
 
-TOP_LEVEL = {"model": str, "drafter": str, "dataset": str, "train_problems": int, "eval_problems": int,
-             "eval_steps": int, "device": str, "dtype": str, "grpo": dict, "tlt": (dict, type(None)),
-             "scheduler": dict}
-DEFAULTS = {"drafter": "", "dataset": "", "train_problems": 4096, "eval_problems": 128, "eval_steps": 0,
-            "device": "auto", "dtype": "float32", "grpo": {}, "tlt": {}, "scheduler": {}}
+TOP_LEVEL = {"model": str, "drafter": str, "dataset": str, "task": str, "task_config": dict, "rewards": list,
+             "curriculum": (dict, type(None)), "train_problems": int, "eval_problems": int, "eval_steps": int,
+             "device": str, "dtype": str, "grpo": dict, "tlt": (dict, type(None)), "scheduler": dict}
+DEFAULTS = {"drafter": "", "dataset": "", "task": "chain", "task_config": {}, "rewards": ["accuracy"],
+            "curriculum": None, "train_problems": 4096, "eval_problems": 128, "eval_steps": 0, "device": "auto",
+            "dtype": "float32", "grpo": {}, "tlt": {}, "scheduler": {}}
 RENAMED = {("scheduler", "pairs"): "train_on"}
 """Settings of earlier versions: the error names the new key."""
-JOB_KEYS = ("model", "drafter", "dataset", "train_problems", "eval_problems")
+JOB_KEYS = ("model", "drafter", "dataset", "task", "task_config", "train_problems", "eval_problems")
 """What the checkpoint does not pin and OUTPUT/job.json records: the data and the files the run started from."""
 
 
@@ -70,6 +76,10 @@ class Job:
     model: str
     drafter: str
     dataset: str
+    task: str
+    task_config: dict
+    rewards: list
+    curriculum: CurriculumConfig | None
     train_problems: int
     eval_problems: int
     eval_steps: int
@@ -78,6 +88,11 @@ class Job:
     grpo: GRPOConfig
     tlt: TLTConfig | None
     scheduler: SchedulerConfig
+
+    @property
+    def task_cfg(self):
+        """The generated task's config (:func:`tltlib.tasks.task_config` of ``task`` with ``task_config``)."""
+        return dataclass_from_mapping(type(task_config(self.task)), self.task_config, f"{self.source}: task_config")
 
     def record(self) -> dict:
         """The job.json of a run: :data:`JOB_KEYS` as the file gives them."""
@@ -111,13 +126,24 @@ def read_job(params: str | os.PathLike) -> Job:
             raise ValueError(f"{path}: {section}.{old} was renamed {section}.{new}: write {new}: "
                              f"{values[section][old]}")
     grpo = dataclass_from_mapping(GRPOConfig, values["grpo"], f"{path}: grpo")
+    if values["task"] not in TASKS:
+        raise ValueError(f"{path}: task {values['task']!r} is not a generated task; choose one of {', '.join(TASKS)} "
+                         "(or give a dataset file)")
+    dataclass_from_mapping(type(task_config(values["task"])), values["task_config"], f"{path}: task_config")
+    reward_funcs_named(values["rewards"], f"{path}: rewards")
+    if grpo.reward_weights is not None and len(grpo.reward_weights) != len(values["rewards"]):
+        raise ValueError(f"{path}: grpo.reward_weights has {len(grpo.reward_weights)} values for the "
+                         f"{len(values['rewards'])} rewards {values['rewards']}; give one weight per reward")
+    curriculum = None if values["curriculum"] is None else \
+        dataclass_from_mapping(CurriculumConfig, values["curriculum"], f"{path}: curriculum")
     tlt = None if values["tlt"] is None else dataclass_from_mapping(TLTConfig, values["tlt"], f"{path}: tlt")
     scheduler = dataclass_from_mapping(SchedulerConfig, values["scheduler"], f"{path}: scheduler")
     if tlt is not None and not values["drafter"] and tlt.speculative != "off" and \
             not tlt.speculative.startswith("ngram"):
         raise ValueError(f"{path}: tlt.speculative = {tlt.speculative!r} needs a learned drafter: set 'drafter' (or "
                          "use speculative: off / ngram-D, or tlt: null for the baseline)")
-    return Job(str(path), values["model"], values["drafter"], values["dataset"], values["train_problems"],
+    return Job(str(path), values["model"], values["drafter"], values["dataset"], values["task"],
+               values["task_config"], values["rewards"], curriculum, values["train_problems"],
                values["eval_problems"], values["eval_steps"], values["device"], values["dtype"], grpo, tlt, scheduler)
 
 
@@ -127,6 +153,9 @@ def _check_path(source: Path, key: str, value: str, kind: str) -> None:
     p = resolve(value)
     if kind == "dir" and not p.is_dir():
         what = "is a file; give its folder" if p.is_file() else "does not exist"
+        if not p.exists() and key == "model" and "tltlib/models" in str(p):
+            what += (" (tltlib's model cache: import it with python -m tltlib get-model NAME; a warm-started one "
+                     "is made by python -m tltlib warm-start, see the file's first lines)")
         raise FileNotFoundError(f"{source}: {key} {value!r} {what}")
     if kind == "file" and not p.is_file():
         what = "is a folder; give the data file" if p.is_dir() else "does not exist"
@@ -135,9 +164,12 @@ def _check_path(source: Path, key: str, value: str, kind: str) -> None:
 
 def write_job_params(path: str | os.PathLike, model: str, drafter: str, grpo: dict, tlt: dict | None,
                      scheduler: dict, device: str = "auto", dtype: str = "float32", train_problems: int = 4096,
-                     eval_problems: int = 128, eval_steps: int = 0) -> Path:
+                     eval_problems: int = 128, eval_steps: int = 0, task: str = "chain", task_config: dict | None = None,
+                     rewards: list | None = None, curriculum: dict | None = None) -> Path:
     """Write a train-grpo parameter file (checked by reading it back: a bad value fails here, not in the workers)."""
-    d = {"model": str(model), "drafter": str(drafter), "device": device, "dtype": dtype,
+    d = {"model": str(model), "drafter": str(drafter), "device": device, "dtype": dtype, "task": task,
+         "task_config": dict(task_config or {}), "rewards": list(rewards or ["accuracy"]),
+         "curriculum": None if curriculum is None else dict(curriculum),
          "train_problems": train_problems, "eval_problems": eval_problems, "eval_steps": eval_steps,
          "grpo": dict(grpo), "tlt": None if tlt is None else dict(tlt), "scheduler": dict(scheduler)}
     path = Path(path)
@@ -147,16 +179,31 @@ def write_job_params(path: str | os.PathLike, model: str, drafter: str, grpo: di
     return path
 
 
+def job_problems(job: Job) -> tuple[list, list]:
+    """(training, held-out problems) of a job: from its dataset, else generated from its task. The chain task's
+    held-out problems lean longer (Zipf 0.6) than its training ones, as the tiny reasoner's notebooks measure them;
+    the word task's come from the same configuration as the training ones."""
+    cfg = job.task_cfg
+    held_cfg = ChainTaskConfig(**{"zipf_exponent": 0.6, **job.task_config}) if job.task == "chain" else cfg
+    train, held = split_problems(job.dataset, job.train_problems, job.eval_problems, job.grpo.seed,
+                                 task=cfg if job.dataset else held_cfg, train_task=cfg)
+    if job.curriculum is not None:                 # a level the data lacks is named with the file, before loading
+        level_pools(train, job.curriculum, job.grpo.prompts_per_step,
+                    f"{job.source}: the training problems of {job.dataset or 'task ' + job.task}")
+    return train, held
+
+
 def build(job: Job, progress: bool = False, reward_funcs=None, world: DistributedWorld | None = None):
     """(trainer, held-out problems) for a job: loads the model, tokenizer, drafter and data. Under torchrun
     (``world``) the trainer is one data-parallel worker with the job's scheduler settings."""
     device = world.device if world is not None else job.device
+    train, held = job_problems(job)
     model, tok, drafter = load(job.model, job.drafter or None, device=device, dtype=job.dtype)
-    train, held = split_problems(job.dataset, job.train_problems, job.eval_problems, job.grpo.seed,
-                                 task=ChainTaskConfig(zipf_exponent=0.6))
-    trainer = GRPOTrainer(model, tok, train, job.grpo, reward_funcs=reward_funcs or (accuracy_reward,),
+    funcs = reward_funcs or reward_funcs_named(job.rewards)
+    trainer = GRPOTrainer(model, tok, train, job.grpo, reward_funcs=funcs,
                           drafter=drafter if job.tlt is not None else None, tlt=job.tlt, progress=progress,
-                          world=world, scheduler=job.scheduler if world is not None else None)
+                          world=world, scheduler=job.scheduler if world is not None else None,
+                          curriculum=job.curriculum)
     return trainer, held
 
 
@@ -246,7 +293,7 @@ def _check_same_job(job: Job, output: Path) -> None:
         if (output / "job.json").is_file() else mine
 
     def same(k):
-        a, b = saved.get(k), mine[k]
+        a, b = saved.get(k, DEFAULTS.get(k)), mine[k]          # a key older runs did not record: its default
         if k in ("model", "drafter", "dataset") and a and b:
             return resolve(a).resolve() == resolve(b).resolve()
         return a == b

@@ -99,13 +99,20 @@ def solve(prompt: str) -> str:
 
 def prompt_text(problem: Problem, tokenizer=None) -> str:
     """The text fed to the model: plain prompts as they are; chat messages through the tokenizer's chat template
-    (with the generation prompt) when it has one, else the message contents joined by newlines."""
+    (with the generation prompt). Without a tokenizer (for display) the message contents joined by newlines; a
+    tokenizer without a chat template is refused for chat messages (the model would see text laid out as it was
+    never trained to read, with no sign of it)."""
     if isinstance(problem.prompt, str):
         return problem.prompt
     messages = [dict(m) for m in problem.prompt]
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return "\n".join(m["content"] for m in messages)
+    if tokenizer is None:
+        return "\n".join(m["content"] for m in messages)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the prompts are chat messages but this model's tokenizer has no chat template: give a "
+                         "model whose tokenizer_config.json has a 'chat_template' (an instruct model), or plain-text "
+                         "prompts (a dataset whose 'prompt' is a string; the word task with WordTaskConfig(chat="
+                         "False))")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 # ------------------------------------------------------------------------------------------------ dataset IO
@@ -145,7 +152,7 @@ def _row_to_problem(row: dict, where: str) -> Problem:
         raise NotAnAnswer(f"{key!r}: {truth[:60]!r}")          # prose, not a final answer: no reward could match
     if not truth:
         raise ValueError(f"{where}: field {key!r} holds an empty ground truth")
-    meta = {k: v for k, v in row.items() if k in ("data_source", "ability", "extra_info", "steps", "source")}
+    meta = {k: v for k, v in row.items() if k in ("data_source", "ability", "extra_info", "steps", "level", "source")}
     response = row.get("response", row.get("completion"))
     if isinstance(response, str) and response.strip():
         meta["response"] = response                            # a reference response (drafter training data)
@@ -249,15 +256,16 @@ def problems_for(dataset: str | os.PathLike, count: int, seed: int, skip: int = 
 
 
 def split_problems(dataset: str | os.PathLike, train: int, held_out: int, seed: int,
-                   task=None) -> tuple[list[Problem], list[Problem]]:
+                   task=None, train_task=None) -> tuple[list[Problem], list[Problem]]:
     """(``train`` training problems, ``held_out`` held-out problems) that never share a prompt.
 
     From ``dataset``: the held-out problems are the rows after the training rows, and the training problems cycle
     (as epochs) over at most ``rows - held_out`` rows; a file with no more than ``held_out`` rows is refused. Without
-    a dataset: chain problems generated with seeds ``seed`` and ``seed + 10_000`` (``task`` shapes the held-out ones).
+    a dataset: generated problems with seeds ``seed`` and ``seed + 10_000``, of ``train_task`` (default: the chain
+    task) and ``task`` (the held-out ones); each a name or config, see :func:`task_config`.
     """
     if not dataset:
-        return problems_for("", train, seed), problems_for("", held_out, seed + 10_000, task=task)
+        return problems_for("", train, seed, task=train_task), problems_for("", held_out, seed + 10_000, task=task)
     rows = load_problems(resolve(dataset))
     n_train = min(train, len(rows) - held_out)
     if n_train < 1:

@@ -49,10 +49,12 @@ import numpy as np
 import torch
 
 from .adaptive import DEFAULT_ARMS, AdaptiveConfig, AdaptiveController, TunerConfig, default_threshold, measure_costs
+from .curriculum import CurriculumConfig, level_pools, stage, stage_pool
 from .draft_train import DrafterTrainConfig, DrafterTrainer
 from .grpo import GRPOConfig, accuracy_reward, aggregate_loss, clipped_token_loss, compute_rewards, group_advantages
 from .grpo import kl_k3, reward_name
 from .logprobs import SequenceBatch, micro_batches, padded_tokens, response_logprobs
+from .memory import check_trainer
 from .pairs import PairBuffer, PairBufferConfig
 from .profiling import StepClock
 from .rollout import RolloutConfig, RolloutEngine, RolloutResult
@@ -193,17 +195,21 @@ class GRPOTrainer:
         world: :class:`tltlib.world.World` (default: one process) or a :class:`~tltlib.world.DistributedWorld`.
         scheduler: :class:`tltlib.scheduler.SchedulerConfig`, the spot trainer's settings (default: its defaults; with
             one worker there is no idle window).
+        curriculum: :class:`tltlib.curriculum.CurriculumConfig`: the prompts of each step come from the levels
+            opened so far (None: from all problems).
     """
 
     def __init__(self, model, tokenizer, problems, args: GRPOConfig, reward_funcs=(accuracy_reward,),
                  drafter=None, tlt: TLTConfig | None = None, progress: bool = False, world: World | None = None,
-                 scheduler: SchedulerConfig | None = None):
+                 scheduler: SchedulerConfig | None = None, curriculum: CurriculumConfig | None = None):
         self.world = world or World(str(model.device))
         self.sched = scheduler or SchedulerConfig()
         self.model, self.tokenizer, self.problems, self.args = model, tokenizer, list(problems), args
         self.tlt = tlt or TLTConfig(speculative="off", online_drafter=False, drafter_steps=0)
         self.reward_funcs = list(reward_funcs)
         self._check(drafter, scheduler)
+        self.curriculum, self.pools = curriculum, None if curriculum is None else \
+            level_pools(self.problems, curriculum, args.prompts_per_step)
         self.slice = self.world.shard(args.prompts_per_step)
         self.progress = progress and self.world.rank == 0
         self.device = model.device
@@ -214,10 +220,9 @@ class GRPOTrainer:
                                     drafter=drafter)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate,
                                            betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
-        self.reference = None
-        if args.beta > 0:                              # a frozen copy of the initial policy
-            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
         self.buffer, self.drafter_trainer = self._drafter_training()
+        check_trainer(self)                            # a run that cannot fit is refused before the first rollout
+        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None  # pi_ref
         self.spot = SpotTrainer(self.world, self.sched, self.drafter_trainer, self.buffer, self.tlt.drafter_batch)
         self.controller = self._adaptive_controller()
         rank_seed = args.seed + 7919 * self.world.rank    # rank 0 samples as one process does
@@ -239,6 +244,7 @@ class GRPOTrainer:
             raise ValueError(f"{len(self.problems)} training problems but a step needs {args.prompts_per_step} "
                              f"(generation_batch_size {args.generation_batch_size} / num_generations "
                              f"{args.num_generations}); give more problems or a smaller batch")
+        encode_prompts(self.problems[:1], self.tokenizer)       # a missing chat template is named before any work
         if not self.reward_funcs:
             raise ValueError("give at least one reward function")
         if args.reward_weights is not None and len(args.reward_weights) != len(self.reward_funcs):
@@ -310,6 +316,8 @@ class GRPOTrainer:
             drafter_stats = self.train_drafter(window, clock)
         self.step_count += 1
         m = self.metrics(res, batch, losses, drafter_stats, clock)
+        if self.curriculum is not None:           # the level opened last (cumulative stages draw from all before)
+            m["rl/curriculum_level"] = float(self.curriculum.levels[stage(self.step_count - 1, self.curriculum)])
         if self.world.distributed:
             m.update(self.spot.metrics(window, clock))
         self.history.append(m)
@@ -317,7 +325,8 @@ class GRPOTrainer:
 
     def next_problems(self) -> list:
         """This worker's prompts of the next RL step (the step's draw is the same on every worker)."""
-        idx = self.rng.choice(len(self.problems), size=self.args.prompts_per_step, replace=False)
+        pool = len(self.problems) if self.pools is None else stage_pool(self.pools, self.step_count, self.curriculum)
+        idx = self.rng.choice(pool, size=self.args.prompts_per_step, replace=False)
         return [self.problems[i] for i in sorted(idx)][self.slice]
 
     def rollout(self, problems, clock: StepClock | None = None) -> RolloutResult:

@@ -48,6 +48,8 @@ def fingerprint(trainer) -> dict:
     args = {k: v for k, v in _config_dict(trainer.args).items() if k not in ("max_steps", "save_steps")}
     out = {"model": trainer.model.config.to_hf(), "grpo": args, "tlt": _config_dict(trainer.tlt),
            "drafter": trainer.drafter is not None, "rewards": [reward_name(f) for f in trainer.reward_funcs]}
+    if trainer.curriculum is not None:
+        out["curriculum"] = _config_dict(trainer.curriculum)
     if trainer.world.distributed:
         out.update(world=trainer.world.size, scheduler={"spot_trainer": trainer.sched.spot_trainer,
                                                      "train_on": trainer.sched.train_on})
