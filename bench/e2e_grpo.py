@@ -206,7 +206,7 @@ def _data(args):
     if args.job is not None:
         from tltlib.rljob import job_problems
         train, held = job_problems(args.job)
-        probe = generate_task(args.job.task_cfg, args.probe, seed=20_002) if args.probe else []
+        probe = generate_task(args.job.task_cfgs[1], args.probe, seed=20_002) if args.probe else []
         return train, held, probe
     train = generate_problems(ChainTaskConfig(), 4096, seed=1)
     held = generate_problems(ChainTaskConfig(zipf_exponent=0.6), args.held_out, seed=10_001)

@@ -165,3 +165,16 @@ def test_smollm2_file_plans_notebook_01_or_says_how_to_import_the_model(tmp_path
         _plan(tmp_path, f"MODEL_PATH: {tmp_path}/models/smollm2-135m\n", only=["01"])
     with pytest.raises(ValueError, match="TASK = 'gsm8k'.*expected a string in 'chain', 'words'"):
         _plan(tmp_path, "notebooks:\n  \"01\": {TASK: gsm8k}\n", only=["01"])
+
+
+def test_task_configs_give_the_chain_task_a_longer_held_out_and_name_a_bad_setting():
+    from tltlib.params import task_configs
+    from tltlib.tasks import ChainTaskConfig
+    from tltlib.wordproblems import WordTaskConfig
+    assert task_configs("chain", {}, "x") == (ChainTaskConfig(), ChainTaskConfig(zipf_exponent=0.6))
+    assert task_configs("chain", {"zipf_exponent": 1.5, "max_steps": 9}, "x") == \
+        (ChainTaskConfig(zipf_exponent=1.5, max_steps=9),) * 2
+    words = WordTaskConfig(max_steps=4)
+    assert task_configs("words", {"max_steps": 4}, "x") == (words, words)
+    with pytest.raises(ValueError, match="TASK_CONFIG: 'max_step' is not a WordTaskConfig setting"):
+        task_configs("words", {"max_step": 4}, "TASK_CONFIG")

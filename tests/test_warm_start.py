@@ -1,5 +1,5 @@
-"""The supervised warm start on worked solutions (tltlib.warm_start): loss only on the solution tokens, the loss
-falls and the weights move on a small model, bad settings refused."""
+"""The supervised warm start on worked solutions (tltlib.warm_start): the loss falls and the weights move on a small
+model, bad settings refused (the loss on the solution tokens only is reasoner.sft_batch's, tested there)."""
 from __future__ import annotations
 
 import string
@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from tltlib.model import ModelConfig, Transformer
-from tltlib.reasoner import sft_batch
 from tltlib.tokenizer import build_tokenizer
 from tltlib.warm_start import WarmStartConfig, warm_start
 
@@ -19,12 +18,6 @@ def _char_tokenizer():
     tok = build_tokenizer(string.printable)
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
     return tok
-
-
-def test_the_batch_puts_the_loss_on_the_response_only():
-    x, y = sft_batch([([1, 5, 6], [8, 9, 2]), ([1, 7], [4, 2])], pad_id=0)
-    assert x.tolist() == [[1, 5, 6, 8, 9, 2], [1, 7, 4, 2, 0, 0]]
-    assert y.tolist() == [[-100, -100, 8, 9, 2, -100], [-100, 4, 2, -100, -100, -100]]
 
 
 def test_warm_start_lowers_the_solution_loss_and_moves_every_trained_weight():

@@ -400,6 +400,20 @@ def _yaml_number_hint(v) -> str:
     return " (YAML reads 1e-4 as text: write 1.0e-4)"
 
 
+def task_configs(task: str, settings: dict | None, source: str) -> tuple:
+    """(training, held-out) configs of the generated task ``task`` (:func:`tltlib.tasks.task_config`) with
+    ``settings`` (checked by :func:`dataclass_from_mapping`, ``source`` naming them). The chain task's held-out
+    problems lean longer (Zipf 0.6 unless ``settings`` give an exponent), as the tiny reasoner's notebooks measure
+    them; the word task's come from the training configuration."""
+    from dataclasses import replace
+
+    from .tasks import ChainTaskConfig, task_config
+    cfg = dataclass_from_mapping(type(task_config(task)), settings, source)
+    if isinstance(cfg, ChainTaskConfig):
+        return cfg, replace(cfg, zipf_exponent=(settings or {}).get("zipf_exponent", 0.6))
+    return cfg, cfg
+
+
 def dataclass_from_mapping(cls, values: dict | None, source: str):
     """Build the frozen config dataclass ``cls`` from a YAML mapping, refusing (with ``source`` and the key named)
     keys it does not have (with the closest spelling) and values whose type is not the field's (a list is

@@ -91,6 +91,19 @@ def sft_batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple
     return x, y
 
 
+def sft_step(model, opt, x: torch.Tensor, y: torch.Tensor, bf16_autocast: bool = False) -> torch.Tensor:
+    """One supervised step on ``x, y [B, T]`` (:func:`sft_batch`): next-token cross-entropy (float32 logits, -100
+    ignored), gradient clipped to norm 1, ``opt.step()``; returns the loss (not synchronised to the host)."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16_autocast):
+        logits = model(x)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss
+
+
 def lr_at(step: int, cfg: ReasonerTrainConfig) -> float:
     """Linear warm-up then cosine decay to 10% of the peak."""
     if step < cfg.warmup_steps:
@@ -106,7 +119,6 @@ def train_sft(cfg: ReasonerTrainConfig, tokenizer, progress: bool = True,
     mcfg = preset(cfg.preset, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                   eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id)
     model = Transformer(mcfg).to(device)
-    dev_type = torch.device(device).type
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = random.Random(cfg.seed)
     task, long_task = ChainTaskConfig(), ChainTaskConfig(zipf_exponent=0.3)
@@ -121,13 +133,7 @@ def train_sft(cfg: ReasonerTrainConfig, tokenizer, progress: bool = True,
         x, y = (t.to(device) for t in sft_batch(pool[max(0, end - per): end], tokenizer.pad_token_id))
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        with torch.autocast(dev_type, dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = sft_step(model, opt, x, y, cfg.bf16_autocast)
         elapsed = time.perf_counter() - t0
         if step % 10 == 0 or step == cfg.steps - 1:          # (a device sync: every 10 steps only)
             log["step"].append(step), log["loss"].append(loss.item()), log["seconds"].append(elapsed)

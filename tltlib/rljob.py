@@ -50,9 +50,9 @@ from .fileio import atomic_write_text, check_output_folder, read_json, remove_st
 from .curriculum import CurriculumConfig, level_pools
 from .grpo import GRPOConfig, reward_funcs_named
 from .loading import load
-from .params import dataclass_from_mapping, load_yaml, params_path
+from .params import dataclass_from_mapping, load_yaml, params_path, task_configs
 from .scheduler import SchedulerConfig
-from .tasks import TASKS, ChainTaskConfig, split_problems, task_config
+from .tasks import TASKS, split_problems
 from .trainer import GRPOTrainer, TLTConfig
 from .world import DistributedWorld, launched_by_torchrun, torchrun_command
 
@@ -90,9 +90,9 @@ class Job:
     scheduler: SchedulerConfig
 
     @property
-    def task_cfg(self):
-        """The generated task's config (:func:`tltlib.tasks.task_config` of ``task`` with ``task_config``)."""
-        return dataclass_from_mapping(type(task_config(self.task)), self.task_config, f"{self.source}: task_config")
+    def task_cfgs(self) -> tuple:
+        """(training, held-out) configs of the generated task (:func:`tltlib.params.task_configs`)."""
+        return task_configs(self.task, self.task_config, f"{self.source}: task_config")
 
     def record(self) -> dict:
         """The job.json of a run: :data:`JOB_KEYS` as the file gives them."""
@@ -129,7 +129,7 @@ def read_job(params: str | os.PathLike) -> Job:
     if values["task"] not in TASKS:
         raise ValueError(f"{path}: task {values['task']!r} is not a generated task; choose one of {', '.join(TASKS)} "
                          "(or give a dataset file)")
-    dataclass_from_mapping(type(task_config(values["task"])), values["task_config"], f"{path}: task_config")
+    task_configs(values["task"], values["task_config"], f"{path}: task_config")
     reward_funcs_named(values["rewards"], f"{path}: rewards")
     if grpo.reward_weights is not None and len(grpo.reward_weights) != len(values["rewards"]):
         raise ValueError(f"{path}: grpo.reward_weights has {len(grpo.reward_weights)} values for the "
@@ -180,13 +180,11 @@ def write_job_params(path: str | os.PathLike, model: str, drafter: str, grpo: di
 
 
 def job_problems(job: Job) -> tuple[list, list]:
-    """(training, held-out problems) of a job: from its dataset, else generated from its task. The chain task's
-    held-out problems lean longer (Zipf 0.6) than its training ones, as the tiny reasoner's notebooks measure them;
-    the word task's come from the same configuration as the training ones."""
-    cfg = job.task_cfg
-    held_cfg = ChainTaskConfig(**{"zipf_exponent": 0.6, **job.task_config}) if job.task == "chain" else cfg
+    """(training, held-out problems) of a job: from its dataset, else generated from its task
+    (:attr:`Job.task_cfgs`)."""
+    cfg, held_cfg = job.task_cfgs
     train, held = split_problems(job.dataset, job.train_problems, job.eval_problems, job.grpo.seed,
-                                 task=cfg if job.dataset else held_cfg, train_task=cfg)
+                                 task=held_cfg, train_task=cfg)
     if job.curriculum is not None:                 # a level the data lacks is named with the file, before loading
         level_pools(train, job.curriculum, job.grpo.prompts_per_step,
                     f"{job.source}: the training problems of {job.dataset or 'task ' + job.task}")

@@ -221,7 +221,8 @@ class GRPOTrainer:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate,
                                            betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
         self.buffer, self.drafter_trainer = self._drafter_training()
-        check_trainer(self)                            # a run that cannot fit is refused before the first rollout
+        check_trainer(self)             # encodes a sample of prompts (a missing chat template is named here) and
+        #                                 refuses a run that cannot fit, before the first rollout
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None  # pi_ref
         self.spot = SpotTrainer(self.world, self.sched, self.drafter_trainer, self.buffer, self.tlt.drafter_batch)
         self.controller = self._adaptive_controller()
@@ -244,7 +245,6 @@ class GRPOTrainer:
             raise ValueError(f"{len(self.problems)} training problems but a step needs {args.prompts_per_step} "
                              f"(generation_batch_size {args.generation_batch_size} / num_generations "
                              f"{args.num_generations}); give more problems or a smaller batch")
-        encode_prompts(self.problems[:1], self.tokenizer)       # a missing chat template is named before any work
         if not self.reward_funcs:
             raise ValueError("give at least one reward function")
         if args.reward_weights is not None and len(args.reward_weights) != len(self.reward_funcs):

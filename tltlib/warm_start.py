@@ -54,10 +54,9 @@ def warm_start(model, tokenizer, cfg: WarmStartConfig | None = None, progress: b
     """Train ``model`` (a :class:`tltlib.model.Transformer`, in place) on ``cfg.steps x cfg.batch`` worked solutions
     of generated word problems; returns the log ``{"step": [...], "loss": [...], "seconds": float}``."""
     import torch
-    import torch.nn.functional as F
     from tqdm.auto import tqdm
 
-    from .reasoner import sft_batch
+    from .reasoner import sft_batch, sft_step
     from .tasks import encode_prompts
     cfg = cfg or WarmStartConfig()
     if tokenizer.eos_token_id is None:
@@ -75,11 +74,7 @@ def warm_start(model, tokenizer, cfg: WarmStartConfig | None = None, progress: b
     for step in tqdm(range(cfg.steps), desc="warm start", disable=not progress):
         part = slice(step * cfg.batch, (step + 1) * cfg.batch)
         x, y = (t.to(device) for t in sft_batch(list(zip(prompts[part], responses[part])), pad))
-        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = sft_step(model, opt, x, y)
         log["step"].append(step)
         log["loss"].append(loss.item())
     model.eval()

@@ -113,11 +113,11 @@ def make_word_problem(cfg: WordTaskConfig, rng: random.Random, steps: int | None
         text, count, arithmetic = _operation(rng, count, he, his, item)
         sentences.append(text)
         counts.append(count)
-        work.append((text, arithmetic))
+        work.append(arithmetic)
     question = " ".join(sentences) + f" How many {item} does {name} have now? {INSTRUCTION}"
     prompt = ({"role": "user", "content": question},) if cfg.chat else question
     solution = "\n".join([f"{name} starts with {counts[0]} {item}."]
-                          + [f"{text} {arithmetic}." for text, arithmetic in work]
+                          + [f"{text} {arithmetic}." for text, arithmetic in zip(sentences[1:], work)]
                           + [f"{name} has {count} {item} now.", f"#### {count}"])
     return Problem(prompt, str(count), {"steps": n, "source": "words", "counts": counts, "solution": solution})
 
