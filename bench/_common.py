@@ -271,3 +271,22 @@ def task_prompts(task: str, tokenizer, count: int, seed: int, steps: int | None 
 def model_suffix(model: str, default: str = "data/tiny-reasoner") -> str:
     """``""`` for the default model, else ``-<its folder name>``: results of another model get their own files."""
     return "" if model == default else "-" + Path(model).expanduser().resolve().name
+
+
+def depth_table(acceptance: list[dict], strategies: str, labels: dict[str, str]) -> str:
+    """Per-depth acceptance at the first and the last probed RL step: P(draft d accepted | drafts 1..d-1 were),
+    from the shares of SD row-steps accepting at least d drafts."""
+    rows = []
+    for name in strategies.split(","):
+        for a in (acceptance[0], acceptance[-1]):
+            for key, label in labels.items():
+                ge = a.get(f"{key}:{name}:ge")
+                if ge:
+                    cond = [ge[0]] + [ge[d] / ge[d - 1] if ge[d - 1] > 0 else 0.0 for d in range(1, len(ge))]
+                    rows.append([name, a["step"], label, *[f"{c:.2f}" for c in cond]])
+    if not rows:
+        return ""
+    depth = max(len(r) for r in rows) - 3
+    rows = [r + [""] * (depth + 3 - len(r)) for r in rows]
+    return ("\n\nAcceptance by draft depth (P(depth d accepted | depths before it were)), first and last step:\n\n"
+            + markdown_table(["strategy", "step", "drafter", *[f"d={d}" for d in range(1, depth + 1)]], rows))

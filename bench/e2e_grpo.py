@@ -46,8 +46,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (DRAFTER, MODEL, add_device_flags, add_model_flags, add_output_flags, bench_parser,  # noqa: E402
-                     existing_file, listed, load_models, machine_info, markdown_table, nonnegative_int, parse_bench_args,
-                     positive_float, positive_int, resolve, result_name, strategy_name, temperature, write_results)
+                     depth_table, existing_file, listed, load_models, machine_info, markdown_table, nonnegative_int,
+                     parse_bench_args, positive_float, positive_int, resolve, result_name, strategy_name, temperature,
+                     write_results)
 
 
 def parse_args(argv: list[str] | None = None):
@@ -332,32 +333,13 @@ def _worker_tables(s, acceptance, one, args, device, tlt_steps) -> str:
                      + markdown_table(["step", "spot-trained", "frozen", "one-process online (own run)"],
                                       [[a["step"], a.get(f"online:{name}"), a.get(f"frozen:{name}"),
                                         ref.get(a["step"], {}).get(f"online:{name}")] for a in acceptance]))
-        text += _depth_table(acceptance, args.probe_strategy, {"online": "spot-trained", "frozen": "frozen"})
+        text += depth_table(acceptance, args.probe_strategy, {"online": "spot-trained", "frozen": "frozen"})
         al = s["accept_last"]
         if al["one_process_online"]:
             text += (f"\n\nLast step: spot-trained {al['spot']:.2f} vs one-process online "
                      f"{al['one_process_online']:.2f} ({al['spot'] / al['one_process_online'] - 1:+.1%}; goal: no more "
                      f"than 5% below) vs frozen {al['frozen']:.2f}.")
     return text
-
-
-def _depth_table(acceptance: list[dict], strategies: str, labels: dict[str, str]) -> str:
-    """Per-depth acceptance at the first and the last probed RL step: P(draft d accepted | drafts 1..d-1 were),
-    from the shares of SD row-steps accepting at least d drafts."""
-    rows = []
-    for name in strategies.split(","):
-        for a in (acceptance[0], acceptance[-1]):
-            for key, label in labels.items():
-                ge = a.get(f"{key}:{name}:ge")
-                if ge:
-                    cond = [ge[0]] + [ge[d] / ge[d - 1] if ge[d - 1] > 0 else 0.0 for d in range(1, len(ge))]
-                    rows.append([name, a["step"], label, *[f"{c:.2f}" for c in cond]])
-    if not rows:
-        return ""
-    depth = max(len(r) for r in rows) - 3
-    rows = [r + [""] * (depth + 3 - len(r)) for r in rows]
-    return ("\n\nAcceptance by draft depth (P(depth d accepted | depths before it were)), first and last step:\n\n"
-            + markdown_table(["strategy", "step", "drafter", *[f"d={d}" for d in range(1, depth + 1)]], rows))
 
 
 def _figures(payload: dict, json_path: Path) -> None:
@@ -678,7 +660,7 @@ def _tables(s, acceptance, upd, args, device) -> str:
                  "prompts, seed 0):\n\n"
                  + markdown_table(["step", "online drafter", "frozen drafter", "n-gram"],
                                   [[a["step"], a["online"], a["frozen"], a["ngram"]] for a in acceptance]))
-        text += _depth_table(acceptance, args.probe_strategy, {"online": "online", "frozen": "frozen"})
+        text += depth_table(acceptance, args.probe_strategy, {"online": "online", "frozen": "frozen"})
     if upd:
         text += "\n\nUpdate (forward + backward) on one rollout's batch:\n\n" + markdown_table(
             ["micro-batches", "count", "padded tokens", "tokens/s"],

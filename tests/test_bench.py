@@ -260,3 +260,25 @@ def test_a_recipe_sets_the_comparison_from_a_train_grpo_file(tmp_path):
     plain = e2e_grpo._with_recipe(argparse.Namespace(recipe=None, model=None, drafter=None, trl_steps=None,
                                                      **{k: None for k in e2e_grpo.RECIPE_FLAGS}), pytest.fail)
     assert plain.lr == 1e-4 and plain.model == "data/tiny-reasoner" and plain.trl_steps == 2 and plain.job is None
+
+
+def test_drift_bench_writes_accuracy_and_every_drafters_curve(tmp_path):
+    """A 2-step drift run of a tiny recipe: held-out accuracy at 0 and 2, probes of the online, the warm and the
+    snapshot drafters for both strategies with the per-depth table, the figure; a snapshot at or after the last step
+    is refused before anything loads."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: data/tiny-reasoner\ndrafter: data/tiny-reasoner-drafter\neval_problems: 3\n"
+                      "grpo: {num_generations: 2, generation_batch_size: 4, max_completion_length: 32}\n"
+                      "tlt: {drafter_steps: 1, drafter_batch: 2}\n")
+    out = bench(tmp_path, "drift", "--recipe", str(recipe), "--steps", "2", "--eval-every", "5", "--probe", "2",
+                "--probe-every", "2", "--probe-strategy", "chain-2,tree-2x2-4", "--snapshot", "1")
+    assert out.returncode == 0, out.stderr
+    d = json.loads((tmp_path / "drift-cpu-float32.json").read_text())
+    assert d["complete"] and [e["step"] for e in d["eval"]] == [0, 2] and len(d["steps"]) == 2
+    assert [r["step"] for r in d["acceptance"]] == [0, 1, 2] and d["acceptance"][-1]["online@1:tree-2x2-4"] >= 1
+    md = (tmp_path / "drift-cpu-float32.md").read_text()
+    assert "| step | online | frozen | online@1 |" in md and "Acceptance by draft depth" in md
+    assert (tmp_path / "drift-cpu-float32.png").stat().st_size > 0
+    late = bench(tmp_path / "late", "drift", "--recipe", str(recipe), "--steps", "2", "--snapshot", "2")
+    assert_one_line_error(late, "--snapshot 2 is not before the last step (2)")
+    assert not (tmp_path / "late").exists()

@@ -1,12 +1,13 @@
 """The end-to-end comparison: Amdahl's bound, the summary of two policies' histories, TRL's phases from a bench
-file, and one tiny comparison run."""
+file, one tiny comparison run, and one long run with the drafters' drift."""
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
-from tltlib.e2e import amdahl_bound, compare, summarize, trl_phases
+from tltlib.e2e import amdahl_bound, compare, frozen_copy, long_run, release_training, summarize, trl_phases
 
 
 def _run(seed, rollout, update, drafter, rewards, acc):
@@ -110,3 +111,42 @@ def test_one_step_slowed_by_a_neighbour_does_not_decide_the_summary():
     assert s["comparison"]["step_speedup"] == pytest.approx(4.0 / 2.5)
     lo, hi = s["baseline"]["spread"]["rollout"]
     assert 2.9 <= lo <= 3.0 <= hi <= 3.2
+
+
+def test_a_long_run_measures_accuracy_and_the_drift_of_frozen_copies():
+    """Evaluations at 0, every 2 steps and the last; probes at 0, every 2 steps, the snapshot step and the last; the
+    snapshot equals the online drafter when taken (same accepted length), then stays as it was while the online
+    drafter trains; the warm drafter never changes; no copy of the model is made; a finished run frees its training
+    state and still evaluates."""
+    from tltlib.grpo import GRPOConfig
+    from tltlib.loading import load
+    from tltlib.tasks import ChainTaskConfig, generate_problems
+    from tltlib.trainer import GRPOTrainer, TLTConfig
+    model, tok, drafter = load("data/tiny-reasoner", "data/tiny-reasoner-drafter")
+    train = generate_problems(ChainTaskConfig(max_steps=3), 16, seed=1)
+    tr = GRPOTrainer(model, tok, train, GRPOConfig(num_generations=2, generation_batch_size=4,
+                                                   max_completion_length=32, learning_rate=1e-4, seed=0),
+                     drafter=drafter.attach(model), tlt=TLTConfig(speculative="chain-2", drafter_steps=2,
+                                                                   drafter_batch=2))
+    warm = frozen_copy(drafter, model)
+    assert warm.target is model and warm is not drafter
+    start = {k: v.clone() for k, v in drafter.state_dict().items()}
+    evals = []
+    frozen = {"frozen": warm}
+    out = long_run(tr, drafter, frozen, train[:3], train[:2], "chain-2,chain-3", steps=3, eval_every=2,
+                   probe_every=2, snapshots={1}, log=lambda s: None, on_eval=lambda o: evals.append(len(o["eval"])))
+    assert [e["step"] for e in out["eval"]] == [0, 2, 3] and evals == [1, 2, 3] and len(out["steps"]) == 3
+    assert [r["step"] for r in out["acceptance"]] == [0, 1, 2, 3]
+    first, snap = out["acceptance"][0], out["acceptance"][1]
+    assert "online@1" not in first and first["online"] == first["frozen"]          # same weights before training
+    assert snap["online@1"] == snap["online"] and snap["online@1:chain-3"] == snap["online:chain-3"]
+    assert len(snap["online@1:chain-3:ge"]) == 3
+    assert all(torch.equal(v, warm.state_dict()[k]) for k, v in start.items())      # the frozen drafter never trains
+    assert any(not torch.equal(v, start[k]) for k, v in drafter.state_dict().items())       # the online one did,
+    later = frozen["online@1"].state_dict()                                                  # also after the snapshot
+    assert out["snapshots"] == [1] and frozen["online@1"].target is model
+    assert any(not torch.equal(v, later[k]) for k, v in drafter.state_dict().items())
+
+    release_training(tr)                           # the run is over: its training state goes, evaluation still works
+    assert not tr.optimizer.state and all(p.grad is None for p in model.parameters())
+    assert tr.evaluate(train[:2])["eval/accuracy"] >= 0.0

@@ -8,7 +8,9 @@ online, of the same warm drafter kept frozen, and of the n-gram drafter: the dri
 behind. :func:`summarize` turns the histories into the numbers the paper reports: per-phase step time, speedup, the
 rollout share and the Amdahl bound, reward curves and held-out accuracy with a significance test. Times are medians
 over the steps of every seed, with their interquartile range: on a shared machine one step slowed by a neighbour
-(a 28 s rollout among 1-5 s ones) would otherwise decide a mean.
+(a 28 s rollout among 1-5 s ones) would otherwise decide a mean. :func:`long_run` is one longer TLT run
+(``bench drift``): the held-out accuracy along it, and the accepted length of the online drafter against the warm
+drafter and against copies of the online drafter frozen at given steps, whose gap is the policy's drift alone.
 
 Paper: TLT §7 (end-to-end speedup with the same reward curves, Fig. 11-12; drafter adaptation, Fig. 15).
 Departures: the paper compares against verl on 8-64 H100s; :func:`compare` runs in one process, :func:`compare_workers`
@@ -17,7 +19,10 @@ on W torchrun workers of one machine.
 from __future__ import annotations
 
 import copy
+import ctypes
+import gc
 import statistics
+import sys
 import time
 import warnings
 from dataclasses import replace
@@ -234,11 +239,24 @@ def compare_workers(model, tokenizer, drafter, train, held_out, grpo, tlt, sched
             acceptance.append(row)
             log(f"  accepted length ({probe_strategy}): spot-trained {row['online']:.2f}  frozen {row['frozen']:.2f}")
         world.barrier()
+    for tr in trainers.values():          # three trainers' AdamW moments, KV caches and packs overfilled 24 GiB
+        release_training(tr)
     evals = {name: tr.evaluate(held_out) for name, tr in trainers.items()}
     if not lead:
         return None
     return {"runs": {name: [{"seed": grpo.seed, "steps": hist[name], **evals[name]}] for name in trainers},
             "acceptance": acceptance}
+
+
+def release_training(trainer) -> None:
+    """Free what only more RL steps of ``trainer`` would use: AdamW's moments, the gradients, the rollout engine's
+    kept KV cache and packed weights. For runs that are over but kept side by side, before their evaluations."""
+    trainer.optimizer.state.clear()
+    trainer.model.zero_grad(set_to_none=True)
+    trainer.engine.release()
+    gc.collect()
+    if sys.platform == "linux":          # glibc keeps freed small blocks (most tensors) in the heap: give them back
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def schedule_summary(steps: list[dict]) -> dict:
@@ -255,4 +273,53 @@ def schedule_summary(steps: list[dict]) -> dict:
                               if sum(m["sched/idle_s"] for m in steps) > 0 else None)
     out["overhead_share"] = float(np.median([m["sched/overhead_s"] / m["time/step_s"] for m in steps]))
     out["preempt_micro_steps_max"] = max((m["sched/preempt_micro_steps"] for m in steps), default=None)
+    return out
+
+
+def frozen_copy(drafter, target):
+    """A copy of ``drafter`` (its weights as they are now, never trained again) attached to ``target``; the target
+    model is shared, not copied."""
+    snap = copy.deepcopy(drafter, {id(drafter.target): target})
+    return snap.attach(target).requires_grad_(False)
+
+
+def long_run(trainer, online, frozen: dict, held_out, probe, strategies: str, steps: int, eval_every: int,
+             probe_every: int, snapshots=(), log=print, on_eval=None) -> dict:
+    """One TLT run of ``steps`` RL steps with the held-out accuracy and the drafters' drift measured along it.
+
+    The held-out greedy accuracy is measured before the first step, every ``eval_every`` steps and after the last;
+    the accepted length on ``probe`` (:func:`probe_row`, every strategy of ``strategies``) of ``online`` (the drafter
+    ``trainer`` trains) and of each drafter of ``frozen`` (``{label: drafter}``, never trained) before the first
+    step, every ``probe_every`` steps, after the last and at every step of ``snapshots``, where a frozen copy of the
+    online drafter joins ``frozen`` as ``online@<step>``: from then on the gap between the two is the policy's drift
+    alone. ``on_eval(result)`` after every evaluation (to write partial results). Returns ``{"steps": [trainer
+    metrics per step], "eval": [{"step", "eval/*"}], "acceptance": [probe rows], "snapshots": [steps]}``.
+    """
+    out = {"steps": [], "eval": [], "acceptance": [], "snapshots": sorted(snapshots)}
+    temp, max_new = trainer.args.temperature, trainer.args.max_completion_length
+
+    def measure(step: int, evaluate: bool, probing: bool) -> None:
+        if probing and probe:
+            row = probe_row(trainer.model, {"online": online, **frozen}, trainer.tokenizer, probe, strategies, temp,
+                            max_new, step)
+            out["acceptance"].append(row)
+            log(f"  step {step}: accepted length ({strategies.split(',')[0]}) "
+                + "  ".join(f"{k} {row[k]:.2f}" for k in ("online", *frozen)))
+        if evaluate:
+            out["eval"].append({"step": step, **trainer.evaluate(held_out)})
+            log(f"  step {step}: held-out accuracy {out['eval'][-1]['eval/accuracy']:.3f}")
+            if on_eval is not None:
+                on_eval(out)
+
+    measure(0, True, True)
+    for step in range(1, steps + 1):
+        m = trainer.step()
+        out["steps"].append(m)
+        log(f"step {step}: {m['time/step_s']:.1f} s (rollout {m['time/rollout_s']:.1f}, drafter "
+            f"{m['time/drafter_s']:.1f})  reward {m['rl/reward_mean']:.3f}  "
+            f"mean length {m['rl/completion_len_mean']:.0f}")
+        if step in snapshots:
+            frozen[f"online@{step}"] = frozen_copy(online, trainer.model)
+        last = step == steps
+        measure(step, last or step % eval_every == 0, last or step % probe_every == 0 or step in snapshots)
     return out
