@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -242,12 +243,30 @@ def _worker(args) -> None:
     world = DistributedWorld(args.device, sched.hang_timeout_s)
     model, tok, drafter = load_models(args, drafter=True, device=world.device, all_cores=False)
     train, held, probe = _data(args)
-    out = compare_workers(model, tok, drafter, train, held, _grpo(args), _tlt(args), sched, args.steps, probe,
+    out = compare_workers(model, tok, drafter, train, _grpo(args), _tlt(args), sched, args.steps, probe,
                           args.probe_strategy, world, log=lambda s: print(s, flush=True),
                           trainer_kwargs=_trainer_kwargs(args))
     if out is not None:
-        Path(os.environ["TLTLIB_E2E_RAW"]).write_text(json.dumps(out, default=float))
+        import torch
+        raw = Path(os.environ["TLTLIB_E2E_RAW"])
+        for name, policy in out.pop("policies").items():      # evaluated by the launcher once the workers are gone
+            torch.save(policy.state_dict(), raw.with_name(f"{name}.pt"))
+        raw.write_text(json.dumps(out, default=float))
     world.close()
+
+
+def _evaluate_policies(args, runs: dict, folder: Path, model, tok, train, held) -> None:
+    """The held-out accuracy of each run's final policy (``<run>.pt`` in ``folder``, from the workers), one at a
+    time in this process, into ``runs``; greedy, so the same with or without the drafter."""
+    import torch
+
+    from tltlib.trainer import GRPOTrainer
+    for name, rs in runs.items():
+        policy = copy.deepcopy(model)
+        policy.load_state_dict(torch.load(folder / f"{name}.pt", map_location=policy.device))
+        rs[0].update(GRPOTrainer(policy, tok, train, _grpo(args), **_trainer_kwargs(args)).evaluate(held))
+        print(f"{name}: held-out accuracy {rs[0]['eval/accuracy']:.3f}", flush=True)
+        del policy
 
 
 def _launch_workers(args) -> None:
@@ -266,9 +285,12 @@ def _launch_workers(args) -> None:
     if rc != 0 or not raw.is_file():
         raise SystemExit(f"the {args.workers}-worker run failed (exit {rc})")
     result = json.loads(raw.read_text())
-    print(f"{args.workers} workers: {time.perf_counter() - t:.0f} s; now the one-process online drafter", flush=True)
+    print(f"{args.workers} workers: {time.perf_counter() - t:.0f} s; now the held-out evaluations and the one-process "
+          "online drafter", flush=True)
     model, tok, drafter = load_models(args, drafter=True)
     train, held, probe = _data(args)
+    _evaluate_policies(args, result["runs"], raw.parent, model, tok, train, held)
+    shutil.rmtree(raw.parent, ignore_errors=True)
     online = copy.deepcopy(drafter).attach(model)
     tr = GRPOTrainer(model, tok, train, _grpo(args), drafter=online, tlt=_tlt(args), **_trainer_kwargs(args))
     one = []

@@ -282,3 +282,16 @@ def test_drift_bench_writes_accuracy_and_every_drafters_curve(tmp_path):
     late = bench(tmp_path / "late", "drift", "--recipe", str(recipe), "--steps", "2", "--snapshot", "2")
     assert_one_line_error(late, "--snapshot 2 is not before the last step (2)")
     assert not (tmp_path / "late").exists()
+
+
+def test_two_worker_comparison_evaluates_the_policies_after_the_workers(tmp_path):
+    """``e2e_grpo --workers 2``: the three runs' held-out accuracy is measured by the launcher from the policies the
+    workers wrote (inside the workers it ran out of memory on SmolLM2), and their files are gone afterwards."""
+    out = bench(tmp_path, "e2e_grpo", "--workers", "2", "--steps", "1", "--prompts", "2", "--group", "2",
+                "--max-new", "24", "--held-out", "2", "--probe", "1", "--probe-strategy", "chain-2")
+    assert out.returncode == 0, out.stderr
+    d = json.loads((tmp_path / "e2e_grpo-cpu-float32-w2.json").read_text())
+    assert sorted(d["runs"]) == ["baseline", "tlt", "tlt-frozen"]
+    assert all(0.0 <= r[0]["eval/accuracy"] <= 1.0 and len(r[0]["steps"]) == 1 for r in d["runs"].values())
+    assert "held-out accuracy" in out.stdout and "Held-out accuracy: baseline" in \
+        (tmp_path / "e2e_grpo-cpu-float32-w2.md").read_text()

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tltlib.e2e import amdahl_bound, compare, frozen_copy, long_run, release_training, summarize, trl_phases
+from tltlib.e2e import amdahl_bound, compare, frozen_copy, long_run, summarize, trl_phases
 
 
 def _run(seed, rollout, update, drafter, rewards, acc):
@@ -116,8 +116,7 @@ def test_one_step_slowed_by_a_neighbour_does_not_decide_the_summary():
 def test_a_long_run_measures_accuracy_and_the_drift_of_frozen_copies():
     """Evaluations at 0, every 2 steps and the last; probes at 0, every 2 steps, the snapshot step and the last; the
     snapshot equals the online drafter when taken (same accepted length), then stays as it was while the online
-    drafter trains; the warm drafter never changes; no copy of the model is made; a finished run frees its training
-    state and still evaluates."""
+    drafter trains; the warm drafter never changes; no copy of the model is made."""
     from tltlib.grpo import GRPOConfig
     from tltlib.loading import load
     from tltlib.tasks import ChainTaskConfig, generate_problems
@@ -146,7 +145,3 @@ def test_a_long_run_measures_accuracy_and_the_drift_of_frozen_copies():
     later = frozen["online@1"].state_dict()                                                  # also after the snapshot
     assert out["snapshots"] == [1] and frozen["online@1"].target is model
     assert any(not torch.equal(v, later[k]) for k, v in drafter.state_dict().items())
-
-    release_training(tr)                           # the run is over: its training state goes, evaluation still works
-    assert not tr.optimizer.state and all(p.grad is None for p in model.parameters())
-    assert tr.evaluate(train[:2])["eval/accuracy"] >= 0.0

@@ -19,10 +19,7 @@ on W torchrun workers of one machine.
 from __future__ import annotations
 
 import copy
-import ctypes
-import gc
 import statistics
-import sys
 import time
 import warnings
 from dataclasses import replace
@@ -197,16 +194,18 @@ def trl_phases(results_json, run: str = "tuned") -> dict | None:
     return {"rollout": gen, "reward": max(scored - gen, 0.0), "update": max(step - scored, 0.0)}
 
 
-def compare_workers(model, tokenizer, drafter, train, held_out, grpo, tlt, scheduler, steps: int, probe=(),
+def compare_workers(model, tokenizer, drafter, train, grpo, tlt, scheduler, steps: int, probe=(),
                     probe_strategy: str = "chain-8", world=None, log=print,
                     trainer_kwargs: dict | None = None) -> dict | None:
     """:func:`compare` for data-parallel workers (call it on every rank under torchrun): the baseline, TLT with the
     spot trainer, and TLT with the same warm drafter frozen, stepped in turn on the same prompts. After every RL
     step rank 0 measures, outside the timed phases, the accepted length of the spot-trained and the frozen drafter on
     TLT's current policy; the ranks then start the next step together. Returns on rank 0 ``{"runs": {policy:
-    {"steps": [...], "eval/accuracy"}}, "acceptance": [...]}`` (None elsewhere).
+    [{"seed", "steps": [...]}]}, "acceptance": [...], "policies": {policy: model}}`` (None elsewhere): the held-out
+    accuracy is left to the caller, after the workers are gone (two workers holding three SmolLM2 trainers each
+    had no room left for it in 24 GiB).
 
-    Args: as :func:`compare`, with ``grpo`` one :class:`GRPOConfig`, ``scheduler`` the TLT run's
+    Args: as :func:`compare` (no held-out problems), with ``grpo`` one :class:`GRPOConfig`, ``scheduler`` the TLT run's
     :class:`~tltlib.scheduler.SchedulerConfig` and ``world`` a :class:`~tltlib.world.DistributedWorld`.
     """
     world = world or DistributedWorld(str(model.device), scheduler.hang_timeout_s)
@@ -239,24 +238,10 @@ def compare_workers(model, tokenizer, drafter, train, held_out, grpo, tlt, sched
             acceptance.append(row)
             log(f"  accepted length ({probe_strategy}): spot-trained {row['online']:.2f}  frozen {row['frozen']:.2f}")
         world.barrier()
-    for tr in trainers.values():          # three trainers' AdamW moments, KV caches and packs overfilled 24 GiB
-        release_training(tr)
-    evals = {name: tr.evaluate(held_out) for name, tr in trainers.items()}
     if not lead:
         return None
-    return {"runs": {name: [{"seed": grpo.seed, "steps": hist[name], **evals[name]}] for name in trainers},
-            "acceptance": acceptance}
-
-
-def release_training(trainer) -> None:
-    """Free what only more RL steps of ``trainer`` would use: AdamW's moments, the gradients, the rollout engine's
-    kept KV cache and packed weights. For runs that are over but kept side by side, before their evaluations."""
-    trainer.optimizer.state.clear()
-    trainer.model.zero_grad(set_to_none=True)
-    trainer.engine.release()
-    gc.collect()
-    if sys.platform == "linux":          # glibc keeps freed small blocks (most tensors) in the heap: give them back
-        ctypes.CDLL(None).malloc_trim(0)
+    return {"runs": {name: [{"seed": grpo.seed, "steps": hist[name]}] for name in trainers},
+            "acceptance": acceptance, "policies": models}
 
 
 def schedule_summary(steps: list[dict]) -> dict:
