@@ -286,7 +286,7 @@ def test_drift_bench_writes_accuracy_and_every_drafters_curve(tmp_path):
 
 def test_two_worker_comparison_evaluates_the_policies_after_the_workers(tmp_path):
     """``e2e_grpo --workers 2``: the three runs' held-out accuracy is measured by the launcher from the policies the
-    workers wrote (inside the workers it ran out of memory on SmolLM2), and their files are gone afterwards."""
+    workers wrote (inside the workers it ran out of memory on SmolLM2)."""
     out = bench(tmp_path, "e2e_grpo", "--workers", "2", "--steps", "1", "--prompts", "2", "--group", "2",
                 "--max-new", "24", "--held-out", "2", "--probe", "1", "--probe-strategy", "chain-2")
     assert out.returncode == 0, out.stderr
