@@ -113,8 +113,9 @@ def tables(p: dict) -> str:
             f"{minutes:.1f} min of RL steps ({p['wall_s'] / 60:.1f} min wall with the measurements).\n\n"
             "Held-out greedy accuracy:\n\n"
             + markdown_table(["step", "accuracy", "change", "mean length"],
-                             [[e["step"], round(e["eval/accuracy"], 3), f"{e['eval/accuracy'] - ev[0]['eval/accuracy']:+.3f}",
-                               round(e["eval/len_mean"], 1)] for e in ev]))
+                             [[e["step"], f"{e['eval/accuracy']:.3f}",
+                               f"{e['eval/accuracy'] - ev[0]['eval/accuracy']:+.3f}", f"{e['eval/len_mean']:.1f}"]
+                              for e in ev]))
     rows = p["acceptance"]
     labels = drafter_labels(rows)
     for strat in s["probe_strategy"].split(","):
