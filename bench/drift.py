@@ -78,7 +78,7 @@ def main() -> None:
     t0 = time.perf_counter()
 
     def write(out: dict, final: bool = False) -> Path:
-        payload = {"bench": "drift", "machine": machine_info(device), "settings": _settings(args, job),
+        payload = {"bench": "drift", "machine": machine_info(device), "settings": {**vars(args), "recipe_job": job.settings()},
                    "complete": final, "wall_s": time.perf_counter() - t0, **out}
         return write_results(name, payload, tables(payload), args.out)
 
@@ -88,23 +88,10 @@ def main() -> None:
     figure(out, args.probe_strategy.split(",")[0], path)
 
 
-def _settings(args, job) -> dict:
-    from dataclasses import asdict
-    return {**{k: v for k, v in vars(args).items()},
-            "recipe_job": {k: asdict(v) if hasattr(v, "__dataclass_fields__") else v for k, v in vars(job).items()}}
-
-
-def drafter_labels(rows: list[dict]) -> list[str]:
-    """The drafters the probe rows measured, in the order first seen (``online``, ``frozen``, ``online@<step>``)."""
-    seen = []
-    for r in rows:
-        seen += [k for k in r if k != "step" and ":" not in k and k not in seen]
-    return seen
-
-
 def tables(p: dict) -> str:
     """The markdown of a (partial) drift result: held-out accuracy by step, accepted length by step per strategy,
     the per-depth acceptance at the first and last probe, the drafter's cost."""
+    from tltlib.e2e import probe_labels
     s, steps = p["settings"], p["steps"]
     ev = p["eval"]
     minutes = sum(m["time/step_s"] for m in steps) / 60
@@ -117,10 +104,10 @@ def tables(p: dict) -> str:
                                f"{e['eval/accuracy'] - ev[0]['eval/accuracy']:+.3f}", f"{e['eval/len_mean']:.1f}"]
                               for e in ev]))
     rows = p["acceptance"]
-    labels = drafter_labels(rows)
+    labels = probe_labels(rows)
     for strat in s["probe_strategy"].split(","):
         text += (f"\n\nAccepted length ({strat}, bonus token included) on {s['probe']} probe prompts:\n\n"
-                 + markdown_table(["step", *labels], [[r["step"], *[_num(r.get(f"{k}:{strat}")) for k in labels]]
+                 + markdown_table(["step", *labels], [[r["step"], *[r.get(f"{k}:{strat}", "") for k in labels]]
                                                       for r in rows]))
     text += depth_table(rows, s["probe_strategy"], {k: k for k in labels}) if rows else ""
     if steps:
@@ -131,14 +118,11 @@ def tables(p: dict) -> str:
     return text
 
 
-def _num(v):
-    return "" if v is None else round(v, 2)
-
-
 def figure(out: dict, strategy: str, json_path: Path) -> None:
     """``<result>.png``: held-out accuracy and accepted length of every drafter by RL step."""
+    from tltlib.e2e import probe_labels
     from tltlib.plots import drift_panels
-    fig = drift_panels(out["eval"], out["acceptance"], strategy)
+    fig = drift_panels(out["eval"], out["acceptance"], probe_labels(out["acceptance"]), strategy)
     dest = json_path.with_suffix(".png")
     tmp = dest.with_name(f".{dest.name}.tmp.png")
     fig.savefig(tmp, dpi=110, bbox_inches="tight")

@@ -185,10 +185,9 @@ def _one_process(args) -> None:
 
 def _settings(args) -> dict:
     """The flags as run, with the recipe's whole job when there is one."""
-    from dataclasses import asdict
     out = {k: v for k, v in vars(args).items() if k != "job"}
     if args.job is not None:
-        out["recipe_job"] = {k: asdict(v) if hasattr(v, "__dataclass_fields__") else v for k, v in vars(args.job).items()}
+        out["recipe_job"] = args.job.settings()
     return out
 
 

@@ -60,7 +60,7 @@ def compare(model, tokenizer, drafter, train, held_out, grpo_for_seed, tlt, seed
     for seed in range(seeds):
         base_model, tlt_model = copy.deepcopy(model), copy.deepcopy(model)
         online = copy.deepcopy(drafter).attach(tlt_model)
-        frozen = copy.deepcopy(drafter).attach(tlt_model)              # the warm drafter, never trained
+        frozen = frozen_copy(drafter, tlt_model)                       # the warm drafter, never trained
         cfg = grpo_for_seed(seed)
         trainers = {"baseline": GRPOTrainer(base_model, tokenizer, train, cfg, **kw),
                     "tlt": GRPOTrainer(tlt_model, tokenizer, train, cfg, drafter=online, tlt=tlt, **kw)}
@@ -103,6 +103,11 @@ def probe_row(model, drafters: dict, tokenizer, probe, strategies: str, temperat
             if k == 0:
                 row[label] = row[f"{label}:{name}"]
     return row
+
+
+def probe_labels(rows: list[dict]) -> list[str]:
+    """The drafters :func:`probe_row` rows hold, in the order first seen (``online``, ``frozen``, ...)."""
+    return [k for k in dict.fromkeys(k for r in rows for k in r) if k != "step" and ":" not in k]
 
 
 def summarize(runs: dict, trl_step_s: float | None = None) -> dict:
@@ -212,7 +217,7 @@ def compare_workers(model, tokenizer, drafter, train, grpo, tlt, scheduler, step
     kw = dict(trainer_kwargs or {})
     models = {k: copy.deepcopy(model) for k in ("baseline", "tlt", "tlt-frozen")}
     online = copy.deepcopy(drafter).attach(models["tlt"])
-    probe_frozen = copy.deepcopy(drafter).attach(models["tlt"])     # the warm drafter on TLT's policy, for probes
+    probe_frozen = frozen_copy(drafter, models["tlt"])             # the warm drafter on TLT's policy, for probes
     trainers = {
         "baseline": GRPOTrainer(models["baseline"], tokenizer, train, grpo, world=world,
                                 scheduler=replace(scheduler, spot_trainer=False), **kw),

@@ -455,18 +455,17 @@ def accept_bars(values: dict, strategy: str = "chain-8", title: str = "Accepted 
     return _finish(fig, ax, title, ylabel=f"accepted length ({strategy}, bonus included)")
 
 
-def drift_panels(evals: list[dict], acceptance: list[dict], strategy: str = "chain-6",
+def drift_panels(evals: list[dict], acceptance: list[dict], labels: list[str], strategy: str = "chain-6",
                  title: str = "A long RL run: held-out accuracy and the drafters' accepted length"):
     """Two panels by RL step: the held-out greedy accuracy (``evals``: ``{"step", "eval/accuracy"}``) and the
-    accepted length of every drafter the probe rows hold (``online``, ``frozen``, ``online@<step>``: a copy of the
-    online drafter frozen after that step, drawn from the step it was taken)."""
+    accepted length of the drafters ``labels`` of the probe rows (``online``, ``frozen``, ``online@<step>``: a copy
+    of the online drafter frozen after that step, drawn from the step it was taken)."""
     import matplotlib.pyplot as plt
     fig, (a, b) = plt.subplots(1, 2, figsize=(10.0, 3.6))
     a.plot([e["step"] for e in evals], [e["eval/accuracy"] for e in evals], "-o", markersize=3)
     a.set_xlabel("RL step")
     a.set_ylabel("held-out greedy accuracy")
     a.set_title("Held-out accuracy", fontsize=9)
-    labels = [k for k in dict.fromkeys(k for r in acceptance for k in r) if k != "step" and ":" not in k]
     names = {"online": "online drafter (trained each step)", "frozen": "warm drafter, frozen"}
     for k in labels:
         pts = [(r["step"], r[k]) for r in acceptance if r.get(k) is not None]

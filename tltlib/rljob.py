@@ -94,6 +94,10 @@ class Job:
         """(training, held-out) configs of the generated task (:func:`tltlib.params.task_configs`)."""
         return task_configs(self.task, self.task_config, f"{self.source}: task_config")
 
+    def settings(self) -> dict:
+        """Every field, the configs as plain dicts (what a result file or a cross-rank check records)."""
+        return {k: asdict(v) if hasattr(v, "__dataclass_fields__") else v for k, v in vars(self).items()}
+
     def record(self) -> dict:
         """The job.json of a run: :data:`JOB_KEYS` as the file gives them."""
         return {k: getattr(self, k) for k in JOB_KEYS}
@@ -215,8 +219,7 @@ def run_job(params: str | os.PathLike, output_dir: str | os.PathLike | None = No
     world = DistributedWorld(job.device, job.scheduler.hang_timeout_s) if launched_by_torchrun() else None
     lead = world is None or world.rank == 0
     if world is not None:                          # every rank must run the same file (else collectives mismatch)
-        world.check_same("parameter file", {k: asdict(v) if hasattr(v, "__dataclass_fields__") else v
-                                            for k, v in vars(job).items() if k != "source"})
+        world.check_same("parameter file", {k: v for k, v in job.settings().items() if k != "source"})
     if lead:
         remove_stale_temporaries(output)           # puts back a checkpoint whose save was killed between renames
     if world is not None:
