@@ -256,6 +256,17 @@ def write_results(name: str, payload: dict, table: str, out_dir: Path | None = N
     return out_dir / f"{name}.json"
 
 
+def save_png(fig, dest: Path) -> Path:
+    """Save ``fig`` as ``dest`` atomically (a temporary file renamed), close it and print where it went."""
+    import matplotlib.pyplot as plt
+    tmp = dest.with_name(f".{dest.name}.tmp.png")
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    tmp.replace(dest)
+    plt.close(fig)
+    print(f"figure: {dest}")
+    return dest
+
+
 TASK_HELP = ("prompts: 'chain' (the tiny reasoner's chain task) or 'words' (GSM8K-style word problems with the "
              "model's chat template: the task for real models such as SmolLM2)")
 

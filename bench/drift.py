@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (add_output_flags, bench_parser, depth_table, existing_file, folder, listed, machine_info,  # noqa: E402
-                     markdown_table, parse_bench_args, positive_int, result_name, strategy_name, use_all_cores,
-                     write_results)
+                     markdown_table, parse_bench_args, positive_int, result_name, save_png, strategy_name,
+                     use_all_cores, write_results)
 
 
 def parse_args(argv: list[str] | None = None):
@@ -122,12 +122,8 @@ def figure(out: dict, strategy: str, json_path: Path) -> None:
     """``<result>.png``: held-out accuracy and accepted length of every drafter by RL step."""
     from tltlib.e2e import probe_labels
     from tltlib.plots import drift_panels
-    fig = drift_panels(out["eval"], out["acceptance"], probe_labels(out["acceptance"]), strategy)
-    dest = json_path.with_suffix(".png")
-    tmp = dest.with_name(f".{dest.name}.tmp.png")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    tmp.replace(dest)
-    print(f"figure: {dest}")
+    save_png(drift_panels(out["eval"], out["acceptance"], probe_labels(out["acceptance"]), strategy),
+             json_path.with_suffix(".png"))
 
 
 if __name__ == "__main__":

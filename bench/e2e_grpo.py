@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -48,8 +47,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (DRAFTER, MODEL, add_device_flags, add_model_flags, add_output_flags, bench_parser,  # noqa: E402
                      depth_table, existing_file, listed, load_models, machine_info, markdown_table, nonnegative_int,
-                     parse_bench_args, positive_float, positive_int, resolve, result_name, strategy_name, temperature,
-                     write_results)
+                     parse_bench_args, positive_float, positive_int, resolve, result_name, save_png, strategy_name,
+                     temperature, write_results)
 
 
 def parse_args(argv: list[str] | None = None):
@@ -277,19 +276,19 @@ def _launch_workers(args) -> None:
     from tltlib.world import torchrun_command
     from tltlib.trainer import GRPOTrainer
     args.seeds, args.trl_steps = 1, 0                 # what the data-parallel comparison runs (recorded as such)
-    raw = Path(tempfile.mkdtemp()) / "raw.json"
     cmd = torchrun_command(args.workers, ["bench", "e2e_grpo", *sys.argv[1:]])
-    t = time.perf_counter()
-    rc = subprocess.run(cmd, env={**os.environ, "TLTLIB_NO_VENV": "1", "TLTLIB_E2E_RAW": str(raw)}).returncode
-    if rc != 0 or not raw.is_file():
-        raise SystemExit(f"the {args.workers}-worker run failed (exit {rc})")
-    result = json.loads(raw.read_text())
-    print(f"{args.workers} workers: {time.perf_counter() - t:.0f} s; now the held-out evaluations and the one-process "
-          "online drafter", flush=True)
-    model, tok, drafter = load_models(args, drafter=True)
-    train, held, probe = _data(args)
-    _evaluate_policies(args, result["runs"], raw.parent, model, tok, train, held)
-    shutil.rmtree(raw.parent, ignore_errors=True)
+    with tempfile.TemporaryDirectory() as folder:     # the raw result and the policies: gone however this ends
+        raw = Path(folder) / "raw.json"
+        t = time.perf_counter()
+        rc = subprocess.run(cmd, env={**os.environ, "TLTLIB_NO_VENV": "1", "TLTLIB_E2E_RAW": str(raw)}).returncode
+        if rc != 0 or not raw.is_file():
+            raise SystemExit(f"the {args.workers}-worker run failed (exit {rc})")
+        result = json.loads(raw.read_text())
+        print(f"{args.workers} workers: {time.perf_counter() - t:.0f} s; now the held-out evaluations and the "
+              "one-process online drafter", flush=True)
+        model, tok, drafter = load_models(args, drafter=True)
+        train, held, probe = _data(args)
+        _evaluate_policies(args, result["runs"], raw.parent, model, tok, train, held)
     online = copy.deepcopy(drafter).attach(model)
     tr = GRPOTrainer(model, tok, train, _grpo(args), drafter=online, tlt=_tlt(args), **_trainer_kwargs(args))
     one = []
@@ -384,11 +383,7 @@ def _figures(payload: dict, json_path: Path) -> None:
         figs["acceptance"] = acceptance_curves(rows, payload["settings"]["probe_strategy"].split(",")[0], online_label=(
             "spot-trained drafter" if payload.get("workers") else "online drafter (trained each step)"))
     for name, fig in figs.items():
-        out = json_path.with_name(f"{json_path.stem}-{name}.png")
-        tmp = out.with_name(f".{out.name}.tmp.png")
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        tmp.replace(out)
-        print(f"figure: {out}")
+        save_png(fig, json_path.with_name(f"{json_path.stem}-{name}.png"))
 
 
 TRL_RUNS = ("defaults", "no-bf16", "no-bf16-no-ckpt", "tuned")   # --trl-runs: see trl_settings
