@@ -1,10 +1,10 @@
 """What a verify forward of T tokens costs, in plain decode steps: the ``c_verify(T)`` SD's speedup divides by.
 
 For each batch size, one target forward of T new tokens per row over a ``--context``-token cache, T = 1 (a plain
-decode step) and each of ``--tokens``; median of ``--repeats`` after a warm-up, interleaved. Two projection kernels
-side by side: ``tltlib.kernels.linear`` (``weight @ x.T`` for 1-64 rows in CPU float32 inference) and PyTorch's
-``F.linear`` (``x @ weight.T``). A verify of a k-token draft is worth it only while ``cost(k+1) / cost(1)`` stays
-well below the tokens a step accepts.
+decode step) and each of ``--tokens``; median of ``--repeats`` after a warm-up, interleaved. Two sets of kernels
+side by side: this machine's kernel table (``tltlib.kernel_table``, measured here on first use) and PyTorch's
+defaults (``F.linear``, SDPA). A verify of a k-token draft is worth it only while ``cost(k+1) / cost(1)`` stays well
+below the tokens a step accepts.
 
     python -m tltlib bench verify_cost --model ~/.cache/tltlib/models/smollm2-135m
 """
@@ -35,28 +35,27 @@ def main() -> None:
     args = parse_args()
     import torch
 
-    import tltlib.kernels as tk
+    from tltlib import kernel_table as kt
+    from tltlib.kernel_search import ensure
 
     model, _, _ = load_models(args)
     device = str(model.device)
     widths = [1, *args.tokens.items]
-    kernels = {"linear": tk.CPU_MM_MIN_ROWS, "F.linear": 1 << 62}     # rows from which W @ x.T is used
+    kernels = {"table": ensure(model), "defaults": kt.EMPTY}          # this machine's choices vs PyTorch's
     g = torch.Generator().manual_seed(0)
     rows, results = [], []
-    try:
-        for b in args.batches.items:
-            med = _batch_medians(model, b, widths, kernels, g, args, device)
-            for t in widths:
-                rec = {"batch": b, "tokens": t, **{f"{k}_ms": 1e3 * med[(k, t)] for k in kernels},
-                       **{f"{k}_vs_step": med[(k, t)] / med[(k, 1)] for k in kernels}}
-                results.append(rec)
-                rows.append([b, t, rec["linear_ms"], f"{rec['linear_vs_step']:.2f}", rec["F.linear_ms"],
-                             f"{rec['F.linear_vs_step']:.2f}", f"{med[('F.linear', t)] / med[('linear', t)]:.2f}x"])
-    finally:
-        tk.CPU_MM_MIN_ROWS = kernels["linear"]
-    header = ["batch", "tokens", "linear ms", "in decode steps", "F.linear ms", "in decode steps",
-              "linear speedup"]
-    payload = {"bench": "verify_cost", "machine": machine_info(device), "settings": vars(args), "results": results}
+    for b in args.batches.items:
+        med = _batch_medians(model, b, widths, kernels, g, args, device)
+        for t in widths:
+            rec = {"batch": b, "tokens": t, **{f"{k}_ms": 1e3 * med[(k, t)] for k in kernels},
+                   **{f"{k}_vs_step": med[(k, t)] / med[(k, 1)] for k in kernels}}
+            results.append(rec)
+            rows.append([b, t, rec["table_ms"], f"{rec['table_vs_step']:.2f}", rec["defaults_ms"],
+                         f"{rec['defaults_vs_step']:.2f}", f"{med[('defaults', t)] / med[('table', t)]:.2f}x"])
+    header = ["batch", "tokens", "kernel table ms", "in decode steps", "PyTorch defaults ms", "in decode steps",
+              "table speedup"]
+    payload = {"bench": "verify_cost", "machine": machine_info(device), "settings": vars(args), "results": results,
+               "kernel_table": kernels["table"].as_dict()}
     write_results(result_name("verify_cost", device, args.dtype, model_suffix(args.model)), payload,
                   f"Target forward of T new tokens per row over a {args.context}-token cache, model {args.model}, "
                   f"{args.dtype} on {device}, median of {args.repeats} after a warm-up; 'in decode steps' = time / "
@@ -64,25 +63,25 @@ def main() -> None:
 
 
 def _batch_medians(model, b: int, widths: list[int], kernels: dict, g, args, device: str) -> dict:
-    """Median seconds of a ``b``-row forward of each width over a ``--context`` cache, per kernel (random tokens from
-    ``g``): ``{(kernel, width): seconds}``. The same cache slots every call: nothing is committed."""
+    """Median seconds of a ``b``-row forward of each width over a ``--context`` cache, per kernel table (random tokens
+    from ``g``): ``{(kernels, width): seconds}``. The same cache slots every call: nothing is committed."""
     import torch
 
-    import tltlib.kernels as tk
+    from tltlib import kernel_table as kt
     vocab = model.config.vocab_size
 
-    def forward_with(min_rows, tokens, cache):
+    def forward_with(table, tokens, cache):
         def run():
-            tk.CPU_MM_MIN_ROWS = min_rows
-            model.forward_cached(tokens, cache)
+            with kt.using(table):
+                model.forward_cached(tokens, cache)
         return run
 
     cache = model.new_cache(b, args.context + max(widths) + 1)
     with torch.inference_mode():
         model.forward_cached(torch.randint(0, vocab, (b, args.context), generator=g).to(device), cache)
         cache.advance(args.context)
-        fns = {(k, t): forward_with(min_rows, torch.randint(0, vocab, (b, t), generator=g).to(device), cache)
-               for k, min_rows in kernels.items() for t in widths}
+        fns = {(k, t): forward_with(table, torch.randint(0, vocab, (b, t), generator=g).to(device), cache)
+               for k, table in kernels.items() for t in widths}
         return {key: m for key, (m, _) in interleaved_medians(fns, device, args.repeats, warmup=2).items()}
 
 

@@ -1,8 +1,19 @@
-"""Shared fixtures: small random transformers checkpoints of both supported families, and the GPU marker."""
+"""Shared fixtures: small random transformers checkpoints of both supported families, and the GPU marker.
+
+Kernel choices: the tests run with PyTorch's default kernels (``TLTLIB_KERNELS=0``, inherited by the workers,
+notebooks and commands they start), not with the machine's kernel table, which is chosen by timing and so would make
+a test's numerics depend on the machine's load at the moment it was measured (and would write to the user's cache).
+Every candidate kernel is tested against the defaults explicitly (test_kernel_choice: each one and a model decoding
+the same tokens under tables forcing each; test_packed_weights, test_ragged_attention: theirs forced).
+``TLTLIB_KERNELS=1 pytest`` runs them with the machine's table instead."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
+
+os.environ.setdefault("TLTLIB_KERNELS", "0")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -96,7 +96,9 @@ def test_measure_costs_on_a_small_model():
     cm = measure_costs(target, drafter, batches=(1, 4), tokens=(1, 5), context=16, repeats=1)
     assert cm.target_s.shape == (2, 2) and cm.draft_s.shape == (2, 2) and cm.long_s.shape == (2,)
     assert cm.draft_tokens.tolist() == [1, 4] and cm.catch_up_width == 64 and cm.catch_up_s.shape == (2,)
-    assert cm.catch_up_time(4, 64) > 0 and CostModel.from_dict(cm.to_dict()).catch_up_time(4, 64) == \
+    # a catch-up's extra cost is a timing (on a model this small, 64 tokens per row can time as fast as 1): never
+    # negative, and kept by the prior file
+    assert cm.catch_up_time(4, 64) >= 0 and CostModel.from_dict(cm.to_dict()).catch_up_time(4, 64) == \
         cm.catch_up_time(4, 64)
     assert cm.long_context == 158                                # 512 capped by the model's 160 positions
     assert np.isfinite(cm.target_s).all() and (cm.target_s > 0).all() and (cm.draft_s > 0).all()

@@ -327,19 +327,21 @@ def test_gqa_sdpa_equals_repeated_kv_attention(t):
 
 @pytest.mark.parametrize("shape", [(7,), (1, 7), (2, 7), (3, 5, 7), (4, 1, 7), (2, 40, 7)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_equals_f_linear_and_keeps_autograd(shape, bias, monkeypatch):
+@pytest.mark.parametrize("kind", [None, "linear", "mm", "mm-pad"])
+def test_linear_equals_f_linear_and_keeps_autograd(shape, bias, kind, monkeypatch):
     import tltlib.kernels as tm
+    from tltlib import kernel_table as kt
     from tltlib.kernels import linear
     g = torch.Generator().manual_seed(0)
     w = torch.randn(11, 7, generator=g)
     b = torch.randn(11, generator=g) if bias else None
     x = torch.randn(*shape, generator=g)
     want = torch.nn.functional.linear(x, w, b)
-    rows = x.numel() // 7
-    with torch.inference_mode():
-        if tm.CPU_MM_MIN_ROWS <= rows <= tm.CPU_MM_MAX_ROWS:     # the W @ x.T path must be the one taken
+    table = kt.Forced(linear=kind) if kind else None        # None: this machine's table
+    with torch.inference_mode(), kt.using(table if table is not None else kt.current()):
+        if kind in ("mm", "mm-pad"):                        # the table's kernel is the one taken
             with monkeypatch.context() as mp:
-                mp.setattr(tm.F, "linear", lambda *a: pytest.fail("F.linear used for a few-row inference input"))
+                mp.setattr(tm.F, "linear", lambda *a: pytest.fail("F.linear used where the table says " + kind))
                 linear(x, w, b)
         got = linear(x, w, b)
         assert got.shape == want.shape and got.is_contiguous()

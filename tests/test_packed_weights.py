@@ -1,13 +1,15 @@
 """Packed weights (tltlib.kernels.WeightPacks): on a CPU in float32 a rollout's projections run through oneDNN with
-the weights laid out once. They must compute what F.linear computes, give the same tokens as an unpacked rollout
-(greedy, Qwen2 with q/k/v biases and Llama), follow weight updates between rollouts (optimizer steps, ``.data``
-writes, a reloaded model) and refuse a weight changed during a rollout."""
+the weights laid out once, where the machine's kernel table picks them (forced here: tltlib.kernel_table.Forced).
+They must compute what F.linear computes, give the same tokens as an unpacked rollout (greedy, Qwen2 with q/k/v
+biases and Llama), follow weight updates between rollouts (optimizer steps, ``.data`` writes, a reloaded model) and
+refuse a weight changed during a rollout."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import tltlib.kernels as K
+from tltlib import kernel_table as kt
 from tltlib.checkpoint import load_model
 from tltlib.rollout import RolloutConfig, RolloutEngine
 from tltlib.sampling import SamplingConfig
@@ -15,6 +17,14 @@ from tltlib.sampling import SamplingConfig
 from conftest import make_hf_model
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+
+
+@pytest.fixture(autouse=True)
+def packed_wherever_it_can_run():
+    """The packed kernel wherever a packed copy is at hand (PyTorch's default elsewhere), whatever this CPU's table
+    would pick."""
+    with kt.using(kt.Forced(linear="packed")):
+        yield
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
@@ -35,7 +45,7 @@ def _engine(model, packed: bool, **kw):
 
 
 @pytest.mark.parametrize("rows", [3, 17, 300])
-def test_a_packed_projection_equals_f_linear_and_is_used_from_three_rows(rows, monkeypatch):
+def test_a_packed_projection_equals_f_linear_and_is_used_where_the_table_picks_it(rows, monkeypatch):
     g = torch.Generator().manual_seed(0)
     lin = torch.nn.Linear(40, 24)
     x = torch.randn(rows, 40, generator=g)

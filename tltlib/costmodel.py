@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .kernel_search import ensure as ensure_kernels
 from .kernels import pack_weights, packed_weights
 from .profiling import call_times
 from .speculative import SpecStrategy
@@ -191,6 +192,7 @@ def measure_costs(target, drafter=None, batches: Sequence[int] | None = None, ma
     of ``repeats`` after one warm-up (the least disturbed run). ``batches`` default: powers of four up to
     ``max_batch``, and ``max_batch`` itself (make it the SD threshold: rewards are normalised by the plain rate up to
     there). ``long_context`` is capped by the model's context. Nothing is committed to any cache."""
+    ensure_kernels(target, drafter)                   # the kernels a rollout runs with, chosen before any timing
     if batches is None:
         batches = [4 ** i for i in range(int(math.log(max(1, max_batch), 4) + 1e-9) + 1)]
         if batches[-1] < max_batch:

@@ -1,26 +1,21 @@
-"""Which kernel computes a projection or a cached attention, chosen by device, dtype and shape, with the thresholds
-measured on the 2-core development machine. The model (:mod:`tltlib.model`) calls :func:`linear` and
-:func:`cached_attention` and never branches on the device itself.
+"""Which kernel computes a projection (:func:`linear`) or a cached attention (:func:`cached_attention`): on a CPU in
+float32 the one this machine's kernel table chose by measurement (:mod:`tltlib.kernel_table`, measured by
+:mod:`tltlib.kernel_search` on first use); PyTorch's default where the table has no choice; on CUDA the fused paths.
+The model (:mod:`tltlib.model`) calls these two and never branches on the device itself.
 
-Choices (all return what the plain PyTorch call returns, up to float rounding: a different summation order):
+The candidates (each computes what the plain PyTorch call computes, up to float rounding: a different summation
+order), run by name through :func:`linear_with` and :func:`attention_with`:
 
-* **projections** (:func:`linear`): inside :func:`packed_weights` (a rollout on a CPU, float32, no autograd) a
-  weight packed by :func:`pack_weights` runs through oneDNN with the weight pre-laid-out once per rollout (what
-  vLLM's CPU backend does): SmolLM2-135M's 30 layers at 1 / 16 / 64 rows 21 / 30 / 79 ms against 31 / 45 / 117 ms
-  for ``weight @ x.T``, its LM head 4.7 against 10 ms. Otherwise CPU float32 inference with
-  ``CPU_MM_MIN_ROWS``-``CPU_MM_MAX_ROWS`` rows runs as ``weight @ x.T`` (PyTorch's CPU ``x @ weight.T`` re-lays out
-  the weight for a few rows; ``weight @ x.T`` streams it once): 1.5-2.7x faster for 2-16 rows, ~1.2x for one.
+* **projections**: ``linear`` (``F.linear``); ``mm`` (``weight @ x.T``: PyTorch's CPU ``x @ weight.T`` re-lays out
+  the weight for a few rows on some CPUs, ``weight @ x.T`` streams it once); ``mm-pad`` (one row run as two, which
+  beat the matrix-vector product on the development VM); ``packed`` (oneDNN on a copy of the weight laid out for it
+  once per rollout, :func:`pack_weights`, what vLLM's CPU backend does; only inside :func:`packed_weights`).
   Autograd (training), CUDA and other dtypes use ``F.linear``.
-* **cached attention** (:func:`cached_attention`): on CUDA one fused ``scaled_dot_product_attention`` over the KV
-  heads (:func:`gqa_sdpa`); on a CPU two matmuls (:func:`gqa_attention`) from ``CPU_MATMUL_ATTENTION_MIN_ROWS`` rows
-  up for at most ``CPU_MATMUL_ATTENTION_MAX_QUERIES`` queries per row (decode, chain drafting, short verifies:
-  10-30% faster than PyTorch's CPU flash kernel), PyTorch's SDPA elsewhere (long verifies, prefill, small batches).
-  One new token per row in float32 on a CPU (decode, chain drafting) goes to the ragged C++ kernel
-  (:mod:`tltlib.ragged_attention`, built once per machine) when the rows differ in length, or are few: it reads
-  each row's own cached length, so rows that SD steps left hundreds of tokens apart do not all pay for the longest.
-
-The thresholds are module globals so that a benchmark (``bench/verify_cost.py``) can move them; the library never
-changes them.
+* **cached attention**: ``sdpa`` (PyTorch's ``scaled_dot_product_attention``, its bool mask turned into a float one
+  once per forward); ``matmul`` (two batched matmuls, :func:`gqa_attention`); ``ragged`` (one new query per row over
+  each row's own cached length, the C++ kernel of :mod:`tltlib.ragged_attention`, so rows that SD steps left
+  hundreds of tokens apart do not all pay for the longest). On CUDA one fused SDPA over the KV heads
+  (:func:`gqa_sdpa`).
 
 Departures: none (kernel selection only; every path computes the same function).
 """
@@ -33,32 +28,13 @@ from contextvars import ContextVar
 import torch
 import torch.nn.functional as F
 
+from . import kernel_table
 from .ragged_attention import kernel as ragged_kernel
 from .ragged_attention import ragged_attention
 
-CPU_MATMUL_ATTENTION_MIN_ROWS = 8
-"""CPU cached attention: two matmuls from this many rows up (PyTorch's SDPA below)."""
-CPU_MATMUL_ATTENTION_MAX_QUERIES = 8
-"""CPU cached attention: two matmuls for at most this many new queries per row."""
 CPU_BIAS_MAX_SCORES = 1 << 17
-"""CPU cached attention: a ragged mask up to this many scores per layer (rows x heads x queries x positions) is added
-as a bias inside the first matmul; beyond, it is applied in place (see :func:`gqa_attention`)."""
-CPU_RAGGED_UNIFORM_MAX_ROWS = 32
-"""CPU float32, one new token per row: the ragged C++ kernel (:mod:`tltlib.ragged_attention`, when built) reads each
-row's own cached length whenever the rows differ in length, and when they are equally long (no mask) up to this
-many rows. Decode forwards, kernel against matmuls
-(2-core machine, medians of 25 interleaved): tiny reasoner (head dim 32) at 1 / 8 / 32 / 64 / 128 rows of 300
-positions 1.03 / 1.04 / 0.99 / 0.95 / 0.92x equal, 1.05 / 1.17 / 1.13 / 1.12 / 1.12x spread over 150-450;
-SmolLM2-135M (head dim 64) at 1 / 16 / 64 rows of 400 1.03 / 1.07 / 1.09x equal, 1.05 / 1.17 / 1.26x spread."""
-CPU_PACKED_MIN_ROWS = 3
-"""Projections of at least this many rows use the packed weights when a rollout has them (for 1-2 rows ``weight @
-x.T`` is as fast: SmolLM2's 120 projections at 1 / 2 / 4 / 16 / 64 rows took 22 / 14 / 24 / 49 / 115 ms that way
-and 25 / 21 / 16 / 25 / 78 ms packed)."""
-CPU_MM_MIN_ROWS = 1
-"""CPU float32 inference: projections of at least this many rows run as ``weight @ x.T`` (1 row is padded to 2)."""
-CPU_MM_MAX_ROWS = 64
-"""... and at most this many (beyond, the result's transposing copy costs more than it saves: prefill keeps
-``F.linear``)."""
+"""CPU ``matmul`` attention: a ragged mask up to this many scores per layer (rows x heads x queries x positions) is
+added as a bias inside the first matmul; beyond, it is applied in place (see :func:`gqa_attention`)."""
 
 
 _PACKED: ContextVar[dict | None] = ContextVar("tltlib_packed_weights", default=None)
@@ -152,7 +128,7 @@ def packed_weights(packs: dict | None):
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      mask_from: int = 0, memo: dict | None = None, limits: torch.Tensor | None = None) -> torch.Tensor:
-    """Grouped-query attention of new queries over a KV cache, by the fastest kernel for the device and shape.
+    """Grouped-query attention of new queries over a KV cache, by the kernel the table chose for the shape.
 
     q ``[B, H, T, d]``; k, v ``[B, KVH, S, d]``; mask ``[B, 1, T, S]`` bool (True = may attend) or None;
     ``mask[..., :mask_from]`` known all True (:attr:`tltlib.kvcache.CacheWrite.mask_from`); ``memo``: a dict shared
@@ -160,20 +136,32 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     own layout after the first layer; ``limits``: for T = 1, ``[B]`` slots each row sees (the same as the mask's,
     :attr:`tltlib.kvcache.CacheWrite.limits`), which lets the CPU ragged kernel skip each row's padding. Returns
     ``[B, H, T, d]``."""
-    b, h, t, _ = q.shape
+    b, h, t, d = q.shape
     if q.is_cuda:
         return gqa_sdpa(q, k, v, mask)
-    if limits is not None and t == 1 and q.dtype == torch.float32 and \
-            (mask is not None or b <= CPU_RAGGED_UNIFORM_MAX_ROWS) and ragged_kernel() is not None:
+    kind = None
+    if q.dtype == torch.float32:
+        built = t == 1 and limits is not None and ragged_kernel() is not None
+        kind = kernel_table.current().attention_kernel(h, k.shape[1], d, t, b, mask is not None, built)
+    return attention_with(kind or "sdpa", q, k, v, mask, mask_from, memo, limits)
+
+
+def attention_with(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   mask_from: int = 0, memo: dict | None = None, limits: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`cached_attention` by the named candidate (``sdpa``, ``matmul``, ``ragged``; ``ragged`` needs one query
+    per row, float32 and ``limits``, and the kernel built)."""
+    if kind == "ragged":
         return ragged_attention(q, k, v, limits)
-    if b < CPU_MATMUL_ATTENTION_MIN_ROWS or t > CPU_MATMUL_ATTENTION_MAX_QUERIES:
-        if mask is not None and memo is not None:  # SDPA turns a bool mask into a float one per call: once here
-            key = ("sdpa", q.dtype)
-            if key not in memo:
-                memo[key] = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-            mask = memo[key]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != h)
-    return gqa_attention(q, k, v, mask, mask_from, memo)
+    if kind == "matmul":
+        return gqa_attention(q, k, v, mask, mask_from, memo)
+    if kind != "sdpa":
+        raise ValueError(f"unknown attention kernel {kind!r}; choose one of {kernel_table.ATTENTION_KERNELS}")
+    if mask is not None and memo is not None:      # SDPA turns a bool mask into a float one per call: once here
+        key = ("sdpa", q.dtype)
+        if key not in memo:
+            memo[key] = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        mask = memo[key]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -229,35 +217,65 @@ def gqa_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; in CPU float32 inference with 1-64 rows computed as ``weight @ x.T``.
+    """``F.linear(x, weight, bias)`` by the kernel the table chose for the weight's shape and the rows (CPU float32
+    inference; ``F.linear`` elsewhere).
 
-    x ``[..., K]``, weight ``[N, K]``, bias ``[N]`` or None -> ``[..., N]``. PyTorch's CPU ``x @ weight.T`` for a few
-    rows is much slower than a matrix-vector product per row would suggest (it re-lays out the weight), while
-    ``weight @ x.T`` streams the weight once. Measured on the 2-core dev machine, SmolLM2-135M's 30 layers with weights
-    read from memory (not cache), ms: 2 rows 94 -> 37, 5 rows 105 -> 52, 16 rows 113 -> 80, 64 rows 146 -> 119,
-    96 rows 176 -> 199 (the result's transposing copy now costs more than it saves: prefill keeps ``F.linear``);
-    its LM head (49152 x 576): 2 rows 27 -> 9, 5 rows 35 -> 12, 25 rows 54 -> 35. Even one row is faster as a
-    two-column product (the row twice) than as PyTorch's matrix-vector product: 30 layers 48-51 -> 39-45 ms, the head
-    14-16 -> 10 ms. Autograd (training) keeps ``F.linear``; so do CUDA and other dtypes (not measured). Results
-    equal ``F.linear``'s up to float rounding (a different summation order)."""
+    x ``[..., K]``, weight ``[N, K]``, bias ``[N]`` or None -> ``[..., N]``. Autograd (training) keeps ``F.linear``; so
+    do CUDA and other dtypes. Results equal ``F.linear``'s up to float rounding (a different summation order)."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or (
             torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)
-    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    packs = _PACKED.get()
-    entry = packs.get(id(weight)) if packs is not None and m >= CPU_PACKED_MIN_ROWS else None
-    if entry is not None and entry[0] is weight:
-        if weight._version != entry[1]:
-            raise RuntimeError(f"a {tuple(weight.shape)} weight changed in place after it was packed for this rollout: "
-                               "update weights between rollouts, not during one (its packed copy would be stale)")
-        return torch.ops.mkldnn._linear_pointwise(x, entry[2], bias, "none", [], "")
-    if not CPU_MM_MIN_ROWS <= m <= CPU_MM_MAX_ROWS:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not rows:
         return F.linear(x, weight, bias)
-    x2 = x.reshape(m, x.shape[-1])
-    if m == 1:                                # one row, padded to two: faster than the matrix-vector product
-        out = torch.mm(weight, torch.cat([x2, x2]).t())[:, :1].t().contiguous()
-    else:
-        out = torch.mm(weight, x2.t()).t().contiguous()
+    packs = _PACKED.get()
+    entry = packs.get(id(weight)) if packs is not None else None
+    if entry is not None and entry[0] is not weight:
+        entry = None
+    kind = kernel_table.current().linear_kernel(weight.shape[0], weight.shape[1], rows, entry is not None)
+    return _LINEAR[kind or "linear"](x, weight, bias, entry, rows)
+
+
+def linear_with(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                packed: tuple | None = None) -> torch.Tensor:
+    """:func:`linear` by the named candidate (``linear``, ``mm``, ``mm-pad``, ``packed``; ``packed`` needs the
+    weight's entry of :func:`pack_weights`)."""
+    if kind not in _LINEAR:
+        raise ValueError(f"unknown projection kernel {kind!r}; choose one of {kernel_table.LINEAR_KERNELS}")
+    if kind == "packed" and (packed is None or packed[0] is not weight):
+        raise ValueError("the packed kernel needs this weight's packed copy (pack_weights(module)[id(weight)])")
+    return _LINEAR[kind](x, weight, bias, packed, x.numel() // x.shape[-1])
+
+
+def _f_linear(x, weight, bias, entry, rows):
+    return F.linear(x, weight, bias)
+
+
+def _mm(x, weight, bias, entry, rows):
+    """``weight @ x.T`` (then the transposing copy back to ``[rows, N]``)."""
+    out = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _mm_pad(x, weight, bias, entry, rows):
+    """One row run as two (``weight @ [x, x].T``); more rows as :func:`_mm`."""
+    if rows != 1:
+        return _mm(x, weight, bias, entry, rows)
+    x2 = x.reshape(1, x.shape[-1])
+    out = torch.mm(weight, torch.cat([x2, x2]).t())[:, :1].t().contiguous()
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _packed(x, weight, bias, entry, rows):
+    """oneDNN on the packed copy; refused when the weight changed in place after it was packed."""
+    if weight._version != entry[1]:
+        raise RuntimeError(f"a {tuple(weight.shape)} weight changed in place after it was packed for this rollout: "
+                           "update weights between rollouts, not during one (its packed copy would be stale)")
+    return torch.ops.mkldnn._linear_pointwise(x, entry[2], bias, "none", [], "")
+
+
+_LINEAR = {"linear": _f_linear, "mm": _mm, "mm-pad": _mm_pad, "packed": _packed}

@@ -149,18 +149,14 @@ def machine_info(device: str = "cpu") -> dict:
     """The machine a measurement ran on, for a results file: CPU model, threads, versions, the GPU on ``cuda``."""
     import os
     import platform
-    from pathlib import Path
 
     import torch
     import transformers
+
+    from .machine import cpu_name
     info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "platform": platform.platform(), "device": device, "threads": torch.get_num_threads(),
-            "cpu_count": os.cpu_count()}
-    try:
-        cpu = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
-        info["cpu"] = cpu.split(":", 1)[1].strip()
-    except (OSError, StopIteration):
-        info["cpu"] = platform.processor()
+            "cpu_count": os.cpu_count(), "cpu": cpu_name()}
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name()
     return info

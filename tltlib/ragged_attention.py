@@ -9,7 +9,8 @@ torch uses, the scores of the query heads sharing that KV head over positions ``
 weighted sum of the values. No padded positions are read, no mask is built, one op replaces ~6 per layer.
 
 It is used (by :func:`tltlib.kernels.cached_attention`) for one new token per row (decode, chain drafting) in
-float32 on a CPU, where it was measured faster than the two matmuls (see ``kernels.CPU_RAGGED_UNIFORM_MAX_ROWS``); longer
+float32 on a CPU, where it was measured faster than the two matmuls (see ``kernel_table.CPU_RAGGED_UNIFORM_MAX_ROWS``; the kernel table chooses it by
+measurement on each machine); longer
 verifies keep the matmuls (a matrix product of several queries, which BLAS does better than this loop).
 
 Building: ``torch.utils.cpp_extension.load_inline`` compiles the source with the machine's C++ compiler into torch's
@@ -29,6 +30,8 @@ import threading
 import warnings
 
 import torch
+
+from .machine import cpu_flags
 
 ENV = "TLTLIB_RAGGED_ATTENTION"
 """Environment variable: ``0`` keeps the kernel off (the matmul path), anything else or unset: on where built."""
@@ -123,17 +126,6 @@ _lock = threading.Lock()
 _state: dict = {}                                   # "module" (built) or "error" (why not), once per process
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 def kernel():
     """The built extension module, building it on the first call; None when switched off (``TLTLIB_RAGGED_ATTENTION=0``)
     or when it cannot be built here (one warning names the reason)."""
@@ -145,7 +137,7 @@ def kernel():
         if os.environ.get(ENV, "1") == "0":
             _state["error"] = f"{ENV}=0"
             return None
-        name = "tltlib_ragged_attention_" + hashlib.sha1((_SOURCE + _cpu_flags() + torch.__version__).encode()
+        name = "tltlib_ragged_attention_" + hashlib.sha1((_SOURCE + cpu_flags() + torch.__version__).encode()
                                                          ).hexdigest()[:12]
         try:
             from torch.utils import cpp_extension

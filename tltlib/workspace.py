@@ -12,6 +12,7 @@ import weakref
 from dataclasses import dataclass
 
 from .cudagraph import GraphPool, Replay
+from .kernel_search import ensure as ensure_kernels
 from .kernels import WeightPacks
 from .ragged_attention import kernel as ragged_kernel
 from .specdecode import SpecDecoder
@@ -37,6 +38,7 @@ class Kept:
         self.packs = WeightPacks.of(engine.model)  # shared by every engine over this model
         if engine.model.device.type == "cpu":
             ragged_kernel()                       # built or loaded now (once per process), not in the first rollout
+            ensure_kernels(engine.model, engine.drafter)     # this machine's kernel choices for these shapes
 
     def weight_packs(self) -> dict | None:
         """The packed weights a rollout runs with (re-packed when the weights changed), or None."""

@@ -1,0 +1,271 @@
+"""Kernel choices by measurement on the machine that runs them (tltlib.kernel_table, tltlib.kernel_search): the
+chooser picks what a (fake) timer says is fastest and keeps the starting point in a near-tie; a busy machine's
+timings choose nothing; every candidate computes the same function, so a model decodes the same tokens whatever the
+table picked; a table from another machine or torch is ignored with one warning and measured again; a machine's
+table is measured once and read back."""
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tltlib import kernel_search as ks
+from tltlib import kernel_table as kt
+from tltlib.kernels import attention_with, linear, linear_with
+from tltlib.machine import Machine, this_machine
+from tltlib.model import ModelConfig, Transformer
+
+FAST = ks.SearchConfig(rounds=3, sample_s=1e-5, retries=0, context=16)
+
+
+@pytest.fixture
+def fresh_tables(tmp_path, monkeypatch):
+    """A private kernel-table cache and no table loaded in this process (restored after the test)."""
+    monkeypatch.setenv("TLTLIB_CACHE", str(tmp_path))
+    monkeypatch.delenv(kt.ENV, raising=False)
+    monkeypatch.setattr(kt, "_tables", {})
+    monkeypatch.setattr(ks, "_attempted", set())
+    return tmp_path
+
+
+def small_model(seed: int = 0) -> Transformer:
+    cfg = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                      max_position_embeddings=128, tie_word_embeddings=True, eos_token_ids=(1,))
+    torch.manual_seed(seed)
+    return Transformer(cfg, init_std=0.3).eval()
+
+
+def fake_timer(fastest: dict, noise: float = 0.0, seed: int = 0):
+    """A timer that never runs the call: ``fastest`` (a kind per table part: "linear" for projections, "attention")
+    takes 1 us, every other candidate 2 us (3 us for PyTorch's defaults, so a start that is not fastest loses by
+    more than MIN_GAIN); ``noise``: each timing scaled by a uniform factor in [1 - noise, 1 + noise]."""
+    g = torch.Generator().manual_seed(seed)
+
+    def timer(name, fn):
+        part = "linear" if name in kt.LINEAR_KERNELS else "attention"
+        base = 1e-6 if name == fastest.get(part) else 3e-6 if name in ("linear", "sdpa") else 2e-6
+        return base * (1 + noise * (2 * float(torch.rand((), generator=g)) - 1))
+    return timer
+
+
+# ---------------------------------------------------------------------------------------------- the chooser
+def test_the_chooser_picks_the_fastest_and_keeps_the_starting_point_in_a_near_tie():
+    times = lambda **ms: kt.Timing({k: v * 1e-3 for k, v in ms.items()}, {k: 0.01 for k in ms})   # noqa: E731
+    every = set(kt.LINEAR_KERNELS)
+    assert kt.choose(times(linear=3.0, mm=1.0, packed=2.0), every, "packed") == "mm"
+    assert kt.choose(times(linear=3.0, mm=1.0, packed=1.02), every, "packed") == "packed"     # within 3%: kept
+    assert kt.choose(times(linear=3.0, mm=1.0, packed=1.05), every, "packed") == "mm"        # 5% faster: replaced
+    assert kt.choose(times(linear=3.0, mm=1.0, packed=0.5), every - {"packed"}, "mm") == "mm"  # not available
+    assert kt.choose(times(linear=3.0), {"mm"}, "mm") is None                     # nothing measured: the default
+    noisy = kt.Timing({"linear": 3e-3, "mm": 1e-3}, {"linear": 0.01, "mm": 0.6})
+    assert kt.choose(noisy, every, "linear") is None                              # the pick spread 60%: no choice
+
+
+def test_a_cell_is_timed_in_interleaved_rounds_after_a_warm_up():
+    calls, order = {"a": 0, "b": 0}, []
+
+    def fn(name):
+        return lambda: calls.__setitem__(name, calls[name] + 1)
+    timing = ks.measure_cell({"a": fn("a"), "b": fn("b")},
+                             lambda name, f: order.append(name) or {"a": 2.0, "b": 1.0}[name], FAST)
+    assert calls == {"a": 1, "b": 1}                        # the warm-up runs each; the fake timer runs nothing
+    assert order == ["a", "b", "b", "a", "a", "b"]          # rotated each round
+    assert timing.seconds == {"a": 2.0, "b": 1.0} and timing.spread == {"a": 0.0, "b": 0.0}
+
+
+def test_the_search_over_a_model_picks_what_the_timer_says_is_fastest(fresh_tables):
+    model = small_model()
+    # without a packed copy at hand (or the ragged kernel for several queries) the rest cost 2 us but PyTorch's
+    # defaults 3 us: the starting point stays where it is one of the 2 us ones, else the fastest (mm) replaces it
+    unpacked = {1: "mm-pad", 2: "mm", 5: "mm", 64: "mm", 300: "mm", 5000: "mm"}
+    for want_linear, want_attention in (("mm", "matmul"), ("packed", "ragged"), ("linear", "sdpa")):
+        if want_attention == "ragged" and ks.ragged_kernel() is None:
+            continue
+        lin, att = ks.search(model, None, timer=fake_timer({"linear": want_linear, "attention": want_attention}),
+                             config=FAST, progress=False)
+        table = kt.KernelTable(this_machine(), lin, att)
+        assert table.noisy() == []
+        for (n, k) in ks.projection_weights(model):
+            for rows in unpacked:
+                assert table.linear_kernel(n, k, rows, packed=True) == want_linear
+                assert table.linear_kernel(n, k, rows, packed=False) == (
+                    want_linear if want_linear != "packed" else unpacked[rows])
+        for rows, queries, ragged in ((1, 1, False), (40, 1, True), (8, 5, True)):
+            got = table.attention_kernel(4, 2, 8, queries, rows, ragged, kernel=True)
+            assert got == (want_attention if want_attention != "ragged" or queries == 1 else "matmul")
+        assert table.attention_kernel(4, 2, 8, 64, 8, True, True) is None         # prefill-sized: SDPA
+
+
+def test_a_busy_machine_chooses_nothing_and_says_so_once(fresh_tables):
+    model = small_model()
+    busy = fake_timer({"linear": "mm", "attention": "matmul"}, noise=0.9)
+    with pytest.warns(UserWarning, match="too noisy to choose .*the machine was busy.*bench kernels.*quiet machine"):
+        table = ks.ensure(model, config=FAST, timer=busy, progress=False)
+    assert table.noisy()
+    n, k = next(iter(ks.projection_weights(model)))
+    undecided = [c for c in range(kt.MAX_ROW_BAND + 1) if not table.decided(kt.linear_key(n, k, c))]
+    assert undecided and all(None in (table.linear_kernel(n, k, kt.band_size(c), True),
+                                      table.linear_kernel(n, k, kt.band_size(c), False)) for c in undecided)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                       # not again in this process (measured in the next)
+        ks.ensure(model, config=FAST, timer=busy, progress=False)
+
+
+# ------------------------------------------------------------------------------------- same function whatever
+@pytest.mark.parametrize("rows", [1, 2, 7, 70])
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_projection_kernel_computes_f_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(33, 20, generator=g)
+    b = torch.randn(33, generator=g) if bias else None
+    x = torch.randn(rows, 20, generator=g)
+    want = torch.nn.functional.linear(x, w, b)
+    entry = ks.pack_weights_of([w])
+    with torch.inference_mode():
+        for kind in kt.LINEAR_KERNELS:
+            if kind == "packed" and not entry:
+                continue
+            got = linear_with(kind, x.view(rows, 1, 20), w, b, entry[0] if kind == "packed" else None)
+            assert got.shape == (rows, 1, 33) and got.is_contiguous(), kind
+            torch.testing.assert_close(got.view(rows, 33), want, atol=1e-5, rtol=1e-5, msg=kind)
+    with pytest.raises(ValueError, match="unknown projection kernel 'fast'"):
+        linear_with("fast", x, w)
+    with pytest.raises(ValueError, match="packed kernel needs this weight's packed copy"):
+        linear_with("packed", x, w)
+
+
+@pytest.mark.parametrize("queries,ragged", [(1, False), (1, True), (4, True)])
+def test_every_attention_kernel_computes_the_masked_softmax(queries, ragged):
+    g = torch.Generator().manual_seed(queries)
+    q, k, v, mask, mask_from, limits = ks.attention_inputs(6, 3, 16, 5, queries, ragged, 20, g)
+    full = mask if mask is not None else torch.ones(5, 1, queries, k.shape[2], dtype=torch.bool)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=full, enable_gqa=True)
+    for kind in kt.ATTENTION_KERNELS:
+        if kind == "ragged" and (queries > 1 or ks.ragged_kernel() is None):
+            continue
+        got = attention_with(kind, q, k, v, mask, mask_from, {}, limits)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=kind)
+    with pytest.raises(ValueError, match="unknown attention kernel 'flash'"):
+        attention_with("flash", q, k, v, mask)
+
+
+def test_linear_keeps_autograd_and_f_linear_outside_cpu_float32_inference():
+    w = torch.randn(5, 3, requires_grad=True)
+    x = torch.randn(2, 3, requires_grad=True)
+    table = kt.KernelTable(None, {kt.linear_key(5, 3, b): kt.Timing({"mm": 1e-6, "linear": 3e-6}, {"mm": 0, "linear": 0})
+                                  for b in range(kt.MAX_ROW_BAND + 1)})
+    with kt.using(table):
+        assert table.linear_kernel(5, 3, 2, False) == "mm"
+        linear(x, w).square().sum().backward()                  # autograd: F.linear, gradients to both
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    torch.nn.functional.linear(xr, wr).square().sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(w.grad, wr.grad)
+
+
+def test_the_model_decodes_the_same_tokens_whatever_the_table_picked(fresh_tables):
+    """Greedy generation of the shipped tiny reasoner under tables that force each projection kernel and each
+    attention kernel: identical tokens (every kernel computes the same function; greedy picks the same argmax)."""
+    from tltlib.loading import load
+    from tltlib.rollout import RolloutConfig, RolloutEngine
+    from tltlib.sampling import SamplingConfig
+    from tltlib.tasks import ChainTaskConfig, encode_prompts, generate_problems
+    model, tok, _ = load("data/tiny-reasoner", None)
+    prompts = encode_prompts(generate_problems(ChainTaskConfig(), 3, seed=5), tok)
+    config = RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=48), group_size=2)
+    tokens = []
+    for lin, att in (("linear", "sdpa"), ("mm", "matmul"), ("mm-pad", "ragged"), ("packed", "ragged")):
+        l, a = ks.search(model, None, timer=fake_timer({"linear": lin, "attention": att}), config=FAST,
+                         progress=False)
+        with kt.using(kt.KernelTable(this_machine(), l, a)):
+            out = RolloutEngine(model, config).generate(prompts)
+        tokens.append(out.tokens)
+    assert all(torch.equal(tokens[0], t) for t in tokens[1:])
+    assert not (fresh_tables / "kernels").exists()              # a forced table is neither measured nor written
+
+
+# --------------------------------------------------------------------------------------------- the cache file
+def test_a_machine_measures_once_and_reads_its_table_back(fresh_tables):
+    model = small_model()
+    calls = []
+    timer = fake_timer({"linear": "mm", "attention": "matmul"})
+    counting = lambda name, fn: calls.append(name) or timer(name, fn)           # noqa: E731
+    table = ks.ensure(model, config=FAST, timer=counting, progress=False)
+    measured = len(calls)
+    assert measured and table.size and kt.current() is table
+    path = kt.cache_path(this_machine())
+    assert path.is_file() and json.loads(path.read_text())["machine"] == this_machine().as_dict()
+    ks.ensure(model, config=FAST, timer=counting, progress=False)
+    assert len(calls) == measured                                # nothing more to measure
+    kt._tables.clear()                                           # a new process: read from the file
+    again = kt.current()
+    assert again is not table and again.linear == table.linear and again.attention == table.attention
+    n, k = next(iter(ks.projection_weights(model)))
+    assert again.linear_kernel(n, k, 16, True) == "mm"
+    ks.ensure(small_model(seed=1), config=FAST, timer=counting, progress=False)    # same shapes: measured already
+    assert len(calls) == measured
+
+
+@pytest.mark.parametrize("what", ["cpu", "torch", "schema"])
+def test_a_table_from_another_machine_or_torch_is_ignored_with_one_line_and_measured_again(fresh_tables, what):
+    model = small_model()
+    here = this_machine()
+    ks.ensure(model, config=FAST, timer=fake_timer({"linear": "mm", "attention": "matmul"}), progress=False)
+    path = kt.cache_path(here)
+    d = json.loads(path.read_text())
+    if what == "schema":
+        d["schema"] = kt.SCHEMA + 1
+    else:
+        d["machine"] = replace(here, **({"flags": "0123456789ab"} if what == "cpu" else {"torch": "2.99.0"})).as_dict()
+    path.write_text(json.dumps(d))
+    kt._tables.clear()
+    ks._attempted.clear()
+    why = {"cpu": "another machine or torch \\(CPU flags '0123456789ab' there", "torch": "torch '2.99.0' there",
+           "schema": "another tltlib version"}[what]
+    with pytest.warns(UserWarning, match=f"kernel table .* ignored.*{why}") as seen:
+        table = kt.current()
+    assert len(seen) == 1 and table.size == 0                    # one line; PyTorch's defaults until measured
+    ks.ensure(model, config=FAST, timer=fake_timer({"linear": "linear", "attention": "sdpa"}), progress=False)
+    fixed = json.loads(path.read_text())
+    assert fixed["machine"] == here.as_dict() and fixed["schema"] == kt.SCHEMA       # measured again, replaced
+    n, k = next(iter(ks.projection_weights(model)))
+    assert kt.current().linear_kernel(n, k, 16, True) == "linear"
+
+
+def test_an_unreadable_table_is_ignored_with_one_line(fresh_tables):
+    path = kt.cache_path(this_machine())
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    with pytest.warns(UserWarning, match="kernel table .* ignored \\(.* is not valid JSON"):
+        assert kt.current().size == 0
+
+
+def test_the_switch_keeps_pytorch_defaults_and_measures_nothing(fresh_tables, monkeypatch):
+    monkeypatch.setenv(kt.ENV, "0")
+    model = small_model()
+    table = ks.ensure(model, config=FAST, timer=lambda n, f: pytest.fail("measured although switched off"),
+                      progress=False)
+    assert table is kt.EMPTY and not (fresh_tables / "kernels").exists()
+    assert table.linear_kernel(96, 32, 1, True) is None
+
+
+def test_the_machine_names_what_differs():
+    a = Machine("AMD EPYC", "abc", 2, 2, "2.13.0")
+    assert a.differences(a) == []
+    assert a.differences(replace(a, cpu="Intel Xeon", threads=1)) == ["CPU 'AMD EPYC' there, 'Intel Xeon' here",
+                                                                      "threads 2 there, 1 here"]
+    assert a.slug == "amd-epyc-2t" and Machine.from_dict(a.as_dict()) == a
+    with pytest.raises(ValueError, match="a machine record needs exactly the keys"):
+        Machine.from_dict({"cpu": "x"})
+
+
+def test_bad_search_settings_are_one_clear_error():
+    with pytest.raises(ValueError, match="rounds must be >= 3"):
+        ks.SearchConfig(rounds=2)
+    with pytest.raises(ValueError, match="retries must be >= 0"):
+        ks.SearchConfig(retries=-1)
+    with pytest.raises(ValueError, match="context must be >= 8"):
+        ks.SearchConfig(context=4)

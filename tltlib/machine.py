@@ -1,0 +1,103 @@
+"""This machine, as the measurements that depend on it name it: the CPU's model and instruction-set flags, its cores,
+the threads torch uses, the torch version, the last-level cache.
+
+A kernel choice or a cost measured on one CPU is a fact about that CPU (an AMD EPYC and an Intel Xeon of the same
+cloud "kind" disagree by 2-3x on which projection kernel is fastest for one row): what depends on the machine is
+cached under a :class:`Machine` and refused, with what differs named, on another one
+(:mod:`tltlib.kernel_table`, the ragged-attention build of :mod:`tltlib.ragged_attention`).
+
+Departures: none (bookkeeping only).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+_CPUINFO = Path("/proc/cpuinfo")
+
+
+def _cpuinfo_field(*names: str) -> str:
+    """The first ``/proc/cpuinfo`` line starting with one of ``names``, its value; "" where there is none."""
+    try:
+        for line in _CPUINFO.read_text().splitlines():
+            if line.startswith(names):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``AMD EPYC``, ``Intel Xeon Processor (Icelake)``), or the platform's processor string."""
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine() or "unknown CPU"
+
+
+def cpu_flags() -> str:
+    """The CPU's instruction-set flags as ``/proc/cpuinfo`` lists them ("" where it cannot be read)."""
+    return _cpuinfo_field("flags", "Features")
+
+
+def llc_bytes(default: int = 32 << 20) -> int:
+    """Bytes of the largest CPU cache (the last level), from sysfs; ``default`` where sysfs does not say."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes) if sizes else default
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a CPU measurement depends on. Two machines with equal fields run the same kernels at the same speeds,
+    up to noise; any field that differs makes a measurement of the one stale on the other."""
+
+    cpu: str
+    """The CPU's model name."""
+    flags: str
+    """A digest of its instruction-set flags (VMs of one model name can expose different instruction sets)."""
+    cores: int
+    """Logical CPUs the OS reports."""
+    threads: int
+    """Threads torch's CPU kernels use (``torch.get_num_threads()``)."""
+    torch: str
+    """The torch version (its kernels and their thresholds change between releases)."""
+
+    def differences(self, here: "Machine") -> list[str]:
+        """What differs between this (recorded) machine and ``here``, in words (empty when nothing does)."""
+        words = {"cpu": "CPU", "flags": "CPU flags", "cores": "cores", "threads": "threads", "torch": "torch"}
+        return [f"{words[f.name]} {getattr(self, f.name)!r} there, {getattr(here, f.name)!r} here"
+                for f in fields(self) if getattr(self, f.name) != getattr(here, f.name)]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Machine":
+        names = {f.name for f in fields(cls)}
+        if not isinstance(d, dict) or set(d) != names:
+            raise ValueError(f"a machine record needs exactly the keys {sorted(names)}, got {d!r}")
+        return cls(**d)
+
+    @property
+    def slug(self) -> str:
+        """A file-name-safe name of the CPU and threads (``amd-epyc-2t``), for per-machine cache files."""
+        name = "".join(c if c.isalnum() else "-" for c in self.cpu.lower()).strip("-")
+        while "--" in name:
+            name = name.replace("--", "-")
+        return f"{name[:40] or 'cpu'}-{self.threads}t"
+
+
+def this_machine() -> Machine:
+    """The :class:`Machine` this process runs on, with torch's current thread count."""
+    import torch
+    return Machine(cpu=cpu_name(), flags=hashlib.sha1(cpu_flags().encode()).hexdigest()[:12],
+                   cores=os.cpu_count() or 1, threads=torch.get_num_threads(), torch=torch.__version__)
