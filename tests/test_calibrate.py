@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from tltlib.calibrate import Check, Drift, check_harvest, fit_overheads, measure_costs, policy_from, validate
+from tltlib.calibrate import Check, Drift, check_harvest, policy_from, validate
+from tltlib.measured_costs import fit_overheads, measure_costs
 from tltlib.simulate import OFF, harvested_share
 from tltlib.speculative import SpecStrategy
 
@@ -65,19 +66,30 @@ def test_a_missing_or_foreign_workers_file_is_named(tmp_path):
                                     micro_step_s_by_step=[0.1]))
 
 
-def test_measured_costs_grow_with_rows_and_tokens():
+def test_measured_costs_grow_with_rows_and_tokens(monkeypatch):
+    """What the simulator reads back; two repeats of forwards this small disagree by tens of percent between
+    passes on any machine, so the noise limit is off here (its refusal is tested in test_physical)."""
+    import math
+
+    import tltlib.physical as physical
     from tltlib.loading import load
+    monkeypatch.setattr(physical, "NOISE_LIMIT", math.inf)
     model, _, drafter = load("data/tiny-reasoner", "data/tiny-reasoner-drafter", device="cpu")
     c = measure_costs(model, drafter, rows=(1, 64), contexts=(16, 256), tokens=(1, 33), widths=(1, 4), repeats=2)
     t = np.asarray(c.target_s)
     assert (t > 0).all() and t[1, 0, 1] > t[0, 0, 0] and c.forward(8, 100, 9) > 0 and c.draft_level(8, 100, 2) > 0
 
 
-def test_a_small_validation_measures_simulates_and_names_every_check():
+def test_a_small_validation_measures_simulates_and_names_every_check(monkeypatch):
     """Small inputs, end to end: the costs, update rate and micro-step are measured, every run is measured and
     simulated, every check is there with positive finite numbers. (How close the simulation comes is a measurement,
-    the command's verdict on a quiet machine, not something a test can assert.)"""
+    the command's verdict on a quiet machine, not something a test can assert; nor is the machine's quiet: a busy
+    moment's refusal is tested in test_physical, so here any noise is accepted.)"""
+    import math
+
+    import tltlib.physical as physical
     from tltlib.loading import load
+    monkeypatch.setattr(physical, "NOISE_LIMIT", math.inf)
     model, tok, drafter = load("data/tiny-reasoner", "data/tiny-reasoner-drafter", device="cpu")
     checks, inputs = validate(model, tok, drafter, prompts=4, group=4, max_new=96, steps=2, cost_rows=(1, 4, 16),
                               log=lambda s: None)

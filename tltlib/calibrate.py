@@ -1,20 +1,24 @@
 """The simulator against this machine: measure its costs, then check its predictions against runs measured here
 (``python -m tltlib simulate --validate``).
 
-1. **Costs** (:func:`measure_costs`): target forwards of rows x new tokens after short and long cached contexts,
-   drafter forwards of 1 and ``top_k`` nodes per row — a :class:`tltlib.costs.MeasuredCosts` table, the same costs
-   the simulator uses for hardware it only knows from its datasheet; then the engine's costs beyond its forwards
-   (sampling, bookkeeping, a rollout's set-up; :func:`fit_overheads`) fitted on rollouts of other prompts than the
-   checks' by the same engine, run between the checks so that the machine's drift reaches both alike; a GRPO step
-   is predicted from the other measured steps (leave-one-out).
+1. **Costs** (:mod:`tltlib.measured_costs`): target forwards of rows x new tokens after short and long cached
+   contexts, drafter forwards of 1 and ``top_k`` nodes per row — a :class:`tltlib.costs.MeasuredCosts` table, the
+   same costs the simulator uses for hardware it only knows from its datasheet — timed in two passes whose
+   disagreement is the measurement's noise; then the engine's costs beyond its forwards (sampling, bookkeeping, a
+   rollout's set-up) fitted on rollouts of other prompts than the checks' by the same engine, run between the checks
+   so that the machine's drift reaches both alike; a GRPO step is predicted from the other measured steps
+   (leave-one-out). Nothing that cannot be physical is fitted (:mod:`tltlib.physical`): a noisy machine, costs that
+   fall as the work grows, a negative overhead or an SD step cheaper than its forwards are refused with "rerun on
+   a quiet machine".
 2. **Runs** measured in the same process, then simulated from their own inputs (the responses' lengths, the SD
    strategies the adaptive engine played and their accept lengths): a long-tailed rollout without SD and with the
    adaptive engine (rollout time and speedup); GRPO steps of the baseline and of TLT in one process, interleaved
    (median step time and the step speedup).
-   Data parallelism: 2 workers' shards of the rollout, run one after the other here (the idle share of the
-   slowest worker's wait), and the spot trainer's harvested share in a ``bench e2e_grpo --workers 2`` results file
-   against the simulator's preemption model, from that file's measured idle windows and micro-steps.
-3. **Checks** (:class:`Check`): predicted / measured within ``tolerance`` (15%; shares within 5 points), each
+   Data parallelism: 2 workers' shards of the rollout, run one after the other here on the same engine and
+   predicted from the same calibration as the rollouts (the idle share of the slowest worker's wait), and the spot
+   trainer's harvested share in a ``bench e2e_grpo --workers 2`` results file against the simulator's preemption
+   model, from that file's measured idle windows and micro-steps.
+3. **Checks** (:class:`Check`): predicted / measured within ``tolerance`` (15%; shares: 5 points), each
    named; the command exits non-zero when one is off. Every measured run is recorded with its prediction and the
    machine's speed just before it (:class:`Drift`), so that an outlier can be told from a slow moment.
 
@@ -24,7 +28,7 @@ under torchrun (the idle share depends on the shards' lengths and on how a rollo
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -32,13 +36,13 @@ import torch
 from .adaptive import DEFAULT_ARMS, AdaptiveConfig, AdaptiveController, TunerConfig, timed_rollout
 from .adaptive import measure_costs as controller_costs
 from .grpo import GRPOConfig
-from .kernels import pack_weights, packed_weights
 from .rollout import RolloutConfig, RolloutEngine
 from .sampling import SamplingConfig
-from .costs import MeasuredCosts, hardware, iteration_time
+from .costs import MeasuredCosts, hardware
+from .measured_costs import fit_overheads, measure_costs, typical_seconds
+from .physical import NOISE_LIMIT
 from .simulate import (OFF, LengthDistribution, SDPolicy, StepConfig, harvested_share, simulate_rollout,
                        simulate_step)
-from .profiling import call_times
 from .speculative import SpecStrategy
 from .tasks import ChainTaskConfig, encode_prompts, generate_problems
 from .trainer import GRPOTrainer, TLTConfig
@@ -94,7 +98,7 @@ class Drift:
         self.model.forward_cached(prompt, cache, logits_at=torch.full((self.rows,), self.context - 1, device=dev))
         cache.advance(self.context)
         x = torch.randint(0, vocab, (self.rows, 1), generator=g).to(dev)
-        return _typical(lambda: self.model.forward_cached(x, cache), self.calls, dev)
+        return typical_seconds(lambda: self.model.forward_cached(x, cache), self.calls, dev)
 
     def calibrating(self) -> None:
         """Time the probe as part of the reference (call it while the costs are measured)."""
@@ -105,46 +109,7 @@ class Drift:
         return self.probe() / float(np.median(self.reference)) if self.reference else 1.0
 
 
-# -------------------------------------------------------------------------------------------------- costs
-@torch.no_grad()
-def measure_costs(model, drafter=None, rows=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(32, 256, 768),
-                  tokens=(1, 5, 9, 17), widths=(1, 4), repeats=5) -> MeasuredCosts:
-    """Seconds of target forwards (``rows`` x ``tokens`` new tokens after each of ``contexts`` cached ones) and of
-    drafter forwards (``widths`` nodes per row), the median of ``repeats`` after a warm-up."""
-    dev, vocab = model.device, model.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    target = np.zeros((len(rows), len(contexts), len(tokens)))
-    draft = np.zeros((len(rows), len(contexts), len(widths)))
-    with packed_weights(pack_weights(model)):         # what a CPU rollout runs with (RolloutConfig.packed_weights)
-        for i, b in enumerate(rows):
-            for j, ctx in enumerate(contexts):
-                cache = model.new_cache(b, ctx + max(tokens) + 1)
-                prompt = torch.randint(0, vocab, (b, ctx), generator=g).to(dev)
-                _, h = model.forward_cached(prompt, cache, logits_at=torch.full((b,), ctx - 1, device=dev))
-                cache.advance(ctx)
-                for k, n in enumerate(tokens):
-                    x = torch.randint(0, vocab, (b, n), generator=g).to(dev)
-                    target[i, j, k] = _typical(lambda x=x: model.forward_cached(x, cache), repeats, dev)
-                if drafter is None:
-                    continue
-                dcache = drafter.new_cache(b, ctx + max(widths) + 1)
-                last = torch.full((b,), ctx - 2, device=dev)
-                drafter.forward_cached(h[:, :-1], prompt[:, 1:], dcache, logits_at=last)
-                dcache.advance(ctx - 1)
-                for k, n in enumerate(widths):
-                    f = h[:, -1:].expand(b, n, h.shape[-1]).contiguous()
-                    x = torch.randint(0, vocab, (b, n), generator=g).to(dev)
-                    draft[i, j, k] = _typical(lambda f=f, x=x: drafter.forward_cached(f, x, dcache), repeats, dev)
-    as_tuple = lambda a: tuple(tuple(tuple(float(v) for v in c) for c in r) for r in a)       # noqa: E731
-    return MeasuredCosts(tuple(rows), tuple(contexts), tuple(tokens), as_tuple(target), tuple(widths),
-                         as_tuple(draft) if drafter is not None else ())
-
-
-def _typical(fn, repeats: int, dev) -> float:
-    """Median seconds of ``repeats`` calls of ``fn`` after a warm-up call."""
-    return float(np.median(call_times(fn, repeats, dev)))
-
-
+# -------------------------------------------------------------------------------------------------- drift
 def _factor(drift: Drift | None) -> float:
     """The machine's speed drift now (1 without a :class:`Drift`)."""
     return drift.factor() if drift else 1.0
@@ -190,62 +155,6 @@ def _cpu_step(model, costs: MeasuredCosts, prompts: int, group: int, prompt_len:
                       **kw)
 
 
-def fit_overheads(costs: MeasuredCosts, rollouts) -> MeasuredCosts:
-    """``costs`` with the engine's costs beyond its forwards fitted to measured rollouts (``(timeline, prompt
-    length, seconds, responses)``: ``seconds`` the rollout's wall time, None when unknown), per band of running rows
-    (doubling from 1): for plain iterations the median of measured less predicted seconds (smoothed by a line in
-    the rows: a band holds few iterations), for SD steps the median of measured over predicted; the set-up per
-    response (:attr:`MeasuredCosts.setup_s_per_row`) is the median of what each rollout took beyond its prefill and
-    iterations (``seconds`` less the timeline's last ``time``) over its ``responses``. A fit without plain iterations, SD
-    steps or wall times keeps ``costs``' fit of those."""
-    bare = replace(costs, overhead=(), sd_scale=(), setup_s_per_row=0.0)
-    plain, sd, setup = [], [], []
-    for timeline, prompt_len, seconds, responses in rollouts:
-        gen = 0.0
-        for rows, took, name, accepted in zip(timeline["active"], timeline["iter_time"], timeline["strategy"],
-                                              timeline["accepted"], strict=True):
-            st = SpecStrategy.parse(str(name))
-            predicted = iteration_time(bare, rows, prompt_len + gen, st)
-            if st.enabled:
-                sd.append((rows, took / predicted))
-            else:
-                plain.append((rows, took - predicted))
-            gen += 1 + (accepted / rows if st.enabled else 0)
-        if seconds is not None and len(timeline["time"]):
-            setup.append((seconds - float(timeline["time"][-1])) / responses)
-    if not plain and not sd:
-        raise ValueError("no decode iterations to fit the overhead to: the calibration rollout was empty")
-    return replace(bare, overhead=_band_line(plain) if plain else costs.overhead,
-                   sd_scale=_band_medians(sd) if sd else costs.sd_scale,
-                   setup_s_per_row=max(float(np.median(setup)), 0.0) if setup else costs.setup_s_per_row)
-
-
-def _band_line(points) -> tuple:
-    """The medians of :func:`_band_medians`, smoothed: a line in the rows through them (weighted by how many
-    points each band holds), evaluated at each band's median rows."""
-    xs, ys, counts = _bands(points)
-    if len(xs) < 2:
-        return tuple(zip(xs, ys))
-    slope, intercept = np.polyfit(xs, ys, 1, w=np.sqrt(counts))
-    return tuple((x, float(intercept + slope * x)) for x in xs)
-
-
-def _band_medians(points) -> tuple:
-    """((median rows, median value), ...) of ``(rows, value)`` points per band of rows doubling from 1."""
-    xs, ys, _ = _bands(points)
-    return tuple(zip(xs, ys))
-
-
-def _bands(points) -> tuple[list[float], list[float], list[int]]:
-    """Per band of rows doubling from 1: the median rows, the median value and how many ``(rows, value)`` points
-    it holds."""
-    rows, y = np.asarray(points, dtype=np.float64).T
-    band = np.floor(np.log2(rows)).astype(int)
-    keys = np.unique(band)
-    return ([float(np.median(rows[band == k])) for k in keys], [float(np.median(y[band == k])) for k in keys],
-            [int((band == k).sum()) for k in keys])
-
-
 def _mean_len(prompts) -> float:
     return float(np.mean([len(p) for p in prompts]))
 
@@ -275,7 +184,8 @@ def check_rollouts(model, tokenizer, drafter, costs: MeasuredCosts, problems, gr
     minutes as the checks, so the machine's slow drift reaches both alike — then the checks' prompts. Each check is
     simulated from its own lengths and the strategies it played; medians over the rounds. Each run, its
     prediction and the machine's speed before it (``drift``) are appended to ``runs``. Returns (checks, ``costs``
-    with the fitted overheads)."""
+    with the fitted overheads, the engine: :func:`check_workers` runs its shards on it, predicted from the same
+    fit)."""
     engine = RolloutEngine(model, RolloutConfig(SamplingConfig(temperature=temperature, max_new_tokens=max_new),
                                                 group_size=group), drafter=drafter)
     controller = AdaptiveController(AdaptiveConfig(threshold=threshold, tuner=TunerConfig(
@@ -310,34 +220,29 @@ def check_rollouts(model, tokenizer, drafter, costs: MeasuredCosts, problems, gr
     for name in list(times)[1:]:
         (p0, m0), (p1, m1) = times["no SD"], times[name]
         checks.append(Check(f"rollout speedup, {name} over no SD", p0 / p1, m0 / m1))
-    return checks, fitted
+    return checks, fitted, engine
 
 
-def check_workers(model, tokenizer, costs: MeasuredCosts, problems, group: int, max_new: int, temperature: float,
-                  workers: int = 2, seed: int = 0, repeats: int = 3, drift: Drift | None = None,
-                  runs: list | None = None) -> list[Check]:
+def check_workers(engine, tokenizer, costs: MeasuredCosts, problems, workers: int = 2, seed: int = 0,
+                  repeats: int = 3, drift: Drift | None = None, runs: list | None = None) -> list[Check]:
     """Data-parallel rollout workers, one after the other on this machine: each rolls out its shard of whole GRPO
-    groups without SD (``repeats`` rounds, medians), each shard after a rollout of as many prompts of other problems
-    by the same engine (no drafter), on which the engine's costs beyond its forwards are fitted; the idle share
-    (the wait for the slowest, over every worker's time) measured from their times, and simulated from each shard's
-    own lengths (each run recorded in ``runs``, as :func:`check_rollouts`)."""
+    groups without SD on ``engine`` (the no-SD arm of :func:`check_rollouts`; ``repeats`` rounds, medians, after a
+    warm-up shard of other problems), predicted from the same calibration as the rest (``costs``, fitted there);
+    the idle share (the wait for the slowest, over every worker's time) measured from their times, and simulated
+    from each shard's own lengths (each run recorded in ``runs``, as :func:`check_rollouts`)."""
     if len(problems) % workers:
         raise ValueError(f"{workers} workers cannot share {len(problems)} prompts evenly (whole GRPO groups)")
-    engine = RolloutEngine(model, RolloutConfig(SamplingConfig(temperature=temperature, max_new_tokens=max_new),
-                                                group_size=group))
     shard = len(problems) // workers
     shards = [encode_prompts(problems[w * shard:(w + 1) * shard], tokenizer) for w in range(workers)]
-    timed_rollout(engine, shards[0][:2], None, seed)                                # warm-up
-    calibration, rounds = [], [[] for _ in range(workers)]
-    for r in range(repeats):
+    warm = encode_prompts(generate_problems(ChainTaskConfig(), shard, seed=seed + 200), tokenizer)
+    timed_rollout(engine, warm, None, seed)              # a shard's shape: its workspace is kept for the checks
+    rounds = [[] for _ in range(workers)]
+    for _ in range(repeats):
         for w in range(workers):
-            calibration.append(_calibration_rollout(engine, tokenizer, shard, seed + 200 + r * workers + w, None,
-                                                    seed + w))
             rounds[w].append(_measured(engine, shards[w], None, seed + w, drift))
-    fitted = fit_overheads(costs, calibration)
     predicted, measured = [], []
     for w, ps in enumerate(shards):
-        sims = [simulate_rollout(fitted, res.lengths.numpy(), round(_mean_len(ps))).time_s for res, _, _ in rounds[w]]
+        sims = [simulate_rollout(costs, res.lengths.numpy(), round(_mean_len(ps))).time_s for res, _, _ in rounds[w]]
         for x, (_, seconds, f) in zip(sims, rounds[w], strict=True):
             _record(runs, f"worker {w} of {workers}, shard rollout", x, seconds, f)
         predicted.append(float(np.median(sims)))
@@ -455,11 +360,10 @@ def validate(model, tokenizer, drafter, prompts: int = 16, group: int = 8, max_n
     tlt = TLTConfig(speculative="adaptive", drafter_steps=6, drafter_batch=4)
     log("measuring rollouts (other prompts' to fit the engine's costs beyond its forwards, then the checks') ...")
     runs: list[dict] = []
-    checks, costs = check_rollouts(model, tokenizer, drafter, costs, problems[:prompts], group, max_new, temperature,
-                                   seed=seed, drift=drift, runs=runs)
+    checks, costs, engine = check_rollouts(model, tokenizer, drafter, costs, problems[:prompts], group, max_new,
+                                           temperature, seed=seed, drift=drift, runs=runs)
     log("measuring and simulating 2 workers' rollouts ...")
-    checks += check_workers(model, tokenizer, costs, problems[:prompts], group, max_new, temperature, seed=seed,
-                            drift=drift, runs=runs)
+    checks += check_workers(engine, tokenizer, costs, problems[:prompts], seed=seed, drift=drift, runs=runs)
     log("measuring and simulating GRPO steps ...")
     stepped, update, micro = check_steps(model, tokenizer, drafter, costs, problems, args, tlt, steps, drift, runs)
     checks += stepped
@@ -467,3 +371,34 @@ def validate(model, tokenizer, drafter, prompts: int = 16, group: int = 8, max_n
         checks += harvest
     return checks, {"costs": costs, "update_tokens_per_s": update, "micro_step_s": micro,
                     "speed_reference_s": float(np.median(drift.reference)), "runs": runs}
+
+
+def report(checks: list[Check], inputs: dict, machine: dict, settings: dict) -> tuple[str, dict]:
+    """The results of :func:`validate` as a markdown table (the checks, the inputs measured here, the calibration's
+    noise and what it moved onto a physical bound, the machine) and as the results file's payload."""
+    costs = inputs["costs"]
+    rows = [f"| {c.what} | {c.predicted:.3f} | {c.measured:.3f} | "
+            + (f"{100 * c.error:+.1f} points" if c.share else f"{c.error:+.1%}") + f" | {'ok' if c.ok else 'OFF'} |"
+            for c in checks]
+    moved = [*costs.notes, *costs.fit_notes]
+    table = ("| check | simulated | measured | error | within 15% (shares: 5 points) |\n|---|---|---|---|---|\n"
+             + "\n".join(rows)
+             + f"\n\nInputs measured here: update {inputs['update_tokens_per_s']:.0f} tokens/s, drafter micro-step "
+             f"{inputs['micro_step_s'] * 1e3:.1f} ms, forward costs of {len(costs.rows)} row counts x "
+             f"{len(costs.contexts)} contexts x {len(costs.tokens)} token counts; engine overhead per iteration "
+             + ", ".join(f"{1e3 * x:.2f} ms at {r:.0f} rows" for r, x in costs.overhead)
+             + "; an SD step's time over its forwards' " + ", ".join(f"{x:.2f}x at {r:.0f} rows" for r, x in
+                                                                  costs.sd_scale)
+             + f"; a rollout's set-up {1e3 * costs.setup_s_per_row:.2f} ms per response.\n"
+             + f"\nCalibration: two passes over the forward costs disagreed by {costs.noise:.1%} (90th percentile; "
+               f"refused above {NOISE_LIMIT:.0%}); "
+             + ("moved onto a physical bound within that noise: " + "; ".join(moved) if moved else
+                "nothing needed moving onto a physical bound")
+             + f".\n\nMachine: {machine['cpu']} ({machine['threads']} threads), torch {machine['torch']}, Python "
+               f"{machine['python']}.\n")
+    payload = {"checks": [{"what": c.what, "simulated": c.predicted, "measured": c.measured, "error": c.error,
+                           "share": c.share, "ok": c.ok} for c in checks], "machine": machine, "settings": settings,
+               "update_tokens_per_s": inputs["update_tokens_per_s"], "micro_step_s": inputs["micro_step_s"],
+               "overhead": costs.overhead, "sd_scale": costs.sd_scale, "setup_s_per_row": costs.setup_s_per_row,
+               "noise": costs.noise, "notes": moved, "runs": inputs.get("runs", [])}
+    return table, payload

@@ -242,7 +242,7 @@ def cmd_train_grpo(args) -> int:
 def cmd_simulate(args) -> int:
     import json
 
-    from .calibrate import validate
+    from .calibrate import report, validate
     from .fileio import atomic_write_text, resolve
     from .loading import load
     from .profiling import machine_info
@@ -255,27 +255,9 @@ def cmd_simulate(args) -> int:
     checks, inputs = validate(model, tok, drafter, prompts=args.prompts, group=args.group, max_new=args.max_new,
                               steps=args.steps, workers_results=resolve(args.workers_results) if args.workers_results
                               else None, log=lambda s: print(s, file=sys.stderr, flush=True))
-    rows = [f"| {c.what} | {c.predicted:.3f} | {c.measured:.3f} | "
-            + (f"{100 * c.error:+.1f} points" if c.share else f"{c.error:+.1%}") + f" | {'ok' if c.ok else 'OFF'} |"
-            for c in checks]
-    table = ("| check | simulated | measured | error | within 15% (shares: 5 points) |\n|---|---|---|---|---|\n"
-             + "\n".join(rows)
-             + f"\n\nInputs measured here: update {inputs['update_tokens_per_s']:.0f} tokens/s, drafter micro-step "
-             f"{inputs['micro_step_s'] * 1e3:.1f} ms, forward costs of {len(inputs['costs'].rows)} row counts x "
-             f"{len(inputs['costs'].contexts)} contexts x {len(inputs['costs'].tokens)} token counts; engine overhead "
-             "per iteration " + ", ".join(f"{1e3 * x:.2f} ms at {r:.0f} rows" for r, x in inputs['costs'].overhead)
-             + "; an SD step's time over its forwards' " + ", ".join(f"{x:.2f}x at {r:.0f} rows" for r, x in
-                                                                  inputs['costs'].sd_scale)
-             + f"; a rollout's set-up {1e3 * inputs['costs'].setup_s_per_row:.2f} ms per response.\n")
+    table, payload = report(checks, inputs, machine_info(), {k: v for k, v in vars(args).items() if k != "func"})
     print(table)
     out = resolve(args.out)
-    costs = inputs["costs"]
-    payload = {"checks": [{"what": c.what, "simulated": c.predicted, "measured": c.measured, "error": c.error,
-                           "share": c.share, "ok": c.ok} for c in checks], "machine": machine_info(),
-               "settings": {k: v for k, v in vars(args).items() if k != "func"},
-               "update_tokens_per_s": inputs["update_tokens_per_s"], "micro_step_s": inputs["micro_step_s"],
-               "overhead": costs.overhead, "sd_scale": costs.sd_scale, "setup_s_per_row": costs.setup_s_per_row,
-               "runs": inputs.get("runs", [])}
     atomic_write_text(out / "simulate-validate-cpu.json", json.dumps(payload, indent=1) + "\n")
     atomic_write_text(out / "simulate-validate-cpu.md", table)
     bad = [c.what for c in checks if not c.ok]

@@ -11,7 +11,7 @@ measured on this machine.
 
   with bytes = the weights read once (/ tp) + the rows' KV cache read, flops = 2 x parameters x new tokens + the
   attention over the cache. The H100 preset reproduces the paper's Qwen2.5-7B decode rates (Tables 2 and 7).
-* :class:`MeasuredCosts` — the same costs as measured here (:func:`tltlib.calibrate.measure_costs`), interpolated.
+* :class:`MeasuredCosts` — the same costs as measured here (:func:`tltlib.measured_costs.measure_costs`), interpolated.
 * :func:`iteration_time` — one decode iteration: a plain forward, or an SD step (``depth`` draft levels, then one
   verify forward).
 
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .model import ModelConfig
+from .physical import CalibrationError, monotone
 from .speculative import SpecStrategy
 
 GB = 1e9
@@ -185,7 +186,7 @@ class Roofline:
 
 @dataclass(frozen=True)
 class MeasuredCosts:
-    """Forward and draft-level seconds measured on one machine (:func:`tltlib.calibrate.measure_costs`),
+    """Forward and draft-level seconds measured on one machine (:func:`tltlib.measured_costs.measure_costs`),
     interpolated log-log in rows and linearly in tokens and context (and extrapolated linearly beyond the last
     measured tokens or context): for validating the simulator against runs of the same machine.
 
@@ -201,7 +202,7 @@ class MeasuredCosts:
     overhead: tuple = ()
     """((rows, seconds), ...): seconds per decode iteration beyond its forwards at those running rows (sampling, the
     engine's bookkeeping), interpolated log-linearly in the rows; fitted on measured rollouts
-    (:func:`tltlib.calibrate.fit_overheads`)."""
+    (:func:`tltlib.measured_costs.fit_overheads`)."""
     sd_scale: tuple = ()
     """((rows, factor), ...): an SD step's measured time over what its forwards (draft levels and verify) cost at
     those running rows (the acceptance, each level's top-k and bookkeeping, the verify's positions and the commit
@@ -210,12 +211,32 @@ class MeasuredCosts:
     """Seconds of a rollout beyond its prefill and decode iterations (allocating and zeroing the KV cache, reading
     the results back) per response it samples, at the fitted rollouts' longest length; fitted on measured
     rollouts."""
+    noise: float = 0.0
+    """The measurement's noise: how much two passes over the same forwards disagreed (90th percentile of the
+    cells, :func:`tltlib.physical.pass_noise`); how far a fitted value may cross a physical bound and be moved onto
+    it."""
+    notes: tuple = ()
+    """What the measurement moved onto a physical bound within its noise (:mod:`tltlib.physical`), in words."""
+    fit_notes: tuple = ()
+    """What the fit of ``overhead``, ``sd_scale`` and ``setup_s_per_row`` moved onto a bound, in words."""
 
     def __post_init__(self):
+        """Refuse what cannot be physical (:mod:`tltlib.physical`): costs that fall as rows, context or new tokens
+        grow, a negative overhead or set-up, an SD step cheaper than its forwards."""
         t = np.asarray(self.target_s, dtype=np.float64)
         if t.shape != (len(self.rows), len(self.contexts), len(self.tokens)) or not (t > 0).all():
             raise ValueError(f"MeasuredCosts: target_s must be positive seconds of shape rows x contexts x tokens "
                              f"({len(self.rows)}, {len(self.contexts)}, {len(self.tokens)}), got {t.shape}")
+        monotone(t, [("rows", self.rows), ("context", self.contexts), ("tokens", self.tokens)], "a target forward", 0)
+        if self.draft_s:
+            monotone(self.draft_s, [("rows", self.rows), ("context", self.contexts), ("width", self.widths)],
+                     "a draft level", 0)
+        bad = [f"overhead {1e3 * x:.3g} ms at {r:g} rows" for r, x in self.overhead if x < 0]
+        bad += [f"an SD step {x:.2f}x its forwards at {r:g} rows" for r, x in self.sd_scale if x < 1]
+        bad += [f"set-up {1e3 * self.setup_s_per_row:.3g} ms per response"] if self.setup_s_per_row < 0 else []
+        if bad or self.noise < 0:
+            raise CalibrationError(f"MeasuredCosts cannot be physical: {'; '.join(bad) or f'noise {self.noise}'} "
+                                   "(overheads and set-up >= 0, an SD step >= 1x its forwards, noise >= 0)")
 
     def forward(self, rows: int, context: float, tokens: int) -> float:
         return _interp(self.target_s, self.rows, self.contexts, self.tokens, rows, context, tokens)
@@ -226,8 +247,8 @@ class MeasuredCosts:
         return _interp(self.draft_s, self.rows, self.contexts, self.widths, rows, context, width)
 
     def plain_overhead(self, rows: int) -> float:
-        """Seconds of a plain decode iteration beyond its forward, never negative (an SD step: see ``sd_scale``)."""
-        return max(_by_rows(self.overhead, rows), 0.0)
+        """Seconds of a plain decode iteration beyond its forward (an SD step: see ``sd_scale``)."""
+        return _by_rows(self.overhead, rows)
 
     def sd_factor(self, rows: int) -> float:
         """An SD step's measured time over its forwards' at ``rows`` running rows (1 without a fit)."""

@@ -1,0 +1,117 @@
+"""A calibration that refuses what is not physical (tltlib.physical, tltlib.measured_costs): costs that fall as the
+work grows, a negative engine overhead, an SD step cheaper than its own forwards, a set-up below zero and a machine
+too busy to measure are each refused with a message that names the value and says to rerun on a quiet machine;
+what crosses a bound by less than the measurement's noise is moved onto it and said."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tltlib.costs import MeasuredCosts, iteration_time
+from tltlib.measured_costs import fit_overheads
+from tltlib.physical import (CalibrationError, at_least, check_quiet, monotone, nondecreasing_fit, pass_noise,
+                             tolerance)
+from tltlib.speculative import SpecStrategy
+
+QUIET = "rerun on a quiet machine"
+COSTS = MeasuredCosts((1, 64), (16, 512), (1, 9), (((0.002, 0.003), (0.003, 0.004)), ((0.01, 0.03), (0.012, 0.035))),
+                      (1,), (((0.0005,), (0.0006,)), ((0.001,), (0.0012,))), noise=0.01)
+PLAIN, CHAIN = SpecStrategy(), SpecStrategy.parse("chain-4")
+
+
+def test_costs_must_grow_with_the_work_or_be_lifted_within_the_noise():
+    axes = [("rows", (1, 2, 4)), ("tokens", (1, 9))]
+    t = np.array([[1.0, 2.0], [0.98, 2.1], [1.5, 1.9]]) * 1e-3     # 2 rows 2% below 1 row; 9 tokens at 4 rows below 2
+    with pytest.raises(CalibrationError, match="a forward is not monotone in rows: 2.1 ms at rows 2 but 1.9 ms at "
+                                               f"rows 4 \\(tokens 9\\): 10% less time for more work.*{QUIET}"):
+        monotone(t, axes, "a forward", tol=0.05)
+    fixed, notes = monotone(t, axes, "a forward", tol=0.12)
+    assert (np.diff(fixed, axis=0) >= 0).all() and (np.diff(fixed, axis=1) >= 0).all()
+    assert fixed[1, 0] == t[0, 0] and fixed[2, 1] == t[1, 1] and fixed[0, 1] == t[0, 1]   # lifted, the rest kept
+    assert len(notes) == 2 and "raised to the one at 1" in notes[0]
+    assert monotone(np.sort(t, axis=None).reshape(3, 2), axes, "x", 0)[1] == []           # already monotone: no note
+
+
+def test_two_passes_that_disagree_are_a_busy_machine():
+    a = np.linspace(1, 2, 50)
+    assert pass_noise(a, a * 1.02) == pytest.approx(0.02 / 1.02, rel=1e-6)
+    check_quiet(pass_noise(a, a * 1.02), "costs")
+    busy = a.copy()
+    busy[:20] *= 1.6                                   # a minute of another process over 40% of the cells
+    with pytest.raises(CalibrationError, match=f"costs: two passes over the same cells disagree by 60%.*{QUIET}"):
+        check_quiet(pass_noise(busy, a), "costs")
+    assert tolerance(0.0) == 0.03 and tolerance(0.02) == pytest.approx(0.06)
+
+
+def test_the_nondecreasing_fit_pools_what_falls():
+    assert nondecreasing_fit([1, 2, 4], [1.0, 2.0, 3.0], [1, 1, 1]).tolist() == [1.0, 2.0, 3.0]
+    assert nondecreasing_fit([1, 2, 4, 8], [2.0, 1.0, 3.0, 2.0], [3, 1, 1, 1]).tolist() == [1.75, 1.75, 2.5, 2.5]
+
+
+def test_a_value_below_its_bound_is_moved_within_the_noise_and_refused_beyond():
+    v, notes = at_least([0.5e-3, -0.1e-3], 0.0, [5e-3, 5e-3], 0.03, "an overhead", "s", ["1 rows", "2 rows"])
+    assert v.tolist() == [0.5e-3, 0.0] and notes == ["an overhead -0.1 ms at 2 rows set to 0 ms (within the noise)"]
+    with pytest.raises(CalibrationError, match=f"an overhead came out -1.4 ms at 1 rows, below 0 ms \\(by 28% of 5 ms, "
+                                               f"beyond the measurement's noise 3%\\).*{QUIET}"):
+        at_least([-1.4e-3], 0.0, [5e-3], 0.03, "an overhead", "s", ["1 rows"])
+
+
+def _rollout(rows, strategies, took):
+    """A timeline whose iterations took ``took(rows, strategy, predicted)`` seconds."""
+    active, times, names, accepted, gen = [], [], [], [], 0.0
+    for r, st in zip(rows, strategies):
+        t = took(r, st, iteration_time(COSTS, r, 10 + gen, st))
+        acc = 2 * r if st.enabled else 0
+        active.append(r), times.append(t), names.append(st.name), accepted.append(acc)
+        gen += 1 + (acc / r if st.enabled else 0)
+    return {"active": active, "iter_time": times, "strategy": names, "accepted": accepted,
+            "time": np.cumsum(times) + 0.01, "rows": [max(rows)] * len(rows)}, 10.0, None, max(rows)
+
+
+def test_a_negative_engine_overhead_is_refused_and_a_small_one_set_to_zero():
+    """Plain iterations faster than the isolated forwards say (by 30% at 1-2 rows): impossible, refused; by 1%:
+    the noise of a quiet machine, the overhead there is 0 (and said)."""
+    rows = [64, 32, 16, 8, 4, 2, 1]
+    with pytest.raises(CalibrationError, match="the engine's cost per plain iteration beyond its forward came out "
+                                               f"-0.\\d+ ms at 1 rows, below 0 ms.*{QUIET}"):
+        fit_overheads(COSTS, [_rollout(rows, [PLAIN] * 7, lambda r, st, t: t * (0.7 if r <= 2 else 1.1))])
+    fitted = fit_overheads(COSTS, [_rollout(rows, [PLAIN] * 7, lambda r, st, t: t * (0.99 if r <= 2 else 1.1))])
+    at, seconds = zip(*fitted.overhead)
+    assert seconds[0] == 0.0 and all(np.diff(seconds) >= 0) and seconds[-1] > 0
+    assert any("set to 0 ms (within the noise)" in n for n in fitted.fit_notes)
+
+
+def test_an_sd_step_cheaper_than_its_forwards_is_refused():
+    with pytest.raises(CalibrationError, match=f"an SD step's time over its forwards' came out 0.56x at 4 rows.*{QUIET}"):
+        fit_overheads(COSTS, [_rollout([4, 4, 2], [CHAIN] * 3, lambda r, st, t: t * (0.56 if r == 4 else 1.2))])
+    fitted = fit_overheads(COSTS, [_rollout([4, 4, 2], [CHAIN] * 3, lambda r, st, t: t * (0.99 if r == 4 else 1.2))])
+    assert dict(fitted.sd_scale) == pytest.approx({4: 1.0, 2: 1.2})
+
+
+def test_measured_costs_that_cannot_be_physical_are_refused():
+    with pytest.raises(CalibrationError, match="a target forward is not monotone in context: 10 ms at context 16 but 9 ms"):
+        MeasuredCosts((1, 64), (16, 512), (1,), (((0.002,), (0.003,)), ((0.010,), (0.009,))))
+    with pytest.raises(CalibrationError, match="a draft level is not monotone in width"):
+        MeasuredCosts((1,), (16,), (1,), (((0.002,),),), (1, 4), (((0.002, 0.001),),))
+    for bad, what in ((dict(overhead=((1, -0.001),)), "overhead -1 ms at 1 rows"),
+                      (dict(sd_scale=((4, 0.56),)), "an SD step 0.56x its forwards at 4 rows"),
+                      (dict(setup_s_per_row=-0.001), "set-up -1 ms per response")):
+        with pytest.raises(CalibrationError, match=f"MeasuredCosts cannot be physical: {what}"):
+            MeasuredCosts((1,), (16,), (1,), (((0.002,),),), **bad)
+
+
+def test_a_busy_machine_during_the_cost_measurement_is_refused(monkeypatch):
+    """The second pass over the forwards ran while another process held the CPU: nothing is fitted."""
+    import tltlib.measured_costs as mc
+    from tltlib.loading import load
+    model, _, _ = load("data/tiny-reasoner", device="cpu")
+    calls = []
+
+    def fake_pass(model, drafter, rows, contexts, tokens, widths, repeats, order, g):
+        calls.append(order)
+        base = np.add.outer(np.add.outer(np.log2(rows), np.log(contexts)), np.asarray(tokens) / 10.0) + 10.0
+        return base * 1e-4 * (1.0 if order == 1 else 1.5), np.zeros((len(rows), len(contexts), len(widths)))
+    monkeypatch.setattr(mc, "_cost_pass", fake_pass)
+    with pytest.raises(CalibrationError, match=f"the forward costs: two passes .* disagree by 33%.*{QUIET}"):
+        mc.measure_costs(model, rows=(1, 4), contexts=(16, 64), tokens=(1, 5))
+    assert calls == [1, -1]                                 # the second pass in the opposite order of rows
