@@ -46,8 +46,8 @@ def test_ragged_incremental_decoding_equals_full_forward_per_row(model, sizes):
             steps.append(logits[:, 0])
     for r, p in enumerate(prompts):
         ref = _full_logits(model, p + cont[r].tolist())
-        torch.testing.assert_close(first[r], ref[len(p) - 1], atol=1e-5, rtol=0)
-        torch.testing.assert_close(torch.stack([s[r] for s in steps]), ref[len(p):], atol=1e-5, rtol=0)
+        torch.testing.assert_close(first[r], ref[len(p) - 1], atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(torch.stack([s[r] for s in steps]), ref[len(p):], atol=1e-4, rtol=1e-5)
 
 
 def test_uncommitted_and_rolled_back_entries_are_replaced(model):
@@ -62,8 +62,8 @@ def test_uncommitted_and_rolled_back_entries_are_replaced(model):
         cache.rollback(torch.tensor([0, 2]))
         assert cache.lengths[:2].tolist() == [11, 11]
         logits, _ = model.forward_cached(torch.tensor([[7], [8]]), cache)
-    torch.testing.assert_close(logits[0, 0], _full_logits(model, seq + [40, 7])[-1], atol=1e-5, rtol=0)
-    torch.testing.assert_close(logits[1, 0], _full_logits(model, seq + [50, 8])[-1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits[0, 0], _full_logits(model, seq + [40, 7])[-1], atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(logits[1, 0], _full_logits(model, seq + [50, 8])[-1], atol=1e-4, rtol=1e-5)
 
 
 def test_select_rows_compacts_and_duplicates(model):
@@ -84,9 +84,9 @@ def test_select_rows_compacts_and_duplicates(model):
         logits2, _ = model.forward_cached(torch.tensor([[20], [21]]), cache)
     expect = [[1, 2, 3, 11], [1, 2, 3, 12], [9, 10, 13], [9, 10, 14], [9, 10, 15]]
     for r, s in enumerate(expect):
-        torch.testing.assert_close(logits[r, 0], _full_logits(model, s)[-1], atol=1e-5, rtol=0)
-    torch.testing.assert_close(logits2[0, 0], _full_logits(model, [1, 2, 3, 12, 20])[-1], atol=1e-5, rtol=0)
-    torch.testing.assert_close(logits2[1, 0], _full_logits(model, [9, 10, 15, 21])[-1], atol=1e-5, rtol=0)
+        torch.testing.assert_close(logits[r, 0], _full_logits(model, s)[-1], atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(logits2[0, 0], _full_logits(model, [1, 2, 3, 12, 20])[-1], atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(logits2[1, 0], _full_logits(model, [9, 10, 15, 21])[-1], atol=1e-4, rtol=1e-5)
 
 
 def test_tree_mask_gives_each_branch_its_own_context(model):
@@ -99,8 +99,8 @@ def test_tree_mask_gives_each_branch_its_own_context(model):
         cache.advance(3)
         positions = torch.tensor([[3, 4, 4]])
         logits, _ = model.forward_cached(torch.tensor([[8, 9, 10]]), cache, positions=positions, tree_mask=tree)
-    torch.testing.assert_close(logits[0, 1], _full_logits(model, prefix + [8, 9])[-1], atol=1e-5, rtol=0)
-    torch.testing.assert_close(logits[0, 2], _full_logits(model, prefix + [8, 10])[-1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits[0, 1], _full_logits(model, prefix + [8, 9])[-1], atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(logits[0, 2], _full_logits(model, prefix + [8, 10])[-1], atol=1e-4, rtol=1e-5)
 
 
 def test_cache_errors():
@@ -125,21 +125,23 @@ def test_matmul_attention_equals_sdpa_with_mask(monkeypatch, bias_max):
     mask = torch.rand(3, 1, 4, 10, generator=g) > 0.3
     mask[..., 0] = True
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    torch.testing.assert_close(gqa_attention(q, k, v, mask), ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(gqa_attention(q, k, v, mask), ref, atol=1e-4, rtol=1e-5)
     memo = {}
     first = gqa_attention(q, k, v, mask, 0, memo)
     assert len(memo) == 1
     kept = next(iter(memo.values()))
-    torch.testing.assert_close(first, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(first, ref, atol=1e-4, rtol=1e-5)
     assert torch.equal(gqa_attention(q, k, v, mask, 0, memo), first) and next(iter(memo.values())) is kept
     torch.testing.assert_close(gqa_attention(q, k, v, None),
                                torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
-                               atol=1e-5, rtol=0)
+                               atol=1e-4, rtol=1e-5)
 
 
 def test_sdpa_path_keeps_the_mask_as_a_float_bias_per_forward():
-    """Below CPU_MATMUL_ATTENTION_MIN_ROWS rows (or with many queries) the CPU kernel is SDPA; with a forward's memo
-    it converts the bool mask once (SDPA would per layer): the same result as the bool mask, the memo built once."""
+    """Where the kernel table has no choice (here: none at all) the CPU kernel is PyTorch's SDPA; with a forward's
+    memo it converts the bool mask once (SDPA would per layer): the same result as the bool mask, the memo built
+    once."""
+    from tltlib import kernel_table as kt
     from tltlib.kernels import cached_attention
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(s, generator=g) for s in [(3, 6, 2, 8), (3, 2, 10, 8), (3, 2, 10, 8)])
@@ -147,11 +149,12 @@ def test_sdpa_path_keeps_the_mask_as_a_float_bias_per_forward():
     mask[..., 0] = True
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     memo = {}
-    out = cached_attention(q, k, v, mask, 0, memo)
-    torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
-    kept = memo[("sdpa", q.dtype)]
-    assert kept.dtype == q.dtype and torch.equal(torch.isinf(kept), ~mask)
-    assert torch.equal(cached_attention(q, k, v, mask, 0, memo), out) and memo[("sdpa", q.dtype)] is kept
+    with kt.using(kt.EMPTY):
+        out = cached_attention(q, k, v, mask, 0, memo)
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
+        kept = memo[("sdpa", q.dtype)]
+        assert kept.dtype == q.dtype and torch.equal(torch.isinf(kept), ~mask)
+        assert torch.equal(cached_attention(q, k, v, mask, 0, memo), out) and memo[("sdpa", q.dtype)] is kept
 
 
 def test_the_mask_is_all_true_before_mask_from_and_kernels_mask_only_the_tail(monkeypatch):

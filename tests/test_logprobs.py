@@ -39,7 +39,7 @@ def test_training_logprobs_equal_the_rollouts(pair, strategy, sampling):
         got = response_logprobs(target, batch, s, chunk=7)                  # chunks that cut across rows
     want = res.logprobs[:, : batch.width]
     mask = batch.response_mask()
-    torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=1e-5)   # summation order differs by CPU
+    torch.testing.assert_close(got[mask], want[mask], atol=1e-4, rtol=1e-5)   # summation order differs by CPU
     assert (got[~mask] == 0).all()
 
 

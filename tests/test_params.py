@@ -167,6 +167,18 @@ def test_smollm2_file_plans_notebook_01_or_says_how_to_import_the_model(tmp_path
         _plan(tmp_path, "notebooks:\n  \"01\": {TASK: gsm8k}\n", only=["01"])
 
 
+def test_a_missing_path_stops_only_the_notebooks_that_run(tmp_path):
+    """A folder a notebook that is not selected would read (05's warm-started model while running --only 01) is not
+    needed; its values are still checked, and the notebook that reads it is stopped."""
+    text = "notebooks:\n  \"05\": {MODEL_PATH: /nope/sft}\n"
+    assert _plan(tmp_path, text, only=["01"])
+    with pytest.raises(ValueError, match="MODEL_PATH = '/nope/sft' \\(notebook 05_grpo_with_tlt\\): '/nope/sft' does not "
+                                         "exist"):
+        _plan(tmp_path, text, only=["05"])
+    with pytest.raises(ValueError, match="MODEL_PATH = 5 .*not a string"):
+        _plan(tmp_path, "notebooks:\n  \"05\": {MODEL_PATH: 5}\n", only=["01"])
+
+
 def test_task_configs_give_the_chain_task_a_longer_held_out_and_name_a_bad_setting():
     from tltlib.params import task_configs
     from tltlib.tasks import ChainTaskConfig

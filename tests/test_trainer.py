@@ -76,10 +76,22 @@ def test_micro_batched_update_equals_one_full_batch(shipped, loss_type):
     assert grads[0].keys() == grads[1].keys() and any(bool(g.abs().max() > 0) for g in grads[1].values())
     for k, x in grads[0].items():
         torch.testing.assert_close(x, grads[1][k], atol=1e-9, rtol=1e-4, msg=k)
-    # and the weights: AdamW divides by sqrt(v), so an element whose gradient is ~0 turns summation-order noise into
-    # up to a few thousandths of the learning rate
-    for (k, x), y in zip(a.model.state_dict().items(), b.model.state_dict().values()):
-        torch.testing.assert_close(x, y, atol=1e-2 * ARGS.learning_rate, rtol=1e-5, msg=k)
+    # and the weights where the gradient determines the step. AdamW's first step moves an element by
+    # lr * g / (|g| + eps) (and the same weight decay): about lr * sign(g) whatever |g| is, so an element whose
+    # gradient is at summation-noise level (the gradients above agree to 1e-9) may move either way in the two runs,
+    # by up to 2 lr apart on some CPU; that is the optimizer amplifying float noise, not micro-batching. Where |g| is
+    # 1,000 times that tolerance or more, the sign is fixed and the two steps agree to float rounding (two float32
+    # ulps of the weight, 2.4e-7 relative, plus 1e-5 lr for the gradient's own noise).
+    beta1 = a.optimizer.param_groups[0]["betas"][0]
+    determined = elements = 0
+    for (k, p), q in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
+        if k not in grads[1]:
+            assert torch.equal(p, q), k                     # no gradient: not stepped in either run
+            continue
+        sure = (grads[1][k] / (1 - beta1)).abs() >= 1e-6
+        torch.testing.assert_close(p[sure], q[sure], atol=1e-5 * ARGS.learning_rate, rtol=2.4e-7, msg=k)
+        determined, elements = determined + int(sure.sum()), elements + sure.numel()
+    assert determined > 0.5 * elements, f"only {determined} of {elements} elements have a gradient above the noise"
 
 
 def test_resumed_run_is_bit_identical(shipped, tmp_path):

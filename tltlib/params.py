@@ -76,8 +76,8 @@ class Param:
             what += {"dir": " to an existing folder", "file": " to an existing file", "out": " to a folder"}[self.exists]
         return what + (" (or \"\")" if self.empty_ok else "")
 
-    def error(self, value) -> str | None:
-        """Why ``value`` is not acceptable, or None."""
+    def error(self, value, exists: bool = True) -> str | None:
+        """Why ``value`` is not acceptable, or None (``exists=False``: a path's existence is not checked)."""
         k = self.kind
         if k == "int" and (isinstance(value, bool) or not isinstance(value, int)):
             return "not an integer"
@@ -106,7 +106,7 @@ class Param:
             p = resolve(value)
             if p.exists() and not p.is_dir() or any(a.is_file() for a in p.parents):
                 return f"{str(p)!r} is (inside) a file, not a folder"
-        elif k == "path" and self.exists:
+        elif k == "path" and self.exists and exists:
             p = resolve(value)
             if not (p.is_dir() if self.exists == "dir" else p.is_file()):
                 if p.parent == cache_dir() and p.name in MODELS:
@@ -368,14 +368,15 @@ def plan_run(params: str | os.PathLike, notebooks: list[Path], selected: list[Pa
                          else f"no notebook declares it{_spelling(key, everything)}")
                 problems.append(f"{key} under \"{prefix}\" is not a parameter of {', '.join(missing)}; {where}")
     plan, bad = {}, {}
-    for nb in notebooks:                              # every notebook's values, whatever is selected
+    for nb in notebooks:          # every notebook's values, whatever is selected; paths must exist where it runs
         values = {k: v for k, v in shared.items() if k in declared[nb]}
         for prefix, overrides in per_nb.items():
             if nb.stem.startswith(prefix):
                 values.update({k: v for k, v in overrides.items() if k in declared[nb]})
         for key, value in values.items():
             spec = SCHEMA.get(key) or inferred(declared[nb][key])
-            why = spec.error(value) and f"{spec.error(value)}; expected {spec.describe()}"
+            error = spec.error(value, exists=nb in selected)
+            why = error and f"{error}; expected {spec.describe()}"
             if why:
                 bad.setdefault((key, repr(value), why), []).append(nb.stem)
         plan[nb] = values
