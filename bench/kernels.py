@@ -3,9 +3,9 @@ bands of rows (``tltlib.kernel_search``), the fastest kept in the machine's kern
 the CPU.
 
 Each cell: every candidate timed in interleaved rounds after a warm-up (medians); the choice against the starting
-point (the constants measured on the development VM) and against PyTorch's default (``F.linear``, SDPA); then one
-decode forward's projections and attention at 1, 16 and 64 rows summed from the cells (chosen vs PyTorch's defaults vs
-the starting points). On a busy machine (a candidate's timings spread more than ``kernel_table.MAX_SPREAD``) nothing
+point (the constants measured on the development VM) and against PyTorch's default (``F.linear``, SDPA); then the
+model's own decode forward at 1, 16 and 64 rows timed under this machine's table, PyTorch's defaults and the
+development VM's constants, interleaved. On a busy machine (a candidate's timings spread more than ``kernel_table.MAX_SPREAD``) nothing
 is written: it says so and asks for a quiet machine.
 
     python -m tltlib bench kernels                                              # the tiny reasoner and its drafter
@@ -41,6 +41,8 @@ def main() -> None:
     from tltlib import kernel_search as ks
     from tltlib import kernel_table as kt
 
+    if not kt.enabled():
+        raise ValueError(f"{kt.ENV}=0 turns this machine's kernel table off; unset it (or set it to 1) to measure it")
     args.device, args.dtype = "cpu", "float32"
     model, _, drafter = load_models(args, drafter=bool(args.drafter))
     config = ks.SearchConfig(rounds=args.rounds, context=args.context)
@@ -55,15 +57,15 @@ def main() -> None:
     table = here.merged(linear, attention, measured.settings)
     kt.save(table, kt.cache_path(table.machine))
     kt.install(table)
-    forward = decode_forward(model, linear, attention)
+    forward = decode_forward(model, args.rounds)
     payload = {"bench": "kernels", "machine": machine_info("cpu"), "model": str(args.model),
                "drafter": args.drafter or None, "settings": vars(args), "table": measured.as_dict(),
                "decode_forward": forward}
     text = (f"Kernel choices on this CPU for {args.model}" + (f" and {args.drafter}" if args.drafter else "")
             + f" (float32, {here.machine.threads} threads; medians of {args.rounds} interleaved rounds; the table is "
             f"saved to {kt.cache_path(table.machine)})\n\n"
-            + "One decode forward's projections and attention summed from the cells, ms (chosen / PyTorch's defaults "
-              "/ the development VM's constants):\n\n" + _forward_table(forward)
+            + "One decode forward of the model, ms (one token per row after 128-384 cached, packed weights at hand; "
+              "medians of interleaved rounds):\n\n" + _forward_table(forward)
             + "\n\nProjections (ms per call of one weight; the choice inside a rollout, where a packed copy exists, "
               "and without one):\n\n" + _linear_table(measured)
             + "\n\nCached attention (ms per layer):\n\n" + _attention_table(measured))
@@ -71,41 +73,48 @@ def main() -> None:
     write_results(name, payload, text, args.out)
 
 
-def decode_forward(model, linear: dict, attention: dict) -> list[dict]:
-    """One decode forward (one new token per row, rows of unequal lengths) at :data:`DECODE_ROWS` rows, summed from
-    the cells: every layer's projections, the LM head and the attention, by the chosen kernels (a rollout's: packed
-    copies at hand, the ragged kernel when built), PyTorch's defaults and the starting points."""
-    from tltlib import kernel_search as ks
+def decode_forward(model, rounds: int) -> list[dict]:
+    """One decode forward of the model itself (one new token per row after 256 cached ones, the rows' lengths
+    spread over 128-384 as after SD steps; packed weights at hand, as in a rollout) at :data:`DECODE_ROWS` rows
+    under this machine's table, PyTorch's defaults and the development VM's constants, interleaved (``rounds``
+    rounds of 10 forwards each after a warm-up); median ms per forward."""
+    import statistics
+    import time
+
+    import torch
+
     from tltlib import kernel_table as kt
-    c = model.config
-    counts = {shape: len(ws) for shape, ws in ks.projection_weights(model).items()}
-    kernel = ks.ragged_kernel() is not None
-    table = kt.KernelTable(None, linear, attention)
-    out = []
+    from tltlib.kernels import WeightPacks, packed_weights
+    tables = {"chosen": kt.current(), "defaults": kt.EMPTY, "constants": kt.StartingPoints()}
+    packs, vocab, out = WeightPacks.of(model).current(), model.config.vocab_size, []
+    g = torch.Generator().manual_seed(0)
     for rows in DECODE_ROWS:
-        b = kt.band(rows)
-        total = {"chosen": 0.0, "defaults": 0.0, "starting points": 0.0}
-        for (n, k), count in counts.items():
-            t = linear[kt.linear_key(n, k, b)].seconds
-            chosen = table.linear_kernel(n, k, rows, True) or "linear"
-            total["chosen"] += count * t[chosen]
-            total["defaults"] += count * t["linear"]
-            total["starting points"] += count * t[kt.linear_start(kt.band_size(b), True)]
-        t = attention[kt.attention_key(c.num_heads, c.num_kv_heads, c.dim_head, 0, kt.band(rows, 7), True)].seconds
-        chosen = table.attention_kernel(c.num_heads, c.num_kv_heads, c.dim_head, 1, rows, True, kernel) or "sdpa"
-        start = kt.attention_start(rows, 1, True, kernel)
-        for key, kind in (("chosen", chosen), ("defaults", "sdpa"), ("starting points", start)):
-            total[key] += c.num_layers * t[kind]
-        out.append({"rows": rows, **{f"{k}_ms": v * 1e3 for k, v in total.items()}})
+        cache = model.new_cache(rows, 400)
+        lengths = torch.linspace(128, 384, rows).round().long() if rows > 1 else torch.tensor([256])
+        times = {name: [] for name in tables}
+        with torch.no_grad(), packed_weights(packs):
+            model.forward_cached(torch.randint(0, vocab, (rows, 384), generator=g), cache,
+                                 logits_at=lengths - 1)
+            cache.advance(lengths)
+            step = torch.randint(0, vocab, (rows, 1), generator=g)
+            for r in range(rounds + 1):
+                for name, table in tables.items():
+                    with kt.using(table):
+                        t0 = time.perf_counter()
+                        for _ in range(10):
+                            model.forward_cached(step, cache)
+                        if r:                                   # the first round is the warm-up
+                            times[name].append((time.perf_counter() - t0) / 10)
+        out.append({"rows": rows, **{f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()}})
     return out
 
 
 def _forward_table(forward: list[dict]) -> str:
-    rows = [[f["rows"], f["chosen_ms"], f["defaults_ms"], f["starting points_ms"],
-             f"{f['defaults_ms'] / f['chosen_ms']:.2f}x", f"{f['starting points_ms'] / f['chosen_ms']:.2f}x"]
+    rows = [[f["rows"], f["chosen_ms"], f["defaults_ms"], f["constants_ms"],
+             f"{f['defaults_ms'] / f['chosen_ms']:.2f}x", f"{f['constants_ms'] / f['chosen_ms']:.2f}x"]
             for f in forward]
-    return markdown_table(["rows", "chosen", "PyTorch defaults", "dev-VM constants", "vs defaults",
-                           "vs constants"], rows)
+    return markdown_table(["rows", "this machine's table", "PyTorch defaults", "dev-VM constants",
+                           "table vs defaults", "table vs constants"], rows)
 
 
 def _linear_table(table) -> str:

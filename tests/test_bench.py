@@ -51,12 +51,35 @@ def assert_one_line_error(out: subprocess.CompletedProcess, *expected: str) -> N
      ["--lr is set by the recipe params/train/cpu-smollm2.yaml: change it there"]),
     (["e2e_grpo", "--recipe", "params/train/cpu-smollm2.yaml", "--trl-steps", "2"],
      ["give --trl-steps 0 with --recipe"]),
+    (["kernels", "--rounds", "2"], ["argument --rounds", "2 is too few; give at least 3"]),
     (["drafters", "--model", "data/tiny-reasoner", "--drafters", "data/tiny-reasoner-drafter;no/such",
       "--responses", "README.md"], ["argument --drafters", "no drafter folder 'no/such'", "';'-separated list"]),
 ])
 def test_a_bad_flag_is_one_line_before_anything_loads(args, expected, tmp_path):
     assert_one_line_error(bench(tmp_path, *args), *expected)
     assert not any(tmp_path.iterdir())                              # nothing ran
+
+
+def test_the_kernels_bench_measures_this_machine_names_its_cpu_and_saves_the_table(tmp_path, monkeypatch):
+    """bench kernels on the tiny reasoner (no drafter), with its own kernel cache: every cell of the model's shapes
+    timed, the table saved for this machine, the decode forward under the table, PyTorch's defaults and the
+    development VM's constants; the switch off is one line."""
+    from tltlib.machine import this_machine
+    monkeypatch.setenv("TLTLIB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("TLTLIB_KERNELS", "1")
+    out = bench(tmp_path, "kernels", "--drafter", "", "--rounds", "3", "--context", "64")
+    assert out.returncode == 0, out.stderr
+    here = this_machine()
+    result = json.loads((tmp_path / f"kernels-cpu-{here.slug}.json").read_text())
+    assert result["machine"]["cpu"] == here.cpu and result["table"]["machine"]["flags"] == here.flags
+    assert len(result["table"]["linear"]) == 5 * 10 and result["table"]["attention"]
+    assert [f["rows"] for f in result["decode_forward"]] == [1, 16, 64]
+    assert all(f[k] > 0 for f in result["decode_forward"] for k in ("chosen_ms", "defaults_ms", "constants_ms"))
+    assert (tmp_path / "cache" / "kernels" / f"{here.slug}.json").is_file()
+    md = (tmp_path / f"kernels-cpu-{here.slug}.md").read_text()
+    assert f"Machine: {here.cpu}" in md and "dev-VM constants" in md
+    monkeypatch.setenv("TLTLIB_KERNELS", "0")
+    assert_one_line_error(bench(tmp_path / "off", "kernels"), "TLTLIB_KERNELS=0 turns this machine's kernel table off")
 
 
 def test_a_library_error_after_the_malloc_reexec_is_still_one_line(tmp_path):

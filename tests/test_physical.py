@@ -37,10 +37,11 @@ def test_two_passes_that_disagree_are_a_busy_machine():
     assert pass_noise(a, a * 1.02) == pytest.approx(0.02 / 1.02, rel=1e-6)
     check_quiet(pass_noise(a, a * 1.02), "costs")
     busy = a.copy()
-    busy[:20] *= 1.6                                   # a minute of another process over 40% of the cells
-    with pytest.raises(CalibrationError, match=f"costs: two passes over the same cells disagree by 60%.*{QUIET}"):
+    busy[:20] *= 2.0                                   # a minute of another process over 40% of the cells
+    with pytest.raises(CalibrationError, match=f"costs: two passes over the same cells disagree by 100% .*within 50%"
+                                               f".*{QUIET}"):
         check_quiet(pass_noise(busy, a), "costs")
-    assert tolerance(0.0) == 0.03 and tolerance(0.02) == pytest.approx(0.06)
+    assert tolerance(0.0) == 0.03 and tolerance(0.12) == pytest.approx(0.12)
 
 
 def test_the_nondecreasing_fit_pools_what_falls():
@@ -110,8 +111,8 @@ def test_a_busy_machine_during_the_cost_measurement_is_refused(monkeypatch):
     def fake_pass(model, drafter, rows, contexts, tokens, widths, repeats, order, g):
         calls.append(order)
         base = np.add.outer(np.add.outer(np.log2(rows), np.log(contexts)), np.asarray(tokens) / 10.0) + 10.0
-        return base * 1e-4 * (1.0 if order == 1 else 1.5), np.zeros((len(rows), len(contexts), len(widths)))
+        return base * 1e-4 * (1.0 if order == 1 else 2.5), np.zeros((len(rows), len(contexts), len(widths)))
     monkeypatch.setattr(mc, "_cost_pass", fake_pass)
-    with pytest.raises(CalibrationError, match=f"the forward costs: two passes .* disagree by 33%.*{QUIET}"):
+    with pytest.raises(CalibrationError, match=f"the forward costs: two passes .* disagree by 60%.*{QUIET}"):
         mc.measure_costs(model, rows=(1, 4), contexts=(16, 64), tokens=(1, 5))
     assert calls == [1, -1]                                 # the second pass in the opposite order of rows

@@ -262,6 +262,21 @@ class Forced(KernelTable):
         return self.forced_attention
 
 
+class StartingPoints(KernelTable):
+    """The development VM's constants as a table (:func:`linear_start`, :func:`attention_start`): what tltlib chose
+    on every machine before choices were measured; for side-by-side benchmarks."""
+
+    def __init__(self):
+        super().__init__(None)
+
+    def linear_kernel(self, n: int, k: int, rows: int, packed: bool) -> str | None:
+        return linear_start(rows, packed)
+
+    def attention_kernel(self, heads: int, kv_heads: int, dim: int, queries: int, rows: int, ragged: bool,
+                         kernel: bool) -> str | None:
+        return attention_start(rows, queries, ragged, kernel)
+
+
 EMPTY = KernelTable(None)
 """No table: PyTorch's default kernel everywhere."""
 

@@ -20,9 +20,11 @@ QUIET = "rerun on a quiet machine (no other process using the CPU while it measu
 MIN_TOLERANCE = 0.03
 """The smallest share by which a measured value may cross its physical bound and be moved onto it (timer and
 interpolation noise of a quiet machine)."""
-NOISE_LIMIT = 0.15
-"""The most two passes over the same forwards may disagree (the 90th percentile of the cells' relative difference):
-a quiet machine stays within a few percent; another process on one of two cores makes it tens of percent."""
+NOISE_LIMIT = 0.5
+"""The most two passes over the same forwards may disagree (the 90th percentile of the cells' relative difference).
+On the 2-core development VM (a shared host whose speed drifts) quiet runs gave 11-22% (tiny reasoner, 192 cells,
+about 40 s apart); with another process on both cores for one minute of the measurement, 143% (its worst cell 32x:
+a multi-threaded forward then waits a scheduler quantum at its barriers)."""
 
 
 class CalibrationError(ValueError):
@@ -40,9 +42,9 @@ def pass_noise(first, second) -> float:
 
 
 def tolerance(noise: float) -> float:
-    """How far a value may cross its bound and be moved onto it: three times the measured noise, at least
-    :data:`MIN_TOLERANCE`."""
-    return max(MIN_TOLERANCE, 3 * noise)
+    """How far a value may cross its bound and be moved onto it: the measured noise (a cost known to within that
+    share), at least :data:`MIN_TOLERANCE`."""
+    return max(MIN_TOLERANCE, noise)
 
 
 def check_quiet(noise: float, what: str, limit: float | None = None) -> None:
