@@ -67,9 +67,13 @@ def test_the_kernels_bench_measures_this_machine_names_its_cpu_and_saves_the_tab
     from tltlib.machine import this_machine
     monkeypatch.setenv("TLTLIB_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("TLTLIB_KERNELS", "1")
-    out = bench(tmp_path, "kernels", "--drafter", "", "--rounds", "3", "--context", "64")
-    assert out.returncode == 0, out.stderr
+    out = bench(tmp_path, "kernels", "--drafter", "", "--rounds", "5", "--context", "64")
     here = this_machine()
+    if out.returncode == 1 and "rerun on a quiet machine" in out.stderr:      # a busy moment of a shared machine:
+        assert_one_line_error(out, "the timings' spread is too high to choose", "(nothing was written)")
+        assert not list(tmp_path.glob("kernels-*")) and not (tmp_path / "cache" / "kernels").exists()
+        return
+    assert out.returncode == 0, out.stderr
     result = json.loads((tmp_path / f"kernels-cpu-{here.slug}.json").read_text())
     assert result["machine"]["cpu"] == here.cpu and result["table"]["machine"]["flags"] == here.flags
     assert len(result["table"]["linear"]) == 5 * 10 and result["table"]["attention"]
