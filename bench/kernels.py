@@ -76,8 +76,8 @@ def main() -> None:
 def decode_forward(model, rounds: int) -> list[dict]:
     """One decode forward of the model itself (one new token per row after 256 cached ones, the rows' lengths
     spread over 128-384 as after SD steps; packed weights at hand, as in a rollout) at :data:`DECODE_ROWS` rows
-    under this machine's table, PyTorch's defaults and the development VM's constants, interleaved (``rounds``
-    rounds of 10 forwards each after a warm-up); median ms per forward."""
+    under this machine's table, PyTorch's defaults and the development VM's constants, interleaved in an order
+    rotated each round (``rounds`` rounds of 10 forwards each after a warm-up); median ms per forward."""
     import statistics
     import time
 
@@ -97,9 +97,10 @@ def decode_forward(model, rounds: int) -> list[dict]:
                                  logits_at=lengths - 1)
             cache.advance(lengths)
             step = torch.randint(0, vocab, (rows, 1), generator=g)
-            for r in range(rounds + 1):
-                for name, table in tables.items():
-                    with kt.using(table):
+            names = list(tables)
+            for r in range(rounds + 1):                         # the order rotated each round: none always first
+                for name in names[r % 3:] + names[:r % 3]:
+                    with kt.using(tables[name]):
                         t0 = time.perf_counter()
                         for _ in range(10):
                             model.forward_cached(step, cache)
