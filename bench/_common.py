@@ -220,17 +220,22 @@ def timed(fn, device: str) -> float:
     return time.perf_counter() - t
 
 
-def interleaved_medians(fns: dict, device: str, repeats: int, warmup: int = 1) -> dict[str, tuple[float, list[float]]]:
+def interleaved_medians(fns: dict, device: str, repeats: int, warmup: int = 1,
+                        settle: float = 0.0) -> dict[str, tuple[float, list[float]]]:
     """Time competitors side by side: ``warmup`` untimed calls of each, then ``repeats`` rounds that call every
     competitor once, in order. A slow spell of a shared machine then hits all of them alike instead of one block.
-    Returns ``{name: (median seconds, all seconds)}``."""
+    ``settle``: seconds of idle (untimed) after each call, so that a competitor whose OpenMP threads keep spinning
+    after it returns (Intel OpenMP's default: 200 ms) does not slow the next one down. Returns ``{name: (median
+    seconds, all seconds)}``."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
+            time.sleep(settle)
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             times[name].append(timed(fn, device))
+            time.sleep(settle)
     return {name: (statistics.median(t), t) for name, t in times.items()}
 
 

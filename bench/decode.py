@@ -44,7 +44,8 @@ def main() -> None:
     hf = _hf_model(path, dtype, device, tok)
     n = args.new_tokens
     engine = RolloutEngine(ours, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=n), ignore_eos=True))
-    vllm, note = vllm_peer(args.vllm, path, args.dtype, n, max_model_len=2048)
+    vllm, note = vllm_peer(args.vllm, path, args.dtype, n,     # the model's context, at most 2,048 (vLLM refuses more)
+                           max_model_len=min(2048, ours.config.max_position_embeddings))
     try:
         measured = [_measure_batch(b, args, tok, engine, hf, vllm, device) for b in args.batches.items]
     finally:
@@ -89,7 +90,9 @@ def _measure_batch(b: int, args, tok, engine, hf, vllm, device: str) -> tuple[di
         fns = {"ours": run_ours, "hf": run_hf}
         if vllm is not None:
             fns["vllm"] = lambda: out.__setitem__("vllm", vllm(prompts))
-        timing = interleaved_medians(fns, device, args.repeats)
+        # vLLM's worker runs on Intel OpenMP, whose threads spin 200 ms after each call: the next engine (tltlib, in
+        # every round) would share the two cores with them; each call is followed by 0.3 s of idle
+        timing = interleaved_medians(fns, device, args.repeats, settle=0.3 if vllm is not None else 0.0)
         (t_ours, all_ours), (t_hf, all_hf) = timing["ours"], timing["hf"]
     identical = bool(torch.equal(out["ours"].cpu(), out["hf"].cpu()))
     if vllm is not None:
