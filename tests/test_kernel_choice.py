@@ -243,6 +243,16 @@ def test_an_unreadable_table_is_ignored_with_one_line(fresh_tables):
         assert kt.current().size == 0
 
 
+def test_a_cache_that_cannot_be_written_is_one_warning_and_the_table_is_used(fresh_tables, monkeypatch):
+    (fresh_tables / "kernels").write_text("a file where the folder should be")
+    model = small_model()
+    with pytest.warns(UserWarning, match="the kernel table could not be saved to .*set TLTLIB_CACHE to a writable"):
+        table = ks.ensure(model, config=FAST, timer=fake_timer({"linear": "mm", "attention": "matmul"}),
+                          progress=False)
+    n, k = next(iter(ks.projection_weights(model)))
+    assert kt.current() is table and table.linear_kernel(n, k, 16, True) == "mm"
+
+
 def test_the_switch_keeps_pytorch_defaults_and_measures_nothing(fresh_tables, monkeypatch):
     monkeypatch.setenv(kt.ENV, "0")
     model = small_model()

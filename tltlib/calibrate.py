@@ -14,8 +14,8 @@
    strategies the adaptive engine played and their accept lengths): a long-tailed rollout without SD and with the
    adaptive engine (rollout time and speedup); GRPO steps of the baseline and of TLT in one process, interleaved
    (median step time and the step speedup).
-   Data parallelism: 2 workers' shards of the rollout, run one after the other here on the same engine and
-   predicted from the same calibration as the rollouts (the idle share of the slowest worker's wait), and the spot
+   Data parallelism: 2 workers' shards of the rollout, run one after the other here in the same rounds as the
+   rollouts and predicted from the same calibration (the idle share of the slowest worker's wait), and the spot
    trainer's harvested share in a ``bench e2e_grpo --workers 2`` results file against the simulator's preemption
    model, from that file's measured idle windows and micro-steps.
 3. **Checks** (:class:`Check`): predicted / measured within ``tolerance`` (15%; shares: 5 points), each
@@ -175,29 +175,36 @@ def _calibration_rollout(engine, tokenizer, count: int, problems_seed: int, stra
 
 
 def check_rollouts(model, tokenizer, drafter, costs: MeasuredCosts, problems, group: int, max_new: int,
-                   temperature: float, threshold: int = 32, seed: int = 0, repeats: int = 3,
+                   temperature: float, threshold: int = 32, seed: int = 0, repeats: int = 3, workers: int = 2,
                    drift: Drift | None = None, runs: list | None = None) -> tuple[list[Check], MeasuredCosts]:
     """A long-tailed rollout of ``problems`` without SD, with chain-8 at or below ``threshold`` rows, and with the
-    adaptive engine (its bandit first tuned on two rollouts of other prompts), in ``repeats`` rounds. In each round
-    each arm first rolls out as many prompts of *other* problems (seeds ``seed + 100 ...``): the calibration
-    rollouts, from which :func:`fit_overheads` fits the engine's costs beyond its forwards — measured over the same
-    minutes as the checks, so the machine's slow drift reaches both alike — then the checks' prompts. Each check is
-    simulated from its own lengths and the strategies it played; medians over the rounds. Each run, its
-    prediction and the machine's speed before it (``drift``) are appended to ``runs``. Returns (checks, ``costs``
-    with the fitted overheads, the engine: :func:`check_workers` runs its shards on it, predicted from the same
-    fit)."""
-    engine = RolloutEngine(model, RolloutConfig(SamplingConfig(temperature=temperature, max_new_tokens=max_new),
-                                                group_size=group), drafter=drafter)
+    adaptive engine (its bandit first tuned on two rollouts of other prompts), and ``workers`` data-parallel shards
+    of it without SD, in ``repeats`` rounds. In each round each arm first rolls out as many prompts of *other*
+    problems (seeds ``seed + 100 ...``): the calibration rollouts, from which :func:`fit_overheads` fits the engine's
+    costs beyond its forwards — measured over the same minutes as the checks, so the machine's drift reaches both
+    alike — then the checks' prompts; then each worker's shard (on an engine of the same configuration, whose kept
+    buffers are the shards' size). Every check, the shards' included, is simulated from the one fit and from its
+    own lengths and strategies; medians over the rounds. Each run, its prediction and the machine's speed before it
+    (``drift``) are appended to ``runs``. Returns (checks, ``costs`` with the fitted overheads)."""
+    if len(problems) % workers:
+        raise ValueError(f"{workers} workers cannot share {len(problems)} prompts evenly (whole GRPO groups)")
+    config = RolloutConfig(SamplingConfig(temperature=temperature, max_new_tokens=max_new), group_size=group)
+    engine, shard_engine = (RolloutEngine(model, config, drafter=drafter) for _ in range(2))
     controller = AdaptiveController(AdaptiveConfig(threshold=threshold, tuner=TunerConfig(
         arms=("off", *DEFAULT_ARMS), seed=seed)), controller_costs(model, drafter, max_batch=threshold), drafter)
     chain8, plain = SpecStrategy.parse("chain-8"), SpecStrategy()
     fixed = lambda it, rows: chain8 if rows <= threshold else plain               # noqa: E731
     arms = {"no SD": None, f"chain-8 at <= {threshold} rows": fixed, "adaptive": controller}
     prompts = encode_prompts(problems, tokenizer)
+    size = len(problems) // workers
+    shards = [prompts[w * size:(w + 1) * size] for w in range(workers)]
     others = iter(range(seed + 100, seed + 100 + 2 + repeats * len(arms)))
     calibration, measured = [], {name: [] for name in arms}         # (result, seconds, speed factor)
+    by_worker = [[] for _ in range(workers)]
     for strategy in arms.values():                                                  # warm-up
         timed_rollout(engine, prompts[:2], strategy, seed)
+    timed_rollout(shard_engine, encode_prompts(generate_problems(ChainTaskConfig(), size, seed=seed + 200),
+                                               tokenizer), None, seed)   # a shard's shape: its buffers are kept
     for i in range(2):
         calibration.append(_calibration_rollout(engine, tokenizer, len(problems), next(others), controller, seed + i))
     for r in range(repeats):
@@ -205,6 +212,8 @@ def check_rollouts(model, tokenizer, drafter, costs: MeasuredCosts, problems, gr
             calibration.append(_calibration_rollout(engine, tokenizer, len(problems), next(others), strategy,
                                                     seed + r))
             measured[name].append(_measured(engine, prompts, strategy, seed, drift))
+        for w in range(workers):
+            by_worker[w].append(_measured(shard_engine, shards[w], None, seed + w, drift))
     fitted = fit_overheads(costs, calibration)
     plen = int(round(_mean_len(prompts)))
     times = {}
@@ -220,36 +229,26 @@ def check_rollouts(model, tokenizer, drafter, costs: MeasuredCosts, problems, gr
     for name in list(times)[1:]:
         (p0, m0), (p1, m1) = times["no SD"], times[name]
         checks.append(Check(f"rollout speedup, {name} over no SD", p0 / p1, m0 / m1))
-    return checks, fitted, engine
+    return checks + worker_checks(fitted, shards, by_worker, runs), fitted
 
 
-def check_workers(engine, tokenizer, costs: MeasuredCosts, problems, workers: int = 2, seed: int = 0,
-                  repeats: int = 3, drift: Drift | None = None, runs: list | None = None) -> list[Check]:
-    """Data-parallel rollout workers, one after the other on this machine: each rolls out its shard of whole GRPO
-    groups without SD on ``engine`` (the no-SD arm of :func:`check_rollouts`; ``repeats`` rounds, medians, after a
-    warm-up shard of other problems), predicted from the same calibration as the rest (``costs``, fitted there);
-    the idle share (the wait for the slowest, over every worker's time) measured from their times, and simulated
-    from each shard's own lengths (each run recorded in ``runs``, as :func:`check_rollouts`)."""
-    if len(problems) % workers:
-        raise ValueError(f"{workers} workers cannot share {len(problems)} prompts evenly (whole GRPO groups)")
-    shard = len(problems) // workers
-    shards = [encode_prompts(problems[w * shard:(w + 1) * shard], tokenizer) for w in range(workers)]
-    warm = encode_prompts(generate_problems(ChainTaskConfig(), shard, seed=seed + 200), tokenizer)
-    timed_rollout(engine, warm, None, seed)              # a shard's shape: its workspace is kept for the checks
-    rounds = [[] for _ in range(workers)]
-    for _ in range(repeats):
-        for w in range(workers):
-            rounds[w].append(_measured(engine, shards[w], None, seed + w, drift))
+def worker_checks(costs: MeasuredCosts, shards: list, by_worker: list, runs: list | None = None) -> list[Check]:
+    """The data-parallel checks from each worker's measured shard rollouts (``by_worker[w]``: (result, seconds,
+    speed factor) per round, as :func:`check_rollouts` ran them one after the other here), each simulated from its
+    own lengths under ``costs``: the slowest worker's median rollout, and the idle share (the wait for the slowest,
+    over every worker's time). Each run is recorded in ``runs``."""
     predicted, measured = [], []
+    workers = len(shards)
     for w, ps in enumerate(shards):
-        sims = [simulate_rollout(costs, res.lengths.numpy(), round(_mean_len(ps))).time_s for res, _, _ in rounds[w]]
-        for x, (_, seconds, f) in zip(sims, rounds[w], strict=True):
+        sims = [simulate_rollout(costs, res.lengths.numpy(), round(_mean_len(ps))).time_s
+                for res, _, _ in by_worker[w]]
+        for x, (_, seconds, f) in zip(sims, by_worker[w], strict=True):
             _record(runs, f"worker {w} of {workers}, shard rollout", x, seconds, f)
         predicted.append(float(np.median(sims)))
-        measured.append(float(np.median([seconds for _, seconds, _ in rounds[w]])))
+        measured.append(float(np.median([seconds for _, seconds, _ in by_worker[w]])))
     idle = lambda t: float((max(t) - np.asarray(t)).sum() / (max(t) * len(t)))          # noqa: E731
-    return [Check(f"{workers} workers x {shard} prompts, slowest worker's rollout: median seconds", max(predicted),
-                  max(measured)),
+    return [Check(f"{workers} workers x {len(shards[0])} prompts, slowest worker's rollout: median seconds",
+                  max(predicted), max(measured)),
             Check(f"{workers} workers, idle share of the rollout", idle(predicted), idle(measured), share=True)]
 
 
@@ -358,12 +357,11 @@ def validate(model, tokenizer, drafter, prompts: int = 16, group: int = 8, max_n
                       temperature=temperature, learning_rate=1e-4, max_steps=steps, seed=seed,
                       micro_batch_tokens=2048)
     tlt = TLTConfig(speculative="adaptive", drafter_steps=6, drafter_batch=4)
-    log("measuring rollouts (other prompts' to fit the engine's costs beyond its forwards, then the checks') ...")
+    log("measuring rollouts and 2 workers' shards (other prompts' to fit the engine's costs beyond its forwards, "
+        "then the checks') ...")
     runs: list[dict] = []
-    checks, costs, engine = check_rollouts(model, tokenizer, drafter, costs, problems[:prompts], group, max_new,
-                                           temperature, seed=seed, drift=drift, runs=runs)
-    log("measuring and simulating 2 workers' rollouts ...")
-    checks += check_workers(engine, tokenizer, costs, problems[:prompts], seed=seed, drift=drift, runs=runs)
+    checks, costs = check_rollouts(model, tokenizer, drafter, costs, problems[:prompts], group, max_new, temperature,
+                                   seed=seed, drift=drift, runs=runs)
     log("measuring and simulating GRPO steps ...")
     stepped, update, micro = check_steps(model, tokenizer, drafter, costs, problems, args, tlt, steps, drift, runs)
     checks += stepped

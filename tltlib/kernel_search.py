@@ -301,8 +301,13 @@ def ensure(model, drafter=None, config: SearchConfig = SearchConfig(), progress:
         return table
     linear, attention = search(model, drafter, fresh, timer, config, progress)
     table = kt.current().merged(linear, attention, {"search": asdict(config)})
-    kt.save(table, kt.cache_path(table.machine))
     kt.install(table)
+    try:
+        kt.save(table, kt.cache_path(table.machine))
+    except OSError as e:                                  # a read-only home: used here, measured again next time
+        warnings.warn(f"tltlib: the kernel table could not be saved to {kt.cache_path(table.machine)} ({e}); this "
+                      "process uses it, the next one measures again: set TLTLIB_CACHE to a writable folder",
+                      stacklevel=3)
     noisy = [(k, v) for k, v in table.noisy() if k in set(linear) | set(attention)]
     if noisy:
         warnings.warn(f"tltlib: {len(noisy)} of {len(linear) + len(attention)} kernel timings were too noisy to choose "
