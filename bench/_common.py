@@ -230,13 +230,41 @@ def interleaved_medians(fns: dict, device: str, repeats: int, warmup: int = 1,
     for _ in range(warmup):
         for fn in fns.values():
             fn()
-            time.sleep(settle)
+            settle_down(settle)
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             times[name].append(timed(fn, device))
-            time.sleep(settle)
+            settle_down(settle)
     return {name: (statistics.median(t), t) for name, t in times.items()}
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """``(busy, total)`` jiffies of all CPUs from ``/proc/stat`` (None where there is none: not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)      # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def settle_down(seconds: float, limit: float = 3.0, window: float = 0.05, busy: float = 0.1) -> None:
+    """Idle ``seconds``, then on until the machine is quiet (under ``busy`` of its CPUs in use over ``window`` s)
+    or ``limit`` s have passed: a peer in another process (vLLM's worker) may keep its cores busy after its call
+    returns, for longer than OpenMP's 200 ms spin, and would slow the next competitor down. Nothing when
+    ``seconds`` is 0."""
+    if seconds <= 0:
+        return
+    time.sleep(seconds)
+    end = time.perf_counter() + limit
+    while time.perf_counter() < end:
+        a = _cpu_times()
+        time.sleep(window)
+        b = _cpu_times()
+        if a is None or b is None or b[1] == a[1] or (b[0] - a[0]) / (b[1] - a[1]) < busy:
+            return
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:

@@ -60,6 +60,15 @@ def test_a_bad_flag_is_one_line_before_anything_loads(args, expected, tmp_path):
     assert not any(tmp_path.iterdir())                              # nothing ran
 
 
+def test_the_kernels_bench_calls_a_machine_busy_only_when_many_cells_are_noisy():
+    import kernels as kernels_bench
+    kernels_bench.check_quiet([], 115)
+    kernels_bench.check_quiet([("384x192/r6", 0.34)], 115)                 # one hiccup of ~110 cells: kept, named
+    with pytest.raises(ValueError, match="spread is too high to choose at 6 of 100 cells \\(worst 90% at a; the "
+                                         "limit is 25% per cell, in at most 5% of the cells\\).*rerun on a quiet"):
+        kernels_bench.check_quiet([("a", 0.9)] + [("b", 0.5)] * 5, 100)
+
+
 def test_the_kernels_bench_measures_this_machine_names_its_cpu_and_saves_the_table(tmp_path, monkeypatch):
     """bench kernels on the tiny reasoner (no drafter), with its own kernel cache: every cell of the model's shapes
     timed, the table saved for this machine, the decode forward under the table, PyTorch's defaults and the
@@ -81,9 +90,23 @@ def test_the_kernels_bench_measures_this_machine_names_its_cpu_and_saves_the_tab
     assert all(f[k] > 0 for f in result["decode_forward"] for k in ("chosen_ms", "defaults_ms", "constants_ms"))
     assert (tmp_path / "cache" / "kernels" / f"{here.slug}.json").is_file()
     md = (tmp_path / f"kernels-cpu-{here.slug}.md").read_text()
-    assert f"Machine: {here.cpu}" in md and "dev-VM constants" in md
+    assert f"Machine: {here.cpu}" in md and "dev-VM constants" in md and "The one-row floor" in md
+    assert result["weights_floor"]["read_gb_s"] > 0 and result["search_s"] > 0 and result["cells"] > 50
     monkeypatch.setenv("TLTLIB_KERNELS", "0")
     assert_one_line_error(bench(tmp_path / "off", "kernels"), "TLTLIB_KERNELS=0 turns this machine's kernel table off")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_one_row_floor_counts_every_weight_once_and_the_embedding_only_as_the_head(tied):
+    import kernels as kernels_bench
+    from tltlib.model import ModelConfig, Transformer
+    model = Transformer(ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                                    num_kv_heads=2, tie_word_embeddings=tied))
+    floor = kernels_bench.weights_floor(model, repeats=3)
+    every = sum(p.numel() * 4 for p in model.parameters())
+    assert floor["weight_bytes"] == (every if tied else every - 64 * 32 * 4)
+    assert floor["buffer_bytes"] >= 1 << 30 and floor["read_gb_s"] > 0
+    assert floor["floor_ms"] == pytest.approx(1e3 * floor["weight_bytes"] / (floor["read_gb_s"] * 1e9))
 
 
 def test_a_library_error_after_the_malloc_reexec_is_still_one_line(tmp_path):
@@ -135,6 +158,22 @@ def test_parser_errors_are_one_line_with_exit_status_1(capsys):
     err = capsys.readouterr().err
     assert err == "error: argument --batches: '0' is not a positive integer; give a comma-separated list such as " \
                   "1,4 (see --help)\n"
+
+
+def test_settling_waits_for_a_quiet_machine_and_no_longer_than_its_limit(monkeypatch):
+    import time
+    readings = iter([(0, 100), (90, 200)] * 3 + [(500, 1000), (501, 1100)])   # 90% busy three times, then 1%
+    monkeypatch.setattr(_common, "_cpu_times", lambda: next(readings))
+    t = time.perf_counter()
+    _common.settle_down(0.01, limit=2.0, window=0.01)
+    assert next(readings, "done") == "done" and time.perf_counter() - t < 1.0       # stopped at the quiet reading
+    monkeypatch.setattr(_common, "_cpu_times", lambda: (time.perf_counter_ns(), 2 * time.perf_counter_ns()))
+    t = time.perf_counter()
+    _common.settle_down(0.01, limit=0.2, window=0.01)                              # always busy: the limit
+    assert 0.2 <= time.perf_counter() - t < 0.6
+    t = time.perf_counter()
+    _common.settle_down(0.0)
+    assert time.perf_counter() - t < 0.01
 
 
 def test_malloc_reexec_repeats_the_command_that_started_the_bench(monkeypatch):

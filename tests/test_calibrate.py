@@ -106,7 +106,9 @@ def test_a_small_validation_measures_simulates_and_names_every_check(monkeypatch
     # every measured run is recorded with its prediction and the machine's speed: 3 arms x 3 rounds, 2 workers x 3,
     # 2 policies x 2 steps
     assert len(inputs["runs"]) == 9 + 6 + 4
-    assert all(r["simulated_s"] > 0 and r["measured_s"] > 0 and r["slowdown"] > 0 for r in inputs["runs"])
+    assert all(r["simulated_s"] > 0 and r["measured_s"] > 0 and r["slowdown"] > 0 and len(r["slowdowns"]) == 2
+               for r in inputs["runs"])
+    assert set(inputs["speed_reference_s"]) == {1, 16}
     assert inputs["costs"].setup_s_per_row > 0                      # zeroing the KV cache is never free on a CPU
 
 
@@ -118,10 +120,12 @@ def test_the_command_exits_non_zero_when_a_prediction_is_off(monkeypatch, tmp_pa
     monkeypatch.setattr(cal, "validate", lambda *a, **k: ([Check("rollout", 1.0, 1.05), Check("step", 1.3, 1.0),
                                                           Check("idle", 0.06, 0.03, share=True)],
                                                          {"costs": costs, "update_tokens_per_s": 1.0,
-                                                          "micro_step_s": 0.1}))
+                                                          "micro_step_s": 0.1, "step_notes": [
+                                                              "GRPO steps, tlt: an overhead set to 0 ms"]}))
     assert main(["simulate", "--validate", "--out", str(tmp_path)]) == 1
     out = capsys.readouterr()
     assert "| step | 1.300 | 1.000 | +30.0% | OFF |" in out.out and "| idle | 0.060 | 0.030 | +3.0 points | ok |" in out.out
+    assert "moved onto a physical bound within that noise: GRPO steps, tlt: an overhead set to 0 ms" in out.out
     assert "1 prediction(s) off by more than 15% (shares: 5 points): step" in out.err
     assert (tmp_path / "simulate-validate-cpu.json").is_file()
 
@@ -165,15 +169,17 @@ def test_the_engines_overhead_is_fitted_from_what_a_rollout_took_beyond_its_forw
         fit_overheads(costs, [])
 
 
-def test_the_drift_factor_is_the_probe_now_over_the_probe_at_calibration(monkeypatch):
+def test_the_drift_factors_are_each_probe_now_over_that_probe_at_calibration(monkeypatch):
+    from tltlib.calibrate import _moved
     from tltlib.loading import load
     model, _, _ = load("data/tiny-reasoner", device="cpu")
-    d = Drift(model, rows=2, context=8, calls=3)
-    assert d.factor() == 1.0                                    # no reference yet: no slowdown
-    assert d.probe() > 0
-    d.reference = [0.010, 0.012, 0.011]
-    monkeypatch.setattr(d, "probe", lambda: 0.0132)
-    assert d.factor() == pytest.approx(1.2)                     # 20% slower than while calibrating
+    d = Drift(model, rows=(1, 2), context=8, calls=3)
+    assert d.factors().tolist() == [1.0, 1.0]                   # no reference yet: no slowdown
+    assert d.probe().shape == (2,) and (d.probe() > 0).all()
+    d.reference = [np.array([0.004, 0.010]), np.array([0.005, 0.012]), np.array([0.006, 0.011])]
+    monkeypatch.setattr(d, "probe", lambda: np.array([0.004, 0.0132]))
+    assert d.factors() == pytest.approx([0.8, 1.2])            # one row 20% faster, two rows 20% slower
+    assert _moved([np.array([0.9, 1.05]), np.array([1.1, 0.7])]) == pytest.approx(0.3) and _moved([]) == 0.0
 
 
 def test_leave_one_out_drops_exactly_the_step_it_predicts():

@@ -268,6 +268,7 @@ def test_the_machine_names_what_differs():
     assert a.differences(replace(a, cpu="Intel Xeon", threads=1)) == ["CPU 'AMD EPYC' there, 'Intel Xeon' here",
                                                                       "threads 2 there, 1 here"]
     assert a.slug == "amd-epyc-2t" and Machine.from_dict(a.as_dict()) == a
+    assert replace(a, cpu="Intel(R) Xeon(R) Processor").slug == "intel-xeon-processor-2t"
     with pytest.raises(ValueError, match="a machine record needs exactly the keys"):
         Machine.from_dict({"cpu": "x"})
 

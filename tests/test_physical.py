@@ -82,6 +82,23 @@ def test_a_negative_engine_overhead_is_refused_and_a_small_one_set_to_zero():
     assert any("set to 0 ms (within the noise)" in n for n in fitted.fit_notes)
 
 
+def test_the_machines_drift_between_the_forwards_and_the_rollouts_widens_the_tolerance_up_to_a_limit():
+    """Iterations 15% faster than the forwards timed minutes before: beyond the passes' noise (3%), refused; with the
+    Drift probe saying the machine ran 20% faster during those rollouts, within it (set to 0 and said); a drift past
+    the noise limit is refused as a machine that was not quiet."""
+    rows = [64, 32, 16, 8, 4, 2, 1]
+    rollout = _rollout(rows, [PLAIN] * 7, lambda r, st, t: t * (0.85 if r <= 2 else 1.1))
+    with pytest.raises(CalibrationError, match=f"at 1 rows, below 0 ms.*beyond the measurement's noise 3%.*{QUIET}"):
+        fit_overheads(COSTS, [rollout])
+    fitted = fit_overheads(COSTS, [rollout], drift=0.2)
+    assert dict(fitted.overhead)[1.0] == 0.0
+    assert fitted.fit_notes[0].startswith("within the machine's drift of 20% between timing the forwards")
+    with pytest.raises(CalibrationError, match=f"the rollouts the engine's costs are fitted on: the machine ran 60% "
+                                               f"faster or slower .*within 50%.*{QUIET}"):
+        fit_overheads(COSTS, [rollout], drift=0.6)
+    assert fit_overheads(COSTS, [_rollout(rows, [PLAIN] * 7, lambda r, st, t: t * 1.1)], drift=0.2).fit_notes == ()
+
+
 def test_an_sd_step_cheaper_than_its_forwards_is_refused():
     with pytest.raises(CalibrationError, match=f"an SD step's time over its forwards' came out 0.56x at 4 rows.*{QUIET}"):
         fit_overheads(COSTS, [_rollout([4, 4, 2], [CHAIN] * 3, lambda r, st, t: t * (0.56 if r == 4 else 1.2))])

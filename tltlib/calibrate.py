@@ -78,48 +78,64 @@ class Check:
 
 
 class Drift:
-    """The machine's speed now against its speed while the costs were measured: a fixed decode forward (``rows``
-    x 1 token after ``context`` cached ones, the median of ``calls``) timed now over the same timed at calibration.
-    A shared VM's speed moves by tens of percent within minutes. Recorded beside every measured run; predictions
+    """The machine's speed now against its speed while the costs were measured: fixed decode forwards (each of
+    ``rows`` x 1 token after ``context`` cached ones, the median of ``calls``) timed now over the same timed at
+    calibration. A shared VM's speed moves by tens of percent within minutes, and not alike for every shape: one
+    row (dispatch-bound) and 16 rows (compute-bound) are probed. Recorded beside every measured run, and the
+    tolerance of the fitted overheads' physical bounds (:func:`tltlib.measured_costs.fit_overheads`); predictions
     are not scaled by it (an earlier version did: a probe of 0.1 s is itself noisy, and the calibration rollouts
     run between the checks already see the machine as the checks do)."""
 
-    def __init__(self, model, rows: int = 16, context: int = 256, calls: int = 15):
-        self.model, self.rows, self.context, self.calls = model, rows, context, calls
-        self.reference: list[float] = []
+    def __init__(self, model, rows: tuple[int, ...] = (1, 16), context: int = 256, calls: int = 15):
+        self.model, self.rows, self.context, self.calls = model, tuple(rows), context, calls
+        self.reference: list[np.ndarray] = []
 
     @torch.no_grad()
-    def probe(self) -> float:
-        """Seconds of the fixed forward now (median of ``calls``)."""
+    def probe(self) -> np.ndarray:
+        """Seconds of each fixed forward now (median of ``calls``), one per entry of ``rows``."""
         dev, vocab = self.model.device, self.model.config.vocab_size
         g = torch.Generator().manual_seed(0)
-        cache = self.model.new_cache(self.rows, self.context + 2)
-        prompt = torch.randint(0, vocab, (self.rows, self.context), generator=g).to(dev)
-        self.model.forward_cached(prompt, cache, logits_at=torch.full((self.rows,), self.context - 1, device=dev))
-        cache.advance(self.context)
-        x = torch.randint(0, vocab, (self.rows, 1), generator=g).to(dev)
-        return typical_seconds(lambda: self.model.forward_cached(x, cache), self.calls, dev)
+        out = []
+        for rows in self.rows:
+            cache = self.model.new_cache(rows, self.context + 2)
+            prompt = torch.randint(0, vocab, (rows, self.context), generator=g).to(dev)
+            self.model.forward_cached(prompt, cache, logits_at=torch.full((rows,), self.context - 1, device=dev))
+            cache.advance(self.context)
+            x = torch.randint(0, vocab, (rows, 1), generator=g).to(dev)
+            out.append(typical_seconds(lambda: self.model.forward_cached(x, cache), self.calls, dev))
+        return np.array(out)
 
     def calibrating(self) -> None:
         """Time the probe as part of the reference (call it while the costs are measured)."""
         self.reference.append(self.probe())
 
-    def factor(self) -> float:
-        """The probe now over the reference's median (1: as fast as at calibration; 1.2: 20% slower)."""
-        return self.probe() / float(np.median(self.reference)) if self.reference else 1.0
+    def factors(self) -> np.ndarray:
+        """Each probe now over its reference's median, one per entry of ``rows`` (1: as fast as at calibration; 1.2:
+        20% slower); ones before any reference."""
+        if not self.reference:
+            return np.ones(len(self.rows))
+        return self.probe() / np.median(np.stack(self.reference), axis=0)
 
 
 # -------------------------------------------------------------------------------------------------- drift
-def _factor(drift: Drift | None) -> float:
-    """The machine's speed drift now (1 without a :class:`Drift`)."""
-    return drift.factor() if drift else 1.0
+def _factor(drift: Drift | None) -> np.ndarray:
+    """The machine's speed drift now, per probe (:meth:`Drift.factors`; ``[1.0]`` without a :class:`Drift`)."""
+    return drift.factors() if drift else np.ones(1)
 
 
-def _record(runs: list | None, what: str, simulated: float, measured: float, slowdown: float) -> None:
-    """One measured run, its prediction and the machine's ``slowdown`` just before it (:meth:`Drift.factor`: 1.2 =
-    20% slower than during the cost measurement), for the results file (``runs``: None records nothing)."""
+def _moved(factors) -> float:
+    """How far the machine's speed had moved over some runs: the largest ``|factor - 1|`` of their probes."""
+    return max((float(np.max(np.abs(np.asarray(f) - 1))) for f in factors), default=0.0)
+
+
+def _record(runs: list | None, what: str, simulated: float, measured: float, slowdown) -> None:
+    """One measured run, its prediction and the machine's ``slowdown`` just before it (:meth:`Drift.factors`, one
+    per probe; 1.2 = 20% slower than during the cost measurement), for the results file (``runs``: None records
+    nothing): ``slowdown`` is the last (largest) probe's, ``slowdowns`` every probe's."""
     if runs is not None:
-        runs.append({"run": what, "simulated_s": simulated, "measured_s": measured, "slowdown": slowdown})
+        f = np.atleast_1d(np.asarray(slowdown, dtype=np.float64))
+        runs.append({"run": what, "simulated_s": simulated, "measured_s": measured, "slowdown": float(f[-1]),
+                     "slowdowns": [float(x) for x in f]})
 
 
 def _without(xs: list, i: int) -> list:
@@ -214,7 +230,8 @@ def check_rollouts(model, tokenizer, drafter, costs: MeasuredCosts, problems, gr
             measured[name].append(_measured(engine, prompts, strategy, seed, drift))
         for w in range(workers):
             by_worker[w].append(_measured(shard_engine, shards[w], None, seed + w, drift))
-    fitted = fit_overheads(costs, calibration)
+    moved = _moved(f for runs_ in (*measured.values(), *by_worker) for _, _, f in runs_)
+    fitted = fit_overheads(costs, calibration, drift=moved)
     plen = int(round(_mean_len(prompts)))
     times = {}
     for name, rounds in measured.items():
@@ -279,13 +296,15 @@ def check_harvest(results_json) -> list[Check]:
 
 
 def check_steps(model, tokenizer, drafter, costs: MeasuredCosts, problems, args: GRPOConfig, tlt: TLTConfig,
-                steps: int, drift: Drift | None = None, runs: list | None = None) -> tuple[list[Check], float, float]:
+                steps: int, drift: Drift | None = None, runs: list | None = None,
+                notes: list | None = None) -> tuple[list[Check], float, float]:
     """GRPO steps of the baseline and of TLT in one process, interleaved after one warm-up step each (left out:
     it pays one-time costs), measured; each step simulated from its own lengths and the SD strategies it played,
     with the inputs the *other* measured steps give (leave-one-out): the engine's costs beyond its forwards
     refitted on that policy's other rollouts (:func:`fit_overheads`: TLT's rollout also streams drafter pairs),
     the update's tokens/s of both policies' other steps and TLT's other drafter micro-steps. Each step is recorded
-    in ``runs`` as in :func:`check_rollouts`. Returns (checks, update tokens/s and seconds per drafter micro-step,
+    in ``runs`` as in :func:`check_rollouts`; what a refit moved onto a physical bound is appended to ``notes``
+    (once each). Returns (checks, update tokens/s and seconds per drafter micro-step,
     medians of every step)."""
     if steps < 2:
         raise ValueError(f"check_steps needs at least 2 steps per policy (each is predicted from the others), got "
@@ -317,7 +336,11 @@ def check_steps(model, tokenizer, drafter, costs: MeasuredCosts, problems, args:
         for i, (result, (m, f)) in enumerate(zip(rollouts[name][1:], measured[name], strict=True)):
             rate = float(np.median(_without(update_rate[name], i) + update_rate["tlt" if name == "baseline" else
                                                                                 "baseline"]))
-            cfg = _cpu_step(model, fit_overheads(costs, _without(seen, i)), args.prompts_per_step,
+            refit = fit_overheads(costs, _without(seen, i), drift=_moved(g for _, g in _without(measured[name], i)))
+            for note in refit.fit_notes if notes is not None else ():
+                if f"GRPO steps, {name}: {note}" not in notes:
+                    notes.append(f"GRPO steps, {name}: {note}")
+            cfg = _cpu_step(model, refit, args.prompts_per_step,
                             args.num_generations, plen, update_tokens_per_s=rate,
                             micro_step_s=float(np.median(_without(micro, i) if name == "tlt" else micro)),
                             drafter_steps=tlt.drafter_steps if name == "tlt" else 0)
@@ -363,12 +386,15 @@ def validate(model, tokenizer, drafter, prompts: int = 16, group: int = 8, max_n
     checks, costs = check_rollouts(model, tokenizer, drafter, costs, problems[:prompts], group, max_new, temperature,
                                    seed=seed, drift=drift, runs=runs)
     log("measuring and simulating GRPO steps ...")
-    stepped, update, micro = check_steps(model, tokenizer, drafter, costs, problems, args, tlt, steps, drift, runs)
+    step_notes: list[str] = []
+    stepped, update, micro = check_steps(model, tokenizer, drafter, costs, problems, args, tlt, steps, drift, runs,
+                                         step_notes)
     checks += stepped
     if workers_results is not None:
         checks += harvest
     return checks, {"costs": costs, "update_tokens_per_s": update, "micro_step_s": micro,
-                    "speed_reference_s": float(np.median(drift.reference)), "runs": runs}
+                    "speed_reference_s": dict(zip(drift.rows, np.median(np.stack(drift.reference), axis=0).tolist())),
+                    "runs": runs, "step_notes": step_notes}
 
 
 def report(checks: list[Check], inputs: dict, machine: dict, settings: dict) -> tuple[str, dict]:
@@ -378,7 +404,7 @@ def report(checks: list[Check], inputs: dict, machine: dict, settings: dict) -> 
     rows = [f"| {c.what} | {c.predicted:.3f} | {c.measured:.3f} | "
             + (f"{100 * c.error:+.1f} points" if c.share else f"{c.error:+.1%}") + f" | {'ok' if c.ok else 'OFF'} |"
             for c in checks]
-    moved = [*costs.notes, *costs.fit_notes]
+    moved = [*costs.notes, *costs.fit_notes, *inputs.get("step_notes", [])]
     table = ("| check | simulated | measured | error | within 15% (shares: 5 points) |\n|---|---|---|---|---|\n"
              + "\n".join(rows)
              + f"\n\nInputs measured here: update {inputs['update_tokens_per_s']:.0f} tokens/s, drafter micro-step "

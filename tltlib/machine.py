@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -89,8 +90,10 @@ class Machine:
 
     @property
     def slug(self) -> str:
-        """A file-name-safe name of the CPU and threads (``amd-epyc-2t``), for per-machine cache files."""
-        name = "".join(c if c.isalnum() else "-" for c in self.cpu.lower()).strip("-")
+        """A file-name-safe name of the CPU and threads (``amd-epyc-2t``, ``intel-xeon-processor-2t``), for
+        per-machine cache files; trademark marks such as ``(R)`` dropped."""
+        cpu = re.sub(r"\((r|tm)\)", " ", self.cpu.lower())
+        name = "".join(c if c.isalnum() else "-" for c in cpu).strip("-")
         while "--" in name:
             name = name.replace("--", "-")
         return f"{name[:40] or 'cpu'}-{self.threads}t"

@@ -22,7 +22,7 @@ import torch
 from .costs import MeasuredCosts, iteration_time
 from .kernel_search import ensure as ensure_kernels
 from .kernels import pack_weights, packed_weights
-from .physical import at_least, check_quiet, monotone, nondecreasing_fit, pass_noise, tolerance
+from .physical import at_least, check_drift, check_quiet, monotone, nondecreasing_fit, pass_noise, tolerance
 from .profiling import call_times
 from .speculative import SpecStrategy
 
@@ -88,7 +88,7 @@ def typical_seconds(fn, repeats: int, dev) -> float:
     return float(np.median(call_times(fn, repeats, dev)))
 
 
-def fit_overheads(costs: MeasuredCosts, rollouts) -> MeasuredCosts:
+def fit_overheads(costs: MeasuredCosts, rollouts, drift: float = 0.0) -> MeasuredCosts:
     """``costs`` with the engine's costs beyond its forwards fitted to measured rollouts (``(timeline, prompt
     length, seconds, responses)``: ``seconds`` the rollout's wall time, None when unknown), per band of running rows
     (doubling from 1): for plain iterations the median of measured less predicted seconds, smoothed by a
@@ -98,9 +98,14 @@ def fit_overheads(costs: MeasuredCosts, rollouts) -> MeasuredCosts:
     iterations (``seconds`` less the timeline's last ``time``) over its ``responses``. A fit without plain
     iterations, SD steps or wall times keeps ``costs``' fit of those.
 
-    Each is held to its physical bound (:func:`tltlib.physical.at_least`, within the noise of ``costs``): an
-    overhead >= 0 (measured against the band's forward), an SD step >= 1x its forwards, a set-up >= 0; beyond the
-    noise a :class:`CalibrationError` names the value and asks for a quiet machine."""
+    Each is held to its physical bound (:func:`tltlib.physical.at_least`, within the noise of ``costs`` or the
+    machine's ``drift``, whichever is larger): an overhead >= 0 (measured against the band's forward), an SD step
+    >= 1x its forwards, a set-up >= 0; beyond that a :class:`CalibrationError` names the value and asks for a quiet
+    machine. ``drift``: how far the machine's speed had moved during the rollouts from its speed while the forwards
+    were timed (``|factor - 1|``, the largest over them; :class:`tltlib.calibrate.Drift`): a shared VM a few
+    minutes later runs the same forward 10-20% faster or slower, and the fit sees that as overhead; refused above
+    :data:`tltlib.physical.NOISE_LIMIT`."""
+    check_drift(drift, "the rollouts the engine's costs are fitted on")
     bare = replace(costs, overhead=(), sd_scale=(), setup_s_per_row=0.0, fit_notes=())
     plain, sd, setup, per_response = [], [], [], []
     for timeline, prompt_len, seconds, responses in rollouts:
@@ -119,7 +124,7 @@ def fit_overheads(costs: MeasuredCosts, rollouts) -> MeasuredCosts:
             per_response.append(seconds / responses)
     if not plain and not sd:
         raise ValueError("no decode iterations to fit the overhead to: the calibration rollout was empty")
-    tol, notes = tolerance(costs.noise), []
+    tol, notes = tolerance(max(costs.noise, drift)), []
     overhead, sd_scale, setup_s = costs.overhead, costs.sd_scale, costs.setup_s_per_row
     if plain:
         xs, ys, counts = _bands([p[:2] for p in plain])
@@ -137,6 +142,9 @@ def fit_overheads(costs: MeasuredCosts, rollouts) -> MeasuredCosts:
         fitted, why = at_least([float(np.median(setup))], 0.0, [float(np.median(per_response))], tol,
                                "a rollout's set-up per response", "s", ["the fitted rollouts"])
         setup_s, notes = float(fitted[0]), notes + why
+    if notes and drift > costs.noise:
+        notes.insert(0, f"within the machine's drift of {drift:.0%} between timing the forwards and these rollouts "
+                        f"(the passes' noise: {costs.noise:.0%})")
     return replace(bare, overhead=overhead, sd_scale=sd_scale, setup_s_per_row=setup_s, fit_notes=tuple(notes))
 
 

@@ -57,6 +57,16 @@ def check_quiet(noise: float, what: str, limit: float | None = None) -> None:
                                f"measured; {QUIET}")
 
 
+def check_drift(drift: float, what: str, limit: float | None = None) -> None:
+    """Refuse a fit to runs during which the machine's speed had moved by more than ``limit`` (default
+    :data:`NOISE_LIMIT`) from its speed while the costs were measured (``drift``: ``|probe factor - 1|``, the
+    largest over the runs; :class:`tltlib.calibrate.Drift`)."""
+    limit = NOISE_LIMIT if limit is None else limit
+    if drift > limit:
+        raise CalibrationError(f"{what}: the machine ran {drift:.0%} faster or slower than while its forwards were "
+                               f"timed (a quiet machine stays within {limit:.0%}); {QUIET}")
+
+
 def monotone(table, axes: list[tuple[str, tuple]], what: str, tol: float) -> tuple[np.ndarray, list[str]]:
     """``table`` (seconds; one array axis per entry of ``axes``: its name and its values) made non-decreasing along
     every axis. A value below the one before it along an axis by at most ``tol`` of that one is raised to it (a
