@@ -90,8 +90,8 @@ def _measure_batch(b: int, args, tok, engine, hf, vllm, device: str) -> tuple[di
         fns = {"ours": run_ours, "hf": run_hf}
         if vllm is not None:
             fns["vllm"] = lambda: out.__setitem__("vllm", vllm(prompts))
-        # vLLM's worker runs on Intel OpenMP, whose threads spin 200 ms after each call: the next engine (tltlib, in
-        # every round) would share the two cores with them; each call is followed by 0.3 s of idle
+        # vLLM's worker keeps cores busy after its call returns (Intel OpenMP spins 200 ms, its engine longer): the next
+        # engine (tltlib, in every round) would share them; each call is followed by 0.3 s of idle, then until quiet
         timing = interleaved_medians(fns, device, args.repeats, settle=0.3 if vllm is not None else 0.0)
         (t_ours, all_ours), (t_hf, all_hf) = timing["ours"], timing["hf"]
     identical = bool(torch.equal(out["ours"].cpu(), out["hf"].cpu()))

@@ -5,8 +5,9 @@ the CPU.
 Each cell: every candidate timed in interleaved rounds after a warm-up (medians); the choice against the starting
 point (the constants measured on the development VM) and against PyTorch's default (``F.linear``, SDPA); then the
 model's own decode forward at 1, 16 and 64 rows timed under this machine's table, PyTorch's defaults and the
-development VM's constants, interleaved. On a busy machine (a candidate's timings spread more than ``kernel_table.MAX_SPREAD``) nothing
-is written: it says so and asks for a quiet machine.
+development VM's constants, interleaved. A cell whose timings spread more than ``kernel_table.MAX_SPREAD`` is left
+to PyTorch's default and named; on a busy machine (more than :data:`BUSY_SHARE` of the cells so) nothing is written:
+it says so and asks for a quiet machine.
 
     python -m tltlib bench kernels                                              # the tiny reasoner and its drafter
     python -m tltlib bench kernels --model ~/.cache/tltlib/models/smollm2-135m --drafter ''
@@ -71,9 +72,7 @@ def main() -> None:
     measured = kt.KernelTable(here.machine, linear, attention, {"search": asdict(config)})
     noisy = measured.noisy()
     check_quiet(noisy, measured.size)
-    table = here.merged(linear, attention, measured.settings)
-    kt.save(table, kt.cache_path(table.machine))
-    kt.install(table)
+    table = ks.keep(linear, attention, config)
     forward = decode_forward(model, args.rounds)
     floor = weights_floor(model)
     payload = {"bench": "kernels", "machine": machine_info("cpu"), "model": str(args.model),

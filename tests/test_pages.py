@@ -28,7 +28,7 @@ def test_pages_are_taken_lowest_first_and_given_back_once():
 
 
 def test_a_budget_holds_whole_pages_and_refuses_less_than_one_prompt_naming_the_minimum():
-    per_token = kv_bytes_per_token(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    per_token = kv_bytes_per_token(num_layers=2, num_kv_heads=2, head_dim=8, elem_bytes=4)
     assert per_token == 2 * 2 * 2 * 8 * 4
     pool = PagePool.for_budget(10 * 16 * per_token + 5, per_token, page_size=16, min_tokens=40)
     assert pool.num_pages == 10 and pool.page_size == 16

@@ -337,9 +337,8 @@ def check_steps(model, tokenizer, drafter, costs: MeasuredCosts, problems, args:
             rate = float(np.median(_without(update_rate[name], i) + update_rate["tlt" if name == "baseline" else
                                                                                 "baseline"]))
             refit = fit_overheads(costs, _without(seen, i), drift=_moved(g for _, g in _without(measured[name], i)))
-            for note in refit.fit_notes if notes is not None else ():
-                if f"GRPO steps, {name}: {note}" not in notes:
-                    notes.append(f"GRPO steps, {name}: {note}")
+            if notes is not None:
+                notes += [n for n in (f"GRPO steps, {name}: {note}" for note in refit.fit_notes) if n not in notes]
             cfg = _cpu_step(model, refit, args.prompts_per_step,
                             args.num_generations, plen, update_tokens_per_s=rate,
                             micro_step_s=float(np.median(_without(micro, i) if name == "tlt" else micro)),

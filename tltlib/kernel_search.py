@@ -3,16 +3,15 @@ machine, and keep the fastest per cell in the machine's kernel table (:mod:`tltl
 
 :func:`ensure` runs when a CPU rollout engine is made (and before the cost model and the simulator's calibration time
 forwards): the cells of the model's (and drafter's) shapes that this machine's table lacks are measured once, with a
-progress bar, and saved; later processes read them (tiny reasoner ~5 s, SmolLM2-135M ~30 s, once per machine and
-thread count). ``python -m tltlib bench kernels`` measures them afresh and writes a results table.
+progress bar, and saved; later processes read them (tiny reasoner and its drafter ~7 s, SmolLM2-135M 17-30 s,
+once per machine and thread count). ``python -m tltlib bench kernels`` measures them afresh and writes a results table.
 
 How a cell is measured (:func:`measure_cell`): every candidate once as a warm-up, then ``rounds`` interleaved rounds
 (the order rotated each round, so a slow moment hits all alike), each timing a call repeated until ``sample_s`` has
 passed (:class:`WallTimer`); the median per candidate and its spread (interquartile range over median). A cell
 whose choice or starting point spread more than ``kernel_table.MAX_SPREAD`` is *noisy*: nothing is chosen from it
-(:func:`ensure` leaves PyTorch's default there and says so once; ``bench kernels`` refuses with "rerun on a quiet
-machine"). Inputs are what the rollout
-feeds: projections run over the model's own weights of that shape, cycled, plus copies up to twice the last-level
+(:func:`ensure` leaves PyTorch's default there and says so once; ``bench kernels`` too, and refuses with "rerun on
+a quiet machine" when more than a few cells are noisy). Inputs are what the rollout feeds: projections run over the model's own weights of that shape, cycled, plus copies up to twice the last-level
 cache when the model is larger than the cache (so weights come from memory, as in a forward); attention reads a
 cache of ``context`` positions per row, spread over half to 1.5x of it for rows of unequal lengths.
 
@@ -300,6 +299,19 @@ def ensure(model, drafter=None, config: SearchConfig = SearchConfig(), progress:
     if not (fresh["linear"] or fresh["attention"]):
         return table
     linear, attention = search(model, drafter, fresh, timer, config, progress)
+    table = keep(linear, attention, config)
+    noisy = [(k, v) for k, v in table.noisy() if k in set(linear) | set(attention)]
+    if noisy:
+        warnings.warn(f"tltlib: {len(noisy)} of {len(linear) + len(attention)} kernel timings were too noisy to choose "
+                      f"(spread up to {noisy[0][1]:.0%} at {noisy[0][0]}; the machine was busy): those use PyTorch's "
+                      "defaults and are measured again in the next process (or run `python -m tltlib bench kernels` "
+                      "on a quiet machine)", stacklevel=3)
+    return table
+
+
+def keep(linear: dict, attention: dict, config: SearchConfig) -> kt.KernelTable:
+    """This machine's table with the measured cells (:func:`search`'s) added, used by this process from now on and
+    saved for the next ones (a cache that cannot be written: one warning, the table still used)."""
     table = kt.current().merged(linear, attention, {"search": asdict(config)})
     kt.install(table)
     try:
@@ -308,12 +320,6 @@ def ensure(model, drafter=None, config: SearchConfig = SearchConfig(), progress:
         warnings.warn(f"tltlib: the kernel table could not be saved to {kt.cache_path(table.machine)} ({e}); this "
                       "process uses it, the next one measures again: set TLTLIB_CACHE to a writable folder",
                       stacklevel=3)
-    noisy = [(k, v) for k, v in table.noisy() if k in set(linear) | set(attention)]
-    if noisy:
-        warnings.warn(f"tltlib: {len(noisy)} of {len(linear) + len(attention)} kernel timings were too noisy to choose "
-                      f"(spread up to {noisy[0][1]:.0%} at {noisy[0][0]}; the machine was busy): those use PyTorch's "
-                      "defaults and are measured again in the next process (or run `python -m tltlib bench kernels` "
-                      "on a quiet machine)", stacklevel=3)
     return table
 
 

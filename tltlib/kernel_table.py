@@ -45,6 +45,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from .fileio import atomic_write_text, read_json
 from .machine import Machine, this_machine
 
@@ -170,6 +172,7 @@ class KernelTable:
         self._lin: dict[tuple, str | None] = {}
         self._att: dict[tuple, str | None] = {}
         self._noisy: set[str] = set()
+        self._by_rows: dict[tuple, str | None] = {}
         for key, t in self.linear.items():
             shape, b = key.split("/r")
             n, k = map(int, shape.split("x"))
@@ -200,8 +203,13 @@ class KernelTable:
 
     def linear_kernel(self, n: int, k: int, rows: int, packed: bool) -> str | None:
         """The projection kernel for ``rows`` rows by an ``[n, k]`` weight (``packed``: a packed copy is at hand);
-        None: PyTorch's default."""
-        return self._lin.get((n, k, band(rows), packed))
+        None: PyTorch's default. Called for every projection: the answer is memoised per exact row count."""
+        key = (n, k, rows, packed)
+        try:
+            return self._by_rows[key]
+        except KeyError:
+            pick = self._by_rows[key] = self._lin.get((n, k, band(rows), packed))
+            return pick
 
     def attention_kernel(self, heads: int, kv_heads: int, dim: int, queries: int, rows: int, ragged: bool,
                          kernel: bool) -> str | None:
@@ -333,7 +341,6 @@ def current() -> KernelTable:
     table = _OVERRIDE.get()
     if table is not None:
         return table
-    import torch
     threads = torch.get_num_threads()
     table = _tables.get(threads)
     if table is None:

@@ -40,9 +40,8 @@ def measure_costs(model, drafter=None, rows=(1, 2, 4, 8, 16, 32, 64, 128), conte
     g = torch.Generator().manual_seed(0)
     passes = [_cost_pass(model, drafter, rows, contexts, tokens, widths, repeats, order, g) for order in (1, -1)]
     (t1, d1), (t2, d2) = passes
-    both = (t1, d1, t2, d2) if drafter is not None else (t1, t2)
-    noise = pass_noise(np.concatenate([a.ravel() for a in both[:len(both) // 2]]),
-                       np.concatenate([a.ravel() for a in both[len(both) // 2:]]))
+    cells = lambda t, d: np.concatenate([t.ravel(), d.ravel() if drafter is not None else []])   # noqa: E731
+    noise = pass_noise(cells(t1, d1), cells(t2, d2))
     check_quiet(noise, "the forward costs")
     tol = tolerance(noise)
     target, notes = monotone((t1 + t2) / 2, [("rows", rows), ("context", contexts), ("tokens", tokens)],

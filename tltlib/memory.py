@@ -29,6 +29,8 @@ import os
 
 import torch
 
+from .pages import kv_bytes_per_token
+
 HEADROOM = 0.9
 """The share of the available memory an estimate may use."""
 
@@ -57,7 +59,8 @@ def grpo_memory(config, args, prompt_tokens: int, rows: int, elem_bytes: int, pa
         drafter_params: the drafter's trainable parameters (0 without online drafter training).
         buffer_tokens: the drafter pair buffer's cap (0 without one).
     """
-    kv = config.num_kv_heads * (config.head_dim or config.hidden_size // config.num_heads)
+    kv_per_token = kv_bytes_per_token(config.num_layers, config.num_kv_heads,
+                                      config.head_dim or config.hidden_size // config.num_heads, elem_bytes)
     seq = prompt_tokens + args.max_completion_length
     produced = rows * args.max_completion_length * args.max_steps
     tokens = max(min(args.micro_batch_tokens, rows * seq), seq)      # a micro-batch: at most the batch, >= 1 row
@@ -66,7 +69,7 @@ def grpo_memory(config, args, prompt_tokens: int, rows: int, elem_bytes: int, pa
         "optimizer": 2 * params * elem_bytes,
         "reference": params * elem_bytes if args.beta > 0 else 0,
         "drafter training": 3 * drafter_params * elem_bytes,
-        "rollout KV cache": 2 * config.num_layers * kv * elem_bytes * rows * (seq + draft_margin),
+        "rollout KV cache": kv_per_token * rows * (seq + draft_margin),
         "update activations": activation_bytes_per_token(config, elem_bytes) * tokens,
         "LM-head chunk": 2 * min(args.logprob_chunk, tokens) * config.vocab_size * 4,
         "pair buffer": min(buffer_tokens, produced) * (config.hidden_size * elem_bytes + 24),

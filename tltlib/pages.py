@@ -223,7 +223,7 @@ class BlockTables:
         return total
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of one token's keys and values over every layer."""
-    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, elem_bytes: int) -> int:
+    """Bytes of one token's keys and values over every layer (``elem_bytes``: 4 for float32, 2 for bfloat16)."""
+    return 2 * num_layers * num_kv_heads * head_dim * elem_bytes
 

@@ -50,21 +50,25 @@ def tolerance(noise: float) -> float:
 def check_quiet(noise: float, what: str, limit: float | None = None) -> None:
     """Refuse a measurement whose two passes disagree by more than ``limit`` (:func:`pass_noise`; default
     :data:`NOISE_LIMIT`)."""
-    limit = NOISE_LIMIT if limit is None else limit
-    if noise > limit:
-        raise CalibrationError(f"{what}: two passes over the same cells disagree by {noise:.0%} (90th percentile; a "
-                               f"quiet machine stays within {limit:.0%}): the machine's speed changed while it "
-                               f"measured; {QUIET}")
+    _at_most(noise, limit, lambda lim: f"{what}: two passes over the same cells disagree by {noise:.0%} (90th "
+                                       f"percentile; a quiet machine stays within {lim:.0%}): the machine's speed "
+                                       "changed while it measured")
 
 
 def check_drift(drift: float, what: str, limit: float | None = None) -> None:
     """Refuse a fit to runs during which the machine's speed had moved by more than ``limit`` (default
     :data:`NOISE_LIMIT`) from its speed while the costs were measured (``drift``: ``|probe factor - 1|``, the
     largest over the runs; :class:`tltlib.calibrate.Drift`)."""
+    _at_most(drift, limit, lambda lim: f"{what}: the machine ran {drift:.0%} faster or slower than while its "
+                                       f"forwards were timed (a quiet machine stays within {lim:.0%})")
+
+
+def _at_most(value: float, limit: float | None, why) -> None:
+    """A :class:`CalibrationError` (``why(limit)``, then :data:`QUIET`) when ``value`` exceeds ``limit`` (default
+    :data:`NOISE_LIMIT`)."""
     limit = NOISE_LIMIT if limit is None else limit
-    if drift > limit:
-        raise CalibrationError(f"{what}: the machine ran {drift:.0%} faster or slower than while its forwards were "
-                               f"timed (a quiet machine stays within {limit:.0%}); {QUIET}")
+    if value > limit:
+        raise CalibrationError(f"{why(limit)}; {QUIET}")
 
 
 def monotone(table, axes: list[tuple[str, tuple]], what: str, tol: float) -> tuple[np.ndarray, list[str]]:

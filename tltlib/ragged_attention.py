@@ -9,9 +9,9 @@ torch uses, the scores of the query heads sharing that KV head over positions ``
 weighted sum of the values. No padded positions are read, no mask is built, one op replaces ~6 per layer.
 
 It is used (by :func:`tltlib.kernels.cached_attention`) for one new token per row (decode, chain drafting) in
-float32 on a CPU, where it was measured faster than the two matmuls (see ``kernel_table.CPU_RAGGED_UNIFORM_MAX_ROWS``; the kernel table chooses it by
-measurement on each machine); longer
-verifies keep the matmuls (a matrix product of several queries, which BLAS does better than this loop).
+float32 on a CPU where this machine's kernel table chose it by measurement (on the development VM it beat the two
+matmuls: ``kernel_table.CPU_RAGGED_UNIFORM_MAX_ROWS``); longer verifies keep the matmuls (a matrix product of
+several queries, which BLAS does better than this loop).
 
 Building: ``torch.utils.cpp_extension.load_inline`` compiles the source with the machine's C++ compiler into torch's
 extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) on first use (~20 s on 2 cores,
