@@ -1,4 +1,4 @@
-"""Ragged KV cache: prefill of different prompt lengths, per-step append, rollback, compaction, tree masks."""
+"""Ragged KV caches (dense and paged): prefill of different prompt lengths, per-step append, rollback, compaction, tree masks."""
 from __future__ import annotations
 
 import pytest
@@ -6,6 +6,7 @@ import torch
 
 from tltlib.kvcache import KVCache
 from tltlib.model import ModelConfig, Transformer
+from tltlib.paged_cache import KVConfig
 
 CFG = ModelConfig(vocab_size=61, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   max_position_embeddings=128)
@@ -15,6 +16,12 @@ CFG = ModelConfig(vocab_size=61, hidden_size=48, intermediate_size=64, num_layer
 def model():
     torch.manual_seed(0)
     return Transformer(CFG, init_std=0.2).eval()
+
+
+@pytest.fixture(params=["dense", "paged"])
+def kv(request):
+    """Both caches the engine can keep (pages of 4 tokens: rows cross page boundaries and share partial pages)."""
+    return KVConfig(kind=request.param, memory=1 << 26, page_size=4)
 
 
 def _full_logits(model, seq):
@@ -30,11 +37,11 @@ def _pad(rows, value=0):
 
 
 @pytest.mark.parametrize("sizes", [(5, 11, 1, 8), (5, 11, 1, 8, 2, 3, 9, 4, 6, 7)])   # SDPA and matmul paths
-def test_ragged_incremental_decoding_equals_full_forward_per_row(model, sizes):
+def test_ragged_incremental_decoding_equals_full_forward_per_row(model, sizes, kv):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 61, (n,), generator=g).tolist() for n in sizes]
     cont = torch.randint(0, 61, (len(sizes), 9), generator=g)
-    cache = model.new_cache(len(sizes), 32)
+    cache = model.new_cache(len(sizes), 32, kv)
     lens = torch.tensor([len(p) for p in prompts])
     with torch.no_grad():
         first, _ = model.forward_cached(_pad(prompts), cache, logits_at=lens - 1)
@@ -50,9 +57,9 @@ def test_ragged_incremental_decoding_equals_full_forward_per_row(model, sizes):
         torch.testing.assert_close(torch.stack([s[r] for s in steps]), ref[len(p):], atol=1e-4, rtol=1e-5)
 
 
-def test_uncommitted_and_rolled_back_entries_are_replaced(model):
+def test_uncommitted_and_rolled_back_entries_are_replaced(model, kv):
     seq = list(range(3, 13))
-    cache = model.new_cache(2, 32)
+    cache = model.new_cache(2, 32, kv)
     with torch.no_grad():
         model.forward_cached(torch.tensor([seq, seq]), cache)
         cache.advance(10)
@@ -66,9 +73,9 @@ def test_uncommitted_and_rolled_back_entries_are_replaced(model):
     torch.testing.assert_close(logits[1, 0], _full_logits(model, seq + [50, 8])[-1], atol=1e-4, rtol=1e-5)
 
 
-def test_select_rows_compacts_and_duplicates(model):
+def test_select_rows_compacts_and_duplicates(model, kv):
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
-    cache = model.new_cache(6, 32)
+    cache = model.new_cache(6, 32, kv)
     lens = torch.tensor([3, 5, 2])
     with torch.no_grad():
         model.forward_cached(_pad(prompts), cache.view(0, 3), logits_at=lens - 1)
@@ -89,10 +96,10 @@ def test_select_rows_compacts_and_duplicates(model):
     torch.testing.assert_close(logits2[1, 0], _full_logits(model, [9, 10, 15, 21])[-1], atol=1e-4, rtol=1e-5)
 
 
-def test_tree_mask_gives_each_branch_its_own_context(model):
+def test_tree_mask_gives_each_branch_its_own_context(model, kv):
     # tree over 3 new tokens: 0 is the root, 1 and 2 are both its children (siblings must not see each other)
     prefix = [5, 6, 7]
-    cache = model.new_cache(1, 16)
+    cache = model.new_cache(1, 16, kv)
     tree = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)
     with torch.no_grad():
         model.forward_cached(torch.tensor([prefix]), cache)

@@ -47,27 +47,32 @@ def test_kernel_refuses_limits_outside_the_span():
 
 
 @needs_compiler
-def test_one_token_forwards_use_the_kernel_and_give_the_matmul_paths_logits(monkeypatch):
-    """A decode forward over rows of unequal lengths where the table picks the kernel: it is called once per layer
-    and the logits equal the masked path's (the kernel off: the table's choice falls back); where the table picks
-    the matmuls for many uniform rows, the kernel is not called."""
+@pytest.mark.parametrize("kind", ["dense", "paged"])
+def test_one_token_forwards_use_the_kernel_and_give_the_matmul_paths_logits(monkeypatch, kind):
+    """A decode forward over rows of unequal lengths where the table picks the kernel (on a paged cache: its twin
+    reading the pages in place): it is called once per layer and the logits equal the masked path's (the kernel
+    off: the table's choice falls back); where the table picks the matmuls for many uniform rows, the kernel is not
+    called."""
     from tltlib import kernel_table as kt
+    from tltlib import paged_cache
     from tltlib.model import ModelConfig, Transformer
     assert ra.kernel() is not None
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=61, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                       max_position_embeddings=128)
     model = Transformer(cfg, init_std=0.2).eval()
+    kv = paged_cache.KVConfig(kind=kind, memory=1 << 26, page_size=4)
     calls = []
-    real = kernels.ragged_attention
-    monkeypatch.setattr(kernels, "ragged_attention", lambda *a: calls.append(1) or real(*a))
+    module, name = (kernels, "ragged_attention") if kind == "dense" else (paged_cache, "paged_ragged_attention")
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or real(*a))
     lens = torch.tensor([3, 9, 1, 14, 6, 6, 11, 2, 8, 13])
     prompt = torch.randint(0, 61, (10, 14), generator=torch.Generator().manual_seed(1))
     step = torch.randint(0, 61, (10, 1), generator=torch.Generator().manual_seed(2))
     out = {}
     for on in (True, False):
-        monkeypatch.setattr(kernels, "ragged_kernel", ra.kernel if on else lambda: None)
-        cache = model.new_cache(10, 32)
+        monkeypatch.setattr(module, "ragged_kernel", ra.kernel if on else lambda: None)
+        cache = model.new_cache(10, 32, kv)
         with torch.no_grad(), kt.using(kt.Forced(attention="ragged")):
             model.forward_cached(prompt, cache, logits_at=lens - 1)
             cache.advance(lens)
@@ -75,8 +80,8 @@ def test_one_token_forwards_use_the_kernel_and_give_the_matmul_paths_logits(monk
     assert len(calls) == cfg.num_layers
     torch.testing.assert_close(out[True], out[False], atol=1e-4, rtol=1e-5)
     calls.clear()
-    monkeypatch.setattr(kernels, "ragged_kernel", ra.kernel)
-    cache = model.new_cache(40, 32)
+    monkeypatch.setattr(module, "ragged_kernel", ra.kernel)
+    cache = model.new_cache(40, 32, kv)
     with torch.no_grad(), kt.using(kt.Forced(attention="matmul")):
         model.forward_cached(torch.randint(0, 61, (40, 5)), cache, logits_at=torch.full((40,), 4))
         cache.advance(5)

@@ -88,11 +88,11 @@ class GraphPool:
     def __init__(self, caches: Sequence[KVCache], config: GraphConfig | None = None, capture: bool | None = None):
         self.caches = list(caches)
         self.config = config or GraphConfig()
-        allocated = {c.k.shape[1] for c in self.caches}
+        allocated = {c.capacity for c in self.caches}
         if len(allocated) != 1:
             raise ValueError(f"GraphPool: the caches hold different row counts {sorted(allocated)}")
         self.allocated = allocated.pop()
-        dev = self.caches[0].k.device
+        dev = self.caches[0].lengths.device
         self.capture = dev.type == "cuda" if capture is None else capture
         if self.capture and dev.type != "cuda":
             raise ValueError("GraphPool(capture=True) needs caches on a CUDA device")
@@ -122,6 +122,8 @@ class GraphPool:
             return _as_tuple(fn(*inputs))
         span = span_bucket(cache.max_used + new_slots, cache.max_len, self.config.min_span)
         key = (name, bucket, span, tuple((tuple(x.shape[1:]), x.dtype) for x in inputs))
+        if hasattr(cache, "make_room"):        # a paged cache: pages taken on the host, before the graph runs
+            cache.make_room(new_slots)
         saved = [c.rows for c in self.caches]
         for c in self.caches:                  # padded rows are dead rows: start them empty
             c.lengths[rows:bucket].zero_()

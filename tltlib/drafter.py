@@ -33,6 +33,7 @@ from torch import nn
 
 from .fileio import atomic_folder, read_json
 from .kvcache import KVCache
+from .paged_cache import KVConfig, make_cache
 from .checkpoint import check_finite, check_tensors, hf_layer_names, read_safetensors, split_fused
 from .kernels import linear
 from .model import DecoderLayer, ModelConfig, Transformer, rope_cos_sin, rope_inv_freq
@@ -213,9 +214,10 @@ class Drafter(nn.Module):
             return self.logits(out_at), out_at
         return self.logits(out), out
 
-    def new_cache(self, rows: int, max_len: int) -> KVCache:
+    def new_cache(self, rows: int, max_len: int, kv: KVConfig | None = None, budget_bytes: int | None = None):
+        """The drafter's one-layer KV cache (:func:`tltlib.paged_cache.make_cache`: paged by default)."""
         w = self.fc.weight
-        return KVCache.for_model(self.config.target, rows, max_len, dtype=w.dtype, device=w.device, num_layers=1)
+        return make_cache(self.config.target, rows, max_len, kv, w.dtype, w.device, 1, budget_bytes)
 
 
 def frequent_tokens(tokens: torch.Tensor, size: int, vocab_size: int, always=()) -> torch.Tensor:

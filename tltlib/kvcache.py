@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .kernels import cached_attention
+
 
 @dataclass
 class CacheWrite:
@@ -47,6 +49,48 @@ class CacheWrite:
     mask_from: int = 0
     memo: dict = field(default_factory=dict, repr=False, compare=False)
     limits: torch.Tensor | None = None
+    table: torch.Tensor | None = None
+    """A paged cache's ``[rows, pages]`` int64 block tables covering ``span`` (:class:`tltlib.paged_cache.PagedKVCache`);
+    None for the dense cache."""
+
+
+def check_fixed_span(cache, new_slots: int) -> bool:
+    """Whether ``cache.fixed_span`` is set; refused when it does not cover the used slots plus ``new_slots`` or
+    exceeds ``cache.max_len``."""
+    span = cache.fixed_span
+    if span is None:
+        return False
+    if not cache.max_used + new_slots <= span <= cache.max_len:
+        raise ValueError(f"{type(cache).__name__}.prepare: fixed_span {span} must cover the "
+                         f"{cache.max_used + new_slots} used slots and fit max_len {cache.max_len}")
+    return True
+
+
+def attention_mask(index: torch.Tensor, lengths: torch.Tensor, span: int, num_new: int,
+                   tree_mask: torch.Tensor | None, offset: int, min_used: int, max_used: int,
+                   fixed: bool) -> CacheWrite:
+    """The :class:`CacheWrite` of ``num_new`` new tokens per row written at ``index`` (``[rows, T, kv_heads]``) after
+    each row's ``lengths[rows]`` committed entries and ``offset`` uncommitted ones, attending over ``span`` positions
+    (per row, position = token index in the row, whatever the storage). ``min_used`` (exact, or -1 when unknown) and
+    ``max_used`` bound the lengths on the host; ``fixed``: the span is fixed (a captured graph), so no host-side
+    shortcut may depend on the lengths. See :meth:`KVCache.prepare` for ``tree_mask``."""
+    rows, dev = lengths.shape[0], lengths.device
+    new = torch.arange(num_new, device=dev)
+    known = min_used >= 0 and not fixed                                  # min_used exact: a common prefix
+    if num_new == 1 and tree_mask is None:                              # decode / chain drafting: cheap mask
+        uniform = min_used == max_used and not fixed
+        mask = None if uniform else (torch.arange(span, device=dev) <= lengths[:, None] + offset)[:, None, None]
+        limits = lengths + (offset + 1) if dev.type == "cpu" and not fixed else None
+        return CacheWrite(index, mask, span, min_used + offset + 1 if known else 0, limits=limits)
+    slot = torch.arange(span, device=dev)
+    rel = slot[None, None, :] - lengths[:, None, None]                   # [rows, 1, span]: index among uncommitted
+    if tree_mask is None:
+        new_ok = (rel >= 0) & (rel <= offset + new[None, :, None])       # causal over the uncommitted entries
+    else:
+        width = offset + num_new
+        idx = rel.clamp(0, width - 1).expand(rows, num_new, span)
+        new_ok = (rel >= 0) & (rel < width) & torch.gather(tree_mask, 2, idx)
+    return CacheWrite(index, ((rel < 0) | new_ok).unsqueeze(1), span, min_used if known else 0)
 
 
 class KVCache:
@@ -102,32 +146,15 @@ class KVCache:
             raise ValueError(f"KV cache overflow: {self.max_used} used + {offset + num_new} new > max_len "
                              f"{self.max_len}; allocate the cache with a larger max_len (prompt + max_new_tokens + "
                              "draft tokens)")
+        fixed = check_fixed_span(self, offset + num_new)
         rows, kvh, dev = self.rows, self.k.shape[2], self.lengths.device
         lengths = self.lengths[:rows]
-        span, fixed = self.fixed_span, self.fixed_span is not None
-        if fixed and not self.max_used + offset + num_new <= span <= self.max_len:
-            raise ValueError(f"KVCache.prepare: fixed_span {span} must cover the {self.max_used + offset + num_new} "
-                             f"used slots and fit max_len {self.max_len}")
-        span = span if fixed else self.max_used + offset + num_new
+        span = self.fixed_span if fixed else self.max_used + offset + num_new
         new = torch.arange(num_new, device=dev)
         base = torch.arange(rows, device=dev) * (kvh * self.max_len) + lengths + offset
         index = (base[:, None, None] + new[None, :, None]
                  + (torch.arange(kvh, device=dev) * self.max_len)[None, None, :])
-        known = self.min_used >= 0 and not fixed                          # min_used exact: a common prefix
-        if num_new == 1 and tree_mask is None:                            # decode / chain drafting: cheap mask
-            uniform = self.min_used == self.max_used and not fixed
-            mask = None if uniform else (torch.arange(span, device=dev) <= lengths[:, None] + offset)[:, None, None]
-            limits = lengths + (offset + 1) if dev.type == "cpu" and not fixed else None
-            return CacheWrite(index, mask, span, self.min_used + offset + 1 if known else 0, limits=limits)
-        slot = torch.arange(span, device=dev)
-        rel = slot[None, None, :] - lengths[:, None, None]               # [rows, 1, span]: index among uncommitted
-        if tree_mask is None:
-            new_ok = (rel >= 0) & (rel <= offset + new[None, :, None])   # causal over the uncommitted entries
-        else:
-            width = offset + num_new
-            idx = rel.clamp(0, width - 1).expand(rows, num_new, span)
-            new_ok = (rel >= 0) & (rel < width) & torch.gather(tree_mask, 2, idx)
-        return CacheWrite(index, ((rel < 0) | new_ok).unsqueeze(1), span, self.min_used if known else 0)
+        return attention_mask(index, lengths, span, num_new, tree_mask, offset, self.min_used, self.max_used, fixed)
 
     def write(self, layer: int, where: CacheWrite, k_new: torch.Tensor,
               v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,6 +165,18 @@ class KVCache:
         self.k[layer].view(-1, d).index_copy_(0, flat, k_new.reshape(-1, d))
         self.v[layer].view(-1, d).index_copy_(0, flat, v_new.reshape(-1, d))
         return self.k[layer, : self.rows, :, : where.span], self.v[layer, : self.rows, :, : where.span]
+
+    def attend(self, layer: int, where: CacheWrite, q: torch.Tensor, k_new: torch.Tensor,
+               v_new: torch.Tensor) -> torch.Tensor:
+        """Store the new entries (:meth:`write`) and return the attention of ``q [rows, H, T, head_dim]`` over each
+        row's committed entries and the new ones, as :meth:`prepare` masked them: ``[rows, H, T, head_dim]``."""
+        k, v = self.write(layer, where, k_new, v_new)
+        return cached_attention(q, k, v, where.mask, where.mask_from, where.memo, where.limits)
+
+    @property
+    def capacity(self) -> int:
+        """Rows the cache was allocated for (the most :attr:`rows` can be)."""
+        return self.k.shape[1]
 
     # ------------------------------------------------------------------------------------------- bookkeeping
     def _refresh(self) -> None:

@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import cached_attention, linear
+from .kernels import linear
 from .kvcache import CacheWrite, KVCache
+from .paged_cache import KVConfig, make_cache
 
 SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _HF_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -292,8 +293,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                                  enable_gqa=kvh != h)
         else:
-            k, v = cache.write(layer, write, k, v)
-            out = cached_attention(q, k, v, write.mask, write.mask_from, write.memo, write.limits)
+            out = cache.attend(layer, write, q, k, v)
         return linear(out.transpose(1, 2).reshape(b, t, h * self.d), self.o.weight, self.o.bias)
 
 
@@ -413,10 +413,12 @@ class Transformer(nn.Module):
             return self.logits(hidden[torch.arange(b, device=hidden.device), logits_at]), hidden
         return self.logits(hidden), hidden
 
-    def new_cache(self, rows: int, max_len: int) -> KVCache:
-        """A KV cache for ``rows`` sequences of at most ``max_len`` tokens, on this model's device and dtype."""
+    def new_cache(self, rows: int, max_len: int, kv: KVConfig | None = None, budget_bytes: int | None = None):
+        """A KV cache for ``rows`` sequences of at most ``max_len`` tokens, on this model's device and dtype
+        (:func:`tltlib.paged_cache.make_cache`: paged by default, its pool sized by ``kv``'s budget or
+        ``budget_bytes``)."""
         w = self.embed.weight
-        return KVCache.for_model(self.config, rows, max_len, dtype=w.dtype, device=w.device)
+        return make_cache(self.config, rows, max_len, kv, w.dtype, w.device, budget_bytes=budget_bytes)
 
 
 PRESETS: dict[str, ModelConfig] = {

@@ -48,23 +48,14 @@ class PagePool:
         self.num_pages = num_pages
         self.refs = [0] * num_pages
         self._free = list(range(num_pages))                        # a min-heap: the lowest free id first
+        self.peak = 0                                              # most pages held at once (reset by the owner)
 
     @classmethod
     def for_budget(cls, budget_bytes: int, bytes_per_token: int, page_size: int = 16,
                    min_tokens: int = 1) -> "PagePool":
         """The pool that ``budget_bytes`` hold at ``bytes_per_token`` (every layer's key and value of one token).
         Refused when it cannot hold ``min_tokens`` (e.g. one prompt's pages), naming the smallest budget that can."""
-        check_page_size(page_size)
-        if bytes_per_token < 1:
-            raise ValueError(f"bytes_per_token must be >= 1, got {bytes_per_token}")
-        page_bytes = page_size * bytes_per_token
-        need = max(1, pages_for(min_tokens, page_size))
-        pages = int(budget_bytes // page_bytes)
-        if pages < need:
-            raise ValueError(f"a KV memory budget of {budget_bytes:,} bytes holds {pages} page(s) of {page_size} "
-                             f"tokens ({page_bytes:,} bytes each), but {min_tokens:,} tokens need {need}: give it at "
-                             f"least {need * page_bytes:,} bytes")
-        return cls(pages, page_size)
+        return cls(pages_in_budget(budget_bytes, bytes_per_token, page_size, min_tokens), page_size)
 
     @property
     def free(self) -> int:
@@ -82,6 +73,7 @@ class PagePool:
         pages = [heapq.heappop(self._free) for _ in range(n)]
         for p in pages:
             self.refs[p] = 1
+        self.peak = max(self.peak, self.used)
         return pages
 
     def share(self, pages) -> None:
@@ -168,6 +160,18 @@ class BlockTables:
             out.append(new)
         return out
 
+    def select(self, rows: list[int], active: int) -> None:
+        """Rows ``0 .. len(rows) - 1`` become what rows ``rows`` were (a row listed twice: its pages shared, no
+        copy); the others of the first ``active`` rows are emptied (their pages given back unless still held)."""
+        picked = [(list(self.pages[r]), self.lengths[r]) for r in rows]
+        for pages, _ in picked:
+            self.pool.share(pages)
+        for r in range(active):
+            self.pool.give_back(self.pages[r])
+            self.pages[r], self.lengths[r] = [], 0
+        for i, (pages, length) in enumerate(picked):
+            self.pages[i], self.lengths[i] = pages, length
+
     def writable(self, row: int, start: int, tokens: int) -> list[tuple[int, int]] | None:
         """Prepare row ``row`` to write ``tokens`` slots from token ``start``: reserve the slots, and give the row
         its own copy of every page it writes into that another row also holds (copy-on-write). Returns the
@@ -221,6 +225,22 @@ class BlockTables:
                     seen.add(p)
                     total += min(size, length - i * size)
         return total
+
+
+def pages_in_budget(budget_bytes: int, bytes_per_token: int, page_size: int = 16, min_tokens: int = 1) -> int:
+    """Pages of ``page_size`` tokens that ``budget_bytes`` hold at ``bytes_per_token``; refused when they cannot hold
+    ``min_tokens`` (e.g. one prompt's pages), naming the smallest budget that can."""
+    check_page_size(page_size)
+    if bytes_per_token < 1:
+        raise ValueError(f"bytes_per_token must be >= 1, got {bytes_per_token}")
+    page_bytes = page_size * bytes_per_token
+    need = max(1, pages_for(min_tokens, page_size))
+    pages = int(budget_bytes // page_bytes)
+    if pages < need:
+        raise ValueError(f"a KV memory budget of {budget_bytes:,} bytes holds {pages} page(s) of {page_size} "
+                         f"tokens ({page_bytes:,} bytes each), but {min_tokens:,} tokens need {need}: give it at "
+                         f"least {need * page_bytes:,} bytes")
+    return pages
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, elem_bytes: int) -> int:

@@ -37,6 +37,9 @@ METRICS: dict[str, str] = {
     "rollout/tail_time_frac_10": "share of decode time with <= 10% of the rows still running",
     "rollout/tail_time_frac_25": "share of decode time with <= 25% of the rows still running",
     "rollout/truncated_frac": "share of responses cut at max_new_tokens",
+    "rollout/kv_peak_bytes": "most bytes the KV caches held at once (paged: pages in use, transient ones included; "
+                             "dense: the allocation)",
+    "rollout/kv_pool_bytes": "bytes the KV caches take (the paged pools, or the dense caches)",
     "rollout/graph_replays": "CUDA graph replays (decode, verify and draft forwards; CUDA only)",
     "rollout/graph_captures": "CUDA graphs captured during the rollout (first use of a row/span bucket)",
     "rollout/graph_capture_s": "seconds spent capturing CUDA graphs (included in rollout/time_s)",

@@ -45,32 +45,85 @@ _SOURCE = r"""
 
 static const int64_t PARALLEL_WORK = 1 << 18;        // multiply-adds of one score pass below which one thread runs
 
-// q [B, H, 1, d] float32; k, v [B, KVH, S, d] (any strides, the last dimension contiguous); limit [B] int64: row b
-// attends to cached positions 0 .. limit[b] - 1. Query head h reads KV head h / (H / KVH). Returns [B, H, 1, d].
-torch::Tensor ragged_decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit,
-                                      double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "ragged_decode_attention: float32 tensors only");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(2) == 1, "ragged_decode_attention: q [B, H, 1, d]");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "ragged_decode_attention: k, v need a contiguous last dimension");
+// Ask for the next segment's rows while this one is computed: a paged row's segments lie anywhere in the pool, where
+// the hardware prefetcher loses the stream at every jump (scattered pages ran ~2x slower than in order without it).
+static inline void prefetch_rows(const float* p, int64_t rows, int64_t step) {
+  const char* c = reinterpret_cast<const char*>(p);
+  const int64_t bytes = rows * step * static_cast<int64_t>(sizeof(float));
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
+
+// One (row, KV head): the G query heads at qb (d apart) attend to positions 0 .. n - 1, stored in segments of seg
+// positions: key(j0), value(j0) point at the key and value rows of position j0 (a multiple of seg), the next ones
+// step apart. The result goes to ob (d apart). s: scratch of at least G * n floats.
+template <class Key, class Value>
+static void attend_one(const float* qb, float* ob, int64_t G, int64_t d, int64_t n, float sc, float* s,
+                       int64_t seg, int64_t kstep, int64_t vstep, Key key, Value value) {
+  for (int64_t j0 = 0; j0 < n; j0 += seg) {          // scores: each key read once for the G heads
+    const float* kb = key(j0);
+    const int64_t cnt = std::min(seg, n - j0);
+    if (j0 + seg < n) prefetch_rows(key(j0 + seg), std::min(seg, n - j0 - seg), kstep);
+    for (int64_t o = 0; o < cnt; ++o) {
+      const float* kj = kb + o * kstep;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qb + g * d;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t i = 0; i < d; ++i) acc += qg[i] * kj[i];
+        s[g * n + j0 + o] = acc * sc;
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {                  // softmax over the row's own positions
+    float* sg = s + g * n;
+    float m = sg[0];
+    for (int64_t j = 1; j < n; ++j) m = std::max(m, sg[j]);
+    float z = 0.f;
+#pragma omp simd reduction(+ : z)
+    for (int64_t j = 0; j < n; ++j) {
+      sg[j] = std::exp(sg[j] - m);
+      z += sg[j];
+    }
+    const float inv = 1.f / z;
+    float* og = ob + g * d;
+    for (int64_t i = 0; i < d; ++i) og[i] = 0.f;
+    for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += seg) {          // weighted values: each value read once for the G heads
+    const float* vb = value(j0);
+    const int64_t cnt = std::min(seg, n - j0);
+    if (j0 + seg < n) prefetch_rows(value(j0 + seg), std::min(seg, n - j0 - seg), vstep);
+    for (int64_t o = 0; o < cnt; ++o) {
+      const float* vj = vb + o * vstep;
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = s[g * n + j0 + o];
+        float* og = ob + g * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) og[i] += p * vj[i];
+      }
+    }
+  }
+}
+
+// The checks and the loop over (row, KV head) tasks both kernels share; at(b, kh) returns that task's key and
+// value functions. Rows differ in length: tasks are handed out one at a time (a static split gives one thread the
+// long rows); small calls stay on one thread, as torch's own ops do below their grain size (a parallel region's
+// barrier costs little alone but a scheduler quantum when another process's threads hold the cores).
+template <class At>
+static torch::Tensor over_rows(torch::Tensor q, int64_t KVH, torch::Tensor limit, int64_t max_limit, double scale,
+                               int64_t seg, int64_t kstep, int64_t vstep, At at) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 4 && q.size(2) == 1, "ragged attention: q [B, H, 1, d] float32");
   q = q.contiguous();
   auto lim = limit.to(at::kLong).contiguous();
-  const int64_t B = q.size(0), H = q.size(1), d = q.size(3), KVH = k.size(1), G = H / KVH, S = k.size(2);
-  TORCH_CHECK(lim.numel() == B && H % KVH == 0, "ragged_decode_attention: one limit per row; H a multiple of KVH");
+  const int64_t B = q.size(0), H = q.size(1), d = q.size(3), G = H / KVH;
+  TORCH_CHECK(lim.numel() == B && H % KVH == 0, "ragged attention: one limit per row; H a multiple of KVH");
   const int64_t* lp = lim.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= S, "ragged_decode_attention: each limit must be in 1 .. ", S);
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= max_limit, "ragged attention: each limit must be in 1 .. ", max_limit);
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t ksb = k.stride(0), ksh = k.stride(1), kss = k.stride(2);
-  const int64_t vsb = v.stride(0), vsh = v.stride(1), vss = v.stride(2);
   const float sc = static_cast<float>(scale);
-  // rows differ in length: hand (row, KV head) tasks out one at a time (a static split gives one thread the long rows);
-  // small calls stay on one thread, as torch's own ops do below their grain size: a parallel region's barrier costs
-  // little alone but a scheduler quantum when another process's threads hold the cores (2x slower tests seen)
   int64_t work = 0;
   for (int64_t b = 0; b < B; ++b) work += lp[b];
   work *= H * d;
@@ -79,46 +132,59 @@ torch::Tensor ragged_decode_attention(torch::Tensor q, torch::Tensor k, torch::T
     thread_local std::vector<float> s;
     const int64_t b = task / KVH, kh = task % KVH, n = lp[b];
     if (static_cast<int64_t>(s.size()) < G * n) s.resize(G * n);
-    const float* kb = kp + b * ksb + kh * ksh;
-    const float* vb = vp + b * vsb + kh * vsh;
-    const float* qb = qp + (b * H + kh * G) * d;     // the G query heads of this KV head, d apart
-    float* ob = op + (b * H + kh * G) * d;
-    for (int64_t j = 0; j < n; ++j) {                // scores: each key read once for the G heads
-      const float* kj = kb + j * kss;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = qb + g * d;
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t i = 0; i < d; ++i) acc += qg[i] * kj[i];
-        s[g * n + j] = acc * sc;
-      }
-    }
-    for (int64_t g = 0; g < G; ++g) {                // softmax over the row's own positions
-      float* sg = s.data() + g * n;
-      float m = sg[0];
-      for (int64_t j = 1; j < n; ++j) m = std::max(m, sg[j]);
-      float z = 0.f;
-#pragma omp simd reduction(+ : z)
-      for (int64_t j = 0; j < n; ++j) {
-        sg[j] = std::exp(sg[j] - m);
-        z += sg[j];
-      }
-      const float inv = 1.f / z;
-      float* og = ob + g * d;
-      for (int64_t i = 0; i < d; ++i) og[i] = 0.f;
-      for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
-    }
-    for (int64_t j = 0; j < n; ++j) {                // weighted values: each value read once for the G heads
-      const float* vj = vb + j * vss;
-      for (int64_t g = 0; g < G; ++g) {
-        const float p = s[g * n + j];
-        float* og = ob + g * d;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) og[i] += p * vj[i];
-      }
-    }
+    auto kv = at(b, kh);
+    attend_one(qp + (b * H + kh * G) * d, op + (b * H + kh * G) * d, G, d, n, sc, s.data(), seg, kstep, vstep,
+               kv.first, kv.second);
   }
   return out;
+}
+
+// q [B, H, 1, d] float32; k, v [B, KVH, S, d] (any strides, the last dimension contiguous); limit [B] int64: row b
+// attends to cached positions 0 .. limit[b] - 1. Query head h reads KV head h / (H / KVH). Returns [B, H, 1, d].
+torch::Tensor ragged_decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit,
+                                      double scale) {
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.dim() == 4 && v.dim() == 4,
+              "ragged_decode_attention: k, v [B, KVH, S, d] float32");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "ragged_decode_attention: k, v need a contiguous last dimension");
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t ksb = k.stride(0), ksh = k.stride(1), kss = k.stride(2);
+  const int64_t vsb = v.stride(0), vsh = v.stride(1), vss = v.stride(2);
+  return over_rows(q, k.size(1), limit, k.size(2), scale, k.size(2), kss, vss, [=](int64_t b, int64_t kh) {
+    const float* kb = kp + b * ksb + kh * ksh;
+    const float* vb = vp + b * vsb + kh * vsh;
+    return std::make_pair([=](int64_t j) { return kb + j * kss; }, [=](int64_t j) { return vb + j * vss; });
+  });
+}
+
+// The same over a paged cache: k, v [KVH, pages, page_size, d] contiguous (head-major: a (row, KV head) task reads
+// page_size x d contiguous floats per page; with the heads inside a page, 3 KV heads ran 1.5-2x slower); table
+// [B, W] int64 contiguous: row b's position j is token j % page_size of page table[b][j / page_size] (page_size a
+// power of two).
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor table,
+                                     torch::Tensor limit, double scale) {
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.dim() == 4 && v.dim() == 4 &&
+              k.is_contiguous() && v.is_contiguous(), "paged_decode_attention: k, v [KVH, pages, page_size, d] "
+              "contiguous float32");
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.is_contiguous() &&
+              table.size(0) == q.size(0), "paged_decode_attention: table [B, W] contiguous int64");
+  const int64_t ps = k.size(2), d = k.size(3), W = table.size(1), pages = k.size(1);
+  TORCH_CHECK(ps > 0 && (ps & (ps - 1)) == 0, "paged_decode_attention: page_size must be a power of two");
+  int64_t shift = 0;
+  while ((int64_t(1) << shift) < ps) ++shift;
+  const int64_t* tp = table.data_ptr<int64_t>();
+  for (int64_t i = 0; i < table.numel(); ++i)
+    TORCH_CHECK(tp[i] >= 0 && tp[i] < pages, "paged_decode_attention: a block table entry is outside the pool");
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t sh = k.stride(0), sp = k.stride(1);
+  return over_rows(q, k.size(0), limit, W * ps, scale, ps, d, d, [=](int64_t b, int64_t kh) {
+    const int64_t* tb = tp + b * W;
+    const float* kb = kp + kh * sh;
+    const float* vb = vp + kh * sh;
+    return std::make_pair([=](int64_t j0) { return kb + tb[j0 >> shift] * sp; },
+                          [=](int64_t j0) { return vb + tb[j0 >> shift] * sp; });
+  });
 }
 """
 
@@ -147,7 +213,7 @@ def kernel():
                 print("tltlib: building the CPU ragged-attention kernel (once per machine, ~20 s)", file=sys.stderr,
                       flush=True)
             _state["module"] = load_inline(
-                name, cpp_sources=_SOURCE, functions=["ragged_decode_attention"],
+                name, cpp_sources=_SOURCE, functions=["ragged_decode_attention", "paged_decode_attention"],
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"])
         except Exception as e:                      # no compiler, no ninja, a read-only cache, ...
             _state["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
@@ -165,3 +231,16 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: t
     limit ``[B]`` int64: row b attends to positions ``0 .. limit[b] - 1`` (``1 <= limit <= S``). Returns
     ``[B, H, 1, d]``, equal to softmax(q k^T / sqrt(d)) v over those positions up to float rounding."""
     return _state["module"].ragged_decode_attention(q, k, v, limit, q.shape[-1] ** -0.5)
+
+
+def paged_ragged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table: torch.Tensor,
+                           limit: torch.Tensor) -> torch.Tensor:
+    """:func:`ragged_attention` read through block tables (the C++ kernel; call only where :func:`kernel` returned a
+    module).
+
+    q ``[B, H, 1, d]`` float32 on a CPU; k_pages, v_pages ``[KVH, pages, page_size, d]`` contiguous (one layer of a
+    paged cache, head-major; ``page_size`` a power of two); table ``[B, W]`` int64 contiguous: row b's position j lives at token
+    ``j % page_size`` of page ``table[b, j // page_size]``; limit ``[B]`` int64 (``1 <= limit <= W * page_size``).
+    Returns ``[B, H, 1, d]``, equal to :func:`ragged_attention` over each row's positions gathered into a dense
+    cache, up to float rounding."""
+    return _state["module"].paged_decode_attention(q, k_pages, v_pages, table, limit, q.shape[-1] ** -0.5)

@@ -27,55 +27,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .cudagraph import GraphConfig
 from .kernels import packed_weights
 from .ngram import NgramConfig, NgramDrafter
+from .rollout_config import RolloutConfig  # noqa: F401  (the engine's config, importable from here too)
 from .suffix import SuffixConfig, SuffixDrafter, SuffixHistory
+from .paged_cache import kv_fits, kv_stats
 from .profiling import rollout_stats, spec_stats
-from .sampling import SamplingConfig, sample_from_logits
+from .sampling import sample_from_logits
 from .specdecode import Emitted
 from .speculative import OFF, SpecStrategy, StrategySource, strategy_source
 from .workspace import Kept
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    """How a rollout runs."""
-
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    """Temperature, top-k, top-p and max_new_tokens."""
-    group_size: int = 1
-    """G: responses sampled per prompt (GRPO group size)."""
-    compact_fraction: float = 0.125
-    """Compact the cache once at least this share of the batch's rows has finished (0 = at every finish)."""
-    prefill_rows: int = 64
-    """Prompts prefilled per forward (bounds prefill activation memory)."""
-    ignore_eos: bool = False
-    """Keep generating after EOS until max_new_tokens (benchmarks: every row decodes the same number of tokens)."""
-    draft_margin: int = 72
-    """Cache slots kept beyond the longest sequence for draft tokens (must exceed a strategy's verify tokens)."""
-    graphs: GraphConfig = field(default_factory=GraphConfig)
-    """CUDA graphs for the decode, verify and draft forwards of small batches (on CUDA; no effect on a CPU)."""
-    packed_weights: bool = True
-    """On a CPU in float32: projections of 3+ rows through oneDNN on a packed copy of the target's weights, kept
-    between rollouts and re-made when a weight changed (1.2-2x faster projections for a second copy of the weights;
-    :class:`tltlib.kernels.WeightPacks`). No effect elsewhere."""
-
-    def __post_init__(self):
-        if self.group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
-        if not 0 <= self.compact_fraction < 1:
-            raise ValueError(f"compact_fraction must be in [0, 1), got {self.compact_fraction}")
-        if self.prefill_rows < 1:
-            raise ValueError(f"prefill_rows must be >= 1, got {self.prefill_rows}")
-        if self.draft_margin < 1:
-            raise ValueError(f"draft_margin must be >= 1, got {self.draft_margin}")
 
 
 @dataclass
@@ -261,6 +228,7 @@ class Rollout:
         self.done = False
         ws = engine.kept.workspace(self, N, max_len)
         self.cache, self.spec, self.replay = ws.cache, ws.spec, ws.replay
+        kv_fits(self.cache, max(map(len, self.prompts)) + 1)
         self._graph_stats0 = dict(self.replay.pool.stats) if self.replay.pool is not None else {}
         self.ngram, self.suffix = None, None          # the model-free drafters (NgramDrafter, SuffixDrafter), on use
         self.eos = torch.tensor(engine.eos_ids, device=dev)
@@ -505,6 +473,7 @@ class Rollout:
         stats = rollout_stats(lengths_cpu.numpy(), timeline["iter_time"], timeline["active"], N, truncated,
                               total, self.prefill_s)
         stats.update(spec_stats(timeline))
+        stats.update(kv_stats([self.cache, self.spec.cache]))
         if self.replay.pool is not None:
             g = {k: v - self._graph_stats0.get(k, 0) for k, v in self.replay.pool.stats.items()}
             stats.update({"rollout/graph_replays": float(g["replays"]), "rollout/graph_captures": float(g["captures"]),

@@ -124,7 +124,8 @@ class SpecDecoder:
     """
 
     def __init__(self, target, drafter, sampling: SamplingConfig, rows: int, max_len: int, max_emit: int,
-                 flush_at: int | None = None, replay: Replay | None = None):
+                 flush_at: int | None = None, replay: Replay | None = None, kv=None,
+                 budget_bytes: int | None = None):
         w = target.embed.weight
         if flush_at is None:
             per_entry = max(1, rows) * target.config.hidden_size * w.element_size()
@@ -138,7 +139,8 @@ class SpecDecoder:
         # widest backlog: flush_at, or one kept entry + one step's max_emit entries
         self.cap = max(flush_at, max_emit + 1) if drafter is not None else 0
         # the drafter writes a whole backlog after its shortest row's entries: room for one more backlog
-        self.cache: KVCache | None = drafter.new_cache(rows, max_len + self.cap) if drafter is not None else None
+        self.cache: KVCache | None = (drafter.new_cache(rows, max_len + self.cap, kv, budget_bytes)
+                                      if drafter is not None else None)
         self.backlog_h = torch.zeros(rows, self.cap, target.config.hidden_size, dtype=w.dtype, device=w.device)
         self.backlog_tok = torch.zeros(rows, self.cap, dtype=torch.long, device=w.device)
         self.backlog_n = torch.zeros(rows, dtype=torch.long, device=w.device)

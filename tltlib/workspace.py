@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from .cudagraph import GraphPool, Replay
 from .kernel_search import ensure as ensure_kernels
 from .kernels import WeightPacks
+from .paged_cache import KVConfig
 from .ragged_attention import kernel as ragged_kernel
 from .specdecode import SpecDecoder
 
@@ -26,6 +27,18 @@ class Workspace:
     cache: object
     spec: SpecDecoder
     replay: Replay
+
+
+def kv_budgets(kv: KVConfig, model, drafter=None) -> tuple[int, int]:
+    """The KV budget's bytes for the target's cache and the drafter's (0 without one): split in proportion to their
+    bytes per token (layers x KV heads x head width x element size), so that both hold as many tokens."""
+    total = kv.budget_bytes(model.device)
+    if drafter is None:
+        return total, 0
+    target = model.config.num_layers * model.embed.weight.element_size()
+    draft = drafter.fc.weight.element_size()                     # one layer, the target's KV heads and width
+    share = target / (target + draft)
+    return int(total * share), total - int(total * share)
 
 
 class Kept:
@@ -79,9 +92,11 @@ class Kept:
                 return ws
             if holder is None or holder.done:
                 self._workspace = None            # free the old buffers before allocating new ones
-        cache = model.new_cache(rows, max_len)
+        target_bytes, drafter_bytes = kv_budgets(cfg.kv, model, drafter)
+        cache = model.new_cache(rows, max_len, cfg.kv, target_bytes)
         replay = Replay()
-        spec = SpecDecoder(model, drafter, cfg.sampling, rows, max_len, max_emit=cfg.draft_margin, replay=replay)
+        spec = SpecDecoder(model, drafter, cfg.sampling, rows, max_len, max_emit=cfg.draft_margin, replay=replay,
+                           kv=cfg.kv, budget_bytes=drafter_bytes)
         if graphs:
             replay.pool = GraphPool([cache] + ([spec.cache] if spec.cache is not None else []), cfg.graphs)
         ws = Workspace(cache, spec, replay)

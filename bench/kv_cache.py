@@ -1,0 +1,183 @@
+"""The paged KV cache against the dense one: rollout time, peak KV memory against the tokens held, token identity.
+
+Workload: ``--prompts`` prompts x ``--group`` samples at ``--temperature``, up to ``--max-new`` new tokens, one
+rollout per cache (``--kv paged,dense``), the same prompts and seed for both, so both must give the same tokens (the
+paged cache reads the same entries). Time: wall time of ``RolloutEngine.generate``, median of ``--repeats`` after a
+warm-up, the caches interleaved. Memory: one more run per cache with a hook after every iteration: the paged pool's
+peak (pages held at any moment, a forward's reserved pages included) against the most tokens the rows held at an
+iteration's end (a prompt's pages shared by its samples counted once), and the dense cache's allocation against the
+same. A dense cache that cannot fit the budget is refused before its rollout; the bench records the refusal.
+
+    python -m tltlib bench kv_cache                                    # the tiny reasoner, CPU, ~3 min
+    python -m tltlib bench kv_cache --model ~/.cache/tltlib/models/smollm2-135m --drafter data/smollm2-135m-drafter \\
+        --task words --prompts 8 --group 8 --max-new 512
+    python -m tltlib bench kv_cache --model ~/.cache/tltlib/models/smollm2-135m --drafter data/smollm2-135m-drafter \\
+        --task words --prompts 32 --group 8 --max-new 4096 --once      # the rollout dense cannot hold on 24 GB
+"""
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (DRAFTER, TASK_HELP, add_device_flags, add_model_flags, add_output_flags,  # noqa: E402
+                     bench_parser, interleaved_medians, listed, load_models, machine_info, markdown_table,
+                     model_suffix, parse_bench_args, positive_float, positive_int, result_name, strategy_name,
+                     task_prompts, temperature, write_results)
+
+KINDS = ("paged", "dense")
+
+
+def _kind(text: str) -> str:
+    if text not in KINDS:
+        raise ValueError(f"--kv takes {' or '.join(KINDS)}, got {text!r}")
+    return text
+
+
+def parse_args(argv: list[str] | None = None):
+    ap = bench_parser(__doc__)
+    add_model_flags(ap, drafter=DRAFTER, drafter_help="the drafter (its cache is paged or dense with the target's); "
+                    "'none' for no drafter")
+    add_device_flags(ap)
+    ap.add_argument("--task", default="chain", choices=["chain", "words"], help=TASK_HELP)
+    ap.add_argument("--prompts", type=positive_int, default=16)
+    ap.add_argument("--group", type=positive_int, default=8)
+    ap.add_argument("--temperature", type=temperature, default=0.9)
+    ap.add_argument("--max-new", type=positive_int, default=720)
+    ap.add_argument("--kv", default="paged,dense", type=listed(_kind, "paged,dense"),
+                    help="the caches to run, side by side")
+    ap.add_argument("--page-size", type=positive_int, default=16)
+    ap.add_argument("--memory", type=positive_float, default=0.5,
+                    help="the KV budget: a share of free memory (<= 1) or bytes (KVConfig.memory)")
+    ap.add_argument("--strategy", default="off", type=strategy_name,
+                    help="SD strategy of every iteration (default off: plain decoding)")
+    ap.add_argument("--once", action="store_true",
+                    help="one rollout per cache, timed with the memory hook on (no warm-up, no repeats): for "
+                         "rollouts too long to run several times; the hook's cost is in the time")
+    add_output_flags(ap, repeats=3, out_help="results folder (default bench/results)")
+    return parse_bench_args(ap, argv)
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+    from tltlib.machine import this_machine
+    from tltlib.paged_cache import KVConfig
+    from tltlib.rollout import RolloutConfig, RolloutEngine
+    from tltlib.sampling import SamplingConfig
+
+    use_drafter = args.drafter not in (None, "none")
+    model, tok, drafter = load_models(args, drafter=use_drafter)
+    device = str(model.device)
+    prompts = task_prompts(args.task, tok, args.prompts, seed=1)
+    sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new)
+    engines, refused = {}, {}
+    for kind in args.kv.items:
+        kv = KVConfig(kind=kind, memory=args.memory, page_size=args.page_size)
+        engine = RolloutEngine(model, RolloutConfig(sampling, group_size=args.group, kv=kv), drafter=drafter)
+        try:                                       # the dense check runs when the buffers are made: make them now
+            engine.kept.workspace(_Probe(), args.prompts * args.group,
+                                  max(map(len, prompts)) + args.max_new + engine.config.draft_margin)
+            engines[kind] = engine
+        except ValueError as e:
+            refused[kind] = str(e)
+            print(f"{kind}: refused: {e}", file=sys.stderr)
+    out: dict = {}
+
+    def run(kind):
+        def go():
+            gen = torch.Generator(device=device).manual_seed(0)
+            out[kind] = engines[kind].generate(prompts, gen, strategy=args.strategy)
+        return go
+    t0 = time.perf_counter()
+    timing = (interleaved_medians({k: run(k) for k in engines}, device, args.repeats)
+              if engines and not args.once else {})
+    memory = {kind: _memory(engines[kind], prompts, args, device, out if args.once else None) for kind in engines}
+    if args.once:
+        timing = {kind: (memory[kind]["seconds"], [memory[kind]["seconds"]]) for kind in engines}
+    results, rows = [], []
+    first = next(iter(out.values()), None)
+    for kind in args.kv.items:
+        if kind in refused:
+            results.append({"kv": kind, "refused": refused[kind]})
+            rows.append([kind, "refused", "", "", "", "", refused[kind][:90]])
+            continue
+        res, (median, runs), mem = out[kind], timing[kind], memory[kind]
+        same = bool(torch.equal(res.tokens, first.tokens) and torch.equal(res.lengths, first.lengths))
+        rec = {"kv": kind, "seconds": median, "runs": runs, "tokens": int(res.lengths.sum()),
+               "tok_s": int(res.lengths.sum()) / median, "identical_tokens": same, **mem}
+        results.append(rec)
+        rows.append([kind, f"{median:.2f}", f"{rec['tok_s']:.0f}", f"{mem['kv_peak_bytes'] / 2**20:.1f}",
+                     f"{mem['held_peak_bytes'] / 2**20:.1f}", f"{mem['kv_over_held']:.3f}x", same])
+    if "paged" in timing and "dense" in timing:
+        speed = timing["dense"][0] / timing["paged"][0]
+        note = f"paged / dense speed: {speed:.3f}x (dense seconds / paged seconds)"
+    else:
+        speed, note = None, "one cache only"
+    lengths = first.lengths.float() if first is not None else torch.zeros(1)
+    payload = {"bench": "kv_cache", "machine": machine_info(device), "model": str(args.model),
+               "drafter": args.drafter if use_drafter else None, "dtype": args.dtype, "settings": vars(args),
+               "results": results, "paged_over_dense_speed": speed, "wall_s": time.perf_counter() - t0,
+               "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+               "response_lengths": {"mean": float(lengths.mean()), "max": float(lengths.max()),
+                                    "median": float(lengths.median())}}
+    header = ["KV cache", "rollout s", "tok/s", "peak KV MiB", "held MiB", "peak / held", "same tokens"]
+    where = f"-{this_machine().slug}" if device == "cpu" else ""            # the CPU beside every number
+    suffix = f"{where}{model_suffix(args.model)}-{args.prompts}x{args.group}-{args.max_new}"
+    write_results(result_name("kv_cache", device, args.dtype, suffix), payload,
+                  f"KV cache, model {args.model}, {args.task} prompts, {args.prompts} x {args.group} rows, up to "
+                  f"{args.max_new} new tokens at T={args.temperature}, strategy {args.strategy}, pages of "
+                  f"{args.page_size}, budget {args.memory} ("
+                  + ("one run each, timed with the memory hook" if args.once else
+                     f"median of {args.repeats} after a warm-up") + "); responses: "
+                  f"mean {payload['response_lengths']['mean']:.0f}, max {payload['response_lengths']['max']:.0f} "
+                  f"tokens; {note}; process peak RSS {payload['max_rss_bytes'] / 2**30:.2f} GiB\n\n"
+                  + markdown_table(header, rows), args.out)
+
+
+class _Probe:
+    """The owner of buffers made before any rollout (done: the first rollout takes them over)."""
+    done = True
+
+
+def _memory(engine, prompts, args, device, keep: dict | None = None) -> dict:
+    """One more rollout with a hook after every iteration: the KV bytes allocated or held at the peak, and the most
+    bytes the rows' tokens took at an iteration's end (``keep``: store the result there, under the cache's kind)."""
+    import torch
+    held = []
+
+    def hook(rollout):
+        held.append(sum(_held_bytes(c) for c in _caches(rollout)))
+    gen = torch.Generator(device=device).manual_seed(0)
+    t0 = time.perf_counter()
+    rollout = engine.start(prompts, gen, strategy=args.strategy, hooks=[hook], progress=args.once)
+    result = rollout.finish()
+    seconds = time.perf_counter() - t0
+    if keep is not None:
+        keep[engine.config.kv.kind] = result
+    caches = _caches(rollout)
+    if all(hasattr(c, "pool") for c in caches):
+        peak = sum(c.memory()["peak_bytes"] for c in caches)
+    else:
+        peak = sum(c.k.numel() * c.k.element_size() * 2 for c in caches)
+    top = max(held, default=1)
+    return {"kv_peak_bytes": int(peak), "held_peak_bytes": int(top), "kv_over_held": peak / max(top, 1),
+            "iterations": len(held), "seconds": seconds}
+
+
+def _caches(rollout):
+    return [c for c in (rollout.cache, rollout.spec.cache) if c is not None]
+
+
+def _held_bytes(cache) -> int:
+    """Bytes of the tokens the cache's active rows hold (a shared page's tokens once)."""
+    if hasattr(cache, "pool"):
+        return cache.memory()["held_bytes"]
+    per_token = cache.k[:, 0, :, 0].numel() * cache.k.element_size() * 2
+    return int(cache.lengths[: cache.rows].sum()) * per_token
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,447 @@
+"""The paged KV cache: the rollout engine's cache, with the dense cache's interface (issue 39, step 3).
+
+Keys and values of every layer live in one pool of fixed-size pages, ``[layers, kv_heads, pages + 1, page_size,
+head_dim]`` (head-major, so that one head's tokens of a page are contiguous: the decode kernel reads a row's pages
+one KV head at a time; the last page is the *scratch page*: where a row without a page reads and writes, e.g. the padded rows
+of a captured CUDA graph; no row's data is ever there). Each row has a block table (:class:`tltlib.pages.BlockTables`
+on the host, mirrored in :attr:`PagedKVCache.table` on the device): token ``t`` of row ``r`` is token ``t %
+page_size`` of page ``table[r, t // page_size]``. So a row holds pages for the tokens it has, not for the longest it
+could grow to:
+
+* a forward's new tokens get pages as they are written (:meth:`PagedKVCache.prepare`; a row writing into a page
+  another row still reads gets its own copy first), and the pages past what a row commits are given back
+  (:meth:`~PagedKVCache.advance`, :meth:`~PagedKVCache.rollback`: SD's rejected tokens rolled back past a page
+  boundary);
+* compaction (:meth:`~PagedKVCache.select_rows`) moves block tables, not data: finished rows' pages go back to the
+  pool, and ``select_rows(arange(P).repeat_interleave(G))`` gives the G samples of a prompt the prompt's pages
+  (shared, reference-counted: no G-fold copy);
+* attention reads through the block tables: a decode step on a CPU by the ragged C++ kernel
+  (:func:`tltlib.ragged_attention.paged_ragged_attention`, no copy), everything else (prefill, verifies, trees,
+  CUDA) over the rows' pages gathered into a ``[rows, kv_heads, span, head_dim]`` block and the dense cache's
+  masked kernels, which also runs under CUDA graphs (the gather has fixed shapes at a fixed span).
+
+The pool is sized by a memory budget (:class:`KVConfig`: bytes, or a share of the memory free when the cache is
+made), capped at what a dense cache of the same rows would take. When it runs out, :meth:`PagedKVCache.prepare`
+raises :class:`KVCacheFull` before it changes anything.
+
+Paper: TLT §5 runs its rollouts on SGLang, whose token pool is paged; vLLM's PagedAttention (Kwon et al., SOSP
+2023) introduced block tables with copy-on-write sharing.
+
+Departures: the CPU decode kernel reads the pages in place; the other forwards gather the rows' pages first (vLLM
+and SGLang read pages in place in every kernel), which costs one copy of the pages they read.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import kernel_table
+from .kernels import cached_attention
+from .kvcache import CacheWrite, KVCache, attention_mask, check_fixed_span
+from .pages import BlockTables, PagePool, check_page_size, kv_bytes_per_token, pages_for, pages_in_budget
+from .ragged_attention import kernel as ragged_kernel
+from .ragged_attention import paged_ragged_attention
+
+KINDS = ("paged", "dense")
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """Which KV cache a rollout keeps, and how much memory it may take."""
+
+    kind: str = "paged"
+    """``paged`` (pages taken as rows grow; a prompt's pages shared by its samples) or ``dense`` (every row's slots
+    for its maximum length allocated up front: benchmarks' reference)."""
+    memory: float = 0.5
+    """The paged pool's budget, shared by the target's and the drafter's caches: a share of the memory free when the
+    rollout's buffers are made (``0 < memory <= 1``; the GPU's free memory, or the machine's available memory on a
+    CPU), or bytes (``> 1``). Never more than a dense cache of the same rows would take."""
+    page_size: int = 16
+    """Token slots per page (a power of two)."""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"KVConfig.kind must be one of {KINDS}, got {self.kind!r}")
+        if isinstance(self.memory, bool) or not self.memory > 0:
+            raise ValueError(f"KVConfig.memory must be a share of free memory in (0, 1] or bytes > 1, "
+                             f"got {self.memory!r}")
+        check_page_size(self.page_size)
+
+    def budget_bytes(self, device: torch.device | str) -> int:
+        """The budget in bytes on ``device`` (a share resolved against the memory free there now)."""
+        return int(self.memory) if self.memory > 1 else int(self.memory * free_memory(device))
+
+
+def free_memory(device: torch.device | str) -> int:
+    """Bytes free for new tensors on ``device``: the GPU's free memory, or the machine's available memory
+    (``MemAvailable``) on a CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def make_cache(config, rows: int, max_len: int, kv: KVConfig | None = None, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu", num_layers: int | None = None,
+               budget_bytes: int | None = None):
+    """The KV cache ``kv`` asks for, shaped for a :class:`tltlib.model.ModelConfig` and ``rows`` rows of at most
+    ``max_len`` tokens (``num_layers`` overrides the config's, e.g. 1 for a drafter).
+
+    A paged cache's pool takes ``budget_bytes`` (default: ``kv``'s budget on ``device``), never more pages than a
+    dense cache of these rows would hold. A dense cache that needs more than the budget is refused here, before any
+    rollout, with the bytes."""
+    kv = kv or KVConfig()
+    layers = num_layers if num_layers is not None else config.num_layers
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_token = kv_bytes_per_token(layers, config.num_kv_heads, config.dim_head, elem)
+    budget = kv.budget_bytes(device) if budget_bytes is None else int(budget_bytes)
+    if kv.kind == "dense":
+        need = rows * max_len * per_token
+        if need > budget:
+            raise ValueError(f"a dense KV cache of {rows} rows x {max_len} tokens needs {need:,} bytes but the KV "
+                             f"budget is {budget:,} bytes (KVConfig.memory={kv.memory}): use KVConfig(kind='paged'), "
+                             "fewer rows or a shorter max_new_tokens")
+        return KVCache(layers, rows, config.num_kv_heads, max_len, config.dim_head, dtype, device)
+    pages = min(pages_in_budget(budget, per_token, kv.page_size), rows * pages_for(max_len, kv.page_size))
+    return PagedKVCache(layers, rows, config.num_kv_heads, max_len, config.dim_head, pages, kv.page_size, dtype,
+                        device)
+
+
+def kv_fits(cache, tokens: int) -> None:
+    """Refuse a rollout whose longest row (``tokens``: its prompt and first new token) cannot fit the paged pool even
+    alone, naming the budget it needs; a dense cache always fits (it was sized for the rows)."""
+    if not hasattr(cache, "pool"):
+        return
+    need = pages_for(tokens, cache.page_size)
+    if need > cache.pool.num_pages:
+        raise ValueError(f"a prompt of {tokens - 1:,} tokens needs {need} KV pages but the budget holds "
+                         f"{cache.pool.num_pages} ({cache.pool.num_pages * cache.bytes_per_page:,} bytes): give the "
+                         f"rollout at least {need * cache.bytes_per_page:,} bytes (RolloutConfig.kv = "
+                         "KVConfig(memory=...)) or shorten the prompt")
+
+
+def kv_stats(caches) -> dict[str, float]:
+    """``rollout/kv_peak_bytes`` (most bytes the pools held at once, summed over the paged ``caches``, or the dense
+    caches' allocation) and ``rollout/kv_pool_bytes`` (what the pools or dense caches take)."""
+    peak = pool = 0
+    for c in caches:
+        if c is None:
+            continue
+        if hasattr(c, "pool"):
+            m = c.memory()
+            peak, pool = peak + m["peak_bytes"], pool + m["pool_bytes"]
+        else:
+            size = 2 * c.k.numel() * c.k.element_size()
+            peak, pool = peak + size, pool + size
+    return {"rollout/kv_peak_bytes": float(peak), "rollout/kv_pool_bytes": float(pool)}
+
+
+class KVCacheFull(RuntimeError):
+    """The page pool cannot hold the next forward's tokens (nothing was changed): the caller waits, preempts a row,
+    or gives the cache a larger budget."""
+
+
+class PagedKVCache:
+    """Paged per-row KV cache for a decoder with ``num_layers`` attention layers (see the module docstring); the
+    interface of :class:`tltlib.kvcache.KVCache`.
+
+    Attributes:
+        k, v: ``[layers, kv_heads, pages + 1, page_size, head_dim]`` storage (the last page: scratch).
+        table: ``[max_rows, pages_for(max_len)]`` int64 block tables on the storage's device (scratch past a row's
+            pages).
+        lengths: ``[max_rows]`` int64 committed lengths (only the first :attr:`rows` entries are meaningful).
+        rows, max_len, max_used, min_used, fixed_span: as :class:`~tltlib.kvcache.KVCache`.
+        blocks: the host-side :class:`~tltlib.pages.BlockTables` (pages and committed length of every row).
+    """
+
+    def __init__(self, num_layers: int, max_rows: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 num_pages: int, page_size: int = 16, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        if max_rows < 1 or max_len < 1:
+            raise ValueError(f"PagedKVCache needs max_rows >= 1 and max_len >= 1, got {max_rows} and {max_len}")
+        self.blocks = BlockTables(PagePool(num_pages, page_size))
+        for _ in range(max_rows):
+            self.blocks.add_row()
+        self.page_size = page_size
+        self.scratch = num_pages
+        shape = (num_layers, num_kv_heads, num_pages + 1, page_size, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)      # finite everywhere: masked reads stay finite
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        width = pages_for(max_len, page_size)
+        self.table = torch.full((max_rows, width), num_pages, dtype=torch.long, device=device)
+        self._host = self.table if self.table.device.type == "cpu" else self.table.cpu()
+        self._dirty: set[int] = set()             # rows whose device table lags the host's (shared with views)
+        self.lengths = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self._root_table, self._root_host = self.table, self._host
+        self.row0, self.rows, self.max_len = 0, max_rows, max_len
+        self.max_used = self.min_used = 0
+        self.fixed_span: int | None = None
+
+    @classmethod
+    def for_model(cls, config, rows: int, max_len: int, num_pages: int, page_size: int = 16,
+                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                  num_layers: int | None = None) -> "PagedKVCache":
+        """A cache shaped for a :class:`tltlib.model.ModelConfig` (``num_layers`` overrides, e.g. 1 for a drafter)."""
+        return cls(num_layers if num_layers is not None else config.num_layers, rows, config.num_kv_heads, max_len,
+                   config.dim_head, num_pages, page_size, dtype, device)
+
+    @property
+    def capacity(self) -> int:
+        """Rows the cache was made for (the most :attr:`rows` can be)."""
+        return self.table.shape[0]
+
+    @property
+    def pool(self) -> PagePool:
+        return self.blocks.pool
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.k[:, :, 0].numel() * 2 * self.k.element_size()
+
+    # ----------------------------------------------------------------------------------------------- pages
+    def make_room(self, tokens: int) -> None:
+        """Give every active row pages for ``tokens`` slots after its committed length, each a page of its own
+        (copy-on-write of a page it shares); :class:`KVCacheFull`, with nothing taken, when the pool is short.
+
+        :meth:`prepare` calls it; a captured graph's caller calls it before the replay (the graph cannot)."""
+        blocks, size, r0 = self.blocks, self.page_size, self.row0
+        refs, lens, pages = blocks.pool.refs, blocks.lengths, blocks.pages
+        need = []
+        for r in range(r0, r0 + self.rows):
+            held, start = pages[r], lens[r]
+            first = start // size
+            if start + tokens > len(held) * size or (first < len(held) and refs[held[first]] > 1):
+                need.append(r)
+        if not need:
+            return
+        extra = 0
+        for r in need:                             # new pages and copies of shared ones
+            held, first, last = pages[r], lens[r] // size, (lens[r] + tokens - 1) // size
+            extra += max(0, last + 1 - len(held)) + sum(refs[held[i]] > 1 for i in range(first, min(last + 1, len(held))))
+        if extra > blocks.pool.free:
+            raise KVCacheFull(f"the KV page pool has {blocks.pool.free} free page(s) of {blocks.pool.num_pages}, "
+                              f"{len(need)} row(s) need {extra} more for {tokens} token(s) each: give the rollout a "
+                              "larger budget (RolloutConfig.kv = KVConfig(memory=...)) or fewer rows")
+        copies = []
+        for r in need:
+            pairs = blocks.writable(r, lens[r], tokens)
+            copies += pairs
+            self._mark(r)
+        if copies:
+            old = torch.tensor([p for p, _ in copies], device=self.k.device)
+            new = torch.tensor([q for _, q in copies], device=self.k.device)
+            for store in (self.k, self.v):
+                store[:, :, new] = store[:, :, old]
+        self._sync_table()
+
+    def _mark(self, r: int) -> None:
+        """Row ``r``'s pages changed: rewrite its host table now, the device's at the next :meth:`_sync_table`."""
+        held = self.blocks.pages[r]
+        row = self._root_host[r]
+        row.fill_(self.scratch)
+        if held:
+            row[: len(held)] = torch.tensor(held, dtype=torch.long)
+        if self._root_host is not self._root_table:
+            self._dirty.add(r)
+
+    def _sync_table(self) -> None:
+        if self._dirty:
+            rows = torch.tensor(sorted(self._dirty))
+            self._root_table[rows.to(self.table.device)] = self._root_host[rows].to(self.table.device)
+            self._dirty.clear()
+
+    def _fit(self, r: int) -> None:
+        """Row ``r`` holds pages for exactly its committed tokens (taking or giving back pages)."""
+        blocks, length = self.blocks, self.blocks.lengths[r]
+        held = len(blocks.pages[r])
+        if held * self.page_size < length:
+            if not blocks.reserve(r, length):
+                raise KVCacheFull(f"the KV page pool has {blocks.pool.free} free page(s): row {r} cannot commit "
+                                  f"{length} tokens")
+            self._mark(r)
+        elif held > pages_for(length, self.page_size):
+            blocks.truncate(r, length)
+            self._mark(r)
+
+    # ----------------------------------------------------------------------------------------------- one forward
+    def prepare(self, num_new: int, tree_mask: torch.Tensor | None = None, offset: int = 0) -> CacheWrite:
+        """As :meth:`tltlib.kvcache.KVCache.prepare`; takes the pages the new tokens need first (not under a fixed
+        span: the graph's caller did, :meth:`make_room`)."""
+        if self.max_used + offset + num_new > self.max_len:
+            raise ValueError(f"KV cache overflow: {self.max_used} used + {offset + num_new} new > max_len "
+                             f"{self.max_len}; make the cache with a larger max_len (prompt + max_new_tokens + "
+                             "draft tokens)")
+        fixed = check_fixed_span(self, offset + num_new)
+        if not fixed:
+            self.make_room(offset + num_new)
+        rows, size, dev = self.rows, self.page_size, self.lengths.device
+        kvh, slots = self.k.shape[1], self.k.shape[2] * size          # slots per head
+        lengths = self.lengths[:rows]
+        span = self.fixed_span if fixed else self.max_used + offset + num_new
+        table = self.table[:rows]
+        pos = lengths[:, None] + (offset + torch.arange(num_new, device=dev))               # [rows, T]
+        page = table.gather(1, torch.div(pos, size, rounding_mode="floor"))
+        base = page * size + pos % size
+        index = base[:, :, None] + (torch.arange(kvh, device=dev) * slots)[None, None, :]
+        write = attention_mask(index, lengths, span, num_new, tree_mask, offset, self.min_used, self.max_used, fixed)
+        write.table = table[:, : pages_for(span, size)].contiguous()
+        return write
+
+    def write(self, layer: int, where: CacheWrite, k_new: torch.Tensor,
+              v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k_new, v_new [rows, T, kv_heads, head_dim]`` at the prepared slots; return the rows' entries
+        gathered from their pages, ``[rows, kv_heads, span, head_dim]`` (copies)."""
+        self._store(layer, where, k_new, v_new)
+        return self._gather(self.k[layer], where), self._gather(self.v[layer], where)
+
+    def _store(self, layer, where, k_new, v_new) -> None:
+        d = k_new.shape[-1]
+        flat = where.index.view(-1)
+        self.k[layer].view(-1, d).index_copy_(0, flat, k_new.reshape(-1, d))
+        self.v[layer].view(-1, d).index_copy_(0, flat, v_new.reshape(-1, d))
+
+    @staticmethod
+    def _gather(store: torch.Tensor, where: CacheWrite) -> torch.Tensor:
+        rows, width = where.table.shape
+        kvh, _, size, d = store.shape
+        pages = store[:, where.table]                                 # [kv_heads, rows, width, page_size, d]
+        return pages.transpose(0, 1).reshape(rows, kvh, width * size, d)[:, :, : where.span]
+
+    def attend(self, layer: int, where: CacheWrite, q: torch.Tensor, k_new: torch.Tensor,
+               v_new: torch.Tensor) -> torch.Tensor:
+        """As :meth:`tltlib.kvcache.KVCache.attend`. Where this machine's kernel table picks the ragged kernel (one
+        new token per row on a CPU in float32: decode, chain drafting), its paged twin reads the pages in place;
+        other forwards attend over the rows' gathered pages by the kernel the table picks."""
+        self._store(layer, where, k_new, v_new)
+        b, h, t, d = q.shape
+        if where.limits is not None and q.dtype == torch.float32 and not q.is_cuda and ragged_kernel() is not None:
+            kind = kernel_table.current().attention_kernel(h, self.k.shape[1], d, t, b, where.mask is not None, True)
+            if kind == "ragged":
+                return paged_ragged_attention(q, self.k[layer], self.v[layer], where.table, where.limits)
+        k, v = self._gather(self.k[layer], where), self._gather(self.v[layer], where)
+        return cached_attention(q, k, v, where.mask, where.mask_from, where.memo, where.limits)
+
+    # ------------------------------------------------------------------------------------------- bookkeeping
+    def _refresh(self) -> None:
+        live = self.blocks.lengths[self.row0: self.row0 + self.rows]
+        self.max_used = max(live) if live else 0
+        self.min_used = min(live) if live else 0
+
+    def _set_lengths(self, host: list[int]) -> None:
+        """The active rows' committed lengths are now ``host``: pages fitted to them, bounds refreshed."""
+        lens = self.blocks.lengths
+        for i, n in enumerate(host):
+            lens[self.row0 + i] = n
+            self._fit(self.row0 + i)
+        self._sync_table()
+        self._refresh()
+
+    def advance(self, n: torch.Tensor | int) -> None:
+        """Commit ``n`` (int or ``[rows]`` tensor) of the entries written by the last forward; the pages past the
+        committed tokens go back to the pool (a tensor costs one device sync, as on the dense cache)."""
+        self.lengths[: self.rows] += n
+        if isinstance(n, int):
+            self._set_lengths([x + n for x in self.blocks.lengths[self.row0: self.row0 + self.rows]])
+        else:
+            self._set_lengths(self.lengths[: self.rows].tolist())
+
+    def rollback(self, n: torch.Tensor | int) -> None:
+        """Remove the last ``n`` committed entries of each row (``n`` int or ``[rows]`` tensor, ``<= lengths``);
+        pages past the kept tokens go back to the pool."""
+        if torch.any(self.lengths[: self.rows] < n):
+            raise ValueError("PagedKVCache.rollback: cannot remove more entries than a row holds")
+        self.advance(-n)
+
+    def _slots(self, rel: torch.Tensor) -> torch.Tensor:
+        """``[rows, m, kv_heads]`` flat storage index of entries ``lengths + rel`` (``rel [rows, m]``) per head."""
+        size, kvh, slots = self.page_size, self.k.shape[1], self.k.shape[2] * self.page_size
+        pos = self.lengths[: self.rows, None] + rel
+        page = self.table[: self.rows].gather(1, torch.div(pos, size, rounding_mode="floor"))
+        base = page * size + pos % size
+        return base[:, :, None] + (torch.arange(kvh, device=rel.device) * slots)[None, None, :]
+
+    def gather_uncommitted(self, src: torch.Tensor) -> None:
+        """As :meth:`tltlib.kvcache.KVCache.gather_uncommitted` (entries found through the block tables)."""
+        m = src.shape[1]
+        frm = self._slots(src).reshape(-1)
+        to = self._slots(torch.arange(m, device=src.device).expand_as(src)).reshape(-1)
+        layers, d = self.k.shape[0], self.k.shape[-1]
+        for store in (self.k, self.v):
+            flat = store.view(layers, -1, d)
+            flat.index_copy_(1, to, flat.index_select(1, frm))
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """As :meth:`tltlib.kvcache.KVCache.select_rows`, moving block tables instead of data: a row dropped gives
+        its pages back, a row repeated shares its pages with its copies (copy-on-write when one writes)."""
+        if self.row0:
+            raise ValueError("select_rows on a view: select on the cache the view was made from")
+        n = int(index.numel())
+        if n > self.capacity:
+            raise ValueError(f"PagedKVCache.select_rows: {n} rows requested but the cache was made for "
+                             f"{self.capacity}")
+        picked = index.tolist()
+        blocks = self.blocks
+        before = self.rows
+        blocks.select(picked, before)
+        self.table[:n] = self.table[index]
+        if self._host is not self.table:
+            self._host[:n] = self._host[index.cpu()]
+        self._host[n:before] = self.scratch
+        self.table[n:before] = self.scratch
+        self.lengths[:n] = self.lengths[index]
+        self.lengths[n:before] = 0
+        self.rows = n
+        self._refresh()
+
+    def view(self, start: int, stop: int) -> "PagedKVCache":
+        """A cache over rows ``start .. stop-1`` sharing this one's storage, pages and tables (e.g. to prefill
+        prompts in chunks). Call :meth:`sync_from_views` on the parent afterwards."""
+        sub = object.__new__(PagedKVCache)
+        sub.__dict__.update(self.__dict__)
+        sub.table, sub._host = self.table[start:stop], self._host[start:stop]
+        sub.lengths = self.lengths[start:stop]
+        sub.row0, sub.rows, sub.fixed_span = self.row0 + start, stop - start, None
+        sub._refresh()
+        return sub
+
+    def sync_from_views(self) -> None:
+        """Recompute the host-side bounds after rows were written through :meth:`view`."""
+        self._refresh()
+
+    def reset(self, rows: int | None = None) -> None:
+        """Forget everything (every page back to the pool); reuse the storage for ``rows`` rows (default: all)."""
+        rows = self.capacity if rows is None else rows
+        if rows > self.capacity:
+            raise ValueError(f"PagedKVCache.reset: {rows} rows requested but the cache was made for {self.capacity}")
+        for r in range(self.capacity):
+            self.blocks.release(r)
+        self.table.fill_(self.scratch)
+        if self._host is not self.table:
+            self._host.fill_(self.scratch)
+        self._dirty.clear()
+        self.lengths.zero_()
+        self.rows = rows
+        self.max_used = self.min_used = 0
+        self.pool.peak = 0
+
+    # ------------------------------------------------------------------------------------------- memory
+    def held_tokens(self) -> int:
+        """Committed tokens of the active rows, a shared page's tokens counted once: what the data needs."""
+        return self.blocks.held_tokens()
+
+    def memory(self) -> dict[str, int]:
+        """``used_bytes`` (pages held now), ``peak_bytes`` (most pages held since the last reset), ``held_bytes``
+        (:meth:`held_tokens` at this cache's bytes per token), ``pool_bytes`` (the pool, scratch page excluded)."""
+        per_page = self.bytes_per_page
+        return {"used_bytes": self.pool.used * per_page, "peak_bytes": self.pool.peak * per_page,
+                "held_bytes": self.held_tokens() * per_page // self.page_size,
+                "pool_bytes": self.pool.num_pages * per_page}
