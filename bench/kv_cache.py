@@ -16,6 +16,7 @@ same. A dense cache that cannot fit the budget is refused before its rollout; th
 """
 from __future__ import annotations
 
+import argparse
 import resource
 import sys
 import time
@@ -32,7 +33,7 @@ KINDS = ("paged", "dense")
 
 def _kind(text: str) -> str:
     if text not in KINDS:
-        raise ValueError(f"--kv takes {' or '.join(KINDS)}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a KV cache ({' or '.join(KINDS)})")
     return text
 
 

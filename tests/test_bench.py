@@ -44,6 +44,7 @@ def assert_one_line_error(out: subprocess.CompletedProcess, *expected: str) -> N
     (["long_tail_rollout", "--arms", "off;ngram-4"], ["argument --arms", "no chain or tree strategy"]),
     (["graphs", "--batches", "1,,4"], ["argument --batches", "'' is not a positive integer"]),
     (["sampling", "--vocabs", "74,0"], ["argument --vocabs", "'0' is not a positive integer"]),
+    (["kv_cache", "--kv", "paged,flat"], ["argument --kv", "'flat' is not a KV cache", "such as paged,dense"]),
     (["decode", "--model", "no/such/model"], ["argument --model", "no model folder 'no/such/model'"]),
     (["speculative", "--drafter", "no/such/drafter"], ["argument --drafter", "data/tiny-reasoner-drafter"]),
     (["e2e_grpo", "--replot", "no/such.json"], ["argument --replot", "no file 'no/such.json'"]),
@@ -361,3 +362,17 @@ def test_two_worker_comparison_evaluates_the_policies_after_the_workers(tmp_path
     assert all(0.0 <= r[0]["eval/accuracy"] <= 1.0 and len(r[0]["steps"]) == 1 for r in d["runs"].values())
     assert "held-out accuracy" in out.stdout and "Held-out accuracy: baseline" in \
         (tmp_path / "e2e_grpo-cpu-float32-w2.md").read_text()
+
+
+def test_kv_cache_bench_runs_both_caches_on_one_workload_and_names_the_cpu(tmp_path):
+    """Paged and dense on the same prompts and seed give the same tokens; the paged pool's peak is within a page per
+    row of the tokens held, the dense allocation far above it; the file is named after this machine's CPU."""
+    from tltlib.machine import this_machine
+    out = bench(tmp_path, "kv_cache", "--prompts", "3", "--group", "2", "--max-new", "24", "--repeats", "1",
+                "--page-size", "4")
+    assert out.returncode == 0, out.stderr
+    d = json.loads((tmp_path / f"kv_cache-cpu-float32-{this_machine().slug}-3x2-24.json").read_text())
+    res = {r["kv"]: r for r in d["results"]}
+    assert res["paged"]["identical_tokens"] and res["dense"]["identical_tokens"]
+    assert 1.0 <= res["paged"]["kv_over_held"] < res["dense"]["kv_over_held"]
+    assert d["paged_over_dense_speed"] > 0
