@@ -150,7 +150,7 @@ def _memory(engine, prompts, args, device, keep: dict | None = None) -> dict:
     held = []
 
     def hook(rollout):
-        held.append(sum(_held_bytes(c) for c in _caches(rollout)))
+        held.append(sum(c.memory()["held_bytes"] for c in _caches(rollout)))
     gen = torch.Generator(device=device).manual_seed(0)
     t0 = time.perf_counter()
     rollout = engine.start(prompts, gen, strategy=args.strategy, hooks=[hook], progress=args.once)
@@ -159,10 +159,7 @@ def _memory(engine, prompts, args, device, keep: dict | None = None) -> dict:
     if keep is not None:
         keep[engine.config.kv.kind] = result
     caches = _caches(rollout)
-    if all(hasattr(c, "pool") for c in caches):
-        peak = sum(c.memory()["peak_bytes"] for c in caches)
-    else:
-        peak = sum(c.k.numel() * c.k.element_size() * 2 for c in caches)
+    peak = sum(c.memory()["peak_bytes"] for c in caches)
     top = max(held, default=1)
     return {"kv_peak_bytes": int(peak), "held_peak_bytes": int(top), "kv_over_held": peak / max(top, 1),
             "iterations": len(held), "seconds": seconds}
@@ -170,14 +167,6 @@ def _memory(engine, prompts, args, device, keep: dict | None = None) -> dict:
 
 def _caches(rollout):
     return [c for c in (rollout.cache, rollout.spec.cache) if c is not None]
-
-
-def _held_bytes(cache) -> int:
-    """Bytes of the tokens the cache's active rows hold (a shared page's tokens once)."""
-    if hasattr(cache, "pool"):
-        return cache.memory()["held_bytes"]
-    per_token = cache.k[:, 0, :, 0].numel() * cache.k.element_size() * 2
-    return int(cache.lengths[: cache.rows].sum()) * per_token
 
 
 if __name__ == "__main__":

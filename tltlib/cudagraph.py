@@ -122,8 +122,7 @@ class GraphPool:
             return _as_tuple(fn(*inputs))
         span = span_bucket(cache.max_used + new_slots, cache.max_len, self.config.min_span)
         key = (name, bucket, span, tuple((tuple(x.shape[1:]), x.dtype) for x in inputs))
-        if hasattr(cache, "make_room"):        # a paged cache: pages taken on the host, before the graph runs
-            cache.make_room(new_slots)
+        cache.make_room(new_slots)             # a paged cache's pages are taken on the host, before the graph runs
         saved = [c.rows for c in self.caches]
         for c in self.caches:                  # padded rows are dead rows: start them empty
             c.lengths[rows:bucket].zero_()

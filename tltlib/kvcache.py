@@ -75,14 +75,13 @@ def attention_mask(index: torch.Tensor, lengths: torch.Tensor, span: int, num_ne
     ``max_used`` bound the lengths on the host; ``fixed``: the span is fixed (a captured graph), so no host-side
     shortcut may depend on the lengths. See :meth:`KVCache.prepare` for ``tree_mask``."""
     rows, dev = lengths.shape[0], lengths.device
-    new = torch.arange(num_new, device=dev)
     known = min_used >= 0 and not fixed                                  # min_used exact: a common prefix
     if num_new == 1 and tree_mask is None:                              # decode / chain drafting: cheap mask
         uniform = min_used == max_used and not fixed
         mask = None if uniform else (torch.arange(span, device=dev) <= lengths[:, None] + offset)[:, None, None]
         limits = lengths + (offset + 1) if dev.type == "cpu" and not fixed else None
         return CacheWrite(index, mask, span, min_used + offset + 1 if known else 0, limits=limits)
-    slot = torch.arange(span, device=dev)
+    slot, new = torch.arange(span, device=dev), torch.arange(num_new, device=dev)
     rel = slot[None, None, :] - lengths[:, None, None]                   # [rows, 1, span]: index among uncommitted
     if tree_mask is None:
         new_ok = (rel >= 0) & (rel <= offset + new[None, :, None])       # causal over the uncommitted entries
@@ -120,13 +119,6 @@ class KVCache:
         self.max_len = max_len
         self.max_used = self.min_used = 0
         self.fixed_span: int | None = None
-
-    @classmethod
-    def for_model(cls, config, rows: int, max_len: int, dtype: torch.dtype = torch.float32,
-                  device: torch.device | str = "cpu", num_layers: int | None = None) -> "KVCache":
-        """A cache shaped for a :class:`tltlib.model.ModelConfig` (``num_layers`` overrides, e.g. 1 for a drafter)."""
-        return cls(num_layers if num_layers is not None else config.num_layers, rows, config.num_kv_heads, max_len,
-                   config.dim_head, dtype, device)
 
     # ----------------------------------------------------------------------------------------------- one forward
     def prepare(self, num_new: int, tree_mask: torch.Tensor | None = None, offset: int = 0) -> CacheWrite:
@@ -177,6 +169,21 @@ class KVCache:
     def capacity(self) -> int:
         """Rows the cache was allocated for (the most :attr:`rows` can be)."""
         return self.k.shape[1]
+
+    def make_room(self, tokens: int) -> None:
+        """Nothing to take: every row's slots up to ``max_len`` are allocated (the paged cache takes pages here)."""
+
+    def check_holds(self, tokens: int) -> None:
+        """Refuse a row of ``tokens`` tokens longer than the cache (the paged cache checks its pool)."""
+        if tokens > self.max_len:
+            raise ValueError(f"a row of {tokens:,} tokens does not fit a KV cache of max_len {self.max_len}")
+
+    def memory(self) -> dict[str, int]:
+        """As :meth:`tltlib.paged_cache.PagedKVCache.memory`: the allocation is used, peak and pool alike."""
+        size = 2 * self.k.numel() * self.k.element_size()
+        per_token = 2 * self.k[:, 0, :, 0].numel() * self.k.element_size()
+        return {"used_bytes": size, "peak_bytes": size, "pool_bytes": size,
+                "held_bytes": int(self.lengths[: self.rows].sum()) * per_token}
 
     # ------------------------------------------------------------------------------------------- bookkeeping
     def _refresh(self) -> None:

@@ -32,13 +32,13 @@ and SGLang read pages in place in every kernel), which costs one copy of the pag
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from . import kernel_table
-from .kernels import cached_attention
+from .kernels import attention_with, cached_attention
+from .memory import available_bytes
 from .kvcache import CacheWrite, KVCache, attention_mask, check_fixed_span
 from .pages import BlockTables, PagePool, check_page_size, kv_bytes_per_token, pages_for, pages_in_budget
 from .ragged_attention import kernel as ragged_kernel
@@ -71,23 +71,7 @@ class KVConfig:
 
     def budget_bytes(self, device: torch.device | str) -> int:
         """The budget in bytes on ``device`` (a share resolved against the memory free there now)."""
-        return int(self.memory) if self.memory > 1 else int(self.memory * free_memory(device))
-
-
-def free_memory(device: torch.device | str) -> int:
-    """Bytes free for new tensors on ``device``: the GPU's free memory, or the machine's available memory
-    (``MemAvailable``) on a CPU."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+        return int(self.memory) if self.memory > 1 else int(self.memory * available_bytes(device))
 
 
 def make_cache(config, rows: int, max_len: int, kv: KVConfig | None = None, dtype: torch.dtype = torch.float32,
@@ -116,33 +100,12 @@ def make_cache(config, rows: int, max_len: int, kv: KVConfig | None = None, dtyp
                         device)
 
 
-def kv_fits(cache, tokens: int) -> None:
-    """Refuse a rollout whose longest row (``tokens``: its prompt and first new token) cannot fit the paged pool even
-    alone, naming the budget it needs; a dense cache always fits (it was sized for the rows)."""
-    if not hasattr(cache, "pool"):
-        return
-    need = pages_for(tokens, cache.page_size)
-    if need > cache.pool.num_pages:
-        raise ValueError(f"a prompt of {tokens - 1:,} tokens needs {need} KV pages but the budget holds "
-                         f"{cache.pool.num_pages} ({cache.pool.num_pages * cache.bytes_per_page:,} bytes): give the "
-                         f"rollout at least {need * cache.bytes_per_page:,} bytes (RolloutConfig.kv = "
-                         "KVConfig(memory=...)) or shorten the prompt")
-
-
 def kv_stats(caches) -> dict[str, float]:
-    """``rollout/kv_peak_bytes`` (most bytes the pools held at once, summed over the paged ``caches``, or the dense
-    caches' allocation) and ``rollout/kv_pool_bytes`` (what the pools or dense caches take)."""
-    peak = pool = 0
-    for c in caches:
-        if c is None:
-            continue
-        if hasattr(c, "pool"):
-            m = c.memory()
-            peak, pool = peak + m["peak_bytes"], pool + m["pool_bytes"]
-        else:
-            size = 2 * c.k.numel() * c.k.element_size()
-            peak, pool = peak + size, pool + size
-    return {"rollout/kv_peak_bytes": float(peak), "rollout/kv_pool_bytes": float(pool)}
+    """``rollout/kv_peak_bytes`` and ``rollout/kv_pool_bytes`` summed over ``caches`` (paged or dense; None skipped):
+    see their ``memory()``."""
+    parts = [c.memory() for c in caches if c is not None]
+    return {"rollout/kv_peak_bytes": float(sum(m["peak_bytes"] for m in parts)),
+            "rollout/kv_pool_bytes": float(sum(m["pool_bytes"] for m in parts))}
 
 
 class KVCacheFull(RuntimeError):
@@ -186,14 +149,6 @@ class PagedKVCache:
         self.max_used = self.min_used = 0
         self.fixed_span: int | None = None
 
-    @classmethod
-    def for_model(cls, config, rows: int, max_len: int, num_pages: int, page_size: int = 16,
-                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                  num_layers: int | None = None) -> "PagedKVCache":
-        """A cache shaped for a :class:`tltlib.model.ModelConfig` (``num_layers`` overrides, e.g. 1 for a drafter)."""
-        return cls(num_layers if num_layers is not None else config.num_layers, rows, config.num_kv_heads, max_len,
-                   config.dim_head, num_pages, page_size, dtype, device)
-
     @property
     def capacity(self) -> int:
         """Rows the cache was made for (the most :attr:`rows` can be)."""
@@ -215,18 +170,15 @@ class PagedKVCache:
         :meth:`prepare` calls it; a captured graph's caller calls it before the replay (the graph cannot)."""
         blocks, size, r0 = self.blocks, self.page_size, self.row0
         refs, lens, pages = blocks.pool.refs, blocks.lengths, blocks.pages
-        need = []
-        for r in range(r0, r0 + self.rows):
+        need = []                                  # the decode loop's path: O(1) per row that needs nothing
+        for r in range(r0, r0 + self.rows):        # (a row's shared pages are a prefix: check the first written)
             held, start = pages[r], lens[r]
             first = start // size
             if start + tokens > len(held) * size or (first < len(held) and refs[held[first]] > 1):
                 need.append(r)
         if not need:
             return
-        extra = 0
-        for r in need:                             # new pages and copies of shared ones
-            held, first, last = pages[r], lens[r] // size, (lens[r] + tokens - 1) // size
-            extra += max(0, last + 1 - len(held)) + sum(refs[held[i]] > 1 for i in range(first, min(last + 1, len(held))))
+        extra = sum(blocks.pages_to_write(r, lens[r], tokens) for r in need)
         if extra > blocks.pool.free:
             raise KVCacheFull(f"the KV page pool has {blocks.pool.free} free page(s) of {blocks.pool.num_pages}, "
                               f"{len(need)} row(s) need {extra} more for {tokens} token(s) each: give the rollout a "
@@ -283,17 +235,11 @@ class PagedKVCache:
         fixed = check_fixed_span(self, offset + num_new)
         if not fixed:
             self.make_room(offset + num_new)
-        rows, size, dev = self.rows, self.page_size, self.lengths.device
-        kvh, slots = self.k.shape[1], self.k.shape[2] * size          # slots per head
-        lengths = self.lengths[:rows]
+        lengths = self.lengths[: self.rows]
         span = self.fixed_span if fixed else self.max_used + offset + num_new
-        table = self.table[:rows]
-        pos = lengths[:, None] + (offset + torch.arange(num_new, device=dev))               # [rows, T]
-        page = table.gather(1, torch.div(pos, size, rounding_mode="floor"))
-        base = page * size + pos % size
-        index = base[:, :, None] + (torch.arange(kvh, device=dev) * slots)[None, None, :]
+        index = self._slots(offset + torch.arange(num_new, device=lengths.device)[None, :])
         write = attention_mask(index, lengths, span, num_new, tree_mask, offset, self.min_used, self.max_used, fixed)
-        write.table = table[:, : pages_for(span, size)].contiguous()
+        write.table = self.table[: self.rows, : pages_for(span, self.page_size)].contiguous()
         return write
 
     def write(self, layer: int, where: CacheWrite, k_new: torch.Tensor,
@@ -322,13 +268,25 @@ class PagedKVCache:
         new token per row on a CPU in float32: decode, chain drafting), its paged twin reads the pages in place;
         other forwards attend over the rows' gathered pages by the kernel the table picks."""
         self._store(layer, where, k_new, v_new)
-        b, h, t, d = q.shape
-        if where.limits is not None and q.dtype == torch.float32 and not q.is_cuda and ragged_kernel() is not None:
-            kind = kernel_table.current().attention_kernel(h, self.k.shape[1], d, t, b, where.mask is not None, True)
-            if kind == "ragged":
-                return paged_ragged_attention(q, self.k[layer], self.v[layer], where.table, where.limits)
+        kind = where.memo.get("paged")                 # chosen on the first layer, for the forward's every layer
+        if kind is None:
+            kind = where.memo["paged"] = self._kernel(q, where)
+        if kind == "ragged":
+            return paged_ragged_attention(q, self.k[layer], self.v[layer], where.table, where.limits)
         k, v = self._gather(self.k[layer], where), self._gather(self.v[layer], where)
-        return cached_attention(q, k, v, where.mask, where.mask_from, where.memo, where.limits)
+        if kind == "default":
+            return cached_attention(q, k, v, where.mask, where.mask_from, where.memo, where.limits)
+        return attention_with(kind, q, k, v, where.mask, where.mask_from, where.memo, where.limits)
+
+    def _kernel(self, q: torch.Tensor, where: CacheWrite) -> str:
+        """The kernel table's choice where the ragged kernel can run (one new token per row, float32 on a CPU, the
+        kernel built: ``ragged``, ``matmul`` or ``sdpa``), else ``default`` (:func:`tltlib.kernels.cached_attention`
+        decides)."""
+        if where.limits is None or q.dtype != torch.float32 or q.is_cuda or ragged_kernel() is None:
+            return "default"
+        b, h, t, d = q.shape
+        kind = kernel_table.current().attention_kernel(h, self.k.shape[1], d, t, b, where.mask is not None, True)
+        return kind or "sdpa"
 
     # ------------------------------------------------------------------------------------------- bookkeeping
     def _refresh(self) -> None:
@@ -338,10 +296,11 @@ class PagedKVCache:
 
     def _set_lengths(self, host: list[int]) -> None:
         """The active rows' committed lengths are now ``host``: pages fitted to them, bounds refreshed."""
-        lens = self.blocks.lengths
-        for i, n in enumerate(host):
-            lens[self.row0 + i] = n
-            self._fit(self.row0 + i)
+        lens, pages, size = self.blocks.lengths, self.blocks.pages, self.page_size
+        for r, n in enumerate(host, self.row0):
+            lens[r] = n
+            if len(pages[r]) != -(-n // size):         # pages_for(n), inline: the decode loop's path
+                self._fit(r)
         self._sync_table()
         self._refresh()
 
@@ -362,7 +321,8 @@ class PagedKVCache:
         self.advance(-n)
 
     def _slots(self, rel: torch.Tensor) -> torch.Tensor:
-        """``[rows, m, kv_heads]`` flat storage index of entries ``lengths + rel`` (``rel [rows, m]``) per head."""
+        """``[rows, m, kv_heads]`` flat storage index of entries ``lengths + rel`` (``rel [rows, m]`` or ``[1, m]``)
+        per head, through the block tables."""
         size, kvh, slots = self.page_size, self.k.shape[1], self.k.shape[2] * self.page_size
         pos = self.lengths[: self.rows, None] + rel
         page = self.table[: self.rows].gather(1, torch.div(pos, size, rounding_mode="floor"))
@@ -437,6 +397,16 @@ class PagedKVCache:
     def held_tokens(self) -> int:
         """Committed tokens of the active rows, a shared page's tokens counted once: what the data needs."""
         return self.blocks.held_tokens()
+
+    def check_holds(self, tokens: int) -> None:
+        """Refuse a rollout whose longest row (``tokens``: its prompt and first new token) cannot fit the pool even
+        alone, naming the budget it needs."""
+        need = pages_for(tokens, self.page_size)
+        if need > self.pool.num_pages:
+            raise ValueError(f"a prompt of {tokens - 1:,} tokens needs {need} KV pages but the budget holds "
+                             f"{self.pool.num_pages} ({self.pool.num_pages * self.bytes_per_page:,} bytes): give the "
+                             f"rollout at least {need * self.bytes_per_page:,} bytes (RolloutConfig.kv = "
+                             "KVConfig(memory=...)) or shorten the prompt")
 
     def memory(self) -> dict[str, int]:
         """``used_bytes`` (pages held now), ``peak_bytes`` (most pages held since the last reset), ``held_bytes``

@@ -172,17 +172,25 @@ class BlockTables:
         for i, (pages, length) in enumerate(picked):
             self.pages[i], self.lengths[i] = pages, length
 
+    def pages_to_write(self, row: int, start: int, tokens: int) -> int:
+        """Free pages row ``row`` needs to write ``tokens`` slots from token ``start``: new pages past its last, and
+        a copy of every page it writes into that another row also holds."""
+        size, held = self.pool.page_size, self.pages[row]
+        first, last = start // size, (start + tokens - 1) // size
+        shared = sum(self.pool.refs[held[i]] > 1 for i in range(first, min(last + 1, len(held))))
+        return max(0, last + 1 - len(held)) + shared
+
     def writable(self, row: int, start: int, tokens: int) -> list[tuple[int, int]] | None:
         """Prepare row ``row`` to write ``tokens`` slots from token ``start``: reserve the slots, and give the row
         its own copy of every page it writes into that another row also holds (copy-on-write). Returns the
         ``(shared page, its new copy)`` pairs whose slots the caller copies before writing, or None (nothing
-        changed) when the pool has too few free pages."""
+        changed) when the pool has too few free pages (:meth:`pages_to_write`)."""
+        if self.pool.free < self.pages_to_write(row, start, tokens):
+            return None
         size = self.pool.page_size
         first, last = start // size, (start + tokens - 1) // size
         held = self.pages[row]
         shared = [i for i in range(first, min(last + 1, len(held))) if self.pool.refs[held[i]] > 1]
-        if self.pool.free < max(0, last + 1 - len(held)) + len(shared):
-            return None
         self.reserve(row, start + tokens)
         fresh = self.pool.take(len(shared))
         pairs = []

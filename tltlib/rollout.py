@@ -37,7 +37,7 @@ from .kernels import packed_weights
 from .ngram import NgramConfig, NgramDrafter
 from .rollout_config import RolloutConfig  # noqa: F401  (the engine's config, importable from here too)
 from .suffix import SuffixConfig, SuffixDrafter, SuffixHistory
-from .paged_cache import kv_fits, kv_stats
+from .paged_cache import kv_stats
 from .profiling import rollout_stats, spec_stats
 from .sampling import sample_from_logits
 from .specdecode import Emitted
@@ -228,7 +228,7 @@ class Rollout:
         self.done = False
         ws = engine.kept.workspace(self, N, max_len)
         self.cache, self.spec, self.replay = ws.cache, ws.spec, ws.replay
-        kv_fits(self.cache, max(map(len, self.prompts)) + 1)
+        self.cache.check_holds(max(map(len, self.prompts)) + 1)
         self._graph_stats0 = dict(self.replay.pool.stats) if self.replay.pool is not None else {}
         self.ngram, self.suffix = None, None          # the model-free drafters (NgramDrafter, SuffixDrafter), on use
         self.eos = torch.tensor(engine.eos_ids, device=dev)
