@@ -58,7 +58,7 @@ def test_a_row_takes_pages_as_it_grows_and_a_rollback_past_a_boundary_gives_them
 
 
 def test_the_samples_of_a_prompt_share_its_pages_and_copy_only_the_page_they_write_into():
-    t = BlockTables(PagePool(16, page_size=4))
+    t = BlockTables(PagePool(16, page_size=4, run=1))                  # runs of one page: the lowest free first
     prompt = t.add_row()
     assert t.reserve(prompt, 10)
     t.commit(prompt, 10)                                               # pages 0, 1 full; page 2 holds 2 tokens
@@ -106,3 +106,44 @@ def test_slots_and_the_block_table_read_through_the_pages():
     with pytest.raises(ValueError, match="row 0: slots up to token 9 asked, 8 reserved"):
         t.slots(a, 5, 4)
     assert pages_for(0, 4) == 0 and pages_for(9, 4) == 3
+
+
+def test_rows_growing_in_lockstep_keep_runs_of_consecutive_pages():
+    """Decode rows take a page each in turn; lowest-first they would interleave (0, 4, 8, ... for row 0), in runs
+    each row's pages follow each other, a new run starting where a whole run is free."""
+    t = BlockTables(PagePool(64, page_size=2, run=8))
+    rows = [t.add_row() for _ in range(4)]
+    for length in range(1, 33):                                        # 16 pages each, one token at a time
+        for r in rows:
+            assert t.reserve(r, length)
+            t.commit(r, length)
+    for r in rows:
+        held = t.pages[r]
+        assert held == sorted(held) and held[7] == held[0] + 7 and held[15] == held[8] + 7   # two whole runs
+    assert sorted(p for r in rows for p in t.pages[r]) == list(range(64))
+
+
+def test_a_runs_free_pages_go_to_other_rows_when_no_whole_run_is_left():
+    pool = PagePool(16, page_size=4, run=8)
+    a, b = pool.take(1), pool.take(1)
+    assert (a, b) == ([0], [8])                                        # each starts a run
+    assert pool.take(1, after=a[0]) == [1]                             # a row's next page: the one after its last
+    assert pool.take(13) is not None and pool.free == 0                # no run left whole: any free page, never withheld
+    assert pool.take(1) is None
+
+
+def test_pages_are_never_lost_or_held_twice_under_random_takes_and_give_backs():
+    rng = torch.Generator().manual_seed(0)
+    pool = PagePool(37, page_size=4, run=8)                           # a short last run
+    held: list[int] = []
+    for _ in range(2000):
+        if held and torch.rand(1, generator=rng).item() < 0.5:
+            i = int(torch.randint(len(held), (1,), generator=rng))
+            pool.give_back([held.pop(i)])
+            continue
+        n = int(torch.randint(1, 6, (1,), generator=rng))
+        after = held[-1] if held and torch.rand(1, generator=rng).item() < 0.7 else None
+        got = pool.take(n, after)
+        assert (got is None) == (n > 37 - len(held))                   # refused only when too few are free
+        held += got or []
+        assert len(set(held)) == len(held) and pool.free == 37 - len(held) == pool.refs.count(0)

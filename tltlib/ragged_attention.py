@@ -41,11 +41,12 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 static const int64_t PARALLEL_WORK = 1 << 18;        // multiply-adds of one score pass below which one thread runs
 
-// Ask for the next segment's rows while this one is computed: a paged row's segments lie anywhere in the pool, where
+// Ask for the next run's first rows while this one is computed: a paged row's runs lie anywhere in the pool, where
 // the hardware prefetcher loses the stream at every jump (scattered pages ran ~2x slower than in order without it).
 static inline void prefetch_rows(const float* p, int64_t rows, int64_t step) {
   const char* c = reinterpret_cast<const char*>(p);
@@ -53,16 +54,17 @@ static inline void prefetch_rows(const float* p, int64_t rows, int64_t step) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
 }
 
-// One (row, KV head): the G query heads at qb (d apart) attend to positions 0 .. n - 1, stored in segments of seg
-// positions: key(j0), value(j0) point at the key and value rows of position j0 (a multiple of seg), the next ones
-// step apart. The result goes to ob (d apart). s: scratch of at least G * n floats.
-template <class Key, class Value>
-static void attend_one(const float* qb, float* ob, int64_t G, int64_t d, int64_t n, float sc, float* s,
-                       int64_t seg, int64_t kstep, int64_t vstep, Key key, Value value) {
-  for (int64_t j0 = 0; j0 < n; j0 += seg) {          // scores: each key read once for the G heads
+// One (row, KV head): the G query heads at qb (d apart) attend to positions 0 .. n - 1, stored in runs: key(j0),
+// value(j0) point at the key and value rows of position j0 (the start of a run), the next ones step apart, and
+// run(j0, n) is the length of the run from j0, at least up to n (a dense row: one run of n). The result goes to ob (d apart).
+// s: scratch of at least G * n floats. pf: positions of the next run to prefetch.
+template <class Key, class Value, class Run>
+static void attend_one(const float* qb, float* ob, int64_t G, int64_t d, int64_t n, float sc, float* s, int64_t pf,
+                       int64_t kstep, int64_t vstep, Key key, Value value, Run run) {
+  for (int64_t j0 = 0, cnt; j0 < n; j0 += cnt) {     // scores: each key read once for the G heads
     const float* kb = key(j0);
-    const int64_t cnt = std::min(seg, n - j0);
-    if (j0 + seg < n) prefetch_rows(key(j0 + seg), std::min(seg, n - j0 - seg), kstep);
+    cnt = std::min(run(j0, n), n - j0);
+    if (j0 + cnt < n) prefetch_rows(key(j0 + cnt), std::min(pf, n - j0 - cnt), kstep);
     for (int64_t o = 0; o < cnt; ++o) {
       const float* kj = kb + o * kstep;
       for (int64_t g = 0; g < G; ++g) {
@@ -89,10 +91,10 @@ static void attend_one(const float* qb, float* ob, int64_t G, int64_t d, int64_t
     for (int64_t i = 0; i < d; ++i) og[i] = 0.f;
     for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
   }
-  for (int64_t j0 = 0; j0 < n; j0 += seg) {          // weighted values: each value read once for the G heads
+  for (int64_t j0 = 0, cnt; j0 < n; j0 += cnt) {     // weighted values: each value read once for the G heads
     const float* vb = value(j0);
-    const int64_t cnt = std::min(seg, n - j0);
-    if (j0 + seg < n) prefetch_rows(value(j0 + seg), std::min(seg, n - j0 - seg), vstep);
+    cnt = std::min(run(j0, n), n - j0);
+    if (j0 + cnt < n) prefetch_rows(value(j0 + cnt), std::min(pf, n - j0 - cnt), vstep);
     for (int64_t o = 0; o < cnt; ++o) {
       const float* vj = vb + o * vstep;
       for (int64_t g = 0; g < G; ++g) {
@@ -105,13 +107,13 @@ static void attend_one(const float* qb, float* ob, int64_t G, int64_t d, int64_t
   }
 }
 
-// The checks and the loop over (row, KV head) tasks both kernels share; at(b, kh) returns that task's key and
-// value functions. Rows differ in length: tasks are handed out one at a time (a static split gives one thread the
+// The checks and the loop over (row, KV head) tasks both kernels share; at(b, kh) returns that task's key, value
+// and run functions (attend_one). Rows differ in length: tasks are handed out one at a time (a static split gives one thread the
 // long rows); small calls stay on one thread, as torch's own ops do below their grain size (a parallel region's
 // barrier costs little alone but a scheduler quantum when another process's threads hold the cores).
 template <class At>
 static torch::Tensor over_rows(torch::Tensor q, int64_t KVH, torch::Tensor limit, int64_t max_limit, double scale,
-                               int64_t seg, int64_t kstep, int64_t vstep, At at) {
+                               int64_t pf, int64_t kstep, int64_t vstep, At at) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 4 && q.size(2) == 1, "ragged attention: q [B, H, 1, d] float32");
   q = q.contiguous();
   auto lim = limit.to(at::kLong).contiguous();
@@ -133,8 +135,8 @@ static torch::Tensor over_rows(torch::Tensor q, int64_t KVH, torch::Tensor limit
     const int64_t b = task / KVH, kh = task % KVH, n = lp[b];
     if (static_cast<int64_t>(s.size()) < G * n) s.resize(G * n);
     auto kv = at(b, kh);
-    attend_one(qp + (b * H + kh * G) * d, op + (b * H + kh * G) * d, G, d, n, sc, s.data(), seg, kstep, vstep,
-               kv.first, kv.second);
+    attend_one(qp + (b * H + kh * G) * d, op + (b * H + kh * G) * d, G, d, n, sc, s.data(), pf, kstep, vstep,
+               std::get<0>(kv), std::get<1>(kv), std::get<2>(kv));
   }
   return out;
 }
@@ -150,17 +152,20 @@ torch::Tensor ragged_decode_attention(torch::Tensor q, torch::Tensor k, torch::T
   const float* vp = v.data_ptr<float>();
   const int64_t ksb = k.stride(0), ksh = k.stride(1), kss = k.stride(2);
   const int64_t vsb = v.stride(0), vsh = v.stride(1), vss = v.stride(2);
-  return over_rows(q, k.size(1), limit, k.size(2), scale, k.size(2), kss, vss, [=](int64_t b, int64_t kh) {
+  const int64_t S = k.size(2);
+  return over_rows(q, k.size(1), limit, S, scale, 0, kss, vss, [=](int64_t b, int64_t kh) {
     const float* kb = kp + b * ksb + kh * ksh;
     const float* vb = vp + b * vsb + kh * vsh;
-    return std::make_pair([=](int64_t j) { return kb + j * kss; }, [=](int64_t j) { return vb + j * vss; });
+    return std::make_tuple([=](int64_t j) { return kb + j * kss; }, [=](int64_t j) { return vb + j * vss; },
+                           [=](int64_t, int64_t n) { return n; });
   });
 }
 
 // The same over a paged cache: k, v [KVH, pages, page_size, d] contiguous (head-major: a (row, KV head) task reads
 // page_size x d contiguous floats per page; with the heads inside a page, 3 KV heads ran 1.5-2x slower); table
 // [B, W] int64 contiguous: row b's position j is token j % page_size of page table[b][j / page_size] (page_size a
-// power of two).
+// power of two). Pages that follow each other in the pool are read as one run (tltlib.pages keeps a row's pages
+// contiguous where it can): over scattered pages the kernel ran ~1.3x slower than over pages in order.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor table,
                                      torch::Tensor limit, double scale) {
   TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.dim() == 4 && v.dim() == 4 &&
@@ -173,8 +178,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k, torch::Te
   int64_t shift = 0;
   while ((int64_t(1) << shift) < ps) ++shift;
   const int64_t* tp = table.data_ptr<int64_t>();
-  for (int64_t i = 0; i < table.numel(); ++i)
-    TORCH_CHECK(tp[i] >= 0 && tp[i] < pages, "paged_decode_attention: a block table entry is outside the pool");
+  const int64_t* lp = limit.data_ptr<int64_t>();
+  TORCH_CHECK(limit.scalar_type() == at::kLong && limit.is_contiguous() && limit.numel() == table.size(0),
+              "paged_decode_attention: limit [B] contiguous int64");
+  for (int64_t b = 0; b < table.size(0); ++b)             // the pages each row reads (its limit is checked later)
+    for (int64_t i = 0, e = std::min(W, ((std::max<int64_t>(lp[b], 1) - 1) >> shift) + 1); i < e; ++i)
+      TORCH_CHECK(tp[b * W + i] >= 0 && tp[b * W + i] < pages,
+                  "paged_decode_attention: a block table entry is outside the pool");
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   const int64_t sh = k.stride(0), sp = k.stride(1);
@@ -182,8 +192,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k, torch::Te
     const int64_t* tb = tp + b * W;
     const float* kb = kp + kh * sh;
     const float* vb = vp + kh * sh;
-    return std::make_pair([=](int64_t j0) { return kb + tb[j0 >> shift] * sp; },
-                          [=](int64_t j0) { return vb + tb[j0 >> shift] * sp; });
+    return std::make_tuple([=](int64_t j0) { return kb + tb[j0 >> shift] * sp; },
+                           [=](int64_t j0) { return vb + tb[j0 >> shift] * sp; },
+                           [=](int64_t j0, int64_t n) {  // positions in the run of pages from page j0 / ps
+                             const int64_t w = j0 >> shift, last = (n - 1) >> shift;
+                             int64_t k = 1;
+                             while (w + k <= last && tb[w + k] == tb[w] + k) ++k;
+                             return k << shift;
+                           });
   });
 }
 """
