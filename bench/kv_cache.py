@@ -13,6 +13,12 @@ same. A dense cache that cannot fit the budget is refused before its rollout; th
         --task words --prompts 8 --group 8 --max-new 512
     python -m tltlib bench kv_cache --model ~/.cache/tltlib/models/smollm2-135m --drafter data/smollm2-135m-drafter \\
         --task words --prompts 32 --group 8 --max-new 4096 --once      # the rollout dense cannot hold on 24 GB
+    python -m tltlib bench kv_cache --attention                        # the paged kernels vs gather + BLAS, ~1 min
+
+``--attention`` times one layer's attention instead, at the model's head shapes, over a grid of rows x new tokens per
+row: the CPU's paged C++ kernels reading the pages in place against gathering the rows' pages and the dense path
+(:func:`tltlib.kernels.cached_attention`), pages scattered as a long rollout leaves them; it is the measurement behind
+``PagedKVCache``'s kernel choice (``paged_cache.MASKED_KERNEL_MAX_NEW``) on this CPU.
 """
 from __future__ import annotations
 
@@ -57,6 +63,8 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--once", action="store_true",
                     help="one rollout per cache, timed with the memory hook on (no warm-up, no repeats): for "
                          "rollouts too long to run several times; the hook's cost is in the time")
+    ap.add_argument("--attention", action="store_true",
+                    help="time one layer's attention (paged kernels vs gather + dense path) instead of rollouts")
     add_output_flags(ap, repeats=3, out_help="results folder (default bench/results)")
     return parse_bench_args(ap, argv)
 
@@ -69,8 +77,10 @@ def main() -> None:
     from tltlib.rollout import RolloutConfig, RolloutEngine
     from tltlib.sampling import SamplingConfig
 
-    use_drafter = args.drafter not in (None, "none")
+    use_drafter = args.drafter not in (None, "none") and not args.attention
     model, tok, drafter = load_models(args, drafter=use_drafter)
+    if args.attention:
+        return attention_grid(model, args)
     device = str(model.device)
     prompts = task_prompts(args.task, tok, args.prompts, seed=1)
     sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new)
@@ -126,7 +136,8 @@ def main() -> None:
                                     "median": float(lengths.median())}}
     header = ["KV cache", "rollout s", "tok/s", "peak KV MiB", "held MiB", "peak / held", "same tokens"]
     where = f"-{this_machine().slug}" if device == "cpu" else ""            # the CPU beside every number
-    suffix = f"{where}{model_suffix(args.model)}-{args.prompts}x{args.group}-{args.max_new}"
+    sd = "" if args.strategy == "off" else f"-{args.strategy}"
+    suffix = f"{where}{model_suffix(args.model)}-{args.prompts}x{args.group}-{args.max_new}{sd}"
     write_results(result_name("kv_cache", device, args.dtype, suffix), payload,
                   f"KV cache, model {args.model}, {args.task} prompts, {args.prompts} x {args.group} rows, up to "
                   f"{args.max_new} new tokens at T={args.temperature}, strategy {args.strategy}, pages of "
@@ -136,6 +147,79 @@ def main() -> None:
                   f"mean {payload['response_lengths']['mean']:.0f}, max {payload['response_lengths']['max']:.0f} "
                   f"tokens; {note}; process peak RSS {payload['max_rss_bytes'] / 2**30:.2f} GiB\n\n"
                   + markdown_table(header, rows), args.out)
+
+
+ATTENTION_ROWS = (2, 8, 32, 128)
+ATTENTION_NEW = (1, 2, 5, 9, 17, 33)
+
+
+def attention_grid(model, args) -> None:
+    """One layer's attention at ``model``'s head shapes over rows x new tokens (``ATTENTION_ROWS`` x
+    ``ATTENTION_NEW``), rows of 200-400 committed positions on scattered pages of ``--page-size``, causal over the
+    new tokens: the paged kernel against gather + :func:`tltlib.kernels.cached_attention`, median of ``--repeats``
+    timings of a few calls each; the same results checked first."""
+    import torch
+    from tltlib import ragged_attention as ra
+    from tltlib.kernels import cached_attention
+    from tltlib.machine import this_machine
+    if model.device.type != "cpu" or ra.kernel() is None:
+        raise SystemExit("error: --attention times the CPU's paged C++ kernels: run it on a CPU with a C++ compiler "
+                         "(the kernel did not build here)")
+    cfg, ps = model.config, args.page_size
+    heads, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    g = torch.Generator().manual_seed(0)
+    results, rows_md = [], []
+    for b in ATTENTION_ROWS:
+        for t in ATTENTION_NEW:
+            committed = torch.randint(200, 400, (b,), generator=g)
+            span = int(committed.max()) + t
+            width = -(-span // ps)
+            k_pages, v_pages = (torch.randn(kvh, b * width + 1, ps, d, generator=g) for _ in range(2))
+            table = torch.randperm(b * width, generator=g).view(b, width).contiguous()
+            q = torch.randn(b, heads, t, d, generator=g)
+            rel = torch.arange(span)[None, None, :] - committed[:, None, None]
+            mask = ((rel < 0) | (rel <= torch.arange(t)[None, :, None])).contiguous()   # [b, t, span]
+            ends, low = committed + t, int(committed.min())
+
+            def gathered():
+                k, v = (p[:, table].transpose(0, 1).reshape(b, kvh, width * ps, d)[:, :, :span]
+                        for p in (k_pages, v_pages))
+                return cached_attention(q, k, v, mask[:, None], low, {}, ends if t == 1 else None)
+
+            def paged():
+                if t == 1:
+                    return ra.paged_ragged_attention(q, k_pages, v_pages, table, ends)
+                return ra.paged_masked_attention(q, k_pages, v_pages, table, ends, mask, low)
+            torch.testing.assert_close(paged(), gathered(), atol=1e-4, rtol=1e-4)
+            med = interleaved_medians({"paged": _calls(paged), "gathered": _calls(gathered)}, "cpu", args.repeats)
+            us = {k: v[0] / CALLS * 1e6 for k, v in med.items()}
+            ratio = us["gathered"] / us["paged"]
+            results.append({"rows": b, "new_tokens": t, "paged_us": us["paged"], "gathered_us": us["gathered"],
+                            "gathered_over_paged": ratio})
+            rows_md.append([b, t, f"{us['paged']:.0f}", f"{us['gathered']:.0f}", f"{ratio:.2f}x"])
+            print(f"rows {b:4d}, {t:2d} new: paged {us['paged']:8.0f} us, gathered {us['gathered']:8.0f} us "
+                  f"({ratio:.2f}x)", file=sys.stderr, flush=True)
+    payload = {"bench": "kv_cache --attention", "machine": machine_info("cpu"), "model": str(args.model),
+               "heads": heads, "kv_heads": kvh, "head_dim": d, "page_size": ps, "settings": vars(args),
+               "results": results}
+    write_results(result_name("kv_attention", "cpu", args.dtype, f"-{this_machine().slug}{model_suffix(args.model)}"),
+                  payload,
+                  f"One layer's attention through block tables, model {args.model} ({heads} heads, {kvh} KV heads, "
+                  f"head dim {d}), pages of {ps} scattered, rows of 200-400 committed positions, causal over the new "
+                  f"tokens; microseconds per call, median of {args.repeats} interleaved timings of {CALLS} calls. "
+                  "paged: the C++ kernels reading the pages in place; gathered: the pages gathered, then the dense "
+                  "path.\n\n" + markdown_table(["rows", "new tokens", "paged us", "gathered us", "gathered / paged"],
+                                                rows_md), args.out)
+
+
+CALLS = 10
+
+
+def _calls(fn):
+    def go():
+        for _ in range(CALLS):
+            fn()
+    return go
 
 
 class _Probe:

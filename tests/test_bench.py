@@ -376,3 +376,18 @@ def test_kv_cache_bench_runs_both_caches_on_one_workload_and_names_the_cpu(tmp_p
     assert res["paged"]["identical_tokens"] and res["dense"]["identical_tokens"]
     assert 1.0 <= res["paged"]["kv_over_held"] < res["dense"]["kv_over_held"]
     assert d["paged_over_dense_speed"] > 0
+
+
+def test_kv_cache_attention_grid_checks_the_paged_kernels_against_the_gathered_path(tmp_path):
+    """``--attention``: every cell of rows x new tokens first checks the paged kernel's output against gather + the
+    dense path (a mismatch fails the run), then times both; the file names this machine's CPU."""
+    from tltlib import ragged_attention as ra
+    from tltlib.machine import this_machine
+    if ra.kernel() is None:
+        pytest.skip("no C++ compiler: the paged kernels cannot be built here")
+    out = bench(tmp_path, "kv_cache", "--attention", "--repeats", "1")
+    assert out.returncode == 0, out.stderr
+    d = json.loads((tmp_path / f"kv_attention-cpu-float32-{this_machine().slug}.json").read_text())
+    cells = {(r["rows"], r["new_tokens"]) for r in d["results"]}
+    assert (2, 1) in cells and (128, 33) in cells and (d["heads"], d["kv_heads"], d["head_dim"]) == (6, 3, 32)
+    assert all(r["paged_us"] > 0 and r["gathered_us"] > 0 for r in d["results"])

@@ -64,6 +64,38 @@ def test_paged_kernel_reads_runs_of_pages_and_scattered_pages_alike():
 
 
 @needs_compiler
+@pytest.mark.parametrize("new", [2, 5])
+def test_paged_masked_kernel_equals_masked_attention_over_gathered_pages(new):
+    """Several new tokens per row under a tree mask (each sees its row's committed positions, itself and a random
+    set of the other new ones; columns before ``mask_from`` all seen): equal to SDPA over the gathered pages, and a
+    hidden position is really hidden."""
+    assert ra.kernel() is not None
+    g = torch.Generator().manual_seed(new)
+    kv_heads, pages, ps, d, heads, rows, width = 3, 48, 4, 8, 6, 4, 8
+    k_pages, v_pages = (torch.randn(kv_heads, pages, ps, d, generator=g) for _ in range(2))
+    table = torch.randperm(pages - 1, generator=g)[: rows * width].view(rows, width).contiguous()
+    committed = torch.tensor([3, 11, 4, 20])
+    ends = committed + new
+    span = int(ends.max())
+    rel = torch.arange(span)[None, None, :] - committed[:, None, None]            # [rows, 1, span]
+    tree = torch.rand(rows, new, new, generator=g) < 0.5
+    tree |= torch.eye(new, dtype=torch.bool)
+    seen = torch.gather(tree, 2, rel.clamp(0, new - 1).expand(rows, new, span))
+    mask = ((rel < 0) | ((rel < new) & seen)).contiguous()                         # [rows, T, span]
+    q = torch.randn(rows, heads, new, d, generator=g)
+    dense = [store[:, table].transpose(0, 1).reshape(rows, kv_heads, -1, d)[:, :, :span] for store in (k_pages, v_pages)]
+    want = torch.nn.functional.scaled_dot_product_attention(q, *dense, attn_mask=mask[:, None], enable_gqa=True)
+    out = ra.paged_masked_attention(q, k_pages, v_pages, table, ends, mask, 0)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ra.paged_masked_attention(q, k_pages, v_pages, table, ends, mask, 3), want,
+                               atol=1e-5, rtol=1e-5)                               # 0 .. 2 committed: all seen
+    hide = mask.clone()
+    hide[3, new - 1, 5] = False
+    assert not torch.allclose(ra.paged_masked_attention(q, k_pages, v_pages, table, ends, hide, 0)[3, :, new - 1],
+                              out[3, :, new - 1], atol=1e-4)
+
+
+@needs_compiler
 def test_kernel_refuses_limits_outside_the_span():
     assert ra.kernel() is not None
     q, k = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 5, 8)

@@ -52,6 +52,9 @@ class CacheWrite:
     table: torch.Tensor | None = None
     """A paged cache's ``[rows, pages]`` int64 block tables covering ``span`` (:class:`tltlib.paged_cache.PagedKVCache`);
     None for the dense cache."""
+    ends: torch.Tensor | None = None
+    """A paged cache's ``[rows]`` int64 slots each row holds once this forward has written (committed, uncommitted
+    and new), which its CPU kernels read up to; None for the dense cache and on a captured graph's fixed span."""
 
 
 def check_fixed_span(cache, new_slots: int) -> bool:
@@ -173,10 +176,27 @@ class KVCache:
     def make_room(self, tokens: int) -> None:
         """Nothing to take: every row's slots up to ``max_len`` are allocated (the paged cache takes pages here)."""
 
-    def check_holds(self, tokens: int) -> None:
+    def pages_short(self, tokens: int, rows: int = 0, rows_tokens: int = 0) -> int:
+        """0: nothing is ever short (see :meth:`tltlib.paged_cache.PagedKVCache.pages_short`)."""
+        return 0
+
+    def add_rows(self, n: int) -> None:
+        """``n`` empty rows after the active ones (a rollout re-admitting preempted rows prefills them through
+        :meth:`view`)."""
+        if self.rows + n > self.capacity:
+            raise ValueError(f"{type(self).__name__}.add_rows: {self.rows} + {n} rows exceed the {self.capacity} "
+                             "the cache was made for")
+        self.lengths[self.rows: self.rows + n] = 0
+        self.rows += n
+        self._refresh()
+
+    def check_holds(self, tokens: int, what: str = "") -> None:
         """Refuse a row of ``tokens`` tokens longer than the cache (the paged cache checks its pool)."""
         if tokens > self.max_len:
-            raise ValueError(f"a row of {tokens:,} tokens does not fit a KV cache of max_len {self.max_len}")
+            raise ValueError(f"a row of {tokens:,} tokens{what} does not fit a KV cache of max_len {self.max_len}")
+
+    def check_prefill(self, prompt_lengths: list[int], group: int) -> None:
+        """Nothing to check: the allocation holds every row (the paged cache checks its pool)."""
 
     def memory(self) -> dict[str, int]:
         """As :meth:`tltlib.paged_cache.PagedKVCache.memory`: the allocation is used, peak and pool alike."""

@@ -15,10 +15,12 @@ could grow to:
 * compaction (:meth:`~PagedKVCache.select_rows`) moves block tables, not data: finished rows' pages go back to the
   pool, and ``select_rows(arange(P).repeat_interleave(G))`` gives the G samples of a prompt the prompt's pages
   (shared, reference-counted: no G-fold copy);
-* attention reads through the block tables: a decode step on a CPU by the ragged C++ kernel
-  (:func:`tltlib.ragged_attention.paged_ragged_attention`, no copy), everything else (prefill, verifies, trees,
-  CUDA) over the rows' pages gathered into a ``[rows, kv_heads, span, head_dim]`` block and the dense cache's
-  masked kernels, which also runs under CUDA graphs (the gather has fixed shapes at a fixed span).
+* attention reads through the block tables: on a CPU, a decode step and a verify of up to
+  :data:`MASKED_KERNEL_MAX_NEW` tokens by the C++ kernels (:func:`tltlib.ragged_attention.paged_ragged_attention`,
+  :func:`~tltlib.ragged_attention.paged_masked_attention`, no copy; a row's pages are kept in runs,
+  :class:`tltlib.pages.PagePool`, which they read as one stretch); everything else (prefills, longer trees, CUDA)
+  over the rows' pages gathered into a ``[rows, kv_heads, span, head_dim]`` block and the dense cache's masked
+  kernels, which also runs under CUDA graphs (the gather has fixed shapes at a fixed span).
 
 The pool is sized by a memory budget (:class:`KVConfig`: bytes, or a share of the memory free when the cache is
 made), capped at what a dense cache of the same rows would take. When it runs out, :meth:`PagedKVCache.prepare`
@@ -27,8 +29,9 @@ raises :class:`KVCacheFull` before it changes anything.
 Paper: TLT §5 runs its rollouts on SGLang, whose token pool is paged; vLLM's PagedAttention (Kwon et al., SOSP
 2023) introduced block tables with copy-on-write sharing.
 
-Departures: the CPU decode kernel reads the pages in place; the other forwards gather the rows' pages first (vLLM
-and SGLang read pages in place in every kernel), which costs one copy of the pages they read.
+Departures: on a CPU the decode and short-verify kernels read the pages in place; the other forwards gather the
+rows' pages first (vLLM and SGLang read pages in place in every kernel), which costs one copy of the pages they
+read: on CUDA that is every forward (a paged FlexAttention or Triton kernel is the next step there).
 """
 from __future__ import annotations
 
@@ -41,9 +44,16 @@ from .memory import available_bytes
 from .kvcache import CacheWrite, KVCache, attention_mask, check_fixed_span
 from .pages import BlockTables, PagePool, check_page_size, kv_bytes_per_token, pages_for, pages_in_budget
 from .ragged_attention import kernel as ragged_kernel
-from .ragged_attention import paged_ragged_attention
+from .ragged_attention import paged_masked_attention, paged_ragged_attention
 
 KINDS = ("paged", "dense")
+
+MASKED_KERNEL_MAX_NEW = 12
+"""Most new tokens per row the CPU's masked paged kernel takes; longer forwards (prefills, big trees) gather the
+pages and use BLAS. Between the crossover's sides measured on an AMD EPYC (2 threads, ``bench kv_cache
+--attention``, bench/results/kv_attention-cpu-float32-amd-epyc-2t.md): the kernel 1.3-4.6x faster than gather +
+the dense path at 2-9 tokens over 2-128 rows, 0.84-1.15x at 17, 0.66-0.74x at 33. A fact about that CPU: another
+may cross elsewhere (rerun the bench there)."""
 
 
 @dataclass(frozen=True)
@@ -162,11 +172,9 @@ class PagedKVCache:
         return self.k[:, :, 0].numel() * 2 * self.k.element_size()
 
     # ----------------------------------------------------------------------------------------------- pages
-    def make_room(self, tokens: int) -> None:
-        """Give every active row pages for ``tokens`` slots after its committed length, each a page of its own
-        (copy-on-write of a page it shares); :class:`KVCacheFull`, with nothing taken, when the pool is short.
-
-        :meth:`prepare` calls it; a captured graph's caller calls it before the replay (the graph cannot)."""
+    def _short(self, tokens: int) -> tuple[list[int], int]:
+        """The active rows that need pages to write ``tokens`` slots after their committed lengths, and the free
+        pages they need in all (new pages, copies of shared ones)."""
         blocks, size, r0 = self.blocks, self.page_size, self.row0
         refs, lens, pages = blocks.pool.refs, blocks.lengths, blocks.pages
         need = []                                  # the decode loop's path: O(1) per row that needs nothing
@@ -175,13 +183,44 @@ class PagedKVCache:
             first = start // size
             if start + tokens > len(held) * size or (first < len(held) and refs[held[first]] > 1):
                 need.append(r)
+        return need, sum(blocks.pages_to_write(r, lens[r], tokens) for r in need)
+
+    def pages_short(self, tokens: int, rows: int = 0, rows_tokens: int = 0) -> int:
+        """Pages the pool lacks for every active row to write ``tokens`` more slots, plus ``rows`` new rows of
+        ``rows_tokens`` tokens each (0: it fits). Admission by memory asks this before an iteration."""
+        _, extra = self._short(tokens)
+        return max(0, extra + rows * pages_for(rows_tokens + tokens, self.page_size) - self.pool.free)
+
+    def add_rows(self, n: int) -> None:
+        """``n`` empty rows after the active ones, holding no page (a rollout re-admitting preempted rows prefills
+        them through :meth:`view`)."""
+        if self.row0:
+            raise ValueError("add_rows on a view: add rows to the cache the view was made from")
+        if self.rows + n > self.capacity:
+            raise ValueError(f"PagedKVCache.add_rows: {self.rows} + {n} rows exceed the {self.capacity} the cache "
+                             "was made for")
+        for r in range(self.rows, self.rows + n):
+            self.blocks.release(r)
+            self._mark(r)
+        self._sync_table()
+        self.lengths[self.rows: self.rows + n] = 0
+        self.rows += n
+        self._refresh()
+
+    def make_room(self, tokens: int) -> None:
+        """Give every active row pages for ``tokens`` slots after its committed length, each a page of its own
+        (copy-on-write of a page it shares); :class:`KVCacheFull`, with nothing taken, when the pool is short.
+
+        :meth:`prepare` calls it; a captured graph's caller calls it before the replay (the graph cannot)."""
+        blocks = self.blocks
+        need, extra = self._short(tokens)
         if not need:
             return
-        extra = sum(blocks.pages_to_write(r, lens[r], tokens) for r in need)
         if extra > blocks.pool.free:
             raise KVCacheFull(f"the KV page pool has {blocks.pool.free} free page(s) of {blocks.pool.num_pages}, "
                               f"{len(need)} row(s) need {extra} more for {tokens} token(s) each: give the rollout a "
                               "larger budget (RolloutConfig.kv = KVConfig(memory=...)) or fewer rows")
+        lens = blocks.lengths
         copies = []
         for r in need:
             pairs = blocks.writable(r, lens[r], tokens)
@@ -239,6 +278,8 @@ class PagedKVCache:
         index = self._slots(offset + torch.arange(num_new, device=lengths.device)[None, :])
         write = attention_mask(index, lengths, span, num_new, tree_mask, offset, self.min_used, self.max_used, fixed)
         write.table = self.table[: self.rows, : pages_for(span, self.page_size)].contiguous()
+        if not fixed and lengths.device.type == "cpu":
+            write.ends = lengths + (offset + num_new)
         return write
 
     def write(self, layer: int, where: CacheWrite, k_new: torch.Tensor,
@@ -263,27 +304,40 @@ class PagedKVCache:
 
     def attend(self, layer: int, where: CacheWrite, q: torch.Tensor, k_new: torch.Tensor,
                v_new: torch.Tensor) -> torch.Tensor:
-        """As :meth:`tltlib.kvcache.KVCache.attend`. Where this machine's kernel table picks the ragged kernel (one
-        new token per row on a CPU in float32: decode, chain drafting), its paged twin reads the pages in place;
-        other forwards attend over the rows' gathered pages by the kernel the table picks."""
+        """As :meth:`tltlib.kvcache.KVCache.attend`. On a CPU in float32 with the C++ kernel built, the paged kernels
+        read the pages in place: one new token per row (decode, chain drafting), or up to
+        :data:`MASKED_KERNEL_MAX_NEW` under the forward's mask (chain and tree verifies, drafter tree levels); other
+        forwards (prefills, CUDA) attend over the rows' gathered pages by :func:`tltlib.kernels.cached_attention`."""
         self._store(layer, where, k_new, v_new)
         kind = where.memo.get("paged")                 # chosen on the first layer, for the forward's every layer
         if kind is None:
             kind = where.memo["paged"] = self._kernel(q, where)
         if kind == "ragged":
             return paged_ragged_attention(q, self.k[layer], self.v[layer], where.table, where.limits)
+        if kind == "masked":
+            if "paged_mask" not in where.memo:
+                where.memo["paged_mask"] = where.mask[:, 0].contiguous()
+            return paged_masked_attention(q, self.k[layer], self.v[layer], where.table, where.ends,
+                                          where.memo["paged_mask"], where.mask_from)
         k, v = self._gather(self.k[layer], where), self._gather(self.v[layer], where)
         return cached_attention(q, k, v, where.mask, where.mask_from, where.memo, where.limits)
 
-    def _kernel(self, q: torch.Tensor, where: CacheWrite) -> str:
-        """``ragged`` where the paged ragged kernel can run (one new token per row, float32 on a CPU, the kernel
-        built), whatever the kernel table says: the table's cells are measured on dense views, and here every other
-        kernel pays a gather of the rows' pages first (on an AMD EPYC, 2 threads: the paged kernel 4-13x faster than
-        gather + matmul at 1-32 rows of 200-700 positions, ``bench kv_cache --attention``); else ``default``
+    @staticmethod
+    def _kernel(q: torch.Tensor, where: CacheWrite) -> str:
+        """``ragged`` (one new token per row) or ``masked`` (2 .. :data:`MASKED_KERNEL_MAX_NEW` under a mask) where
+        the paged kernels can run (float32 on a CPU, the kernel built), whatever the kernel table says: its cells
+        are measured on dense views, and here every other kernel pays a gather of the rows' pages first (AMD EPYC,
+        2 threads, ``bench kv_cache --attention``: the paged kernel 3.0-5.0x faster than gather + the dense path for
+        one token at 2-128 rows, 1.3-4.6x for 2-9 tokens); else ``default``
         (:func:`tltlib.kernels.cached_attention` decides over the gathered pages)."""
-        if where.limits is None or q.dtype != torch.float32 or q.is_cuda or ragged_kernel() is None:
+        if q.dtype != torch.float32 or q.is_cuda or where.ends is None or ragged_kernel() is None:
             return "default"
-        return "ragged"
+        t = q.shape[2]
+        if t == 1 and where.limits is not None:
+            return "ragged"
+        if 1 < t <= MASKED_KERNEL_MAX_NEW and where.mask is not None:
+            return "masked"
+        return "default"
 
     # ------------------------------------------------------------------------------------------- bookkeeping
     def _refresh(self) -> None:
@@ -395,15 +449,27 @@ class PagedKVCache:
         """Committed tokens of the active rows, a shared page's tokens counted once: what the data needs."""
         return self.blocks.held_tokens()
 
-    def check_holds(self, tokens: int) -> None:
-        """Refuse a rollout whose longest row (``tokens``: its prompt and first new token) cannot fit the pool even
-        alone, naming the budget it needs."""
+    def check_holds(self, tokens: int, what: str = "") -> None:
+        """Refuse a rollout whose longest row (``tokens``: its prompt and every token it may generate; ``what``
+        says so in the message) cannot fit the pool even alone, naming the budget it needs: admission by memory
+        can always finish a rollout by running its rows one at a time, as long as one fits."""
         need = pages_for(tokens, self.page_size)
         if need > self.pool.num_pages:
-            raise ValueError(f"a prompt of {tokens - 1:,} tokens needs {need} KV pages but the budget holds "
+            raise ValueError(f"a row of {tokens:,} tokens{what} needs {need} KV pages but the budget holds "
                              f"{self.pool.num_pages} ({self.pool.num_pages * self.bytes_per_page:,} bytes): give the "
                              f"rollout at least {need * self.bytes_per_page:,} bytes (RolloutConfig.kv = "
-                             "KVConfig(memory=...)) or shorten the prompt")
+                             "KVConfig(memory=...)), or shorten the prompt or max_new_tokens")
+
+    def check_prefill(self, prompt_lengths: list[int], group: int) -> None:
+        """Refuse a rollout whose prefill cannot fit: every prompt's pages (its ``group`` samples share them) and one
+        page for a first new token, naming the budget it needs (fewer prompts per rollout are the other way out).
+        Samples that cannot get their own pages then wait (admission by memory)."""
+        need = sum(pages_for(n, self.page_size) for n in prompt_lengths) + 1
+        if need > self.pool.num_pages:
+            raise ValueError(f"the prefill of {len(prompt_lengths)} prompts needs {need} KV pages but the budget "
+                             f"holds {self.pool.num_pages} ({self.pool.num_pages * self.bytes_per_page:,} bytes): "
+                             f"give the rollout at least {need * self.bytes_per_page:,} bytes (RolloutConfig.kv = "
+                             "KVConfig(memory=...)) or fewer prompts per rollout")
 
     def memory(self) -> dict[str, int]:
         """``used_bytes`` (pages held now), ``peak_bytes`` (most pages held since the last reset), ``held_bytes``

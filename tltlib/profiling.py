@@ -40,6 +40,9 @@ METRICS: dict[str, str] = {
     "rollout/kv_peak_bytes": "most bytes the KV caches held at once (paged: pages in use, transient ones included; "
                              "dense: the allocation)",
     "rollout/kv_pool_bytes": "bytes the KV caches take (the paged pools, or the dense caches)",
+    "rollout/preempted": "rows taken out of the batch because the KV budget could not hold their next tokens "
+                         "(admission by memory; each re-admitted later by recomputing its tokens)",
+    "rollout/recomputed_tokens": "tokens prefilled again to re-admit preempted rows",
     "rollout/graph_replays": "CUDA graph replays (decode, verify and draft forwards; CUDA only)",
     "rollout/graph_captures": "CUDA graphs captured during the rollout (first use of a row/span bucket)",
     "rollout/graph_capture_s": "seconds spent capturing CUDA graphs (included in rollout/time_s)",

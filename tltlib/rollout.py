@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from . import admission
 from .kernels import packed_weights
 from .ngram import NgramConfig, NgramDrafter
 from .rollout_config import RolloutConfig  # noqa: F401  (the engine's config, importable from here too)
@@ -228,7 +229,13 @@ class Rollout:
         self.done = False
         ws = engine.kept.workspace(self, N, max_len)
         self.cache, self.spec, self.replay = ws.cache, ws.spec, ws.replay
-        self.cache.check_holds(max(map(len, self.prompts)) + 1)
+        longest = int((plen + self.budget.cpu().view(P, G).amax(1)).max())
+        for cache in (self.cache, self.spec.cache):    # admission's worst case: one row alone, plain (+1: a flush)
+            if cache is not None:
+                cache.check_holds(longest + 1, " (its prompt, max_new_tokens and one more)")
+                cache.check_prefill(plen.tolist(), G)
+        self.waiting: list[int] = []                  # preempted sequence ids (tltlib.admission), lowest first
+        self.preempted = self.recomputed_tokens = 0
         self._graph_stats0 = dict(self.replay.pool.stats) if self.replay.pool is not None else {}
         self.ngram, self.suffix = None, None          # the model-free drafters (NgramDrafter, SuffixDrafter), on use
         self.eos = torch.tensor(engine.eos_ids, device=dev)
@@ -302,8 +309,8 @@ class Rollout:
 
     @property
     def running(self) -> bool:
-        """Rows are still generating."""
-        return self.active > 0
+        """Rows are still generating (or waiting to, preempted for memory)."""
+        return self.active > 0 or bool(self.waiting)
 
     @property
     def elapsed(self) -> float:
@@ -318,17 +325,22 @@ class Rollout:
         if not self.running:
             return False
         self.iteration += 1
+        if self.waiting:                           # preempted rows back first: the strategy sees them running
+            with packed_weights(self.packs):
+                admission.readmit(self)
         left = max(self._uniform_until - self.iteration, 0)    # plain steps the rows may stay at one length
         st = self.strategy = strategy or (
             self.source.choose(self.iteration, self.active, backlog=self.spec.backlog_max, uniform_left=left)
             if getattr(self.source, "wants_backlog", False) else self.source.choose(self.iteration, self.active))
         self._check(st)
         self._compact_if_due()
+        st = self.strategy = admission.fit(self, st)   # admission by memory: preempt rows until it fits
         # rows that finished but are not compacted away yet are computed and commit nothing
         commit = 1 if self.active == int(self.seq.numel()) else self.alive.long()
         with packed_weights(self.packs):
             out = self._decode(commit) if not st.enabled else self._speculate(st, commit)
-            self._uniform_until *= not st.enabled     # after an SD step the rows are at unequal lengths for good
+            if st.enabled:
+                self.uniform_broken()
         self.spec.record(out)                     # the drafter's backlog: every emitted (hidden, token)
         self._record(out)
         for hook in self.hooks:
@@ -387,11 +399,18 @@ class Rollout:
         """Drop finished rows from the caches once enough have finished (later forwards run on fewer rows)."""
         rows = int(self.seq.numel())
         if rows > self.active and rows - self.active >= max(1, self.engine.config.compact_fraction * rows):
-            kept = self.alive.nonzero()[:, 0]
-            self.cache.select_rows(kept)
-            self.spec.select_rows(kept)
-            self.seq, self.last, self.alive, self.n_gen = (self.seq[kept], self.last[kept], self.alive[kept],
-                                                           self.n_gen[kept])
+            self.select(self.alive.nonzero()[:, 0])
+
+    def select(self, kept: torch.Tensor) -> None:
+        """Keep rows ``kept`` (``[n]`` indices into the batch) of the caches and the per-row state."""
+        self.cache.select_rows(kept)
+        self.spec.select_rows(kept)
+        self.seq, self.last, self.alive, self.n_gen = (self.seq[kept], self.last[kept], self.alive[kept],
+                                                       self.n_gen[kept])
+
+    def uniform_broken(self) -> None:
+        """The rows are at unequal lengths from now on (an SD step, a preemption, a re-admission)."""
+        self._uniform_until = 0
 
     # ----------------------------------------------------------------------------------------------- record
     def _record(self, out: Emitted) -> None:
@@ -474,6 +493,8 @@ class Rollout:
                               total, self.prefill_s)
         stats.update(spec_stats(timeline))
         stats.update(kv_stats([self.cache, self.spec.cache]))
+        stats.update({"rollout/preempted": float(self.preempted),
+                      "rollout/recomputed_tokens": float(self.recomputed_tokens)})
         if self.replay.pool is not None:
             g = {k: v - self._graph_stats0.get(k, 0) for k, v in self.replay.pool.stats.items()}
             stats.update({"rollout/graph_replays": float(g["replays"]), "rollout/graph_captures": float(g["captures"]),

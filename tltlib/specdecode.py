@@ -244,6 +244,24 @@ class SpecDecoder:
             self.backlog_h[:n, :w] = self.backlog_h[index, :w]
             self.backlog_tok[:n, :w] = self.backlog_tok[index, :w]
         self.backlog_n[:n] = self.backlog_n[index]
+        self.backlog_max = int(self.backlog_n[:n].max()) if n and w else 0   # exact again (rows dropped)
+
+    def add_rows(self, tokens: torch.Tensor, hidden: torch.Tensor, lengths: torch.Tensor,
+                 last_hidden: torch.Tensor, last_tokens: torch.Tensor) -> None:
+        """Rows re-admitted after the active ones (:mod:`tltlib.admission`): the pairs of their recomputed
+        ``tokens [n, T]`` (``lengths`` real) and target ``hidden [n, T, H]`` fed to the drafter as a prefill, and
+        the pair that produced their pending token, ``(last_hidden [n, H], last_tokens [n])``, left in the backlog,
+        as after the rollout's own prefill."""
+        if self.drafter is None:
+            return
+        b0, n = self.cache.rows, tokens.shape[0]
+        self.cache.add_rows(n)
+        self.prefill(slice(b0, b0 + n), tokens, hidden, lengths)
+        self.cache.sync_from_views()
+        self.backlog_h[b0: b0 + n, 0] = last_hidden
+        self.backlog_tok[b0: b0 + n, 0] = last_tokens
+        self.backlog_n[b0: b0 + n] = 1
+        self.backlog_max = max(self.backlog_max, 1)
 
     # ------------------------------------------------------------------------------------------- the step
     def draft_and_verify(self, strategy: SpecStrategy, root: torch.Tensor, tcache: KVCache,
