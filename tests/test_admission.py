@@ -66,8 +66,9 @@ def test_a_rollout_larger_than_its_budget_preempts_and_gives_the_unconstrained_t
         TARGET_PAGE
 
 
-@pytest.mark.parametrize("strategy", [None, SpecStrategy("chain", 3), SpecStrategy("tree", 3, 2, 5)],
-                         ids=["plain", "chain-3", "tree"])
+@pytest.mark.parametrize("strategy", [None, SpecStrategy("chain", 3), SpecStrategy("tree", 3, 2, 5),
+                                      SpecStrategy("tree", 4, 3, 4)],
+                         ids=["plain", "chain-3", "tree", "tree-drafts-more-than-it-verifies"])
 def test_preempted_rows_sample_from_the_policy_their_log_probs_match_the_training_forward(target, drafter, strategy):
     """Sampled (T=0.9), with the drafter's cache paged too: under a tight budget the rollout finishes, rows were
     preempted, and every response's recorded log-probs equal the training forward's over its tokens."""
@@ -102,11 +103,26 @@ def test_the_sd_switch_sees_running_rows_not_waiting_ones(target, drafter):
 
 def test_a_budget_that_cannot_hold_the_longest_row_or_the_prefill_is_refused_before_the_rollout(target):
     with pytest.raises(ValueError, match=r"a row of 56 tokens \(its prompt, max_new_tokens and one more\) needs 14 "
-                                         r"KV pages but the budget holds 13 .*at least 14,336 bytes"):
+                                         r"pages of KV cache but its budget holds 13: give RolloutConfig.kv = "
+                                         r"KVConfig\(memory=...\) at least 14,336 bytes"):
         _engine(target, _tight(13)).generate(PROMPTS)                   # the 7-token prompt + 48 new + 1
     many = [[1, 3, 4, 5, 6, 8, 9, 10, 11]] * 4                           # 3 pages each, shared by the samples
-    with pytest.raises(ValueError, match=r"the prefill of 4 prompts needs 13 KV pages but the budget holds 12 "
-                                         r".*fewer prompts per rollout"):
+    with pytest.raises(ValueError, match=r"the prefill of 4 prompts needs 13 pages of KV cache but its budget holds "
+                                         r"12: .*fewer prompts per rollout"):
         _engine(target, _tight(12), max_new=8).generate(many)
     out = _engine(target, _tight(13), max_new=8).generate(many)        # 12 prompt pages + 1: the samples take turns
     assert out.stats["rollout/preempted"] > 0 and (out.lengths >= 1).all()
+    padded = [[1, 3, 4, 5]] * 3 + [[1, 3, 4, 5, 6]]                     # one prefill chunk, padded to 2 pages a row
+    with pytest.raises(ValueError, match=r"the prefill of 4 prompts needs 9 pages"):
+        _engine(target, _tight(8), max_new=4).generate(padded)
+    assert _engine(target, _tight(9), max_new=4).generate(padded).num_sequences == 12
+
+
+def test_with_a_drafter_the_refusal_names_the_whole_budget_it_is_a_share_of(target, drafter):
+    """The budget is split between the target's cache and the drafter's: the bytes named are the whole budget's."""
+    with pytest.raises(ValueError, match=r"needs 14 pages of KV cache .* at least (\d[\d,]*) bytes \(this cache gets "
+                                         r"67% of it") as err:
+        _engine(target, _tight(13, drafter), drafter).generate(PROMPTS)
+    named = int(err.value.args[0].split("at least ")[1].split(" bytes")[0].replace(",", ""))
+    per_token = kv_bytes_per_token(CFG.num_layers, CFG.num_kv_heads, CFG.dim_head, 4)
+    assert named >= 14 * TARGET_PAGE * (CFG.num_layers + 1) // CFG.num_layers >= 14 * PAGE * per_token

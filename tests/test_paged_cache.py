@@ -152,7 +152,7 @@ def test_a_prompt_the_budget_can_never_hold_is_refused_before_the_rollout(target
     kv = KVConfig(memory=2 * per_page, page_size=4)                       # bytes: two pages
     eng = RolloutEngine(target, RolloutConfig(SamplingConfig(max_new_tokens=4), kv=kv))
     with pytest.raises(ValueError, match=f"a row of 14 tokens \\(its prompt, max_new_tokens and one more\\) needs 4 "
-                                         f"KV pages but the budget holds 2 .*at least {4 * per_page:,} bytes"):
+                                         f"pages of KV cache but its budget holds 2: .*at least {4 * per_page:,} bytes"):
         eng.generate([[1] * 9])
     out = eng.generate([[1] * 3])                                         # 3 + 4 + 1 tokens fit two pages of 4
     assert out.stats["rollout/kv_pool_bytes"] == 2 * per_page

@@ -24,7 +24,8 @@ running ones when decode runs out of it.
 Departures:
 1. Preemption picks the highest sequence ids (the last prompts' samples), not the most recently admitted rows.
 2. The room an iteration needs is bounded per row (one token plain; the verify's tokens for SD, plus the drafter's
-   backlog on its cache), not counted exactly: a pool within a few pages of full preempts a row early.
+   backlog and levels on its cache), not counted exactly: a pool within a few pages of full preempts a row early.
+3. An SD step that does not fit runs plain when plain fits every running row, instead of preempting rows for it.
 """
 from __future__ import annotations
 
@@ -42,9 +43,12 @@ grow with rows x length^2."""
 
 
 def _needs(rollout, st: SpecStrategy) -> tuple[int, int]:
-    """Slots per row the next iteration may write into the target's cache and into the drafter's."""
+    """Slots per row the next iteration may write into the target's cache (the verify's tokens and the root, or one
+    token) and into the drafter's (its backlog: a catch-up or a flush; and a learned drafter's levels: ``top_k`` per
+    level of a tree, one per level of a chain)."""
     step = st.verify_tokens + 1 if st.enabled else 1
-    return step, rollout.spec.backlog_max + step
+    drafts = max(step, st.top_k * st.depth) if st.uses_drafter else 0
+    return step, rollout.spec.backlog_max + drafts + 1
 
 
 def pages_short(rollout, st: SpecStrategy, extra: int = 0, rows: int = 0, rows_tokens: int = 0) -> int:
@@ -58,14 +62,16 @@ def pages_short(rollout, st: SpecStrategy, extra: int = 0, rows: int = 0, rows_t
 
 
 def fit(rollout, st: SpecStrategy) -> SpecStrategy:
-    """Before an iteration under ``st`` (after :func:`readmit` and the strategy's choice): preempt running rows
-    until the iteration fits. Returns the strategy to run: ``st``, or plain when even a single running row cannot
-    hold an SD step's drafts (a row can always hold its next plain token)."""
+    """Before an iteration under ``st`` (after :func:`readmit` and the strategy's choice): the strategy to run, after
+    preempting rows if needed. ``st`` when it fits; else a plain step when that fits every running row (no recompute
+    spent on an SD step's drafts); else a plain step after preempting running rows until it fits (one row always
+    does: the rollout checked its longest row fits alone)."""
     if not pages_short(rollout, st):
         return st
-    preempt(rollout, st)
-    if pages_short(rollout, st) and st.enabled:
-        st = OFF
+    if st.enabled and not pages_short(rollout, OFF):
+        return OFF                                  # every row keeps running: cheaper than a recompute
+    preempt(rollout, OFF)
+    st = OFF
     if pages_short(rollout, st):
         raise RuntimeError("admission by memory: one running row cannot hold its next token although the rollout "
                            "checked that its longest row fits the KV budget; this is a bug, please report it")
@@ -101,10 +107,10 @@ def readmit(rollout) -> None:
     if int(rollout.seq.numel()) > rollout.active:          # finished rows give their pages back first
         rollout.select(rollout.alive.nonzero()[:, 0])
     while rollout.waiting:
-        headroom = HEADROOM_TOKENS if rollout.active else 0   # an empty batch takes a row that fits (one always does)
         batch, longest = [], 0
         for s in rollout.waiting:
             n = _recompute_length(rollout, s)
+            headroom = HEADROOM_TOKENS if rollout.active or batch else 0   # an empty batch: its first row that fits
             rows = len(batch) + 1
             if rollout.cache.rows + rows > rollout.cache.capacity or (batch and rows * max(longest, n) >
                                                                          RECOMPUTE_TOKENS):

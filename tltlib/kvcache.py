@@ -190,12 +190,12 @@ class KVCache:
         self.rows += n
         self._refresh()
 
-    def check_holds(self, tokens: int, what: str = "") -> None:
+    def check_holds(self, tokens: int, what: str = "", share: float = 1.0, name: str = "") -> None:
         """Refuse a row of ``tokens`` tokens longer than the cache (the paged cache checks its pool)."""
         if tokens > self.max_len:
             raise ValueError(f"a row of {tokens:,} tokens{what} does not fit a KV cache of max_len {self.max_len}")
 
-    def check_prefill(self, prompt_lengths: list[int], group: int) -> None:
+    def check_prefill(self, chunks: list[list[int]], share: float = 1.0, name: str = "") -> None:
         """Nothing to check: the allocation holds every row (the paged cache checks its pool)."""
 
     def memory(self) -> dict[str, int]:

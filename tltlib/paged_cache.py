@@ -449,27 +449,39 @@ class PagedKVCache:
         """Committed tokens of the active rows, a shared page's tokens counted once: what the data needs."""
         return self.blocks.held_tokens()
 
-    def check_holds(self, tokens: int, what: str = "") -> None:
+    def check_holds(self, tokens: int, what: str = "", share: float = 1.0, name: str = "") -> None:
         """Refuse a rollout whose longest row (``tokens``: its prompt and every token it may generate; ``what``
-        says so in the message) cannot fit the pool even alone, naming the budget it needs: admission by memory
-        can always finish a rollout by running its rows one at a time, as long as one fits."""
+        says so in the message) cannot fit the pool even alone, naming the budget it needs (this cache holds
+        ``share`` of ``KVConfig.memory``; ``name``: whose cache, e.g. "the drafter's "): admission by memory can
+        always finish a rollout by running its rows one at a time, as long as one fits."""
         need = pages_for(tokens, self.page_size)
         if need > self.pool.num_pages:
-            raise ValueError(f"a row of {tokens:,} tokens{what} needs {need} KV pages but the budget holds "
-                             f"{self.pool.num_pages} ({self.pool.num_pages * self.bytes_per_page:,} bytes): give the "
-                             f"rollout at least {need * self.bytes_per_page:,} bytes (RolloutConfig.kv = "
-                             "KVConfig(memory=...)), or shorten the prompt or max_new_tokens")
+            raise ValueError(f"a row of {tokens:,} tokens{what} needs {need} pages of {name}KV cache but its budget "
+                             f"holds {self.pool.num_pages}: {self._give(need, share)}, or shorten the prompt or "
+                             "max_new_tokens")
 
-    def check_prefill(self, prompt_lengths: list[int], group: int) -> None:
-        """Refuse a rollout whose prefill cannot fit: every prompt's pages (its ``group`` samples share them) and one
-        page for a first new token, naming the budget it needs (fewer prompts per rollout are the other way out).
-        Samples that cannot get their own pages then wait (admission by memory)."""
-        need = sum(pages_for(n, self.page_size) for n in prompt_lengths) + 1
+    def _give(self, pages: int, share: float) -> str:
+        """What to give the budget for ``pages`` pages when this cache holds ``share`` of it."""
+        need = pages * self.bytes_per_page
+        total = need if share >= 1 else -(-need * 10**6 // round(share * 10**6))
+        split = "" if share >= 1 else f" (this cache gets {share:.0%} of it, the rest goes to the other's)"
+        return f"give RolloutConfig.kv = KVConfig(memory=...) at least {total:,} bytes{split}"
+
+    def check_prefill(self, chunks: list[list[int]], share: float = 1.0, name: str = "") -> None:
+        """Refuse a rollout whose prefill cannot fit: the prompts prefilled in ``chunks`` (their lengths, chunk by
+        chunk), each chunk's rows padded to its longest while it runs, the earlier chunks at their own lengths (a
+        prompt's samples share its pages), and one page for a first new token; naming the budget it needs (fewer
+        prompts per rollout are the other way out; ``share``, ``name`` as :meth:`check_holds`). Samples that cannot
+        get their own pages then wait (admission by memory)."""
+        size, held, need = self.page_size, 0, 0
+        for chunk in chunks:
+            need = max(need, held + len(chunk) * pages_for(max(chunk), size))
+            held += sum(pages_for(n, size) for n in chunk)
+        need = max(need, held) + 1
         if need > self.pool.num_pages:
-            raise ValueError(f"the prefill of {len(prompt_lengths)} prompts needs {need} KV pages but the budget "
-                             f"holds {self.pool.num_pages} ({self.pool.num_pages * self.bytes_per_page:,} bytes): "
-                             f"give the rollout at least {need * self.bytes_per_page:,} bytes (RolloutConfig.kv = "
-                             "KVConfig(memory=...)) or fewer prompts per rollout")
+            prompts = sum(map(len, chunks))
+            raise ValueError(f"the prefill of {prompts} prompts needs {need} pages of {name}KV cache but its budget "
+                             f"holds {self.pool.num_pages}: {self._give(need, share)}, or fewer prompts per rollout")
 
     def memory(self) -> dict[str, int]:
         """``used_bytes`` (pages held now), ``peak_bytes`` (most pages held since the last reset), ``held_bytes``

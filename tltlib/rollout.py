@@ -43,7 +43,7 @@ from .profiling import rollout_stats, spec_stats
 from .sampling import sample_from_logits
 from .specdecode import Emitted
 from .speculative import OFF, SpecStrategy, StrategySource, strategy_source
-from .workspace import Kept
+from .workspace import Kept, kv_share
 
 
 @dataclass
@@ -230,12 +230,16 @@ class Rollout:
         ws = engine.kept.workspace(self, N, max_len)
         self.cache, self.spec, self.replay = ws.cache, ws.spec, ws.replay
         longest = int((plen + self.budget.cpu().view(P, G).amax(1)).max())
-        for cache in (self.cache, self.spec.cache):    # admission's worst case: one row alone, plain (+1: a flush)
-            if cache is not None:
-                cache.check_holds(longest + 1, " (its prompt, max_new_tokens and one more)")
-                cache.check_prefill(plen.tolist(), G)
+        share = kv_share(model, engine.drafter)
+        order = sorted(len(p) for p in self.prompts)
+        chunks = [order[c0:c1] for c0, c1 in prefill_chunks(order, cfg.prefill_rows)]
+        for cache, part, name in ((self.cache, share, ""), (self.spec.cache, 1 - share, "the drafter's ")):
+            if cache is not None:                     # admission's worst case: one row alone, plain (+1: a flush)
+                cache.check_holds(longest + 1, " (its prompt, max_new_tokens and one more)", part, name)
+                cache.check_prefill(chunks, part, name)
         self.waiting: list[int] = []                  # preempted sequence ids (tltlib.admission), lowest first
         self.preempted = self.recomputed_tokens = 0
+        self._admit_s = 0.0                           # the iteration's admission seconds, not the strategy's
         self._graph_stats0 = dict(self.replay.pool.stats) if self.replay.pool is not None else {}
         self.ngram, self.suffix = None, None          # the model-free drafters (NgramDrafter, SuffixDrafter), on use
         self.eos = torch.tensor(engine.eos_ids, device=dev)
@@ -325,16 +329,20 @@ class Rollout:
         if not self.running:
             return False
         self.iteration += 1
+        t_admit = time.perf_counter()
         if self.waiting:                           # preempted rows back first: the strategy sees them running
             with packed_weights(self.packs):
                 admission.readmit(self)
+        admit_s = time.perf_counter() - t_admit
         left = max(self._uniform_until - self.iteration, 0)    # plain steps the rows may stay at one length
         st = self.strategy = strategy or (
             self.source.choose(self.iteration, self.active, backlog=self.spec.backlog_max, uniform_left=left)
             if getattr(self.source, "wants_backlog", False) else self.source.choose(self.iteration, self.active))
         self._check(st)
         self._compact_if_due()
+        t_fit = time.perf_counter()
         st = self.strategy = admission.fit(self, st)   # admission by memory: preempt rows until it fits
+        self._admit_s = admit_s + time.perf_counter() - t_fit
         # rows that finished but are not compacted away yet are computed and commit nothing
         commit = 1 if self.active == int(self.seq.numel()) else self.alive.long()
         with packed_weights(self.packs):
@@ -454,7 +462,8 @@ class Rollout:
             context = (float(((self.n_gen + self.plen_rows[seq]) * alive).sum()) / max(self.active - n_done, 1)
                        if getattr(self.source, "wants_context", False) else None)
             self.source.observe(self.strategy, n_alive_before, int((out.count * alive).sum()),  # alive: rows kept
-                                t_now - self.t_prev - out.catchup_s, n_alive_before - n_done, context=context,
+                                t_now - self.t_prev - out.catchup_s - self._admit_s, n_alive_before - n_done,
+                                context=context,
                                 accepted=hist if self.strategy.enabled else None)
         self.t_prev = t_now
         self.active = n_alive_before - n_done

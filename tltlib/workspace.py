@@ -29,16 +29,21 @@ class Workspace:
     replay: Replay
 
 
-def kv_budgets(kv: KVConfig, model, drafter=None) -> tuple[int, int]:
-    """The KV budget's bytes for the target's cache and the drafter's (0 without one): split in proportion to their
-    bytes per token (layers x KV heads x head width x element size), so that both hold as many tokens."""
-    total = kv.budget_bytes(model.device)
+def kv_share(model, drafter=None) -> float:
+    """The target cache's share of the KV budget: the budget is split in proportion to the caches' bytes per token
+    (layers x KV heads x head width x element size), so that both hold as many tokens (1.0 without a drafter)."""
     if drafter is None:
-        return total, 0
+        return 1.0
     target = model.config.num_layers * model.embed.weight.element_size()
     draft = drafter.fc.weight.element_size()                     # one layer, the target's KV heads and width
-    share = target / (target + draft)
-    return int(total * share), total - int(total * share)
+    return target / (target + draft)
+
+
+def kv_budgets(kv: KVConfig, model, drafter=None) -> tuple[int, int]:
+    """The KV budget's bytes for the target's cache and the drafter's (0 without one), split by :func:`kv_share`."""
+    total = kv.budget_bytes(model.device)
+    target = int(total * kv_share(model, drafter))
+    return target, total - target
 
 
 class Kept:
