@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from .logprobs import pad_right
 from .speculative import OFF, SpecStrategy
 
 HEADROOM_TOKENS = 64
@@ -103,7 +104,6 @@ def readmit(rollout) -> None:
     """Before an iteration's strategy is chosen (so that the SD switch counts the rows that will run): re-admit
     waiting rows, lowest sequence id first, while they fit with :data:`HEADROOM_TOKENS` to spare, in prefills of at
     most :data:`RECOMPUTE_TOKENS` tokens."""
-    st = OFF
     if int(rollout.seq.numel()) > rollout.active:          # finished rows give their pages back first
         rollout.select(rollout.alive.nonzero()[:, 0])
     while rollout.waiting:
@@ -115,7 +115,7 @@ def readmit(rollout) -> None:
             if rollout.cache.rows + rows > rollout.cache.capacity or (batch and rows * max(longest, n) >
                                                                          RECOMPUTE_TOKENS):
                 break
-            if pages_short(rollout, st, headroom, rows, max(longest, n) + headroom):
+            if pages_short(rollout, OFF, headroom, rows, max(longest, n) + headroom):
                 break
             batch.append(s)
             longest = max(longest, n)
@@ -143,10 +143,7 @@ def _recompute(rollout, seqs: list[int]) -> None:
     n_gen = rollout.n_out[ids]
     rows = [rollout.prompts[s // G] + rollout.out_tokens[s, : int(n) - 1].tolist() for s, n in zip(seqs, n_gen)]
     lens = torch.tensor([len(r) for r in rows], device=dev)
-    toks = torch.full((len(rows), int(lens.max())), engine.pad_id, dtype=torch.long)
-    for i, r in enumerate(rows):
-        toks[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
-    toks = toks.to(dev)
+    toks = pad_right(rows, engine.pad_id, dev)
     cache, b0 = rollout.cache, rollout.cache.rows
     cache.add_rows(len(seqs))
     sub = cache.view(b0, b0 + len(seqs))

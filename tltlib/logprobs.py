@@ -62,6 +62,14 @@ def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
+def pad_right(rows: Sequence[Sequence[int]], pad_id: int, device) -> torch.Tensor:
+    """Token rows right-padded with ``pad_id`` into one ``[len(rows), longest]`` int64 tensor on ``device``."""
+    out = torch.full((len(rows), max(len(r) for r in rows)), pad_id, dtype=torch.long)
+    for j, r in enumerate(rows):
+        out[j, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+    return out.to(device)
+
+
 def padded_tokens(lengths: Sequence[int], groups: list[list[int]]) -> int:
     """Tokens a forward over ``groups`` computes, padding included."""
     return sum(len(g) * max(lengths[i] for i in g) for g in groups)
@@ -87,10 +95,7 @@ class SequenceBatch:
     def build(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], index: Sequence[int],
               pad_id: int, device) -> "SequenceBatch":
         rows = [list(prompts[i]) + list(responses[i]) for i in index]
-        out = torch.full((len(rows), max(map(len, rows))), pad_id, dtype=torch.long)
-        for j, r in enumerate(rows):
-            out[j, : len(r)] = torch.tensor(r, dtype=torch.long)
-        return cls(out.to(device), torch.tensor([len(prompts[i]) for i in index], device=device),
+        return cls(pad_right(rows, pad_id, device), torch.tensor([len(prompts[i]) for i in index], device=device),
                    torch.tensor([len(responses[i]) for i in index], device=device), list(index))
 
     @property

@@ -35,6 +35,7 @@ read: on CUDA that is every forward (a paged FlexAttention or Triton kernel is t
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -187,9 +188,15 @@ class PagedKVCache:
 
     def pages_short(self, tokens: int, rows: int = 0, rows_tokens: int = 0) -> int:
         """Pages the pool lacks for every active row to write ``tokens`` more slots, plus ``rows`` new rows of
-        ``rows_tokens`` tokens each (0: it fits). Admission by memory asks this before an iteration."""
+        ``rows_tokens`` tokens each (0: it fits). Admission by memory asks this before every iteration: while the
+        pool has room for every row's worst case (a page more than the tokens span, each possibly a copy), that is
+        all it costs; the rows are counted one by one only near full."""
+        size, free = self.page_size, self.pool.free
+        new_rows = rows * pages_for(rows_tokens + tokens, size)
+        if self.rows * (pages_for(tokens, size) + 1) + new_rows <= free:
+            return 0
         _, extra = self._short(tokens)
-        return max(0, extra + rows * pages_for(rows_tokens + tokens, self.page_size) - self.pool.free)
+        return max(0, extra + new_rows - free)
 
     def add_rows(self, n: int) -> None:
         """``n`` empty rows after the active ones, holding no page (a rollout re-admitting preempted rows prefills
@@ -198,11 +205,7 @@ class PagedKVCache:
             raise ValueError("add_rows on a view: add rows to the cache the view was made from")
         if self.rows + n > self.capacity:
             raise ValueError(f"PagedKVCache.add_rows: {self.rows} + {n} rows exceed the {self.capacity} the cache "
-                             "was made for")
-        for r in range(self.rows, self.rows + n):
-            self.blocks.release(r)
-            self._mark(r)
-        self._sync_table()
+                             "was made for")                # rows past the active ones hold no pages (select_rows)
         self.lengths[self.rows: self.rows + n] = 0
         self.rows += n
         self._refresh()
@@ -462,8 +465,7 @@ class PagedKVCache:
 
     def _give(self, pages: int, share: float) -> str:
         """What to give the budget for ``pages`` pages when this cache holds ``share`` of it."""
-        need = pages * self.bytes_per_page
-        total = need if share >= 1 else -(-need * 10**6 // round(share * 10**6))
+        total = math.ceil(pages * self.bytes_per_page / min(share, 1.0))
         split = "" if share >= 1 else f" (this cache gets {share:.0%} of it, the rest goes to the other's)"
         return f"give RolloutConfig.kv = KVConfig(memory=...) at least {total:,} bytes{split}"
 

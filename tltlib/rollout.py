@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 
 from . import admission
 from .kernels import packed_weights
+from .logprobs import pad_right
 from .ngram import NgramConfig, NgramDrafter
 from .rollout_config import RolloutConfig  # noqa: F401  (the engine's config, importable from here too)
 from .suffix import SuffixConfig, SuffixDrafter, SuffixHistory
@@ -98,13 +99,6 @@ def prefill_chunks(lengths: Sequence[int], max_rows: int, waste: float = 0.25) -
             c0, real = j, 0
         real += n
     return chunks + [(c0, len(lengths))]
-
-
-def _pad(rows: Sequence[Sequence[int]], pad: int, device) -> torch.Tensor:
-    out = torch.full((len(rows), max(len(r) for r in rows)), pad, dtype=torch.long)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
-    return out.to(device)
 
 
 class RolloutEngine:
@@ -231,12 +225,13 @@ class Rollout:
         self.cache, self.spec, self.replay = ws.cache, ws.spec, ws.replay
         longest = int((plen + self.budget.cpu().view(P, G).amax(1)).max())
         share = kv_share(model, engine.drafter)
-        order = sorted(len(p) for p in self.prompts)
-        chunks = [order[c0:c1] for c0, c1 in prefill_chunks(order, cfg.prefill_rows)]
+        order = sorted(range(P), key=lambda i: len(self.prompts[i]))    # prefilled shortest first, in chunks
+        chunks = prefill_chunks([len(self.prompts[i]) for i in order], cfg.prefill_rows)
+        chunk_lengths = [[len(self.prompts[i]) for i in order[c0:c1]] for c0, c1 in chunks]
         for cache, part, name in ((self.cache, share, ""), (self.spec.cache, 1 - share, "the drafter's ")):
             if cache is not None:                     # admission's worst case: one row alone, plain (+1: a flush)
                 cache.check_holds(longest + 1, " (its prompt, max_new_tokens and one more)", part, name)
-                cache.check_prefill(chunks, part, name)
+                cache.check_prefill(chunk_lengths, part, name)
         self.waiting: list[int] = []                  # preempted sequence ids (tltlib.admission), lowest first
         self.preempted = self.recomputed_tokens = 0
         self._admit_s = 0.0                           # the iteration's admission seconds, not the strategy's
@@ -259,7 +254,7 @@ class Rollout:
         self.t0 = time.perf_counter()
         self.packs = engine.kept.weight_packs()
         with packed_weights(self.packs):
-            first = self._prefill(plen)
+            first = self._prefill(plen, order, chunks)
         self.prefill_s = time.perf_counter() - self.t0
         self.seq = torch.arange(N, device=dev)              # sequence id of each cache row
         self.alive = torch.ones(N, dtype=torch.bool, device=dev)
@@ -271,23 +266,22 @@ class Rollout:
         self.spec.record(first)
         self._record(first)
 
-    def _prefill(self, plen: torch.Tensor) -> Emitted:
+    def _prefill(self, plen: torch.Tensor, order: list[int], chunks: list[tuple[int, int]]) -> Emitted:
         """Prefill the prompts in row chunks (streaming their pairs), copy each cache row G times, sample every
-        row's first token. Prompts are prefilled shortest first (cache row j holds prompt ``order[j]``) in chunks
-        of similar length, so that little of a chunk is padding."""
+        row's first token. Prompts are prefilled shortest first (cache row j holds prompt ``order[j]``) in
+        ``chunks`` of similar length (:func:`prefill_chunks`), so that little of a chunk is padding."""
         engine, model, cfg = self.engine, self.engine.model, self.engine.config
         dev, G, P = self.device, cfg.group_size, len(self.prompts)
         N = P * G
         if self.pairs is not None:
             prompt_owner, first_seq = self.pairs.begin(self.prompts, G)
             self._pair_owner = torch.arange(first_seq, first_seq + N, device=dev)
-        order = sorted(range(P), key=lambda i: len(self.prompts[i]))
         last_logits, last_hidden = [], []
-        for c0, c1 in prefill_chunks([len(self.prompts[i]) for i in order], cfg.prefill_rows):
+        for c0, c1 in chunks:
             rows = order[c0:c1]
             sub = self.cache.view(c0, c1)
             lens = plen[rows].to(dev)
-            toks = _pad([self.prompts[i] for i in rows], engine.pad_id, dev)
+            toks = pad_right([self.prompts[i] for i in rows], engine.pad_id, dev)
             logits, h = model.forward_cached(toks, sub, logits_at=lens - 1)
             sub.advance(lens)
             self.spec.prefill(slice(c0, c1), toks, h, lens)
