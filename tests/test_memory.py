@@ -1,16 +1,26 @@
-"""The memory estimate of a GRPO run: its parts scale with what sets them, and a run that cannot fit is refused
-before the first rollout with the largest parts and their fixes named."""
+"""The memory estimate of a GRPO run: its parts scale with what sets them, the KV cache is estimated from measured
+response lengths (the maximum only without them) and predicts a real rollout's peak, the page pool gets what the
+run leaves, and a run that cannot fit is refused before the first rollout with the largest parts and their fixes
+named."""
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+import torch
 
 from tltlib.grpo import GRPOConfig
 from tltlib.loading import load
-from tltlib.memory import activation_bytes_per_token, available_bytes, check_fits, grpo_memory, trainer_memory
-from tltlib.tasks import ChainTaskConfig, generate_problems
+from tltlib.memory import (HEADROOM, KV_PART, POOL_SLACK, KVEstimate, MeasuredLengths, activation_bytes_per_token,
+                           available_bytes, check_fits, grpo_memory, grpo_plan, kv_estimate, kv_pool_bytes,
+                           peak_held_tokens, trainer_kv, trainer_memory)
+from tltlib.pages import kv_bytes_per_token
+from tltlib.rollout import RolloutConfig, RolloutEngine
+from tltlib.sampling import SamplingConfig
+from tltlib.tasks import ChainTaskConfig, encode_prompts, generate_problems
 from tltlib.trainer import GRPOTrainer
 
 ARGS = GRPOConfig(num_generations=2, generation_batch_size=8, max_completion_length=64, micro_batch_tokens=256,
@@ -40,19 +50,142 @@ def test_each_part_scales_with_what_sets_it(tiny):
     assert grpo_memory(cfg, replace(ARGS, beta=0.1), 30, 8, 2, 1000)["reference"] == 2000
 
 
-def test_a_run_that_cannot_fit_is_refused_before_the_rollout(tiny, monkeypatch):
+def test_the_peak_is_the_largest_running_rows_times_their_pages_plus_the_shared_prompt_pages():
+    # 4 rows in 2 groups, prompt of 10 tokens with pages of 4: 2 whole pages shared per group, 2 tokens copied per row
+    lengths = [1, 5, 6, 14]
+    by_hand = max(n * -(-(2 + t) // 4) * 4 for n, t in ((4, 1), (3, 5), (2, 6), (1, 14))) + 2 * 2 * 4
+    assert peak_held_tokens(lengths, 14, rows=4, group=2, prompt_tokens=10, page_size=4) == by_hand == 24 + 16
+    # (the peak: 3 rows at 5 tokens, 2 pages each, beside the 2 groups' shared pages)
+    # twice the rows in the same proportions hold twice as much; none measured: every row at the maximum
+    assert peak_held_tokens(lengths, 14, 8, 2, 10, 4) == 2 * by_hand
+    assert peak_held_tokens(None, 14, 4, 2, 10, 4) == 4 * 4 * 4 + 16
+
+
+def test_the_estimate_says_what_it_assumed_and_runs_cut_responses_on_to_the_longer_maximum():
+    none = kv_estimate(100, 8, 4, 10, 64)
+    assert none.bytes == none.tokens * 100 == peak_held_tokens(None, 64, 8, 4, 10, 16) * 100
+    assert "every row runs to max_completion_length (64 tokens)" in none.assumed and "no measured" in none.assumed
+    short = MeasuredLengths((4, 8, 16, 16), max_new_tokens=16, source="profile.json")
+    same = kv_estimate(100, 8, 4, 10, 16, short)
+    assert same.tokens == peak_held_tokens([4, 8, 16, 16], 16, 8, 4, 10, 16)
+    assert "4 measured in profile.json (median 12, p99 16, max 16 tokens)" in same.assumed
+    longer = kv_estimate(100, 8, 4, 10, 64, short)     # the two cut at 16 may run on to 64
+    assert longer.tokens == peak_held_tokens([4, 8, 64, 64], 64, 8, 4, 10, 16)
+    assert "2 cut at 16 assumed to run to 64" in longer.assumed
+    shorter = kv_estimate(100, 8, 4, 10, 8, short)     # a smaller maximum cuts the measured lengths
+    assert shorter.tokens == peak_held_tokens([4, 8, 8, 8], 8, 8, 4, 10, 16) and "cut" not in shorter.assumed
+
+
+def test_measured_lengths_round_trip_and_a_wrong_file_is_refused(tmp_path):
+    m = MeasuredLengths((3, 9, 720), 720)
+    m.save(tmp_path / "lengths.json")
+    back = MeasuredLengths.load(tmp_path / "lengths.json")
+    assert back.lengths == m.lengths and back.max_new_tokens == 720 and back.source.endswith("lengths.json")
+    (tmp_path / "bad.json").write_text('{"lengths": [1, 2]}')
+    with pytest.raises(ValueError, match="bad.json: a measured-lengths file holds .*notebook 01"):
+        MeasuredLengths.load(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match=r"lengths must lie in \[0, max_new_tokens=8\], got 1..9"):
+        MeasuredLengths((1, 9), 8)
+    with pytest.raises(ValueError, match="at least one length"):
+        MeasuredLengths((), 8)
+
+
+def test_the_estimate_from_a_rollouts_lengths_predicts_its_paged_kv_peak(tiny):
+    model, tok, _ = tiny
+    prompts = encode_prompts(generate_problems(ChainTaskConfig(), 4, seed=0), tok)
+    engine = RolloutEngine(model, RolloutConfig(SamplingConfig(temperature=0.9, max_new_tokens=720), group_size=4))
+    res = engine.generate(prompts, torch.Generator().manual_seed(0))
+    c = model.config
+    per = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.dim_head, 4)
+    peak = res.stats["rollout/kv_peak_bytes"]
+    est = kv_estimate(per, 16, 4, max(map(len, prompts)), 720, MeasuredLengths(tuple(res.lengths.tolist()), 720))
+    assert abs(est.bytes / peak - 1) < 0.10, (est, peak)                 # measured within 3% on an AMD EPYC
+    assert kv_estimate(per, 16, 4, max(map(len, prompts)), 720).bytes > 3 * peak     # the maximum: a long tail
+
+
+def test_the_pool_gets_what_the_run_leaves_and_only_the_longest_row_is_required():
+    gib = 1 << 30
+    parts = {"gradients": 2 * gib, "optimizer": 4 * gib, KV_PART: 123}
+    kv = KVEstimate(tokens=1000, bytes=1 * gib, assumed="as measured")
+    avail = 10 * gib                                    # the run may use 9 GiB: 3 left beside the 6 of the others
+    assert kv_pool_bytes(parts, kv, 1 << 20, avail, "cuda") == int(HEADROOM * avail) - 6 * gib
+    assert kv_pool_bytes(parts, kv, 1 << 20, avail, "cpu") == int(POOL_SLACK * gib)   # a CPU: the estimate + slack
+    big = KVEstimate(tokens=1000, bytes=5 * gib, assumed="every row runs to max_completion_length")
+    with pytest.warns(UserWarning, match="pool gets 3.00 GiB .* expected to hold 5.00 GiB at its peak, assuming "
+                                         "every row runs to max_completion_length: rows will wait for pages"):
+        assert kv_pool_bytes(parts, big, 1 << 20, avail, "cpu") == int(HEADROOM * avail) - 6 * gib
+    with pytest.raises(MemoryError, match="needs about 10.0 GiB .*rollout KV cache 4.0 GiB"):
+        kv_pool_bytes(parts, big, 4 * gib, avail, "cuda")      # the longest row alone does not fit
+
+
+def test_a_run_that_cannot_fit_is_refused_before_the_rollout_and_the_engine_gets_the_pool(tiny, monkeypatch):
     import tltlib.memory
     model, tok, _ = tiny
     probs = generate_problems(ChainTaskConfig(), 16, seed=0)
-    parts = trainer_memory(GRPOTrainer(copy.deepcopy(model), tok, probs, ARGS))
-    assert parts["rollout KV cache"] > 0 and parts["update activations"] > 0
+    trainer = GRPOTrainer(copy.deepcopy(model), tok, probs, ARGS)
+    parts = trainer_memory(trainer)
+    kv, longest = trainer_kv(trainer)
+    assert parts[KV_PART] == kv.bytes > longest > 0 and parts["update activations"] > 0
     assert available_bytes("cpu") > 0
-    monkeypatch.setattr(tltlib.memory, "available_bytes", lambda device: sum(parts.values()))   # short by 10%
+    assert trainer.engine.config.kv.memory == max(longest, int(POOL_SLACK * kv.bytes))   # what the check gave it
+    others = sum(parts.values()) - kv.bytes
+    monkeypatch.setattr(tltlib.memory, "available_bytes", lambda device: int((others + longest // 2) / HEADROOM))
     with pytest.raises(MemoryError, match="GRPO with 8 completions of up to 64 tokens on cpu needs about .* GiB "
                                           "beyond the loaded weights .*may use 90%.*update activations .*lower "
                                           "grpo.micro_batch_tokens"):
         GRPOTrainer(copy.deepcopy(model), tok, probs, ARGS)
-    monkeypatch.setattr(tltlib.memory, "available_bytes", lambda device: 2 * sum(parts.values()))
-    GRPOTrainer(copy.deepcopy(model), tok, probs, ARGS)
+    monkeypatch.setattr(tltlib.memory, "available_bytes", lambda device: int((others + 2 * longest) / HEADROOM))
+    with pytest.warns(UserWarning, match="rows will wait for pages"):
+        short = GRPOTrainer(copy.deepcopy(model), tok, probs, ARGS)      # smaller than the estimate: it runs
+    assert longest <= short.engine.config.kv.memory < kv.bytes
+    measured = MeasuredLengths((4,) * 8, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                  # short responses measured: the same memory is enough
+        fits = GRPOTrainer(copy.deepcopy(model), tok, probs, ARGS, lengths=measured)
+    assert trainer_kv(fits, measured)[0].bytes < kv.bytes
     with pytest.raises(MemoryError, match="rollout KV cache 2.0 GiB \\(lower grpo.generation_batch_size"):
         check_fits({"rollout KV cache": 2 << 30, "gradients": 1 << 20}, 1 << 30)
+
+
+# Published config.json values of Qwen2.5-1.5B-Instruct (qwen2, tied embeddings, q/k/v biases), the GPU examples' model
+QWEN15 = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
+              num_kv_heads=2, architecture="qwen2", tie_word_embeddings=True, attention_bias=True)
+H100 = 78 * 2 ** 30                                     # what the device tool reports of an H100 80 GB
+
+
+def render_plan(path, lines: list[str]) -> tuple[str, str]:
+    """(the file's text, the text with its ``#@memory-plan`` .. ``#@end`` block replaced by ``lines``)."""
+    text = Path(path).read_text()
+    head, rest = text.split("#@memory-plan\n")
+    _, tail = rest.split("#@end\n")
+    return text, head + "#@memory-plan\n" + "".join(f"#   {line}\n" for line in lines) + "#@end\n" + tail
+
+
+@pytest.mark.parametrize("path", ["params/gpu-example.yaml", "params/train/gpu-example.yaml"])
+def test_the_gpu_examples_fit_one_80gb_gpu_as_their_memory_comment_says(path):
+    """The comment is rendered from memory.py (TLTLIB_RENDER=1 rewrites it); the run it describes fits with its
+    page pool holding every row at the maximum length."""
+    import os
+
+    import yaml
+
+    from tltlib.model import ModelConfig
+    data = yaml.safe_load(Path(path).read_text())
+    if "notebooks" in data:                             # notebook 05's GRPO
+        nb = data["notebooks"]["05"]
+        args = GRPOConfig(num_generations=nb["GROUP_SIZE"], generation_batch_size=nb["N_PROMPTS"] * nb["GROUP_SIZE"],
+                          max_completion_length=nb["MAX_NEW_TOKENS"], micro_batch_tokens=nb["MICRO_BATCH_TOKENS"])
+        model = data["MODEL_PATH"]
+    else:
+        g = data["grpo"]
+        args = GRPOConfig(num_generations=g["num_generations"], generation_batch_size=g["generation_batch_size"],
+                          max_completion_length=g["max_completion_length"], micro_batch_tokens=g["micro_batch_tokens"])
+        model = data["model"]
+    assert Path(model).name == "Qwen2.5-1.5B-Instruct"
+    lines = grpo_plan(ModelConfig(**QWEN15), args, 256, args.generation_batch_size, 2, H100, Path(model).name,
+                      drafter_layers=1)
+    assert lines[-1] == "the pool holds every row at that length."
+    text, rendered = render_plan(path, lines)
+    if os.environ.get("TLTLIB_RENDER") == "1":
+        Path(path).write_text(rendered)
+    assert text == rendered, f"{path}'s memory comment is stale: rerun with TLTLIB_RENDER=1 (it becomes:\n{rendered})"

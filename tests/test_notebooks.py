@@ -1,4 +1,6 @@
-"""Notebook smoke tier: every notebook runs headless with params/smoke.yaml and writes metrics.json."""
+"""Notebook smoke tier: every notebook runs headless with params/smoke.yaml and writes metrics.json (one at a time,
+in the slow tier; the default run executes all of them at the same sizes through the README's GPU sequence,
+tests/test_gpu_sequence.py, with the same checks)."""
 from __future__ import annotations
 
 import json
@@ -41,6 +43,7 @@ def test_every_notebook_has_expectations_and_a_parameters_cell():
 
 
 @pytest.mark.notebooks
+@pytest.mark.slow                                        # the default run executes them in test_gpu_sequence.py
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_notebook_smoke(name, tmp_path):
     (executed,) = run_notebooks("params/smoke.yaml", out_root=tmp_path, only=[name[:2]], progress=False)

@@ -80,6 +80,9 @@ def test_shipped_files_parse(tmp_path):
     ("model: data/tiny-reasoner\nrewards: [accuracy, format]\ngrpo: {reward_weights: [1.0]}\n", ValueError,
      "grpo.reward_weights has 1 values for the 2 rewards \\['accuracy', 'format'\\]"),
     ("model: data/tiny-reasoner\ncurriculum: {levels: [1, 1]}\n", ValueError, "curriculum levels must be distinct"),
+    ("model: data/tiny-reasoner\nlengths: data/tiny-reasoner/config.json\n", ValueError,
+     "config.json: a measured-lengths file holds .*notebook 01"),
+    ("model: data/tiny-reasoner\nlengths: /nope.json\n", FileNotFoundError, "lengths '/nope.json' does not exist"),
     ("model: data/tiny-reasoner\ncurriculum: {level: [1]}\n", ValueError,
      "curriculum: 'level' is not a CurriculumConfig setting \\(did you mean levels\\?\\)"),
 ])

@@ -244,6 +244,16 @@ def check_compatible(cfg: DrafterConfig, target: ModelConfig, source: str = "dra
 
 
 # ------------------------------------------------------------------------------------------------ files
+def check_separate(drafter: nn.Module, target: nn.Module) -> None:
+    """Refuse a drafter whose parameters share storage with ``target``'s (they would be synced and trained as the
+    drafter's)."""
+    ptrs = {t.data_ptr() for t in target.parameters()}
+    shared = [n for n, p in drafter.named_parameters() if p.data_ptr() in ptrs]
+    if shared:
+        raise ValueError(f"drafter parameters {shared} share storage with the target: they would be synced and "
+                         "trained as the drafter's; keep the target's tensors out of the drafter's parameters")
+
+
 def save_drafter(drafter: Drafter, path: str | os.PathLike, extra_files: dict[str, str] | None = None) -> Path:
     """Write ``drafter_config.json`` + ``drafter.safetensors`` (own tensors only) into a folder, atomically.
 

@@ -104,3 +104,20 @@ def this_machine() -> Machine:
     import torch
     return Machine(cpu=cpu_name(), flags=hashlib.sha1(cpu_flags().encode()).hexdigest()[:12],
                    cores=os.cpu_count() or 1, threads=torch.get_num_threads(), torch=torch.__version__)
+
+
+def available_bytes(device) -> int:
+    """Memory free for this process on ``device``: the GPU's free memory, or the machine's MemAvailable (Linux),
+    else the physical memory."""
+    import torch
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

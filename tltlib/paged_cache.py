@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import torch
 
 from .kernels import cached_attention
-from .memory import available_bytes
 from .kvcache import CacheWrite, KVCache, attention_mask, check_fixed_span
+from .machine import available_bytes
 from .pages import BlockTables, PagePool, check_page_size, kv_bytes_per_token, pages_for, pages_in_budget
 from .ragged_attention import kernel as ragged_kernel
 from .ragged_attention import paged_masked_attention, paged_ragged_attention

@@ -5,6 +5,8 @@ The file (YAML) names the model, the drafter, the data and the configuration sec
     model: data/tiny-reasoner              # local checkpoint folder
     drafter: data/tiny-reasoner-drafter    # "" = no learned drafter
     dataset: ""                            # .jsonl / .parquet; "" = the generated task below
+    lengths: ""                            # response lengths measured before (notebook 01's lengths.json): the
+                                           # memory check sizes the KV page pool from them; "" = max length
     task: chain                            # chain (the tiny reasoner's) or words (word problems, real models)
     task_config: {}                        # the task's settings (tltlib.tasks.task_config), e.g. {max_steps: 4}
     rewards: [accuracy]                    # reward functions (tltlib.grpo.REWARD_FUNCS), weighted by grpo.reward_weights
@@ -53,13 +55,14 @@ from .loading import load
 from .params import dataclass_from_mapping, load_yaml, params_path, task_configs
 from .scheduler import SchedulerConfig
 from .tasks import TASKS, split_problems
+from .memory import MeasuredLengths
 from .trainer import GRPOTrainer, TLTConfig
 from .world import DistributedWorld, launched_by_torchrun, torchrun_command
 
-TOP_LEVEL = {"model": str, "drafter": str, "dataset": str, "task": str, "task_config": dict, "rewards": list,
-             "curriculum": (dict, type(None)), "train_problems": int, "eval_problems": int, "eval_steps": int,
-             "device": str, "dtype": str, "grpo": dict, "tlt": (dict, type(None)), "scheduler": dict}
-DEFAULTS = {"drafter": "", "dataset": "", "task": "chain", "task_config": {}, "rewards": ["accuracy"],
+TOP_LEVEL = {"model": str, "drafter": str, "dataset": str, "lengths": str, "task": str, "task_config": dict,
+             "rewards": list, "curriculum": (dict, type(None)), "train_problems": int, "eval_problems": int,
+             "eval_steps": int, "device": str, "dtype": str, "grpo": dict, "tlt": (dict, type(None)), "scheduler": dict}
+DEFAULTS = {"drafter": "", "dataset": "", "lengths": "", "task": "chain", "task_config": {}, "rewards": ["accuracy"],
             "curriculum": None, "train_problems": 4096, "eval_problems": 128, "eval_steps": 0, "device": "auto",
             "dtype": "float32", "grpo": {}, "tlt": {}, "scheduler": {}}
 RENAMED = {("scheduler", "pairs"): "train_on"}
@@ -76,6 +79,7 @@ class Job:
     model: str
     drafter: str
     dataset: str
+    lengths: str
     task: str
     task_config: dict
     rewards: list
@@ -123,8 +127,10 @@ def read_job(params: str | os.PathLike) -> Job:
     for k, lo in (("train_problems", 1), ("eval_problems", 0), ("eval_steps", 0)):
         if values[k] < lo:
             raise ValueError(f"{path}: {k} must be >= {lo}, got {values[k]}")
-    for k, kind in (("model", "dir"), ("drafter", "dir"), ("dataset", "file")):
+    for k, kind in (("model", "dir"), ("drafter", "dir"), ("dataset", "file"), ("lengths", "file")):
         _check_path(path, k, values[k], kind)
+    if values["lengths"]:
+        MeasuredLengths.load(resolve(values["lengths"]))          # a wrong file is refused before anything loads
     for (section, old), new in RENAMED.items():
         if old in (values[section] or {}):
             raise ValueError(f"{path}: {section}.{old} was renamed {section}.{new}: write {new}: "
@@ -146,7 +152,7 @@ def read_job(params: str | os.PathLike) -> Job:
             not tlt.speculative.startswith("ngram"):
         raise ValueError(f"{path}: tlt.speculative = {tlt.speculative!r} needs a learned drafter: set 'drafter' (or "
                          "use speculative: off / ngram-D, or tlt: null for the baseline)")
-    return Job(str(path), values["model"], values["drafter"], values["dataset"], values["task"],
+    return Job(str(path), values["model"], values["drafter"], values["dataset"], values["lengths"], values["task"],
                values["task_config"], values["rewards"], curriculum, values["train_problems"],
                values["eval_problems"], values["eval_steps"], values["device"], values["dtype"], grpo, tlt, scheduler)
 
@@ -205,7 +211,8 @@ def build(job: Job, progress: bool = False, reward_funcs=None, world: Distribute
     trainer = GRPOTrainer(model, tok, train, job.grpo, reward_funcs=funcs,
                           drafter=drafter if job.tlt is not None else None, tlt=job.tlt, progress=progress,
                           world=world, scheduler=job.scheduler if world is not None else None,
-                          curriculum=job.curriculum)
+                          curriculum=job.curriculum,
+                          lengths=MeasuredLengths.load(resolve(job.lengths)) if job.lengths else None)
     return trainer, held
 
 

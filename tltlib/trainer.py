@@ -51,10 +51,12 @@ import torch
 from .adaptive import DEFAULT_ARMS, AdaptiveConfig, AdaptiveController, TunerConfig, default_threshold, measure_costs
 from .curriculum import CurriculumConfig, level_pools, stage, stage_pool
 from .draft_train import DrafterTrainConfig, DrafterTrainer
+from .drafter import check_separate
 from .grpo import GRPOConfig, accuracy_reward, aggregate_loss, clipped_token_loss, compute_rewards, group_advantages
 from .grpo import kl_k3, reward_name
 from .logprobs import SequenceBatch, micro_batches, padded_tokens, response_logprobs
-from .memory import check_trainer
+from .memory import MeasuredLengths, check_trainer
+from .paged_cache import KVConfig
 from .pairs import PairBuffer, PairBufferConfig
 from .profiling import StepClock
 from .rollout import RolloutConfig, RolloutEngine, RolloutResult
@@ -197,11 +199,14 @@ class GRPOTrainer:
             one worker there is no idle window).
         curriculum: :class:`tltlib.curriculum.CurriculumConfig`: the prompts of each step come from the levels
             opened so far (None: from all problems).
+        lengths: :class:`tltlib.memory.MeasuredLengths` of an earlier rollout, from which the memory check estimates
+            the KV the rollouts hold (None: every row at max_completion_length).
     """
 
     def __init__(self, model, tokenizer, problems, args: GRPOConfig, reward_funcs=(accuracy_reward,),
                  drafter=None, tlt: TLTConfig | None = None, progress: bool = False, world: World | None = None,
-                 scheduler: SchedulerConfig | None = None, curriculum: CurriculumConfig | None = None):
+                 scheduler: SchedulerConfig | None = None, curriculum: CurriculumConfig | None = None,
+                 lengths: MeasuredLengths | None = None):
         self.world = world or World(str(model.device))
         self.sched = scheduler or SchedulerConfig()
         self.model, self.tokenizer, self.problems, self.args = model, tokenizer, list(problems), args
@@ -216,13 +221,12 @@ class GRPOTrainer:
         self.sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                        max_new_tokens=args.max_completion_length)
         self.drafter = drafter
-        self.engine = RolloutEngine(model, RolloutConfig(self.sampling, group_size=args.num_generations),
-                                    drafter=drafter)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate,
                                            betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
         self.buffer, self.drafter_trainer = self._drafter_training()
-        check_trainer(self)             # encodes a sample of prompts (a missing chat template is named here) and
-        #                                 refuses a run that cannot fit, before the first rollout
+        kv = KVConfig(memory=check_trainer(self, lengths))  # the pool: what the run leaves; a run that cannot fit
+        self.engine = RolloutEngine(model, RolloutConfig(  # is refused here (a missing chat template named too)
+            self.sampling, group_size=args.num_generations, kv=kv), drafter=drafter)
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None  # pi_ref
         self.spot = SpotTrainer(self.world, self.sched, self.drafter_trainer, self.buffer, self.tlt.drafter_batch)
         self.controller = self._adaptive_controller()
@@ -258,12 +262,7 @@ class GRPOTrainer:
             raise ValueError("the spot trainer is on with one worker, where it trains tlt.drafter_steps micro-steps "
                              "after the update, but drafter_steps is 0: give drafter_steps >= 1 or spot_trainer: false")
         if drafter is not None:
-            target = {t.data_ptr() for t in self.model.parameters()}
-            shared = [n for n, p in drafter.named_parameters() if p.data_ptr() in target]
-            if shared:
-                raise ValueError(f"drafter parameters {shared} share storage with the target: they would be synced "
-                                 "and trained as the drafter's; keep the target's tensors out of the drafter's "
-                                 "parameters")
+            check_separate(drafter, self.model)
 
     def _drafter_training(self):
         """(pair buffer, drafter trainer) when the online drafter gets a training budget, else (None, None)."""
