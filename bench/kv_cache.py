@@ -6,7 +6,8 @@ paged cache reads the same entries). Time: wall time of ``RolloutEngine.generate
 warm-up, the caches interleaved. Memory: one more run per cache with a hook after every iteration: the paged pool's
 peak (pages held at any moment, a forward's reserved pages included) against the most tokens the rows held at an
 iteration's end (a prompt's pages shared by its samples counted once), and the dense cache's allocation against the
-same. A dense cache that cannot fit the budget is refused before its rollout; the bench records the refusal.
+same; and the memory check's estimate of the paged peak (:func:`tltlib.memory.kv_estimate`) from the rollout's own
+response lengths against the peak measured. A dense cache that cannot fit the budget is refused before its rollout; the bench records the refusal.
 
     python -m tltlib bench kv_cache                                    # the tiny reasoner, CPU, ~3 min
     python -m tltlib bench kv_cache --model ~/.cache/tltlib/models/smollm2-135m --drafter data/smollm2-135m-drafter \\
@@ -113,7 +114,7 @@ def main() -> None:
     for kind in args.kv.items:
         if kind in refused:
             results.append({"kv": kind, "refused": refused[kind]})
-            rows.append([kind, "refused", "", "", "", "", refused[kind][:90]])
+            rows.append([kind, "refused", "", "", "", "", "", refused[kind][:90]])
             continue
         res, (median, runs), mem = out[kind], timing[kind], memory[kind]
         same = bool(torch.equal(res.tokens, first.tokens) and torch.equal(res.lengths, first.lengths))
@@ -121,7 +122,8 @@ def main() -> None:
                "tok_s": int(res.lengths.sum()) / median, "identical_tokens": same, **mem}
         results.append(rec)
         rows.append([kind, f"{median:.2f}", f"{rec['tok_s']:.0f}", f"{mem['kv_peak_bytes'] / 2**20:.1f}",
-                     f"{mem['held_peak_bytes'] / 2**20:.1f}", f"{mem['kv_over_held']:.3f}x", same])
+                     f"{mem['held_peak_bytes'] / 2**20:.1f}", f"{mem['kv_over_held']:.3f}x",
+                     f"{mem['estimate_over_peak']:.3f}x" if "estimate_over_peak" in mem else "", same])
     if "paged" in timing and "dense" in timing:
         speed = timing["dense"][0] / timing["paged"][0]
         note = f"paged / dense speed: {speed:.3f}x (dense seconds / paged seconds)"
@@ -134,7 +136,8 @@ def main() -> None:
                "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                "response_lengths": {"mean": float(lengths.mean()), "max": float(lengths.max()),
                                     "median": float(lengths.median())}}
-    header = ["KV cache", "rollout s", "tok/s", "peak KV MiB", "held MiB", "peak / held", "same tokens"]
+    header = ["KV cache", "rollout s", "tok/s", "peak KV MiB", "held MiB", "peak / held", "estimate / peak",
+              "same tokens"]
     where = f"-{this_machine().slug}" if device == "cpu" else ""            # the CPU beside every number
     sd = "" if args.strategy == "off" else f"-{args.strategy}"
     suffix = f"{where}{model_suffix(args.model)}-{args.prompts}x{args.group}-{args.max_new}{sd}"
@@ -245,8 +248,15 @@ def _memory(engine, prompts, args, device, keep: dict | None = None) -> dict:
     caches = _caches(rollout)
     peak = sum(c.memory()["peak_bytes"] for c in caches)
     top = max(held, default=1)
-    return {"kv_peak_bytes": int(peak), "held_peak_bytes": int(top), "kv_over_held": peak / max(top, 1),
-            "iterations": len(held), "seconds": seconds}
+    out = {"kv_peak_bytes": int(peak), "held_peak_bytes": int(top), "kv_over_held": peak / max(top, 1),
+           "iterations": len(held), "seconds": seconds}
+    if engine.config.kv.kind == "paged":            # the memory check's estimate, given this rollout's own lengths
+        from tltlib.memory import MeasuredLengths, kv_estimate
+        per_token = sum(c.bytes_per_page // c.page_size for c in caches)
+        est = kv_estimate(per_token, len(result.lengths), args.group, max(map(len, prompts)), args.max_new,
+                          MeasuredLengths(tuple(result.lengths.tolist()), args.max_new), args.page_size)
+        out.update(estimated_peak_bytes=est.bytes, estimate_over_peak=est.bytes / max(peak, 1))
+    return out
 
 
 def _caches(rollout):

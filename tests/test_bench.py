@@ -366,7 +366,8 @@ def test_two_worker_comparison_evaluates_the_policies_after_the_workers(tmp_path
 
 def test_kv_cache_bench_runs_both_caches_on_one_workload_and_names_the_cpu(tmp_path):
     """Paged and dense on the same prompts and seed give the same tokens; the paged pool's peak is within a page per
-    row of the tokens held, the dense allocation far above it; the file is named after this machine's CPU."""
+    row of the tokens held, the dense allocation far above it, the memory check's estimate from the rollout's lengths
+    near the paged peak; the file is named after this machine's CPU."""
     from tltlib.machine import this_machine
     out = bench(tmp_path, "kv_cache", "--prompts", "3", "--group", "2", "--max-new", "24", "--repeats", "1",
                 "--page-size", "4")
@@ -375,6 +376,7 @@ def test_kv_cache_bench_runs_both_caches_on_one_workload_and_names_the_cpu(tmp_p
     res = {r["kv"]: r for r in d["results"]}
     assert res["paged"]["identical_tokens"] and res["dense"]["identical_tokens"]
     assert 1.0 <= res["paged"]["kv_over_held"] < res["dense"]["kv_over_held"]
+    assert 0.85 < res["paged"]["estimate_over_peak"] < 1.15 and "estimate_over_peak" not in res["dense"]
     assert d["paged_over_dense_speed"] > 0
 
 
