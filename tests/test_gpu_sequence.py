@@ -90,6 +90,9 @@ def test_the_readme_gpu_sequence_runs_as_written_on_the_cpu(tmp_path):
             cmd += f" --output-dir {tmp_path / f'grpo{grpo_runs}'} --quiet"
         done = subprocess.run(shlex.split(cmd), cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, f"{cmd}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        if "train-grpo" in cmd:                         # the pool sized from notebook 01's lengths, and said so
+            assert "memory: KV page pool" in done.stderr and "01_profile_long_tail/lengths.json" in done.stderr, \
+                done.stderr[-2000:]
     assert is_drafter_folder(tmp_path / "drafter")
     runs = tmp_path / "runs" / "gpu-example"
     assert sorted(p.name for p in runs.iterdir()) == sorted(EXPECTED)          # every notebook, none failed

@@ -174,3 +174,20 @@ def test_the_switch_keeps_the_kernel_off_without_building(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert ra.kernel() is None
+
+
+def test_a_killed_builds_lock_is_removed_once_stale_and_a_fresh_one_kept(tmp_path):
+    """PyTorch's extension builder waits forever for a lock left by a killed build (a CI run stopped mid-build hung
+    every later process): a lock older than a build can take is removed with a warning, a fresh one is kept."""
+    import os
+    import time
+
+    from tltlib.ragged_attention import STALE_LOCK_S, clear_stale_lock
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    assert not clear_stale_lock(str(tmp_path)) and lock.exists()              # a build running now
+    old = time.time() - STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    with pytest.warns(UserWarning, match="removing the build lock .*killed build"):
+        assert clear_stale_lock(str(tmp_path))
+    assert not lock.exists() and not clear_stale_lock(str(tmp_path))          # nothing left to remove

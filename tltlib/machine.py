@@ -107,12 +107,13 @@ def this_machine() -> Machine:
 
 
 def available_bytes(device) -> int:
-    """Memory free for this process on ``device``: the GPU's free memory, or the machine's MemAvailable (Linux),
-    else the physical memory."""
+    """Memory free for this process on ``device``: the GPU's free memory and what PyTorch's allocator holds unused
+    (this process reuses it), or the machine's MemAvailable (Linux), else the physical memory."""
     import torch
     device = torch.device(device)
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+        unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(torch.cuda.mem_get_info(device)[0]) + int(unused)
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:

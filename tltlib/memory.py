@@ -6,13 +6,13 @@ width, kv = KV heads x head dim, V vocabulary):
 * **gradients** P b and **AdamW's two moments** 2 P b (allocated at the first update; the weights are loaded
   already and not counted); the **reference policy** P b when ``beta > 0``; the drafter's weights' gradients and
   moments likewise (its weights are loaded).
-* **rollout KV cache** 2 L kv b per token slot (the drafter's layer too when it drafts), counted as the slots the
-  paged cache is expected to hold at its peak (:func:`kv_estimate`): from response lengths measured before
+* **rollout KV cache** 2 L kv b per token slot (the drafter's layer too when there is one), counted as the slots
+  the paged cache is expected to hold at its peak (:func:`kv_estimate`): from response lengths measured before
   (:class:`MeasuredLengths`, e.g. notebook 01's), every row at ``max_completion_length`` only when none were measured,
-  the estimate saying which. The page pool is given what the other parts leave (:func:`kv_pool_bytes`, at most the
-  dense cache's bytes, at least one longest row); a pool smaller than the estimate is not refused: rows wait for
-  pages (admission by memory), and a warning says so. The engine keeps the pool between rollouts on a GPU with CUDA
-  graphs, so it is counted beside the update's parts.
+  the estimate saying which. The page pool gets 1.25x the estimate, or what the other parts leave when that is less
+  (:func:`kv_pool_bytes`; at least the longest row, at most a dense cache's bytes); a pool smaller than the
+  estimate is not refused: rows wait for pages (admission by memory), and a warning says so. The engine keeps the
+  pool between rollouts on a GPU with CUDA graphs, so it is counted beside the update's parts.
 * **update activations**: what autograd keeps for the backward of one micro-batch, per padded token and layer
   ``(8 h + 3 kv + 4 i) b`` (the norms' inputs and outputs, q, k, v and the attention output, the MLP's gate, up,
   activation and product; attention itself is flash-style on both devices, linear in the tokens), over
@@ -33,7 +33,7 @@ import json
 import math
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -47,6 +47,8 @@ HEADROOM = 0.9
 
 KV_PART = "rollout KV cache"
 """The name of the KV cache's part in :func:`grpo_memory`."""
+LONGEST_ROW = "rollout KV cache (the longest row)"
+""":func:`check_fits`'s name for the pool's minimum: one row of the longest prompt and max_completion_length."""
 
 
 ACTIVATION_SLACK = 1.25
@@ -106,13 +108,27 @@ class KVEstimate:
     assumed: str
 
 
+@dataclass(frozen=True)
+class KVPlan:
+    """What the memory check gave a trainer's KV page pool, and why (:func:`check_trainer`)."""
+
+    pool_bytes: int
+    estimate: KVEstimate
+
+    def describe(self) -> str:
+        """One line: the pool, the estimated peak, and what the estimate assumed."""
+        return (f"KV page pool {self.pool_bytes / 2 ** 30:.2f} GiB for an estimated peak of "
+                f"{self.estimate.bytes / 2 ** 30:.2f} GiB, assuming {self.estimate.assumed}")
+
+
 def survival(lengths) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct lengths ``t`` [k] (ascending) and the share of the responses at least that long [k].
+    """The distinct lengths ``t`` [k] (ascending) and how many of the ``n`` responses are at least that long [k]
+    (integers: a share would round 10 x 3/10 up to 4 rows).
 
     Args: lengths: [n] response lengths (non-negative)."""
     x = np.sort(np.asarray(lengths, dtype=np.int64))
     t = np.unique(x)
-    return t, 1.0 - np.searchsorted(x, t, side="left") / len(x)
+    return t, len(x) - np.searchsorted(x, t, side="left")
 
 
 def peak_held_tokens(lengths, max_new: int, rows: int, group: int, prompt_tokens: int, page_size: int) -> int:
@@ -123,9 +139,10 @@ def peak_held_tokens(lengths, max_new: int, rows: int, group: int, prompt_tokens
     pages of their own (the prompt's last partial page copied, the tokens they wrote); the ``group`` samples of a
     prompt share its ``floor(p / s)`` whole pages (p the prompt's tokens, s the page size). The peak is the largest
     of these over the measured lengths. ``lengths`` None: every row runs to ``max_new`` (the maximum)."""
-    t, alive = (np.array([max_new]), np.array([1.0])) if lengths is None else survival(lengths)
+    t, alive = (np.array([max_new]), np.array([1])) if lengths is None else survival(lengths)
+    n = 1 if lengths is None else len(lengths)
     s, tail = page_size, prompt_tokens % page_size
-    own = np.ceil(rows * alive) * (-(-(tail + t) // s)) * s
+    own = -(-rows * alive // n) * (-(-(tail + t) // s)) * s          # ceil(rows x alive / n) rows, exactly
     shared = -(-rows // group) * (prompt_tokens // s) * s
     return int(own.max()) + shared
 
@@ -204,6 +221,7 @@ def check_fits(parts: dict[str, int], available: int, where: str = "this GRPO ru
              "generation_batch_size or max_completion_length (or add workers)", "LM-head chunk": "lower "
              "grpo.logprob_chunk", "optimizer": "a smaller model", "gradients": "a smaller model",
              "pair buffer": "lower tlt.buffer_tokens", "reference": "beta 0 (no reference policy)",
+             LONGEST_ROW: "lower max_completion_length or the prompts' length",
              "drafter training": "tlt.online_drafter false"}
     raise MemoryError(f"{where} needs about {need / gib:.1f} GiB beyond the loaded weights but {available / gib:.1f} "
                       f"GiB are available (it may use {HEADROOM:.0%}): "
@@ -212,32 +230,36 @@ def check_fits(parts: dict[str, int], available: int, where: str = "this GRPO ru
 
 
 POOL_SLACK = 1.25
-"""On a CPU the page pool gets this much more than the estimated peak (when the run leaves it): the estimate is an
-expectation, and a pool is touched when it is made (on a GPU the pool takes all the run leaves, which would lie
-idle otherwise)."""
+"""The page pool gets this much more than the estimated peak, when the run leaves it: the estimate is an
+expectation (and responses grow as RL trains). Not all the memory the run leaves: a pool is made whole when the
+rollout starts (touched on a CPU), and other trainers or engines of the same process (notebook 05's baseline and
+TLT runs) need theirs."""
 
 
-def kv_pool_bytes(parts: dict[str, int], kv: KVEstimate, minimum: int, available: int, device,
+
+def kv_pool_bytes(parts: dict[str, int], kv: KVEstimate, minimum: int, available: int,
                   where: str = "this GRPO run") -> int:
     """The page pool's budget (bytes) for a run whose other parts are ``parts`` (:data:`KV_PART` is ignored).
 
-    The pool gets what :data:`HEADROOM` of ``available`` leaves after the other parts: all of it on a GPU, at most
-    :data:`POOL_SLACK` x the estimate on a CPU. Refused (:func:`check_fits`, the KV cache counted at ``minimum``,
-    the pages of the longest row) when that leaves less than ``minimum``; a pool smaller than the estimate is warned
-    of, not refused: rows then wait for pages (admission by memory), slower but never out of memory."""
-    others = sum(v for k, v in parts.items() if k != KV_PART)
-    left = int(HEADROOM * available) - others
+    The pool gets :data:`POOL_SLACK` x the estimate, or what :data:`HEADROOM` of ``available`` leaves after the
+    other parts when that is less. Refused (:func:`check_fits`, the KV cache counted at ``minimum``, the pages of
+    the longest row) when that leaves less than ``minimum``; a pool smaller than the estimate is warned of, not
+    refused: rows then wait for pages (admission by memory), slower but never out of memory."""
+    others = {k: v for k, v in parts.items() if k != KV_PART}
+    left = int(HEADROOM * available) - sum(others.values())
     if left < minimum:
-        check_fits({**parts, KV_PART: minimum}, available, where)
+        check_fits({**others, LONGEST_ROW: minimum}, available, where)
         left = minimum                           # check_fits rounds differently: never below the minimum
     if left < kv.bytes:
+        measured = "" if kv.assumed.startswith("response lengths as") else (
+            "give measured response lengths (train-grpo's lengths:, notebook 01's lengths.json), or ")
         warnings.warn(f"tltlib: {where}: the KV page pool gets {left / 2 ** 30:.2f} GiB (what the other parts leave "
                       f"of {HEADROOM:.0%} of {available / 2 ** 30:.1f} GiB) but the rollout is expected to hold "
                       f"{kv.bytes / 2 ** 30:.2f} GiB at its peak, assuming {kv.assumed}: rows will wait for pages "
-                      "(slower, never out of memory); to avoid it lower grpo.micro_batch_tokens, "
+                      f"(slower, never out of memory); to avoid it {measured}lower grpo.micro_batch_tokens, "
                       "generation_batch_size or max_completion_length", stacklevel=3)
         return left
-    return left if torch.device(device).type == "cuda" else max(minimum, min(left, math.ceil(POOL_SLACK * kv.bytes)))
+    return max(minimum, min(left, math.ceil(POOL_SLACK * kv.bytes)))
 
 
 def trainer_shape(trainer, sample: int = 256) -> tuple[int, int, int]:
@@ -257,10 +279,10 @@ def trainer_kv(trainer, measured: MeasuredLengths | None = None) -> tuple[KVEsti
     from .rollout_config import RolloutConfig
     prompt, rows, elem = trainer_shape(trainer)
     args, page = trainer.args, KVConfig.page_size
-    drafts = trainer.drafter is not None and trainer.tlt.speculative != "off"     # the drafter's cache: one layer
-    kv = rollout_kv(trainer.model.config, args, prompt, rows, elem, int(drafts), measured, page)
-    per_token = kv.bytes // kv.tokens
-    return kv, pages_for(prompt + args.max_completion_length + RolloutConfig.draft_margin, page) * page * per_token
+    drafter = int(trainer.drafter is not None)     # its cache (one layer) shares the pool whenever it is there
+    kv = rollout_kv(trainer.model.config, args, prompt, rows, elem, drafter, measured, page)
+    longest = pages_for(prompt + args.max_completion_length + RolloutConfig.draft_margin, page)
+    return kv, (longest + 1) * page * (kv.bytes // kv.tokens)   # a page more: the split between caches rounds down
 
 
 def trainer_memory(trainer, measured: MeasuredLengths | None = None, kv: KVEstimate | None = None) -> dict[str, int]:
@@ -276,43 +298,56 @@ def trainer_memory(trainer, measured: MeasuredLengths | None = None, kv: KVEstim
                        tlt.buffer_tokens if trainer.buffer is not None else 0, kv)
 
 
-def check_trainer(trainer, measured: MeasuredLengths | None = None) -> int:
-    """The KV page pool's budget in bytes (:func:`kv_pool_bytes`) for a :class:`tltlib.trainer.GRPOTrainer` as
-    built, refusing a run that cannot fit (called before its engine is made); on a CPU the workers torchrun started
-    on this machine (``LOCAL_WORLD_SIZE``) share its memory equally."""
+def check_trainer(trainer, measured: MeasuredLengths | None = None) -> KVPlan:
+    """The KV page pool's budget (:func:`kv_pool_bytes`) for a :class:`tltlib.trainer.GRPOTrainer` as built, with
+    the estimate it came from; a run that cannot fit is refused (called before its engine is made). On a CPU the
+    workers torchrun started on this machine (``LOCAL_WORLD_SIZE``) share its memory equally."""
     share = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torch.device(trainer.device).type == "cpu" else 1
     kv, minimum = trainer_kv(trainer, measured)
-    return kv_pool_bytes(trainer_memory(trainer, kv=kv), kv, minimum,
-                         available_bytes(trainer.device) // max(share, 1), trainer.device,
-                         f"GRPO with {trainer.args.generation_batch_size} completions of up to "
-                         f"{trainer.args.max_completion_length} tokens on {trainer.device}")
+    return KVPlan(kv_pool_bytes(trainer_memory(trainer, kv=kv), kv, minimum,
+                                available_bytes(trainer.device) // max(share, 1),
+                                f"GRPO with {trainer.args.generation_batch_size} completions of up to "
+                                f"{trainer.args.max_completion_length} tokens on {trainer.device}"), kv)
+
+
+def eagle_params(config) -> int:
+    """About the parameters of a one-layer EAGLE drafter for ``config``'s model: one decoder layer and the 2h -> h
+    projection (the embedding and head shared with the target)."""
+    layer = replace(config, num_layers=1)
+    emb = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    return layer.num_parameters - emb - config.hidden_size + 2 * config.hidden_size ** 2
 
 
 def grpo_plan(config, args, prompt_tokens: int, rows: int, elem_bytes: int, device_bytes: int, name: str,
-              measured: MeasuredLengths | None = None, drafter_layers: int = 0, page_size: int = 16) -> list[str]:
-    """The memory plan of a GRPO worker on a device of ``device_bytes`` (the weights, :func:`grpo_memory`'s parts,
-    the page pool :func:`kv_pool_bytes` would give), as the comment lines of a parameter file (``name``: the model).
-    Refused like the run itself (:func:`check_fits`) when it cannot fit."""
-    gib = 2 ** 30
-    params = config.num_parameters
-    weights = params * elem_bytes
-    kv = rollout_kv(config, args, prompt_tokens, rows, elem_bytes, drafter_layers, measured, page_size)
-    parts = grpo_memory(config, args, prompt_tokens, rows, elem_bytes, params, kv=kv)
+              measured: MeasuredLengths | None = None, buffer_tokens: int = 0, page_size: int = 16,
+              trainers: int = 1) -> list[str]:
+    """The memory plan of a GRPO worker with TLT's online drafter (:func:`eagle_params`, its pair buffer of
+    ``buffer_tokens``) on a device of ``device_bytes`` shared equally by ``trainers`` trainers side by side (notebook
+    05 alternates a baseline's steps with TLT's): the weights, :func:`grpo_memory`'s parts and the page pool
+    :func:`kv_pool_bytes` gives, as the comment lines of a parameter file (``name``: the model). Refused like the
+    run itself (:func:`check_fits`) when it cannot fit."""
     from .rollout_config import RolloutConfig
+    gib = 2 ** 30
+    params, drafter = config.num_parameters, eagle_params(config)
+    weights = (params + drafter) * elem_bytes
+    kv = rollout_kv(config, args, prompt_tokens, rows, elem_bytes, 1, measured, page_size)
+    parts = grpo_memory(config, args, prompt_tokens, rows, elem_bytes, params, drafter, buffer_tokens, kv)
     longest = prompt_tokens + args.max_completion_length + RolloutConfig.draft_margin
-    minimum = pages_for(longest, page_size) * page_size * (kv.bytes // kv.tokens)
-    available = device_bytes - weights
+    minimum = (pages_for(longest, page_size) + 1) * page_size * (kv.bytes // kv.tokens)
+    available = device_bytes // trainers - weights
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pool = kv_pool_bytes(parts, kv, minimum, available, "cuda", f"GRPO of {name}")
+        pool = kv_pool_bytes(parts, kv, minimum, available, f"GRPO of {name}")
     shown = [f"{k} {v / gib:.1f}" for k, v in parts.items() if v and k != KV_PART]
     rows_at_max = pool // (kv.bytes // max(rows, 1))
+    share = f"{device_bytes / gib:.0f} GiB" if trainers == 1 else \
+        f"{device_bytes / trainers / gib:.0f} GiB ({device_bytes / gib:.0f} GiB / {trainers} trainers)"
     return ["Memory of one GRPO worker (tltlib.memory.grpo_plan; tests/test_memory.py renders and checks it):",
-            f"{name}, {params / 1e9:.2f} B parameters of {elem_bytes} bytes: weights {weights / gib:.1f} GiB of "
-            f"{device_bytes / gib:.0f} GiB;",
-            f"of the {available / gib:.1f} GiB left the run may use {HEADROOM:.0%}:",
-            ", ".join(shown) + f" GiB (micro_batch_tokens {args.micro_batch_tokens:,});",
-            f"the KV page pool gets the other {pool / gib:.1f} GiB. {rows} rows x {prompt_tokens} + "
+            f"{name} ({params / 1e9:.2f} B parameters) and its drafter ({drafter / 1e6:.0f} M) in {elem_bytes}-byte "
+            f"weights: {weights / gib:.1f} GiB", f"of {share};",
+            f"of the {available / gib:.1f} GiB left the run may use {HEADROOM:.0%}: " + ", ".join(shown[:3]) + ",",
+            ", ".join(shown[3:]) + f" GiB (micro_batch_tokens {args.micro_batch_tokens:,});",
+            f"the KV page pool gets {pool / gib:.1f} GiB. {rows} rows x {prompt_tokens} + "
             f"{args.max_completion_length:,} tokens would hold {kv.bytes / gib:.1f} GiB at their peak, assuming",
             f"{kv.assumed};",
             f"the pool holds {min(rows_at_max, rows)} of the {rows} rows at that length: the others wait for pages "

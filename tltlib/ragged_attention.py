@@ -30,6 +30,7 @@ import hashlib
 import os
 import sys
 import threading
+import time
 import warnings
 
 import torch
@@ -242,6 +243,28 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
 _lock = threading.Lock()
 _state: dict = {}                                   # "module" (built) or "error" (why not), once per process
 
+STALE_LOCK_S = 600
+"""A build lock older than this is a killed build's (a build takes ~20-30 s on 2 cores): PyTorch's builder would
+wait for it forever."""
+
+
+def clear_stale_lock(build_dir: str, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove ``build_dir/lock`` when it is older than ``max_age_s`` (one warning); whether it was removed."""
+    lock = os.path.join(build_dir, "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return False
+    if age < max_age_s:
+        return False
+    warnings.warn(f"tltlib: removing the build lock {lock}, left {age / 60:.0f} min ago by a killed build of the "
+                  "ragged-attention kernel (it would wait for it forever)", stacklevel=3)
+    try:
+        os.remove(lock)
+    except FileNotFoundError:
+        pass
+    return True
+
 
 def kernel():
     """The built extension module, building it on the first call; None when switched off (``TLTLIB_RAGGED_ATTENTION=0``)
@@ -259,7 +282,9 @@ def kernel():
         try:
             from torch.utils import cpp_extension
             from torch.utils.cpp_extension import load_inline
-            built = os.path.join(cpp_extension._get_build_directory(name, False), name + ".so")
+            build_dir = cpp_extension._get_build_directory(name, False)
+            clear_stale_lock(build_dir)
+            built = os.path.join(build_dir, name + ".so")
             if not os.path.exists(built):
                 print("tltlib: building the CPU ragged-attention kernel (once per machine, ~20 s)", file=sys.stderr,
                       flush=True)

@@ -235,6 +235,8 @@ def run_job(params: str | os.PathLike, output_dir: str | os.PathLike | None = No
     if world is not None:
         world.barrier()                            # every rank has checked the folder before rank 0 writes to it
     trainer, held = build(job, progress=False, reward_funcs=reward_funcs, world=world)
+    if lead:
+        print(f"memory: {trainer.kv_plan.describe()}", file=sys.stderr)
     log = MetricsLog(output / "metrics.jsonl", out, lead)
     if lead:
         _write_run_files(job, output, resume, world)

@@ -224,9 +224,10 @@ class GRPOTrainer:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate,
                                            betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
         self.buffer, self.drafter_trainer = self._drafter_training()
-        kv = KVConfig(memory=check_trainer(self, lengths))  # the pool: what the run leaves; a run that cannot fit
-        self.engine = RolloutEngine(model, RolloutConfig(  # is refused here (a missing chat template named too)
-            self.sampling, group_size=args.num_generations, kv=kv), drafter=drafter)
+        self.kv_plan = check_trainer(self, lengths)      # the KV pool (memory.py); a run that cannot fit is refused
+        self.engine = RolloutEngine(model, RolloutConfig(  # here (a missing chat template named too)
+            self.sampling, group_size=args.num_generations, kv=KVConfig(memory=self.kv_plan.pool_bytes)),
+            drafter=drafter)
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None  # pi_ref
         self.spot = SpotTrainer(self.world, self.sched, self.drafter_trainer, self.buffer, self.tlt.drafter_batch)
         self.controller = self._adaptive_controller()
