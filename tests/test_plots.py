@@ -47,6 +47,12 @@ def test_length_plots_mark_percentiles_and_end_the_cdf_at_one():
     assert line.get_ydata()[-1] == 1.0 and line.get_xdata()[-1] == 400
 
 
+def test_the_length_histogram_counts_every_response():
+    lengths = [15] * 34 + [40] * 50 + [700] * 16       # a first edge of 10**log10(15) = 15.000000000000004 lost the 15s
+    bars = plots.length_histogram(lengths).axes[0].patches
+    assert sum(b.get_height() for b in bars) == len(lengths)
+
+
 def test_worker_timeline_title_reports_idle_share():
     fig = plots.worker_timeline([1, 1, 1, 9], 2)          # busy 1 and 9 steps of 9 -> 44% idle
     assert fig.axes[0].get_title().startswith("2 workers: 44% of worker-time idle")

@@ -41,10 +41,13 @@ def _log_x(ax):
 
 
 def length_histogram(lengths, title: str = "Response lengths"):
-    """Histogram of response lengths on log-spaced bins (log x), with the median and p99 marked."""
-    x = np.asarray(lengths, dtype=float)
+    """Histogram of response lengths on log-spaced bins (log x), with the median and p99 marked; every response
+    counted (the outer edges pinned to the shortest and one past the longest: a log-spaced first edge can round
+    above the shortest length and drop those responses; a 0-token response is drawn at 1)."""
+    x = np.maximum(np.asarray(lengths, dtype=float), 1.0)
     fig, ax = _fig()
-    bins = np.logspace(np.log10(max(1.0, x.min())), np.log10(x.max() + 1), 30)
+    bins = np.logspace(np.log10(x.min()), np.log10(x.max() + 1), 30)
+    bins[0], bins[-1] = x.min(), x.max() + 1
     ax.hist(x, bins=bins, color="#4C72B0", edgecolor="white")
     _log_x(ax)
     for q, style in ((50, "--"), (99, ":")):
