@@ -158,9 +158,9 @@ def kv_estimate(per_token: int, rows: int, group: int, prompt_tokens: int, max_n
         tokens = peak_held_tokens(None, max_new, rows, group, prompt_tokens, page_size)
         return KVEstimate(tokens, tokens * per_token, f"every row runs to max_completion_length ({max_new} tokens): "
                                                       "no measured response lengths were given")
-    x = np.asarray(measured.lengths, dtype=np.int64)
-    cut = int((x >= measured.max_new_tokens).sum()) if measured.max_new_tokens < max_new else 0
-    x = np.where(x >= measured.max_new_tokens, max_new, np.minimum(x, max_new)) if cut else np.minimum(x, max_new)
+    x, cap = np.asarray(measured.lengths, dtype=np.int64), measured.max_new_tokens
+    cut = int((x >= cap).sum()) if cap < max_new else 0
+    x = np.where(x >= cap, max_new, x) if cut else np.minimum(x, max_new)
     tokens = peak_held_tokens(x, max_new, rows, group, prompt_tokens, page_size)
     p50, p99 = np.percentile(x, [50, 99])
     where = f" in {measured.source}" if measured.source else ""
@@ -272,25 +272,34 @@ def trainer_shape(trainer, sample: int = 256) -> tuple[int, int, int]:
     return prompt, rows, next(trainer.model.parameters()).element_size()
 
 
-def trainer_kv(trainer, measured: MeasuredLengths | None = None) -> tuple[KVEstimate, int]:
-    """(:func:`rollout_kv` of a :class:`tltlib.trainer.GRPOTrainer`'s rollout, the bytes of its longest row: the
-    longest prompt + ``max_completion_length`` + the engine's draft margin, in whole pages)."""
-    from .paged_cache import KVConfig
+def longest_row_bytes(prompt_tokens: int, max_new: int, kv: KVEstimate, page_size: int) -> int:
+    """The pool's minimum: the pages of one row of ``prompt_tokens`` + ``max_new`` + the engine's draft margin, at
+    ``kv``'s bytes per token, and a page more (the pool's split between the target's and the drafter's caches
+    rounds down)."""
     from .rollout_config import RolloutConfig
-    prompt, rows, elem = trainer_shape(trainer)
+    longest = pages_for(prompt_tokens + max_new + RolloutConfig.draft_margin, page_size)
+    return (longest + 1) * page_size * (kv.bytes // kv.tokens)
+
+
+def trainer_kv(trainer, measured: MeasuredLengths | None = None, shape=None) -> tuple[KVEstimate, int]:
+    """(:func:`rollout_kv` of a :class:`tltlib.trainer.GRPOTrainer`'s rollout, :func:`longest_row_bytes`);
+    ``shape``: :func:`trainer_shape` when the caller has it."""
+    from .paged_cache import KVConfig
+    prompt, rows, elem = shape or trainer_shape(trainer)
     args, page = trainer.args, KVConfig.page_size
     drafter = int(trainer.drafter is not None)     # its cache (one layer) shares the pool whenever it is there
     kv = rollout_kv(trainer.model.config, args, prompt, rows, elem, drafter, measured, page)
-    longest = pages_for(prompt + args.max_completion_length + RolloutConfig.draft_margin, page)
-    return kv, (longest + 1) * page * (kv.bytes // kv.tokens)   # a page more: the split between caches rounds down
+    return kv, longest_row_bytes(prompt, args.max_completion_length, kv, page)
 
 
-def trainer_memory(trainer, measured: MeasuredLengths | None = None, kv: KVEstimate | None = None) -> dict[str, int]:
+def trainer_memory(trainer, measured: MeasuredLengths | None = None, kv: KVEstimate | None = None,
+                   shape=None) -> dict[str, int]:
     """:func:`grpo_memory` of a :class:`tltlib.trainer.GRPOTrainer` as built (this worker's share of the batch; the
-    KV estimate of :func:`trainer_kv` unless ``kv`` is given)."""
+    KV estimate of :func:`trainer_kv` unless ``kv`` is given; ``shape`` as there)."""
     model, tlt = trainer.model, trainer.tlt
-    prompt, rows, elem = trainer_shape(trainer)
-    kv = kv or trainer_kv(trainer, measured)[0]
+    shape = shape or trainer_shape(trainer)          # encodes a sample of prompts: once per check
+    prompt, rows, elem = shape
+    kv = kv or trainer_kv(trainer, measured, shape)[0]
     params = sum(p.numel() for p in model.parameters())
     drafter = sum(p.numel() for p in trainer.drafter.parameters() if p.requires_grad) \
         if trainer.drafter_trainer is not None else 0
@@ -303,8 +312,9 @@ def check_trainer(trainer, measured: MeasuredLengths | None = None) -> KVPlan:
     the estimate it came from; a run that cannot fit is refused (called before its engine is made). On a CPU the
     workers torchrun started on this machine (``LOCAL_WORLD_SIZE``) share its memory equally."""
     share = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torch.device(trainer.device).type == "cpu" else 1
-    kv, minimum = trainer_kv(trainer, measured)
-    return KVPlan(kv_pool_bytes(trainer_memory(trainer, kv=kv), kv, minimum,
+    shape = trainer_shape(trainer)
+    kv, minimum = trainer_kv(trainer, measured, shape)
+    return KVPlan(kv_pool_bytes(trainer_memory(trainer, kv=kv, shape=shape), kv, minimum,
                                 available_bytes(trainer.device) // max(share, 1),
                                 f"GRPO with {trainer.args.generation_batch_size} completions of up to "
                                 f"{trainer.args.max_completion_length} tokens on {trainer.device}"), kv)
@@ -326,14 +336,12 @@ def grpo_plan(config, args, prompt_tokens: int, rows: int, elem_bytes: int, devi
     05 alternates a baseline's steps with TLT's): the weights, :func:`grpo_memory`'s parts and the page pool
     :func:`kv_pool_bytes` gives, as the comment lines of a parameter file (``name``: the model). Refused like the
     run itself (:func:`check_fits`) when it cannot fit."""
-    from .rollout_config import RolloutConfig
     gib = 2 ** 30
     params, drafter = config.num_parameters, eagle_params(config)
     weights = (params + drafter) * elem_bytes
     kv = rollout_kv(config, args, prompt_tokens, rows, elem_bytes, 1, measured, page_size)
     parts = grpo_memory(config, args, prompt_tokens, rows, elem_bytes, params, drafter, buffer_tokens, kv)
-    longest = prompt_tokens + args.max_completion_length + RolloutConfig.draft_margin
-    minimum = (pages_for(longest, page_size) + 1) * page_size * (kv.bytes // kv.tokens)
+    minimum = longest_row_bytes(prompt_tokens, args.max_completion_length, kv, page_size)
     available = device_bytes // trainers - weights
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
