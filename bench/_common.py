@@ -74,6 +74,13 @@ def add_model_flags(ap: argparse.ArgumentParser, drafter: str | None = None, dra
         ap.add_argument("--drafter", default=drafter, type=folder("drafter", DRAFTER), help=drafter_help)
 
 
+def add_num_generations(ap: argparse.ArgumentParser, default: int = 8, help: str | None = None) -> None:
+    """``--num-generations`` (completions per prompt, TRL's name; checked positive), the old ``--group`` refused with
+    the new name (:func:`tltlib.cli.parser.add_num_generations`)."""
+    from tltlib.cli.parser import add_num_generations as add
+    add(ap, default, help, type=positive_int)
+
+
 def add_device_flags(ap: argparse.ArgumentParser, device: str = "auto", dtype: str = "float32") -> None:
     """``--device`` (checked by tltlib's loader) and ``--dtype``."""
     ap.add_argument("--device", default=device)
@@ -126,7 +133,7 @@ def positive_float(text: str) -> float:
 
 def strategy_name(text: str) -> str:
     """``text`` when it names a speculative strategy (``off``, ``chain-D``, ``ngram-D``, ``tree-DxK-N``)."""
-    from tltlib.speculative import SpecStrategy
+    from tltlib.spec.strategy import SpecStrategy
     try:
         SpecStrategy.parse(text)
     except (ValueError, TypeError) as e:
@@ -135,8 +142,8 @@ def strategy_name(text: str) -> str:
 
 
 def strategy(text: str):
-    """``text`` as a :class:`tltlib.speculative.SpecStrategy` (an argparse ``type`` or a :func:`listed` item)."""
-    from tltlib.speculative import SpecStrategy
+    """``text`` as a :class:`tltlib.spec.strategy.SpecStrategy` (an argparse ``type`` or a :func:`listed` item)."""
+    from tltlib.spec.strategy import SpecStrategy
     return SpecStrategy.parse(strategy_name(text))
 
 
@@ -203,8 +210,8 @@ def result_name(bench: str, device: str, dtype: str, suffix: str = "") -> str:
 
 
 def machine_info(device: str) -> dict:
-    """:func:`tltlib.profiling.machine_info` (imported when called: nothing heavy before the malloc re-exec)."""
-    from tltlib.profiling import machine_info as info
+    """:func:`tltlib.machine.machine_info` (imported when called: nothing heavy before the malloc re-exec)."""
+    from tltlib.machine import machine_info as info
     return info(device)
 
 
@@ -306,7 +313,9 @@ TASK_HELP = ("prompts: 'chain' (the tiny reasoner's chain task) or 'words' (GSM8
 
 def task_prompts(task: str, tokenizer, count: int, seed: int, steps: int | None = None) -> list[list[int]]:
     """Token ids of ``count`` seeded prompts of ``task`` ('chain': ``steps`` fixes every problem's step count)."""
-    from tltlib.tasks import ChainTaskConfig, encode_prompts, generate_problems, generate_task
+    from tltlib.tasks.chain import ChainTaskConfig, generate_problems
+    from tltlib.tasks.prompts import encode_prompts
+    from tltlib.tasks.datasets import generate_task
     if task == "chain":
         return encode_prompts(generate_problems(ChainTaskConfig(), count, seed=seed, steps=steps), tokenizer)
     return encode_prompts(generate_task(task, count, seed), tokenizer)

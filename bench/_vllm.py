@@ -59,7 +59,7 @@ class VLLMPeer:
     stops it.
 
     Args: model folder, dtype name, ``max_model_len``; ``eager`` skips torch.compile (vLLM's default compiles);
-    ``drafter``/``k``: an EAGLE checkpoint written by :func:`tltlib.drafter.export_vllm_eagle` and its draft
+    ``drafter``/``k``: an EAGLE checkpoint written by :func:`tltlib.model.drafter.export_vllm_eagle` and its draft
     depth (vLLM's chain speculation); ``startup_timeout`` in seconds."""
 
     def __init__(self, python: Path, model: str | os.PathLike, dtype: str = "float32", max_model_len: int = 1024,
@@ -215,7 +215,7 @@ def vllm_section(args, target, tok, drafter, max_new: int, results: list[dict]) 
     interleaved pairwise; None when ``--vllm`` finds no vLLM. Greedy outputs are checked against tltlib's."""
     from _common import interleaved_medians, resolve, task_prompts
 
-    from tltlib.drafter import export_vllm_eagle
+    from tltlib.model.drafter import export_vllm_eagle
     chains = [st for st in args.strategies.items if st.kind == "chain"]
     stop = None if args.task == "words" else list(target.config.eos_token_ids)
     model, device = resolve(args.model), str(target.device)

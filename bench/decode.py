@@ -36,8 +36,8 @@ def parse_args(argv: list[str] | None = None):
 
 def main() -> None:
     args = parse_args()
-    from tltlib.rollout import RolloutConfig, RolloutEngine
-    from tltlib.sampling import SamplingConfig
+    from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+    from tltlib.model.sampling import SamplingConfig
 
     ours, tok, _ = load_models(args)
     device, dtype, path = str(ours.device), ours.embed.weight.dtype, resolve(args.model)

@@ -47,11 +47,11 @@ def main() -> None:
     args = parse_args()
     import torch
 
-    from tltlib.draft_train import autocast_to_target, depth_accuracy
-    from tltlib.draft_warm import measure_acceptance, rows_pairs
-    from tltlib.drafter import load_drafter
-    from tltlib.speculative import SpecStrategy
-    from tltlib.tasks import generate_task, read_responses
+    from tltlib.drafting.train import autocast_to_target, depth_accuracy
+    from tltlib.drafting.warmup import measure_acceptance, rows_pairs
+    from tltlib.model.drafter import load_drafter
+    from tltlib.spec.strategy import SpecStrategy
+    from tltlib.tasks.datasets import generate_task, read_responses
 
     args.drafter = None
     target, tok, _ = load_models(args)

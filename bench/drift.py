@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None):
 
 def load_job(args):
     """The recipe's job with the flags' model, drafter, steps and seed; refused without TLT or a drafter."""
-    from tltlib.rljob import read_job
+    from tltlib.lab.rljob import read_job
     job = read_job(args.recipe)
     job = replace(job, model=args.model or job.model, drafter=args.drafter or job.drafter,
                   grpo=replace(job.grpo, max_steps=args.steps, seed=args.seed))
@@ -65,9 +65,9 @@ def load_job(args):
 
 def main() -> None:
     args = parse_args()
-    from tltlib.e2e import frozen_copy, long_run
-    from tltlib.rljob import build
-    from tltlib.tasks import generate_task
+    from tltlib.lab.e2e import frozen_copy, long_run
+    from tltlib.lab.rljob import build
+    from tltlib.tasks.datasets import generate_task
     job = load_job(args)
     use_all_cores()
     trainer, held = build(job)
@@ -91,7 +91,7 @@ def main() -> None:
 def tables(p: dict) -> str:
     """The markdown of a (partial) drift result: held-out accuracy by step, accepted length by step per strategy,
     the per-depth acceptance at the first and last probe, the drafter's cost."""
-    from tltlib.e2e import probe_labels
+    from tltlib.lab.e2e import probe_labels
     s, steps = p["settings"], p["steps"]
     ev = p["eval"]
     minutes = sum(m["time/step_s"] for m in steps) / 60
@@ -120,8 +120,8 @@ def tables(p: dict) -> str:
 
 def figure(out: dict, strategy: str, json_path: Path) -> None:
     """``<result>.png``: held-out accuracy and accepted length of every drafter by RL step."""
-    from tltlib.e2e import probe_labels
-    from tltlib.plots import drift_panels
+    from tltlib.lab.e2e import probe_labels
+    from tltlib.lab.plots import drift_panels
     save_png(drift_panels(out["eval"], out["acceptance"], probe_labels(out["acceptance"]), strategy),
              json_path.with_suffix(".png"))
 

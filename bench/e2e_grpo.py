@@ -26,7 +26,7 @@ phase (generate, score, loss forward, backward) to what caused it. Every setting
 
 With ``--workers W`` the script starts itself under torchrun (W processes, one thread each on the CPU) and runs, per
 RL step and in turn, the baseline, TLT with the spot trainer and TLT with the warm drafter frozen, all data-parallel
-(:func:`tltlib.e2e.compare_workers`); then, back in one process, TLT with the one-process online drafter for the
+(:func:`tltlib.lab.e2e.compare_workers`); then, back in one process, TLT with the one-process online drafter for the
 same steps, for the accepted-length comparison. Reported besides the table above: each step's idle share of the
 workers' rollout time, the share of it harvested for drafter training, the preemption latency (also in micro-steps),
 the drafter sync and the spot trainer's overhead on the step's critical path (from the last rollout's end until
@@ -34,7 +34,6 @@ every worker holds the merged drafter). ``--seeds`` and ``--trl-steps`` do not a
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import statistics
@@ -45,10 +44,12 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (DRAFTER, MODEL, add_device_flags, add_model_flags, add_output_flags, bench_parser,  # noqa: E402
+from _common import (add_num_generations, DRAFTER, MODEL, add_device_flags, add_model_flags, add_output_flags, bench_parser,  # noqa: E402
                      depth_table, existing_file, listed, load_models, machine_info, markdown_table, nonnegative_int,
-                     parse_bench_args, positive_float, positive_int, resolve, result_name, save_png, strategy_name,
+                     parse_bench_args, positive_float, positive_int, result_name, save_png, strategy_name,
                      temperature, write_results)
+from _trl_peer import (TRL_TUNED_ROWS, _trl_peer, _trl_tables, trl_comparison, trl_key,  # noqa: E402
+                       trl_run_name)
 
 
 def parse_args(argv: list[str] | None = None):
@@ -57,8 +58,8 @@ def parse_args(argv: list[str] | None = None):
     add_device_flags(ap)
     ap.add_argument("--steps", type=positive_int, default=8, help="RL steps per seed")
     ap.add_argument("--seeds", type=positive_int, default=3)
-    ap.add_argument("--prompts", type=positive_int, default=16, help="prompts per step (x --group completions)")
-    ap.add_argument("--group", type=positive_int, default=8)
+    ap.add_argument("--prompts", type=positive_int, default=16, help="prompts per step (x --num-generations completions)")
+    add_num_generations(ap, 8)
     ap.add_argument("--max-new", type=positive_int, default=720)
     ap.add_argument("--temperature", type=temperature, default=0.9)
     ap.add_argument("--lr", type=positive_float, default=1e-4)
@@ -100,7 +101,7 @@ def parse_args(argv: list[str] | None = None):
     return _with_recipe(parse_bench_args(ap, argv), ap.error)
 
 
-RECIPE_FLAGS = {"prompts": 16, "group": 8, "max_new": 720, "temperature": 0.9, "lr": 1e-4, "micro_batch_tokens": 2048,
+RECIPE_FLAGS = {"prompts": 16, "num_generations": 8, "max_new": 720, "temperature": 0.9, "lr": 1e-4, "micro_batch_tokens": 2048,
                 "drafter_steps": 6, "drafter_batch": 4, "threshold": 0, "on_drafter_change": "discount",
                 "held_out": 128, "spot_max": 200, "train_on": "own"}
 """The flags a ``--recipe`` sets, with their defaults without one."""
@@ -120,7 +121,7 @@ def _with_recipe(args, error):
                          "drop --recipe)")
     if args.trl_steps:
         error("TRL's peer runs the chain task's accuracy reward only: give --trl-steps 0 with --recipe")
-    from tltlib.rljob import read_job
+    from tltlib.lab.rljob import read_job
     job = args.job = read_job(args.recipe)
     g, t = job.grpo, job.tlt
     if t is None:
@@ -129,7 +130,7 @@ def _with_recipe(args, error):
     if not args.drafter:
         error(f"{args.recipe}: no drafter; give --drafter")
     args.trl_steps = 0
-    for k, v in {"prompts": g.prompts_per_step, "group": g.num_generations, "max_new": g.max_completion_length,
+    for k, v in {"prompts": g.prompts_per_step, "num_generations": g.num_generations, "max_new": g.max_completion_length,
                  "temperature": g.temperature, "lr": g.learning_rate, "micro_batch_tokens": g.micro_batch_tokens,
                  "drafter_steps": t.drafter_steps, "drafter_batch": t.drafter_batch, "threshold": t.threshold,
                  "on_drafter_change": t.on_drafter_change, "held_out": job.eval_problems,
@@ -144,7 +145,7 @@ def main() -> None:
         from tltlib.fileio import read_json
         _figures(read_json(args.replot, "give a bench/results/e2e_grpo-*.json file"), Path(args.replot))
     elif args.workers:
-        from tltlib.world import launched_by_torchrun
+        from tltlib.rl.world import launched_by_torchrun
         if launched_by_torchrun():
             _worker(args)
         else:
@@ -155,9 +156,9 @@ def main() -> None:
 
 def _one_process(args) -> None:
     """Baseline vs TLT over ``--seeds`` x ``--steps``, the update's speed by micro-batching, TRL's peer."""
-    from tltlib.e2e import compare, summarize, update_speed
-    from tltlib.tasks import encode_prompts
-    from tltlib.trainer import GRPOTrainer
+    from tltlib.lab.e2e import compare, summarize, update_speed
+    from tltlib.tasks.prompts import encode_prompts
+    from tltlib.rl.trainer import GRPOTrainer
     model, tok, drafter = load_models(args, drafter=True)
     device = str(model.device)
     train, held, probe = _data(args)
@@ -193,18 +194,19 @@ def _settings(args) -> dict:
 def _grpo(args, seed=0):
     from dataclasses import replace
 
-    from tltlib.grpo import GRPOConfig
+    from tltlib.rl.grpo import GRPOConfig
     if args.job is not None:
         return replace(args.job.grpo, max_steps=args.steps, seed=seed)
-    return GRPOConfig(num_generations=args.group, generation_batch_size=args.prompts * args.group,
+    return GRPOConfig(num_generations=args.num_generations, generation_batch_size=args.prompts * args.num_generations,
                       max_completion_length=args.max_new, temperature=args.temperature, learning_rate=args.lr,
                       max_steps=args.steps, seed=seed, micro_batch_tokens=args.micro_batch_tokens)
 
 
 def _data(args):
-    from tltlib.tasks import ChainTaskConfig, generate_problems, generate_task
+    from tltlib.tasks.chain import ChainTaskConfig, generate_problems
+    from tltlib.tasks.datasets import generate_task
     if args.job is not None:
-        from tltlib.rljob import job_problems
+        from tltlib.lab.rljob import job_problems
         train, held = job_problems(args.job)
         probe = generate_task(args.job.task_cfgs[1], args.probe, seed=20_002) if args.probe else []
         return train, held, probe
@@ -218,12 +220,12 @@ def _trainer_kwargs(args) -> dict:
     """The recipe's reward functions and curriculum (without one: the trainer's defaults)."""
     if args.job is None:
         return {}
-    from tltlib.grpo import reward_funcs_named
+    from tltlib.rl.grpo import reward_funcs_named
     return {"reward_funcs": reward_funcs_named(args.job.rewards), "curriculum": args.job.curriculum}
 
 
 def _tlt(args):
-    from tltlib.trainer import TLTConfig
+    from tltlib.rl.config import TLTConfig
     if args.job is not None:
         return args.job.tlt
     return TLTConfig(speculative="adaptive", threshold=args.threshold, drafter_steps=args.drafter_steps,
@@ -234,9 +236,9 @@ def _worker(args) -> None:
     """One torchrun rank of ``--workers W``: the data-parallel comparison; rank 0 writes the raw result."""
     import json
 
-    from tltlib.e2e import compare_workers
-    from tltlib.scheduler import SchedulerConfig
-    from tltlib.world import DistributedWorld
+    from tltlib.lab.e2e import compare_workers
+    from tltlib.rl.scheduler import SchedulerConfig
+    from tltlib.rl.world import DistributedWorld
     sched = SchedulerConfig(max_micro_steps=args.spot_max, train_on=args.train_on)
     world = DistributedWorld(args.device, sched.hang_timeout_s)
     model, tok, drafter = load_models(args, drafter=True, device=world.device, all_cores=False)
@@ -258,7 +260,7 @@ def _evaluate_policies(args, runs: dict, folder: Path, model, tok, train, held) 
     time in this process, into ``runs``; greedy, so the same with or without the drafter."""
     import torch
 
-    from tltlib.trainer import GRPOTrainer
+    from tltlib.rl.trainer import GRPOTrainer
     for name, rs in runs.items():
         policy = copy.deepcopy(model)
         policy.load_state_dict(torch.load(folder / f"{name}.pt", map_location=policy.device))
@@ -272,9 +274,9 @@ def _launch_workers(args) -> None:
     import json
     import subprocess
 
-    from tltlib.e2e import probe_row, schedule_summary, summarize
-    from tltlib.world import torchrun_command
-    from tltlib.trainer import GRPOTrainer
+    from tltlib.lab.e2e import probe_row, schedule_summary, summarize
+    from tltlib.rl.world import torchrun_command
+    from tltlib.rl.trainer import GRPOTrainer
     args.seeds, args.trl_steps = 1, 0                 # what the data-parallel comparison runs (recorded as such)
     cmd = torchrun_command(args.workers, ["bench", "e2e_grpo", *sys.argv[1:]])
     with tempfile.TemporaryDirectory() as folder:     # the raw result and the policies: gone however this ends
@@ -324,7 +326,7 @@ def _worker_tables(s, acceptance, one, args, device, tlt_steps) -> str:
              f"{b['step'] / v['step']:.2f}x", f"{v['rollout'] / v['step']:.0%}"]
             for name, v in (("baseline", b), ("TLT, spot trainer", t), ("TLT, drafter frozen", f))]
     text = (f"GRPO end to end on {args.workers} data-parallel workers (torchrun), {args.prompts} prompts x "
-            f"{args.group} completions per step, up to {args.max_new} tokens, T={args.temperature}, lr {args.lr}, "
+            f"{args.num_generations} completions per step, up to {args.max_new} tokens, T={args.temperature}, lr {args.lr}, "
             f"{args.steps} steps, {args.dtype} on {device} (median seconds per step, rank 0's phases, the arms "
             f"interleaved; the step's interquartile range in brackets)\n\n"
             + markdown_table(["policy", "rollout", "log-prob", "update", "drafter", "step", "speedup",
@@ -365,7 +367,7 @@ def _worker_tables(s, acceptance, one, args, device, tlt_steps) -> str:
 def _figures(payload: dict, json_path: Path) -> None:
     """``<result>-acceptance.png`` (accepted length per RL step) beside the result file; with ``--workers`` also
     ``-gantt.png`` (the TLT run's last step on every worker) and ``-harvest.png`` (idle and harvested time)."""
-    from tltlib.plots import acceptance_curves, harvest_bars, reward_curves, worker_gantt
+    from tltlib.lab.plots import acceptance_curves, harvest_bars, reward_curves, worker_gantt
     figs = {}
     rows = payload.get("acceptance") or []
     if payload.get("workers"):
@@ -386,252 +388,12 @@ def _figures(payload: dict, json_path: Path) -> None:
         save_png(fig, json_path.with_name(f"{json_path.stem}-{name}.png"))
 
 
-TRL_RUNS = ("defaults", "no-bf16", "no-bf16-no-ckpt", "tuned")   # --trl-runs: see trl_settings
-TRL_DEFAULT_ROWS = 8       # TRL 1.16's per_device_train_batch_size default
-TRL_TUNED_ROWS = 32        # the tuned run's micro-batch rows (--trl-rows; 16, 32, 64 and 128 measured: 32 fastest)
-CB_PAGE = 256              # transformers' continuous-batching page (tokens per block), its default
-CB_BATCH_TOKENS = 1024     # tokens per continuous-batching forward: its 8,192 default sizes the masks at GBs
-TRL_RECORDED = ("bf16", "fp16", "gradient_checkpointing", "per_device_train_batch_size",
-                "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size",
-                "use_transformers_continuous_batching", "transformers_continuous_batching_config", "use_vllm",
-                "torch_compile", "shuffle_dataset", "optim")
-
-
-def trl_run_name(text: str) -> str:
-    """``text`` when it names one of the TRL runs (an argparse ``type`` or a :func:`listed` item)."""
-    if text not in TRL_RUNS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TRL run ({', '.join(TRL_RUNS)})")
-    return text
-
-
-def trl_key(run: str) -> str:
-    """The result file's key of a TRL run: ``trl`` for TRL's defaults (what older files hold), else ``trl_<run>``."""
-    return "trl" if run == "defaults" else "trl_" + run.replace("-", "_")
-
-
-def largest_divisor(total: int, cap: int) -> int:
-    """The largest divisor of ``total`` that is at most ``cap``: micro-batch rows that split a batch evenly."""
-    return max(d for d in range(1, min(cap, total) + 1) if total % d == 0)
-
-
-def bf16_cpu_flags(cpuinfo: str) -> list[str]:
-    """The flags of native bf16 arithmetic (AVX512-BF16 dot products, AMX-BF16 tiles) in /proc/cpuinfo's text."""
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    return sorted(set(flags) & {"avx512_bf16", "amx_bf16"})
-
-
-def trl_settings(batch: int, max_tokens: int, rows: int = TRL_TUNED_ROWS, continuous: bool = True) -> dict[str, dict]:
-    """TRL's ``GRPOConfig`` settings per run, beyond the workload every run shares (``batch`` rows per RL step, each
-    at most ``max_tokens`` tokens, prompt and completion).
-
-    ``defaults``: TRL's own (bf16 autocast, gradient checkpointing, plain ``generate``) with its default micro-batch
-    of 8 rows (the largest divisor of ``batch`` up to 8). ``tuned``: what a user who measured sets: no bf16 autocast
-    (the model computes in the bench's ``--dtype``, as tltlib does), no gradient checkpointing (a 3.3M-parameter
-    model's activations fit many times over), micro-batches of up to ``rows`` rows, and with
-    ``continuous`` transformers' continuous batching for generation, its KV cache sized to the batch instead of half
-    the free memory. Between them, each changing one thing: ``no-bf16`` (the defaults with bf16 off) and
-    ``no-bf16-no-ckpt`` (and checkpointing off); ``tuned`` then changes the micro-batch and the generation."""
-    d, t = largest_divisor(batch, TRL_DEFAULT_ROWS), largest_divisor(batch, rows)
-    defaults = {"per_device_train_batch_size": d, "gradient_accumulation_steps": batch // d}
-    no_bf16 = {**defaults, "bf16": False, "fp16": False}
-    no_ckpt = {**no_bf16, "gradient_checkpointing": False}
-    tuned = {**no_ckpt, "per_device_train_batch_size": t, "gradient_accumulation_steps": batch // t,
-             "use_transformers_continuous_batching": continuous}
-    if continuous:
-        tuned["transformers_continuous_batching_config"] = {"num_blocks": batch * -(-max_tokens // CB_PAGE),
-                                                            "max_batch_tokens": CB_BATCH_TOKENS}
-    return {"defaults": defaults, "no-bf16": no_bf16, "no-bf16-no-ckpt": no_ckpt, "tuned": tuned}
-
-
-def native_bf16(device: str) -> dict:
-    """Whether ``device`` computes in bf16 natively, and how that was found (recorded with each TRL run)."""
-    import torch
-    if device.startswith("cuda"):
-        return {"native_bf16": bool(torch.cuda.is_bf16_supported()), "checked": "torch.cuda.is_bf16_supported()"}
-    try:
-        flags = bf16_cpu_flags(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        flags = []
-    return {"native_bf16": bool(flags), "cpu_bf16_flags": flags, "checked": "/proc/cpuinfo flags avx512_bf16, amx_bf16",
-            "torch_mkldnn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())}
-
-
 def _trl_prompts(args, train, model, tok) -> list:
     """The problems of seed 0's first ``--trl-steps`` RL steps, in order: TRL (dataset not shuffled) gets each step
     the prompts tltlib's baseline and TLT got at that step of seed 0."""
-    from tltlib.trainer import GRPOTrainer
+    from tltlib.rl.trainer import GRPOTrainer
     drawer = GRPOTrainer(copy.deepcopy(model), tok, train, _grpo(args, 0))
     return [p for _ in range(args.trl_steps) for p in drawer.next_problems()]
-
-
-def _trl_peer(args, problems, device) -> dict:
-    """Every TRL run of ``--trl-runs`` in turn, each from the checkpoint on disk: ``{run name: result}``."""
-    import importlib.util
-    if importlib.util.find_spec("trl") is None:
-        print("TRL peer skipped: trl is not installed (install it: python -m tltlib setup --extras peers)", flush=True)
-        return {}
-    from tltlib.tokenizer import load_tokenizer
-    tok = load_tokenizer(resolve(args.model))
-    longest = max(len(tok(p.prompt)["input_ids"]) for p in problems) + args.max_new
-    settings = trl_settings(args.prompts * args.group, longest, args.trl_rows, args.trl_continuous == "on")
-    hw = native_bf16(device)
-    out = {}
-    for name in args.trl_runs.items:
-        print(f"TRL {name}: {settings[name]}", flush=True)
-        out[name] = {"run": name, **_trl_run(args, problems, settings[name]), **hw}
-        print(f"TRL {name}: steps {', '.join(f'{x:.1f}' for x in out[name]['step_s'])} s", flush=True)
-    return out
-
-
-def _trl_run(args, problems, settings: dict) -> dict:
-    """TRL's GRPOTrainer on the same model, prompts, reward, batch, completion length and learning rate, with
-    ``settings`` on top; timers around its phases (the wrapped callables are called exactly as before)."""
-    import torch
-    import transformers
-    import trl
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM
-    from trl import GRPOConfig as TRLConfig
-    from trl import GRPOTrainer as TRLTrainer
-
-    from tltlib.grpo import accuracy_reward
-    from tltlib.tokenizer import load_tokenizer
-    ds = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
-    model = AutoModelForCausalLM.from_pretrained(resolve(args.model), dtype=getattr(torch, args.dtype))
-    cfg = TRLConfig(output_dir=tempfile.mkdtemp(), num_generations=args.group, max_completion_length=args.max_new,
-                    temperature=args.temperature, learning_rate=args.lr, beta=0.0, loss_type="dapo",
-                    use_cpu=not args.device.startswith("cuda"), logging_steps=1, max_steps=args.trl_steps,
-                    report_to="none", save_strategy="no", seed=0, disable_tqdm=True, shuffle_dataset=False,
-                    **settings)
-    trainer = TRLTrainer(model=model, reward_funcs=accuracy_reward, args=cfg, train_dataset=ds,
-                         processing_class=load_tokenizer(resolve(args.model)))
-    phases = _trl_timers(trainer, model)
-    t = time.perf_counter()
-    trainer.train()
-    total = time.perf_counter() - t
-    steps = [h for h in trainer.state.log_history if "step_time" in h]
-    recorded = {k: getattr(cfg, k) for k in TRL_RECORDED}
-    recorded["optim"] = getattr(recorded["optim"], "value", str(recorded["optim"]))
-    return {"version": trl.__version__, "transformers": transformers.__version__, "settings": recorded,
-            "passed": settings, "torch_dtype": str(model.dtype).removeprefix("torch."), "total_s": total,
-            **_trl_steps(phases, [h["step_time"] for h in steps], cfg.gradient_accumulation_steps),
-            "reward": [h.get("reward") for h in steps], "micro_batches": cfg.gradient_accumulation_steps,
-            "gradient_checkpointing": bool(cfg.gradient_checkpointing)}
-
-
-def _trl_timers(trainer, model) -> dict[str, list[float]]:
-    """Wrap TRL's phases with timers: generate (plain or continuous batching), generate + score, the loss's
-    forward, the training step (all its micro-batches' forward + backward; the first also generates)."""
-    phases = {"generate": [], "generate_and_score": [], "loss_forward": [], "training_step": []}
-
-    def timed(fn, key):
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            out = fn(*a, **k)
-            phases[key].append(time.perf_counter() - t)
-            return out
-        return wrapper
-
-    model.generate = timed(model.generate, "generate")
-    if hasattr(model, "generate_batch"):
-        model.generate_batch = timed(model.generate_batch, "generate")
-    trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, "generate_and_score")
-    trainer.compute_loss = timed(trainer.compute_loss, "loss_forward")
-    trainer.training_step = timed(trainer.training_step, "training_step")
-    return phases
-
-
-def _trl_steps(phases: dict, step_s: list[float], micro: int) -> dict:
-    """Per RL step: TRL's step and its phases (one generation per step, then ``micro`` micro-batches); backward is
-    the training steps' time less generate + score and the loss's forward."""
-    def per_step(key):
-        v = phases[key]
-        return [sum(v[i * micro:(i + 1) * micro]) for i in range(len(step_s))] if key in ("loss_forward",
-                                                                                          "training_step") else v
-    gs, lf, ts = per_step("generate_and_score"), per_step("loss_forward"), per_step("training_step")
-    return {"step_s": step_s, "generate_s": per_step("generate"), "generate_and_score_s": gs, "loss_forward_s": lf,
-            "backward_s": [t - g - f for t, g, f in zip(ts, gs, lf)]}
-
-
-def trl_medians(run: dict) -> dict:
-    """Median seconds per RL step of a TRL run's phases: generate, score (the rest of TRL's generate-and-score:
-    rewards, tokenising, bookkeeping), the loss's forward, backward, update (forward + backward) and the step."""
-    def med(v):
-        return float(statistics.median(v)) if v else None
-    gen, gs, lf, bw = (run.get(k) or [] for k in ("generate_s", "generate_and_score_s", "loss_forward_s",
-                                                    "backward_s"))
-    return {"generate": med(gen), "score": med([s - g for s, g in zip(gs, gen)]), "loss_forward": med(lf),
-            "backward": med(bw), "update": med([f + b for f, b in zip(lf, bw)]), "step": med(run["step_s"])}
-
-
-TRL_VS_TLTLIB = {"generate": "rollout", "update": "update", "step": "step"}   # TRL's phase: tltlib's
-LADDER_PHASES = ("generate", "loss_forward", "backward", "step")
-
-
-def trl_comparison(baseline: dict, runs: dict) -> dict:
-    """``{"runs": {name: {"median": phases, "vs_baseline": ratios}}, "ladder": [...]}`` for TRL runs ``{name: result}``
-    against tltlib's ``baseline`` summary: TRL's median generate / the baseline's rollout, its forward + backward /
-    the baseline's update (which includes the optimiser step), step / step. The ladder goes through the runs present
-    in :data:`TRL_RUNS` order (defaults, no-bf16, no-bf16-no-ckpt, tuned), each pair's phases before / after."""
-    med = {name: trl_medians(r) for name, r in runs.items()}
-    out = {"runs": {name: {"median": m, "vs_baseline": {k: m[k] / baseline[b] for k, b in TRL_VS_TLTLIB.items()
-                                                        if m[k] is not None and baseline.get(b)}}
-                    for name, m in med.items()}}
-    order = [name for name in TRL_RUNS if name in med]
-    out["ladder"] = [{"from": a, "to": b, **{k: med[a][k] / med[b][k] for k in LADDER_PHASES
-                                             if med[a][k] is not None and med[b][k]}}
-                     for a, b in zip(order, order[1:])]
-    return out
-
-
-def _trl_settings_line(r: dict) -> list:
-    """A TRL run's row of the settings table (older files record fewer settings: '?')."""
-    st = r.get("settings", {})
-    cb = st.get("use_transformers_continuous_batching")
-    return [r.get("run", "defaults"), st.get("bf16", "?"), r.get("gradient_checkpointing", "?"),
-            f"{st.get('per_device_train_batch_size', '?')} x {r.get('micro_batches', '?')}",
-            "?" if cb is None else ("continuous batching" if cb else "plain generate"), r.get("torch_dtype", "?")]
-
-
-def _trl_tables(trl: dict, cmp: dict | None, s: dict, args) -> str:
-    """TRL's runs beside tltlib's: settings, median phases, ratios to the baseline, the ladder between the runs."""
-    if not cmp:
-        return ""
-    first = next(iter(trl.values()))
-    b, t = s["baseline"], s["tlt"]
-    text = (f"\n\nTRL {first['version']} GRPOTrainer (transformers {first.get('transformers', '?')}) on the same "
-            f"workload: the same model, reward, {args.prompts} x {args.group} batch, completion length, temperature, "
-            f"lr, DAPO loss, beta 0, seed 0's prompts of steps 1-{args.trl_steps}; its runs in turn, each from the "
-            f"checkpoint. Native bf16 on this device: {'yes' if first.get('native_bf16') else 'no'} "
-            f"({', '.join(first.get('cpu_bf16_flags', [])) or first.get('checked', '?')}).\n\n" + markdown_table(
-                ["TRL run", "bf16 autocast", "gradient checkpointing", "micro-batches (rows x count)", "generation",
-                 "weights"], [_trl_settings_line(r) for r in trl.values()]))
-    rows = [[name, v["rollout"], v["reward"] + v["logprob"], "—", "—", v["update"], v["step"], "1.00x" if v is b
-             else f"{v['step'] / b['step']:.2f}x"] for name, v in (("tltlib baseline", b), ("tltlib TLT", t))]
-    for name, r in cmp["runs"].items():
-        m, vs = r["median"], r["vs_baseline"]
-        rows.append([f"TRL {name}", m["generate"], m["score"], m["loss_forward"], m["backward"], m["update"],
-                     m["step"], f"{vs['step']:.2f}x"])
-    text += (f"\n\nMedian seconds per step (TRL: over its {args.trl_steps} steps; TRL's update is the loss's forward + "
-             "backward, tltlib's also the optimiser step, not split):\n\n" + markdown_table(
-                 ["run", "rollout / generate", "reward + log-prob / score", "loss forward", "backward", "update",
-                  "step", "step / baseline step"], rows))
-    text += "\n\nTRL / tltlib baseline, per phase:\n\n" + markdown_table(
-        ["TRL run", "generate / rollout", "forward + backward / update", "step / step"],
-        [[name, *(f"{r['vs_baseline'].get(k, float('nan')):.2f}x" for k in TRL_VS_TLTLIB)]
-         for name, r in cmp["runs"].items()])
-    if cmp["ladder"]:
-        text += ("\n\nWhere the defaults' time goes: each run against the next, which changes one thing (the last "
-                 "also the micro-batch and the generation), phase time before / after:\n\n" + markdown_table(
-                     ["from", "to", "generate", "loss forward", "backward", "step"],
-                     [[x["from"], x["to"], *(f"{x[k]:.2f}x" if k in x else "n/a" for k in LADDER_PHASES)]
-                      for x in cmp["ladder"]]))
-    for name, r in trl.items():
-        text += (f"\n\nTRL {name}, per step: " + "; ".join(
-            f"{label} " + ", ".join(f"{x:.1f}" for x in r.get(key, [])) for label, key in (
-                ("step", "step_s"), ("generate", "generate_s"), ("generate + score", "generate_and_score_s"),
-                ("loss forward", "loss_forward_s"), ("backward", "backward_s"))) + " s.")
-    return text
 
 
 def _with_iqr(v: dict, key: str) -> str:
@@ -641,12 +403,12 @@ def _with_iqr(v: dict, key: str) -> str:
 
 
 def _tables(s, acceptance, upd, args, device) -> str:
-    from tltlib.e2e import LENGTH_KEYS
+    from tltlib.lab.e2e import LENGTH_KEYS
     b, t, c = s["baseline"], s["tlt"], s["comparison"]
     rows = [[name, v["rollout"], v["logprob"], v["update"], v["drafter"], _with_iqr(v, "step"),
              f"{b['step'] / v['step']:.2f}x", f"{v['rollout'] / v['step']:.0%}"] for name, v in (("baseline", b),
                                                                                                  ("TLT", t))]
-    text = (f"GRPO end to end, {args.prompts} prompts x {args.group} completions, up to {args.max_new} tokens, "
+    text = (f"GRPO end to end, {args.prompts} prompts x {args.num_generations} completions, up to {args.max_new} tokens, "
             f"T={args.temperature}, lr {args.lr}, {args.steps} steps x {args.seeds} seeds, {args.dtype} on {device}"
             " (median seconds per step over all steps and seeds, the arms interleaved; the step's interquartile "
             "range in brackets)\n\n" + markdown_table(

@@ -45,7 +45,7 @@ def forward_replay_ms(model, rows: int, length: int, g, replays: int = 50) -> fl
     over ``length`` cached tokens: the engine's step time minus this is its per-step host overhead."""
     import torch
 
-    from tltlib.cudagraph import GraphPool
+    from tltlib.model.cudagraph import GraphPool
     cache = model.new_cache(rows, length + 8)
     dev = model.device
     with torch.no_grad():
@@ -83,7 +83,7 @@ def main() -> None:
     args = parse_args()
     import torch
 
-    from tltlib.checkpoint import parse_dtype
+    from tltlib.model.weights import parse_dtype
     if not torch.cuda.is_available():
         raise SystemExit("bench graphs needs a CUDA device (CUDA graphs do not exist on a CPU)")
     dtype = parse_dtype(args.dtype)
@@ -112,8 +112,8 @@ def _model(args, dtype):
     """``--model`` loaded, else the ``--preset`` shape with seeded random weights."""
     import torch
 
-    from tltlib.checkpoint import load_model
-    from tltlib.model import Transformer, preset
+    from tltlib.model.weights import load_model
+    from tltlib.model.decoder import Transformer, preset
     if args.model:
         return load_model(args.model, dtype=dtype, device=args.device)
     torch.manual_seed(0)
@@ -123,9 +123,9 @@ def _model(args, dtype):
 
 def _engines(model, n: int) -> dict:
     """The greedy ``n``-token engines, eager and with CUDA graphs (kept for every batch size: captures are reused)."""
-    from tltlib.cudagraph import GraphConfig
-    from tltlib.rollout import RolloutConfig, RolloutEngine
-    from tltlib.sampling import SamplingConfig
+    from tltlib.model.cudagraph import GraphConfig
+    from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+    from tltlib.model.sampling import SamplingConfig
     return {name: RolloutEngine(model, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=n),
                                                      ignore_eos=True, graphs=GraphConfig(enabled=on)))
             for name, on in (("eager", False), ("graphs", True))}

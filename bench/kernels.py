@@ -1,5 +1,5 @@
 """This machine's kernel choices, measured afresh: every projection and attention kernel timed for a model's shapes and
-bands of rows (``tltlib.kernel_search``), the fastest kept in the machine's kernel table, and a results table naming
+bands of rows (``tltlib.kernels.search``), the fastest kept in the machine's kernel table, and a results table naming
 the CPU.
 
 Each cell: every candidate timed in interleaved rounds after a warm-up (medians); the choice against the starting
@@ -47,7 +47,7 @@ before the bench calls the machine busy and writes nothing: a shared VM's few-se
 def check_quiet(noisy: list[tuple[str, float]], size: int) -> None:
     """Refuse (``ValueError``, nothing written) when more than :data:`BUSY_SHARE` of the ``size`` cells were too
     noisy to choose (``noisy``: ``(key, spread)``, worst first, as :meth:`KernelTable.noisy` gives them)."""
-    from tltlib import kernel_table as kt
+    from tltlib.kernels import table as kt
     if len(noisy) > BUSY_SHARE * size:
         raise ValueError(f"the timings' spread is too high to choose at {len(noisy)} of {size} cells (worst "
                          f"{noisy[0][1]:.0%} at {noisy[0][0]}; the limit is {kt.MAX_SPREAD:.0%} per cell, in at most "
@@ -57,8 +57,8 @@ def check_quiet(noisy: list[tuple[str, float]], size: int) -> None:
 
 def main() -> None:
     args = parse_args()
-    from tltlib import kernel_search as ks
-    from tltlib import kernel_table as kt
+    from tltlib.kernels import search as ks
+    from tltlib.kernels import table as kt
 
     if not kt.enabled():
         raise ValueError(f"{kt.ENV}=0 turns this machine's kernel table off; unset it (or set it to 1) to measure it")
@@ -106,8 +106,8 @@ def decode_forward(model, rounds: int) -> list[dict]:
 
     import torch
 
-    from tltlib import kernel_table as kt
-    from tltlib.kernels import WeightPacks, packed_weights
+    from tltlib.kernels import table as kt
+    from tltlib.kernels.dispatch import WeightPacks, packed_weights
     tables = {"chosen": kt.current(), "defaults": kt.EMPTY, "constants": kt.StartingPoints()}
     packs, vocab, out = WeightPacks.of(model).current(), model.config.vocab_size, []
     g = torch.Generator().manual_seed(0)
@@ -168,7 +168,7 @@ def _forward_table(forward: list[dict]) -> str:
 
 
 def _linear_table(table) -> str:
-    from tltlib import kernel_table as kt
+    from tltlib.kernels import table as kt
     rows = []
     for key in sorted(table.linear, key=lambda k: (k.split("/")[0], int(k.split("/r")[1]))):
         shape, b = key.split("/r")
@@ -183,8 +183,8 @@ def _linear_table(table) -> str:
 
 
 def _attention_table(table) -> str:
-    from tltlib import kernel_search as ks
-    from tltlib import kernel_table as kt
+    from tltlib.kernels import search as ks
+    from tltlib.kernels import table as kt
     kernel = ks.ragged_kernel() is not None
     rows = []
     for key in sorted(table.attention):

@@ -2,7 +2,7 @@
 threshold + fixed strategy, and adaptive (threshold + BEG-MAB), with the learned EAGLE drafter and with the
 model-free n-gram drafter. Total rollout time, ratios, and token identity at temperature 0.
 
-Workload: ``--prompts`` held-out chain problems x ``--group`` samples at ``--temperature`` on the tiny reasoner (the
+Workload: ``--prompts`` held-out chain problems x ``--num-generations`` samples at ``--temperature`` on the tiny reasoner (the
 notebook-01 rollout: a few responses run ~15x longer than the median). Every policy runs the same prompts with the
 same seed, side by side in one process, after a common warm-up; the adaptive controllers first tune on
 ``--tune-rollouts`` rollouts of other prompts (as they would on the previous RL steps: the controller lives across the
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (DRAFTER, TASK_HELP, add_device_flags, add_model_flags, add_output_flags,  # noqa: E402
+from _common import (add_num_generations, DRAFTER, TASK_HELP, add_device_flags, add_model_flags, add_output_flags,  # noqa: E402
                      bench_parser, listed, load_models, machine_info, markdown_table, model_suffix, nonnegative_int,
                      parse_bench_args, positive_int, result_name, strategy, task_prompts, temperature, timed,
                      write_results)
@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None):
     add_device_flags(ap)
     ap.add_argument("--task", default="chain", choices=["chain", "words"], help=TASK_HELP)
     ap.add_argument("--prompts", type=positive_int, default=64)
-    ap.add_argument("--group", type=positive_int, default=8)
+    add_num_generations(ap, 8)
     ap.add_argument("--temperature", type=temperature, default=0.9)
     ap.add_argument("--max-new", type=positive_int, default=720)
     ap.add_argument("--arms", default="off;chain-4;chain-8;chain-16;chain-32;tree-6x4-24;ngram-4",
@@ -113,7 +113,8 @@ def main() -> None:
     args = parse_args()
     import numpy as np
 
-    from tltlib.adaptive import TunerConfig, default_threshold, measure_costs
+    from tltlib.rollout.adaptive import TunerConfig, default_threshold
+    from tltlib.sim.measure import measure_costs
     target, tok, drafter = load_models(args, drafter=True)
     device = str(target.device)
     prompts = task_prompts(args.task, tok, args.prompts, seed=2026)
@@ -146,7 +147,7 @@ def main() -> None:
     payload = {"bench": "long_tail_rollout", "machine": machine_info(device), "settings": vars(args),
                "threshold": threshold, "cost_model": costs.to_dict(), "cost_model_s": cost_s,
                "tuning_rollout_s": tuned, "results": out, "summary": summary}
-    shape = "" if (args.prompts, args.group) == (64, 8) else f"-{args.prompts}x{args.group}"
+    shape = "" if (args.prompts, args.num_generations) == (64, 8) else f"-{args.prompts}x{args.num_generations}"
     shape += model_suffix(args.model) + ("" if args.task == "chain" else f"-{args.task}")
     shape += "-revisit" if args.revisit else ""
     shape += "-same-lengths" if args.same_lengths else ""
@@ -158,7 +159,7 @@ def main() -> None:
 def _policies(args, threshold: int) -> tuple[list[Policy], list]:
     """No SD, then per SD strategy (the learned-drafter arms, then the n-gram arms not among them) always-SD (unless
     ``--no-always``) and threshold + strategy, then the two adaptive policies; and those fixed strategies."""
-    from tltlib.speculative import SpecStrategy
+    from tltlib.spec.strategy import SpecStrategy
     arms, ngram_arms = args.arms.items, args.ngram_arms.items
     policies = [Policy("no SD", "none", "plain", lambda: None)]
     fixed_arms = [a for a in arms if a.enabled] + [x for x in ngram_arms if x.enabled and not x.uses_drafter
@@ -178,7 +179,7 @@ def _policies(args, threshold: int) -> tuple[list[Policy], list]:
 
 def _controllers(policies: list[Policy], args, threshold: int, costs, drafter) -> dict:
     """A BEG-MAB controller per adaptive policy: over ``--arms`` with the drafter, or ``--ngram-arms`` without."""
-    from tltlib.adaptive import AdaptiveConfig, AdaptiveController, TunerConfig
+    from tltlib.rollout.adaptive import AdaptiveConfig, AdaptiveController, TunerConfig
 
     def make(family):
         if family == "learned":
@@ -197,11 +198,11 @@ class Runner:
 
     def engines(self, temp: float) -> tuple:
         """(engine with the learned drafter, engine without) sampling at ``temp``."""
-        from tltlib.rollout import RolloutConfig, RolloutEngine
-        from tltlib.sampling import SamplingConfig
-        from tltlib.suffix import SuffixConfig
+        from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+        from tltlib.model.sampling import SamplingConfig
+        from tltlib.spec.suffix import SuffixConfig
         cfg = RolloutConfig(SamplingConfig(temperature=temp, max_new_tokens=self.args.max_new),
-                            group_size=self.args.group)
+                            num_generations=self.args.num_generations)
         suffix = SuffixConfig() if self.args.revisit else None      # a single pass keeps no history
         learned = RolloutEngine(self.target, cfg, drafter=self.drafter, suffix=suffix)
         free = RolloutEngine(self.target, cfg, suffix=suffix)
@@ -237,7 +238,7 @@ def _time_policies(runner: Runner, hot: tuple, policies: list[Policy], prompts, 
     """``repeats`` rounds over every policy, each round with its own seed (and with ``same_lengths``, the lengths of
     an untimed no-SD rollout with that seed): seconds and decode time per batch-size bucket by policy, and each
     policy's last result."""
-    from tltlib.profiling import time_by_bucket
+    from tltlib.stats import time_by_bucket
     times = {p.name: [] for p in policies}
     by_bucket = {p.name: [] for p in policies}
     results = {}
@@ -328,7 +329,7 @@ def _summary(args, policies, fixed_arms, med, times, by_bucket, buckets, identic
     95% bootstrap interval."""
     import numpy as np
 
-    from tltlib.profiling import paired_ratio, per_bucket_oracle
+    from tltlib.stats import paired_ratio, per_bucket_oracle
     base = med["no SD"]
     ad, adn = [p.name for p in policies if p.name in controllers]
     # hindsight bound of any per-bucket tuner over the learned-drafter arms: fastest of no SD / always-arm per bucket
@@ -370,7 +371,7 @@ def _table(args, device: str, rows: list, r0, summary: dict, best_fixed: dict, c
     oracle_of = f"'<= {args.fixed_threshold} rows' strategy" if args.no_always else "always-strategy"
     g = summary["guarantee"]
     same = "; every policy given the lengths of the round's no-SD rollout" if args.same_lengths else ""
-    return (f"Long-tail rollout: {args.prompts} prompts x {args.group} samples, temperature {args.temperature}, "
+    return (f"Long-tail rollout: {args.prompts} prompts x {args.num_generations} samples, temperature {args.temperature}, "
             f"max {args.max_new} new tokens, {args.dtype} on {device}; {int(r0.lengths.sum()):,} tokens, response "
             f"length median {int(np.median(r0.lengths.numpy()))} / max {int(r0.lengths.max())}; median of "
             f"{args.repeats}{same}"

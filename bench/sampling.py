@@ -3,7 +3,7 @@
 Side by side, interleaved, medians of ``--repeats`` after a warm-up, for each vocabulary size and batch:
 ``torch.multinomial`` on the float32 probabilities (what the rollout used before), an inverse CDF on a float32
 cumulative sum with float32 uniforms (what the chain drafter used before), and tltlib's sampler
-(``tltlib.sampling.sample``: an inverse CDF on a float64 cumulative sum with float64 uniforms). Exactness: the
+(``tltlib.model.sampling.sample``: an inverse CDF on a float64 cumulative sum with float64 uniforms). Exactness: the
 total variation between ``probs`` and what each inverse-CDF sampler draws, exactly, from every uniform its grid
 holds (k / 2^24 for float32, k / 2^53 for float64; each token's boundaries found by bisection on the sampler
 itself). Distributions: softmax of standard-normal logits x ``--scale`` (peaked, like a language model's).
@@ -56,7 +56,7 @@ def total_variation(probs, sampler: str) -> float:
     import numpy as np
     import torch
 
-    from tltlib.sampling import inverse_cdf
+    from tltlib.model.sampling import inverse_cdf
     bits, dtype = (24, torch.float32) if sampler == "float32" else (53, torch.float64)
     draw = (lambda u: float32_cdf(probs[None], u[None])[0]) if sampler == "float32" else \
         (lambda u: inverse_cdf(probs[None], u[None])[0])
@@ -79,14 +79,14 @@ def _rollouts(args) -> dict:
 
     import torch
 
-    import tltlib.sampling as sampling
-    from tltlib.adaptive import timed_rollout
-    from tltlib.loading import load
-    from tltlib.rollout import RolloutConfig, RolloutEngine
+    import tltlib.model.sampling as sampling
+    from tltlib.rollout.adaptive import timed_rollout
+    from tltlib.model.loading import load
+    from tltlib.rollout.engine import RolloutConfig, RolloutEngine
     model, tok, _ = load(args.model, device="cpu")
     prompts = task_prompts("words", tok, args.prompts, 0)
     engine = RolloutEngine(model, RolloutConfig(sampling.SamplingConfig(temperature=0.9, max_new_tokens=args.max_new),
-                                                group_size=8))
+                                                num_generations=8))
     samplers = {"multinomial": lambda probs, generator: torch.multinomial(probs, 1, generator=generator)[:, 0],
                 "tltlib": sampling.sample}
     runs = {k: [] for k in samplers}
@@ -107,7 +107,7 @@ def main() -> None:
     args = parse_args()
     import torch
 
-    from tltlib.sampling import sample
+    from tltlib.model.sampling import sample
     g = torch.Generator().manual_seed(0)
     rows, results = [], []
     for v in args.vocabs.items:

@@ -75,8 +75,8 @@ def _measure(target, drafter, tok, args, temp: float, b: int, max_new: int, devi
     import numpy as np
     import torch
 
-    from tltlib.rollout import RolloutConfig, RolloutEngine
-    from tltlib.sampling import SamplingConfig
+    from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+    from tltlib.model.sampling import SamplingConfig
     sampling = SamplingConfig(temperature=temp, max_new_tokens=max_new)
     prompts = task_prompts(args.task, tok, b, seed=100 + b, steps=args.steps)
     eng = RolloutEngine(target, RolloutConfig(sampling, compact_fraction=0.0, ignore_eos=args.task == "words"),
@@ -106,7 +106,7 @@ def _measure(target, drafter, tok, args, temp: float, b: int, max_new: int, devi
 
 def _strategy_record(st, res, t_sd: float, plain_tok_s: float, plain_step: float, identical) -> tuple[dict, list]:
     """One strategy's measured speedup beside Leviathan's prediction from its accepted length and draft cost."""
-    from tltlib.speculative import alpha_from_accept_length, leviathan_speedup
+    from tltlib.spec.acceptance import alpha_from_accept_length, leviathan_speedup
     tok_s = int(res.lengths.sum()) / t_sd
     acc_len = res.stats["spec/accept_len_mean"]
     alpha = alpha_from_accept_length(acc_len, st.depth)

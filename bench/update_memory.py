@@ -1,5 +1,5 @@
 """Peak memory and speed of the GRPO update on a real model, by micro-batch budget and LM-head chunk, against the
-estimate the trainer checks before a run (:mod:`tltlib.memory`).
+estimate the trainer checks before a run (:mod:`tltlib.rl.memory`).
 
 Each configuration runs in a fresh process (so its peak resident memory, VmHWM, is its own): load the model, build
 the trainer (AdamW, engine), roll out the word problems' prompts (the chain task's on a model without a chat
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (add_device_flags, add_model_flags, add_output_flags, bench_parser,  # noqa: E402
+from _common import (add_num_generations, add_device_flags, add_model_flags, add_output_flags, bench_parser,  # noqa: E402
                      listed, load_models, machine_info, markdown_table, model_suffix, parse_bench_args,
                      positive_int, result_name, write_results)
 
@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None):
                     help="logprob_chunk sizes (with --chunk-micro)")
     ap.add_argument("--chunk-micro", type=positive_int, default=2048)
     ap.add_argument("--budget-gib", type=float, default=24.0, help="the memory the last table fits runs into")
-    ap.add_argument("--group", type=positive_int, default=8, help="completions per prompt in the last table")
+    add_num_generations(ap, 8, "completions per prompt in the last table")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     add_output_flags(ap)
     return parse_bench_args(ap, argv)
@@ -57,10 +57,11 @@ def child(args) -> None:
 
     import torch
 
-    from tltlib.grpo import GRPOConfig
-    from tltlib.memory import trainer_memory
-    from tltlib.tasks import encode_prompts, generate_task
-    from tltlib.trainer import GRPOTrainer
+    from tltlib.rl.grpo import GRPOConfig
+    from tltlib.rl.memory import worker_kv, worker_memory
+    from tltlib.tasks.prompts import encode_prompts
+    from tltlib.tasks.datasets import generate_task
+    from tltlib.rl.trainer import GRPOTrainer
     micro, chunk = json.loads(args.child)
     model, tok, _ = load_models(args)
     base = _rss("VmRSS:")
@@ -69,7 +70,8 @@ def child(args) -> None:
     cfg = GRPOConfig(num_generations=4, generation_batch_size=args.rows, max_completion_length=args.length,
                      micro_batch_tokens=micro, logprob_chunk=chunk, learning_rate=1e-6)
     tr = GRPOTrainer(model, tok, problems, cfg)
-    est = trainer_memory(tr)
+    shape = tr.worker_shape()
+    est = worker_memory(model.config, cfg, shape, worker_kv(model.config, cfg, shape)[0])
     res = tr.engine.generate(encode_prompts(problems, tok), torch.Generator().manual_seed(0),
                              lengths=torch.full((args.rows,), args.length))
     batch = tr.score(problems, res)
@@ -111,9 +113,9 @@ def main() -> None:
 
 
 def _fits(args) -> list[dict]:
-    """The most prompts per step (x ``--group``) whose estimate fits ``--budget-gib``, per completion length."""
-    from tltlib.grpo import GRPOConfig
-    from tltlib.memory import HEADROOM, grpo_memory
+    """The most prompts per step (x ``--num-generations``) whose estimate fits ``--budget-gib``, per completion length."""
+    from tltlib.rl.grpo import GRPOConfig
+    from tltlib.rl.memory import HEADROOM, grpo_memory
     model, tok, _ = load_models(args, all_cores=False)
     params = sum(p.numel() for p in model.parameters())
     elem = next(model.parameters()).element_size()
@@ -122,13 +124,13 @@ def _fits(args) -> list[dict]:
     for length in (256, 512, 1024, 2048):
         best = 0
         for prompts in range(1, 513):
-            cfg = GRPOConfig(num_generations=args.group, generation_batch_size=prompts * args.group,
+            cfg = GRPOConfig(num_generations=args.num_generations, generation_batch_size=prompts * args.num_generations,
                              max_completion_length=length, micro_batch_tokens=args.chunk_micro)
-            need = sum(grpo_memory(model.config, cfg, 128, prompts * args.group, elem, params).values())
+            need = sum(grpo_memory(model.config, cfg, 128, prompts * args.num_generations, elem, params).values())
             if need + weights > HEADROOM * args.budget_gib * GIB:
                 break
             best = prompts
-        out.append({"length": length, "prompts": best, "completions": best * args.group})
+        out.append({"length": length, "prompts": best, "completions": best * args.num_generations})
     return out
 
 
@@ -141,7 +143,7 @@ def _tables(results, fits, args) -> str:
             "trainer's estimate, and the update's speed\n\n" + markdown_table(
                 ["micro_batch_tokens", "logprob_chunk", "micro-batches", "peak GiB", "estimate GiB",
                  "of which activations", "update s", "tokens/s"], rows))
-    text += (f"\n\nWhat fits in {args.budget_gib:g} GiB by the estimate (weights included, {args.group} completions "
+    text += (f"\n\nWhat fits in {args.budget_gib:g} GiB by the estimate (weights included, {args.num_generations} completions "
              f"per prompt, prompts of 128 tokens, micro_batch_tokens {args.chunk_micro}):\n\n"
              + markdown_table(["completion length", "prompts per step", "completions per step"],
                               [[f["length"], f["prompts"], f["completions"]] for f in fits]))

@@ -2,7 +2,7 @@
 
 For each batch size, one target forward of T new tokens per row over a ``--context``-token cache, T = 1 (a plain
 decode step) and each of ``--tokens``; median of ``--repeats`` after a warm-up, interleaved. Two sets of kernels
-side by side: this machine's kernel table (``tltlib.kernel_table``, measured here on first use) and PyTorch's
+side by side: this machine's kernel table (``tltlib.kernels.table``, measured here on first use) and PyTorch's
 defaults (``F.linear``, SDPA). A verify of a k-token draft is worth it only while ``cost(k+1) / cost(1)`` stays well
 below the tokens a step accepts.
 
@@ -35,8 +35,8 @@ def main() -> None:
     args = parse_args()
     import torch
 
-    from tltlib import kernel_table as kt
-    from tltlib.kernel_search import ensure
+    from tltlib.kernels import table as kt
+    from tltlib.kernels.search import ensure
 
     model, _, _ = load_models(args)
     device = str(model.device)
@@ -67,7 +67,7 @@ def _batch_medians(model, b: int, widths: list[int], kernels: dict, g, args, dev
     from ``g``): ``{(kernels, width): seconds}``. The same cache slots every call: nothing is committed."""
     import torch
 
-    from tltlib import kernel_table as kt
+    from tltlib.kernels import table as kt
     vocab = model.config.vocab_size
 
     def forward_with(table, tokens, cache):

@@ -89,7 +89,7 @@ def first_tokens_pvalue(target, prompt, res, temperature, top_k, top_p, n: int =
     import numpy as np
     import torch
 
-    from tltlib.sampling import probs_from_logits
+    from tltlib.model.sampling import probs_from_logits
     v, eos = target.config.vocab_size, target.config.eos_token_ids[0]
     seqs = list(itertools.product(range(v), repeat=n))
     with torch.no_grad():

@@ -16,7 +16,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from tltlib.grpo import accuracy_reward
+from tltlib.rl.grpo import accuracy_reward
 
 MODE, PARAMS, OUT = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 RANK = int(os.environ["RANK"])
@@ -46,8 +46,8 @@ def digest(tensors) -> str:
 
 
 if MODE == "job":
-    from tltlib.rljob import run_job
-    from tltlib.trainer import GRPOTrainer
+    from tltlib.lab.rljob import run_job
+    from tltlib.rl.trainer import GRPOTrainer
     rollout = GRPOTrainer.rollout
 
     def hanging_rollout(self, problems, clock=None):
@@ -60,8 +60,8 @@ if MODE == "job":
     run_job(PARAMS, output_dir=OUT, progress=False, reward_funcs=(faulty_reward,), out=open(os.devnull, "w"))
     sys.exit(0)
 
-from tltlib.rljob import build, read_job          # noqa: E402
-from tltlib.world import DistributedWorld         # noqa: E402
+from tltlib.lab.rljob import build, read_job          # noqa: E402
+from tltlib.rl.world import DistributedWorld         # noqa: E402
 
 job = read_job(PARAMS)
 if MODE == "mismatch" and RANK == 1:

@@ -3,19 +3,34 @@ cost model (with context), the tuner's prior file, config errors, and exactness 
 itself: tests/test_bandit.py)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
-from tltlib.adaptive import (AdaptiveConfig, AdaptiveController, CostModel, DepthAcceptance, TunerConfig,
-                             default_threshold, expected_tokens, load_prior, measure_costs, save_prior, timed_rollout)
-from tltlib.drafter import Drafter, DrafterConfig
-from tltlib.model import ModelConfig, Transformer
-from tltlib.rollout import RolloutConfig, RolloutEngine
-from tltlib.sampling import SamplingConfig
-from tltlib.speculative import OFF, SpecStrategy
+from tltlib.rollout.adaptive import (AdaptiveConfig, AdaptiveController, DepthAcceptance, TunerConfig,
+                                     default_threshold, load_prior, save_prior, timed_rollout)
+from tltlib.sim.costs import MeasuredCosts, iteration_time, plain_rate, predicted_speedup, switch_cost
+from tltlib.sim.measure import measure_costs
+from tltlib.spec.acceptance import expected_tokens
+from tltlib.model.drafter import Drafter, DrafterConfig
+from tltlib.model.decoder import ModelConfig, Transformer
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+from tltlib.model.sampling import SamplingConfig
+from tltlib.spec.strategy import OFF, SpecStrategy
 
 ARMS = ("chain-2", "chain-6", "tree-4x2-8", "ngram-4")
+
+
+def _costs(rows, tokens, target, widths=(1,), draft=(), contexts=(64.0,), **kw) -> MeasuredCosts:
+    """A hand-made cost model: ``target[r][t]`` (and ``draft[r][w]``) seconds at each of ``contexts`` (one table per
+    context when ``target[r]`` holds one row per context)."""
+    def cube(table):
+        return tuple(tuple(tuple(map(float, c)) for c in (r if np.ndim(r) == 2 else [r] * len(contexts)))
+                     for r in table)
+    return MeasuredCosts(tuple(rows), tuple(contexts), tuple(tokens), cube(target), tuple(widths),
+                         cube(draft) if len(draft) else (), **kw)
 
 
 # --------------------------------------------------------------------------------------------- controller
@@ -77,14 +92,16 @@ def test_expected_tokens_and_predictions():
     assert expected_tokens(SpecStrategy("chain", 2), [0.5, 0.5]) == pytest.approx(1.75)
     assert expected_tokens(SpecStrategy("tree", 4, 2, 8), 0.6) > expected_tokens(SpecStrategy("chain", 4), 0.6)
     # verify cost grows with tokens, more with rows; draft levels cost 10% of a plain step
-    batches, tokens = np.array([1.0, 64.0]), np.array([1.0, 9.0])
-    cm = CostModel(batches, tokens, np.array([[1.0, 1.1], [2.0, 16.0]]), np.array([1.0]), np.array([[0.1], [0.2]]))
-    assert cm.predict(OFF, 4, 0.9) == 1.0
-    small, large = cm.predict(SpecStrategy("chain", 8), 1, 0.9), cm.predict(SpecStrategy("chain", 8), 64, 0.9)
+    cm = _costs((1, 64), (1, 9), [[1.0, 1.1], [2.0, 16.0]], (1,), [[0.1], [0.2]])
+    assert predicted_speedup(cm, OFF, 4, 0.9) == 1.0
+    chain = SpecStrategy("chain", 8)
+    small, large = predicted_speedup(cm, chain, 1, 0.9), predicted_speedup(cm, chain, 64, 0.9)
     assert small > 2.5 and large < 1.0                     # SD pays at batch 1 and loses at 64 in this model
+    # one catch-up (which proposes the first draft) and depth - 1 draft levels, then the verify
+    assert iteration_time(cm, 1, None, chain) == pytest.approx(1.1 + 8 * 0.1)
     # log-log in rows at each measured token count (sqrt at the geometric midpoint), then linear in tokens
-    assert cm.target_time(8, 5) == pytest.approx((np.sqrt(1.0 * 2.0) + np.sqrt(1.1 * 16.0)) / 2)
-    assert cm.target_time(1000, 1) == pytest.approx(2.0)       # clamped to the measured range
+    assert cm.forward(8, None, 5) == pytest.approx((np.sqrt(1.0 * 2.0) + np.sqrt(1.1 * 16.0)) / 2)
+    assert cm.forward(1000, None, 1) == pytest.approx(2.0)       # clamped to the measured range
 
 
 def test_measure_costs_on_a_small_model():
@@ -93,16 +110,17 @@ def test_measure_costs_on_a_small_model():
     torch.manual_seed(0)
     target = Transformer(cfg).eval()
     drafter = Drafter(DrafterConfig.from_target(cfg)).eval().attach(target)
-    cm = measure_costs(target, drafter, batches=(1, 4), tokens=(1, 5), context=16, repeats=1)
-    assert cm.target_s.shape == (2, 2) and cm.draft_s.shape == (2, 2) and cm.long_s.shape == (2,)
-    assert cm.draft_tokens.tolist() == [1, 4] and cm.catch_up_width == 64 and cm.catch_up_s.shape == (2,)
+    cm = measure_costs(target, drafter, rows=(1, 4), tokens=(1, 5), contexts=(16, 512), repeats=1)
+    t, d = np.asarray(cm.target_s), np.asarray(cm.draft_s)
+    assert t.shape == (2, 2, 2) and d.shape == (2, 2, 2) and len(cm.ragged_s) == 2
+    assert cm.widths == (1, 4) and cm.catch_up_width == 64 and len(cm.catch_up_s) == 2
     # a catch-up's extra cost is a timing (on a model this small, 64 tokens per row can time as fast as 1): never
     # negative, and kept by the prior file
-    assert cm.catch_up_time(4, 64) >= 0 and CostModel.from_dict(cm.to_dict()).catch_up_time(4, 64) == \
-        cm.catch_up_time(4, 64)
-    assert cm.long_context == 158                                # 512 capped by the model's 160 positions
-    assert np.isfinite(cm.target_s).all() and (cm.target_s > 0).all() and (cm.draft_s > 0).all()
-    assert cm.plain_rate(2) > 0 and np.isfinite(cm.predict(SpecStrategy("tree", 3, 2, 4), 2, 0.7))
+    assert switch_cost(cm, 4, None, 64) >= 0
+    assert switch_cost(MeasuredCosts.from_dict(cm.to_dict()), 4, None, 64) == switch_cost(cm, 4, None, 64)
+    assert cm.contexts == (16, 153)                             # 512 capped by the model's 160 positions
+    assert np.isfinite(t).all() and (t > 0).all() and (d > 0).all()
+    assert plain_rate(cm, 2) > 0 and np.isfinite(predicted_speedup(cm, SpecStrategy("tree", 3, 2, 4), 2, 0.7))
 
 
 # ------------------------------------------------------------------------------------------ in the engine
@@ -119,7 +137,7 @@ def small_pair():
 def test_adaptive_rollout_is_token_identical_to_plain_at_temperature_zero(small_pair):
     target, drafter = small_pair
     prompts = [[1, 5, 6], [1, 7], [1, 3, 4, 5, 6, 8, 9], [1, 10, 11, 12], [1, 13], [1, 4, 4]]
-    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=48), group_size=3),
+    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=48), num_generations=3),
                         drafter=drafter)
     plain = eng.generate(prompts)
     ctl = AdaptiveController(AdaptiveConfig(threshold=12, tuner=TunerConfig(arms=ARMS, buckets=(1, 3, 6),
@@ -161,7 +179,7 @@ def test_engine_reports_only_continuing_rows(small_pair):
             self.hists.append((context, accepted))
 
     rec = Recorder()
-    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=30), group_size=2),
+    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=30), num_generations=2),
                         drafter=drafter)
     res = eng.generate([[1, 5, 6], [1, 7], [1, 3, 4, 5, 6, 8, 9], [1, 10, 11, 12]], strategy=rec)
     assert all(rows <= active and tokens <= 4 * rows for active, tokens, rows in rec.calls)
@@ -186,8 +204,7 @@ def test_off_is_an_arm_and_is_rewarded():
 
 
 def test_prior_follows_measured_acceptance():
-    batches, tokens = np.array([1.0, 64.0]), np.array([1.0, 9.0])
-    cm = CostModel(batches, tokens, np.array([[1.0, 1.2], [2.0, 6.0]]), np.array([1.0]), np.array([[0.05], [0.1]]))
+    cm = _costs((1, 64), (1, 9), [[1.0, 1.2], [2.0, 6.0]], (1,), [[0.05], [0.1]])
     ctl = AdaptiveController(AdaptiveConfig(threshold=64, tuner=TunerConfig(arms=("chain-2", "chain-8"),
                                                                             buckets=(1,))), cm)
     deep, shallow = SpecStrategy("chain", 8), SpecStrategy("chain", 2)
@@ -244,12 +261,14 @@ def test_a_discount_keeps_the_measured_rates_and_a_reset_returns_to_the_configur
 
 
 def test_cost_model_scales_with_context_and_the_reward_is_normalised_by_it():
-    cm = CostModel(np.array([1.0, 16.0]), np.array([1.0, 9.0]), np.array([[1.0, 1.2], [2.0, 4.0]]),
-                   context=64.0, long_context=512.0, long_s=np.array([1.448, 4.24]))
-    assert cm.target_time(1, 1, 512) == pytest.approx(1.448) and cm.target_time(1, 1) == pytest.approx(1.0)
-    assert cm.target_time(16, 1, 288) == pytest.approx(3.12) and cm.target_time(16, 9, 288) == pytest.approx(5.12)
-    assert CostModel.from_dict(cm.to_dict()).to_dict() == cm.to_dict()
-    ctl = AdaptiveController(AdaptiveConfig(threshold=16, tuner=TunerConfig(arms=("chain-2",), buckets=(1,))), cm)
+    cm = _costs((1, 16), (1, 9), [[[1.0, 1.2], [1.448, 1.648]], [[2.0, 4.0], [4.24, 6.24]]], contexts=(64.0, 512.0))
+    assert cm.forward(1, 512, 1) == pytest.approx(1.448) and cm.forward(1, None, 1) == pytest.approx(1.0)
+    assert cm.forward(16, 288, 1) == pytest.approx(3.12) and cm.forward(16, 288, 9) == pytest.approx(5.12)
+    assert MeasuredCosts.from_dict(cm.to_dict()).to_dict() == cm.to_dict()
+    with pytest.raises(ValueError, match="the tuner's arms \\['chain-2'\\] draft with the learned drafter but the cost model "
+                                         "has no drafter timings"):
+        AdaptiveController(AdaptiveConfig(threshold=16, tuner=TunerConfig(arms=("chain-2",), buckets=(1,))), cm)
+    ctl = AdaptiveController(AdaptiveConfig(threshold=16, tuner=TunerConfig(arms=("ngram-4",), buckets=(1,))), cm)
     ctl.choose(0, 16)
     ctl.observe(OFF, 16, 16, 3.12, context=288)                 # plain decoding, as fast as the model says
     assert ctl.log["reward"] == [pytest.approx(1.0)]
@@ -257,7 +276,7 @@ def test_cost_model_scales_with_context_and_the_reward_is_normalised_by_it():
 
 def test_prior_file_round_trip_and_refusals(tmp_path, small_pair):
     target, drafter = small_pair
-    cm = measure_costs(target, drafter, batches=(1, 2), tokens=(1, 5), context=8, long_context=32, repeats=1)
+    cm = measure_costs(target, drafter, rows=(1, 2), tokens=(1, 5), contexts=(8, 32), repeats=1)
     ctl = AdaptiveController(AdaptiveConfig(threshold=4), cm, drafter)
     ctl.accept["learned"].update(np.array([1, 2, 5]))
     save_prior(tmp_path / "prior.json", ctl, target, drafter)
@@ -298,21 +317,19 @@ def test_timed_rollout_runs_the_named_strategy_seeded(small_pair):
 def _costs_with_a_slow_catch_up():
     """1 and 16 rows; a plain step 10/20 ms, a 3-token verify 11/24 ms; a drafter forward 1 ms at 1-4 tokens, a
     catch-up over a 64-entry backlog 200 ms."""
-    return CostModel(np.array([1.0, 16.0]), np.array([1.0, 3.0]), np.array([[0.010, 0.011], [0.020, 0.024]]),
-                     np.array([1.0, 4.0]), np.array([[0.001, 0.001], [0.001, 0.001]]), catch_up_width=64.0,
-                     catch_up_s=np.array([0.2, 0.2]))
+    return _costs((1, 16), (1, 3), [[0.010, 0.011], [0.020, 0.024]], (1, 4), [[0.001, 0.001], [0.001, 0.001]],
+                  catch_up_width=64, catch_up_s=(0.2, 0.2))
 
 
 def test_cost_model_catch_up_time_grows_with_the_backlog():
     cm = _costs_with_a_slow_catch_up()
-    assert cm.catch_up_time(1, 1) == 0.0 and cm.catch_up_time(1, 4) == pytest.approx(3 / 63 * 0.199)
-    assert cm.catch_up_time(1, 64) == pytest.approx(0.199)
-    assert cm.catch_up_time(1, 124) == pytest.approx(0.199 * 123 / 63)  # extrapolated linearly past the widest
-    none = CostModel(np.array([1.0]), np.array([1.0]), np.array([[0.01]]))
-    assert none.catch_up_time(1, 100) == 0.0                          # no drafter timings: nothing to charge
-    old = CostModel(np.array([1.0]), np.array([1.0]), np.array([[0.01]]), np.array([1.0, 4.0]),
-                    np.array([[0.001, 0.004]]))                        # a prior file from before catch-up timings
-    assert old.catch_up_time(1, 64) == pytest.approx(0.063)
+    assert switch_cost(cm, 1, None, 1) == 0.0 and switch_cost(cm, 1, None, 4) == pytest.approx(3 / 63 * 0.199)
+    assert switch_cost(cm, 1, None, 64) == pytest.approx(0.199)
+    assert switch_cost(cm, 1, None, 124) == pytest.approx(0.199 * 123 / 63)  # extrapolated linearly past the widest
+    none = _costs((1,), (1,), [[0.01]])
+    assert switch_cost(none, 1, None, 100) == 0.0                 # no drafter timings: nothing to charge
+    no_catch_up = _costs((1,), (1,), [[0.01]], (1, 4), [[0.001, 0.004]])   # drafter forwards, no catch-up timed
+    assert switch_cost(no_catch_up, 1, None, 64) == pytest.approx(0.063)      # extrapolated from the draft widths
 
 
 def test_switching_to_a_drafter_arm_is_charged_its_catch_up():
@@ -326,9 +343,10 @@ def test_switching_to_a_drafter_arm_is_charged_its_catch_up():
         return AdaptiveController(cfg, _costs_with_a_slow_catch_up())
 
     ctl = controller(16.0)
-    assert ctl._prior(chain, 1) == pytest.approx(1.75 * 0.010 / (0.011 + 3 * 0.001))   # 1 + 0.5 + 0.25 tokens
+    # 1 + 0.5 + 0.25 tokens in a verify, a catch-up and one draft level
+    assert ctl._prior(chain, 1) == pytest.approx(1.75 * 0.010 / (0.011 + 2 * 0.001))
     charge = ctl.switch_charge(1, 64)
-    assert set(charge) == {chain} and charge[chain] == pytest.approx(np.log1p(0.199 / (16 * 0.014)))
+    assert set(charge) == {chain} and charge[chain] == pytest.approx(np.log1p(0.199 / (16 * 0.013)))
     assert ctl.switch_charge(1, 1) == {} and controller(0.0).switch_charge(1, 64) == {}
     near = [ctl.choose(0, 1, backlog=2).name for _ in range(100)]
     far = [ctl.choose(0, 1, backlog=64).name for _ in range(100)]
@@ -372,7 +390,7 @@ def test_the_engine_tells_the_source_how_long_the_rows_stay_at_one_length(small_
     the longest row may still take (budget - iteration) until the first SD step, then 0; prompts of unequal
     lengths are ragged from the start (0)."""
     target, drafter = small_pair
-    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=24), group_size=2),
+    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=24), num_generations=2),
                         drafter=drafter)
     src = _Recorder(lambda i: SpecStrategy("chain", 3) if i == 6 else OFF)
     res = eng.generate([[1, 7, 9], [1, 5, 6]], strategy=src)
@@ -385,20 +403,19 @@ def test_the_engine_tells_the_source_how_long_the_rows_stay_at_one_length(small_
 
 def test_an_sd_step_that_would_leave_the_rows_ragged_is_charged_for_the_masked_steps_after_it():
     """While rows are at one length, any SD arm (n-gram too) is charged the extra seconds of every plain step left
-    (``CostModel.ragged_extra`` x ``uniform_left``), amortised over the horizon; once ragged (0), nothing; a cost
+    (``MeasuredCosts.ragged_extra`` x ``uniform_left``), amortised over the horizon; once ragged (0), nothing; a cost
     model without the measurement charges nothing for it."""
     ngram, chain = SpecStrategy("ngram", 4), SpecStrategy("chain", 2)
     base = _costs_with_a_slow_catch_up()
-    costs = CostModel(base.batches, base.tokens, base.target_s, base.draft_tokens, base.draft_s,
-                      catch_up_width=64.0, catch_up_s=base.catch_up_s, ragged_s=np.array([0.0105, 0.0210]))
+    costs = replace(base, ragged_s=(0.0105, 0.0210))
     assert costs.ragged_extra(1) == pytest.approx(0.0005) and costs.ragged_extra(16) == pytest.approx(0.001)
     assert base.ragged_extra(16) == 0.0
-    assert CostModel.from_dict(costs.to_dict()).ragged_extra(16) == pytest.approx(0.001)
+    assert MeasuredCosts.from_dict(costs.to_dict()).ragged_extra(16) == pytest.approx(0.001)
     cfg = AdaptiveConfig(threshold=16, tuner=TunerConfig(arms=("chain-2", "ngram-4"), buckets=(1,), seed=0),
                          accept_prior=(0.5,), ngram_accept_prior=0.5, switch_horizon=16.0)
     ctl = AdaptiveController(cfg, costs)
     charge = ctl.switch_charge(1, 1, uniform_left=400)
-    t_ngram, t_chain = costs.iteration_time(ngram, 1), costs.iteration_time(chain, 1)
+    t_ngram, t_chain = iteration_time(costs, 1, None, ngram), iteration_time(costs, 1, None, chain)
     assert charge[ngram] == pytest.approx(np.log1p(0.0005 * 400 / (16 * t_ngram)))
     assert charge[chain] == pytest.approx(np.log1p(0.0005 * 400 / (16 * t_chain)))
     both = ctl.switch_charge(1, 64, uniform_left=400)[chain]
@@ -437,9 +454,9 @@ def test_acceptance_is_measured_per_batch_size_bucket_and_shrunk_towards_the_fam
 
 def test_measured_costs_hold_the_ragged_forward_and_leave_the_cache_uniform(small_pair):
     target, _ = small_pair
-    costs = measure_costs(target, None, batches=[1, 4], tokens=(1, 3), context=8, long_context=16, repeats=1)
-    assert costs.ragged_s is not None and costs.ragged_s.shape == (2,) and np.all(costs.ragged_s > 0)
-    assert costs.ragged_s[0] == costs.target_s[0, 0]                  # one row cannot be ragged
+    costs = measure_costs(target, None, rows=[1, 4], tokens=(1, 3), contexts=(8, 16), repeats=1)
+    assert len(costs.ragged_s) == 2 and np.all(np.asarray(costs.ragged_s) > 0)
+    assert costs.ragged_s[0] == costs.target_s[0][0][0]                # one row cannot be ragged
     assert costs.ragged_extra(4) >= 0.0
 
 
@@ -447,7 +464,7 @@ def test_only_a_switch_catch_up_is_left_out_of_the_reward(small_pair, monkeypatc
     """The catch-up after plain iterations is a switching cost (charged at the choice, left out of the arm's reward);
     the catch-up of an SD step right after another feeds that step's tokens, a cost of every SD step, so it stays
     in the reward (leaving it out made SD look cheaper than it is in steady state)."""
-    from tltlib.specdecode import SpecDecoder
+    from tltlib.spec.step import SpecDecoder
     seen = []
     orig = SpecDecoder.draft_and_verify
 

@@ -1,4 +1,4 @@
-"""Admission by memory (tltlib.admission): a rollout whose rows outgrow the KV budget preempts rows and re-admits them
+"""Admission by memory (tltlib.rollout.admission): a rollout whose rows outgrow the KV budget preempts rows and re-admits them
 by recomputing their tokens, and finishes with the tokens an unconstrained rollout gives (greedy), log-probs the
 training forward reproduces (sampled, plain and SD), the SD switch shown only running rows, and the KV pool never
 above its budget; budgets that cannot hold one row or the prefill are refused before the rollout."""
@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tltlib.drafter import Drafter, DrafterConfig
-from tltlib.logprobs import SequenceBatch, response_logprobs
-from tltlib.model import ModelConfig, Transformer
-from tltlib.pages import kv_bytes_per_token
-from tltlib.paged_cache import KVConfig
-from tltlib.rollout import RolloutConfig, RolloutEngine
-from tltlib.sampling import SamplingConfig
-from tltlib.speculative import OFF, SpecStrategy
+from tltlib.model.drafter import Drafter, DrafterConfig
+from tltlib.model.logprobs import SequenceBatch, response_logprobs
+from tltlib.model.decoder import ModelConfig, Transformer
+from tltlib.kv.pages import kv_bytes_per_token
+from tltlib.kv.paged import KVConfig
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+from tltlib.model.sampling import SamplingConfig
+from tltlib.spec.strategy import OFF, SpecStrategy
 
 CFG = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   eos_token_ids=(2,), pad_token_id=0, bos_token_id=1, max_position_embeddings=160)
@@ -40,7 +40,7 @@ def drafter(target):
 
 def _engine(target, kv, drafter=None, temperature=0.0, max_new=48):
     sampling = SamplingConfig(temperature=temperature, max_new_tokens=max_new)
-    return RolloutEngine(target, RolloutConfig(sampling, group_size=3, compact_fraction=0.3, kv=kv),
+    return RolloutEngine(target, RolloutConfig(sampling, num_generations=3, compact_fraction=0.3, kv=kv),
                          drafter=drafter)
 
 
@@ -73,7 +73,7 @@ def test_preempted_rows_sample_from_the_policy_their_log_probs_match_the_trainin
     """Sampled (T=0.9), with the drafter's cache paged too: under a tight budget the rollout finishes, rows were
     preempted, and every response's recorded log-probs equal the training forward's over its tokens."""
     s = SamplingConfig(temperature=0.9, max_new_tokens=48)
-    eng = RolloutEngine(target, RolloutConfig(s, group_size=3, compact_fraction=0.3, kv=_tight(40, drafter)),
+    eng = RolloutEngine(target, RolloutConfig(s, num_generations=3, compact_fraction=0.3, kv=_tight(40, drafter)),
                         drafter=drafter)
     res = eng.generate(PROMPTS, torch.Generator().manual_seed(3), strategy=strategy)
     assert res.stats["rollout/preempted"] > 0
@@ -93,7 +93,7 @@ def test_the_sd_switch_sees_running_rows_not_waiting_ones(target, drafter):
     def source(iteration, active):
         seen.append((active, len(rollout.waiting), int(rollout.alive.sum())))
         return SpecStrategy("chain", 3) if active <= 4 else OFF
-    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0.9, max_new_tokens=48), group_size=3,
+    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0.9, max_new_tokens=48), num_generations=3,
                                               kv=_tight(40, drafter)), drafter=drafter)
     rollout = eng.start(PROMPTS, torch.Generator().manual_seed(4), strategy=source)
     rollout.finish()

@@ -1,4 +1,4 @@
-"""The tuner (tltlib.bandit) on synthetic rewards: Thompson sampling from a prior (converges, keeps to plain
+"""The tuner (tltlib.rollout.bandit) on synthetic rewards: Thompson sampling from a prior (converges, keeps to plain
 decoding where SD loses, softens evidence when the drafter changes) and the paper's epsilon-greedy BEG-MAB."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from tltlib.bandit import BEGMAB, PRIOR_REFRESH, SETTLED_Z, Bandit, TunerConfig
-from tltlib.speculative import OFF, SpecStrategy
+from tltlib.rollout.bandit import BEGMAB, PRIOR_REFRESH, SETTLED_Z, Bandit, TunerConfig
+from tltlib.spec.strategy import OFF, SpecStrategy
 
 ARMS = ("chain-2", "chain-6", "tree-4x2-8", "ngram-4")
 EG = dict(rule="epsilon-greedy")

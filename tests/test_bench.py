@@ -53,6 +53,8 @@ def assert_one_line_error(out: subprocess.CompletedProcess, *expected: str) -> N
     (["e2e_grpo", "--recipe", "params/train/cpu-smollm2.yaml", "--trl-steps", "2"],
      ["give --trl-steps 0 with --recipe"]),
     (["kernels", "--rounds", "2"], ["argument --rounds", "2 is too few; give at least 3"]),
+    (["kv_cache", "--group", "4"], ["argument --group: renamed --num-generations; write --num-generations 4"]),
+    (["e2e_grpo", "--num-generations", "0"], ["argument --num-generations", "'0' is not a positive integer"]),
     (["drafters", "--model", "data/tiny-reasoner", "--drafters", "data/tiny-reasoner-drafter;no/such",
       "--responses", "README.md"], ["argument --drafters", "no drafter folder 'no/such'", "';'-separated list"]),
 ])
@@ -100,7 +102,7 @@ def test_the_kernels_bench_measures_this_machine_names_its_cpu_and_saves_the_tab
 @pytest.mark.parametrize("tied", [True, False])
 def test_the_one_row_floor_counts_every_weight_once_and_the_embedding_only_as_the_head(tied):
     import kernels as kernels_bench
-    from tltlib.model import ModelConfig, Transformer
+    from tltlib.model.decoder import ModelConfig, Transformer
     model = Transformer(ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                                     num_kv_heads=2, tie_word_embeddings=tied))
     floor = kernels_bench.weights_floor(model, repeats=3)
@@ -188,12 +190,13 @@ def test_malloc_reexec_repeats_the_command_that_started_the_bench(monkeypatch):
 
 
 # ------------------------------------------------------------------ e2e_grpo's TRL peer: its settings and its tables
+import _trl_peer as trl_peer  # noqa: E402
 import e2e_grpo  # noqa: E402
 
 
 def test_trl_runs_defaults_then_one_change_each_up_to_tuned():
-    runs = e2e_grpo.trl_settings(128, 9 + 720)
-    assert list(runs) == list(e2e_grpo.TRL_RUNS)
+    runs = trl_peer.trl_settings(128, 9 + 720)
+    assert list(runs) == list(trl_peer.TRL_RUNS)
     assert runs["defaults"] == {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 16}  # TRL's own
     assert runs["no-bf16"] == {**runs["defaults"], "bf16": False, "fp16": False}
     assert runs["no-bf16-no-ckpt"] == {**runs["no-bf16"], "gradient_checkpointing": False}
@@ -201,27 +204,27 @@ def test_trl_runs_defaults_then_one_change_each_up_to_tuned():
                              "gradient_accumulation_steps": 4, "use_transformers_continuous_batching": True,
                              "transformers_continuous_batching_config": {"num_blocks": 128 * 3,   # 729 tokens: 3 pages
                                                                          "max_batch_tokens": 1024}}
-    odd = e2e_grpo.trl_settings(12, 100, rows=64, continuous=False)    # micro-batches divide the batch
+    odd = trl_peer.trl_settings(12, 100, rows=64, continuous=False)    # micro-batches divide the batch
     assert odd["defaults"] == {"per_device_train_batch_size": 6, "gradient_accumulation_steps": 2}
     assert odd["tuned"]["per_device_train_batch_size"] == 12 and odd["tuned"]["gradient_accumulation_steps"] == 1
     assert odd["tuned"]["use_transformers_continuous_batching"] is False
     assert "transformers_continuous_batching_config" not in odd["tuned"]
-    assert [e2e_grpo.largest_divisor(n, 8) for n in (128, 12, 7, 3)] == [8, 6, 7, 3]
+    assert [trl_peer.largest_divisor(n, 8) for n in (128, 12, 7, 3)] == [8, 6, 7, 3]
 
 
 def test_native_bf16_flags_come_from_cpuinfo():
     info = "processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 avx512_vnni amx_tile amx_bf16\n"
-    assert e2e_grpo.bf16_cpu_flags(info) == ["amx_bf16", "avx512_bf16"]
-    assert e2e_grpo.bf16_cpu_flags("flags\t: fpu sse avx2 avx512f avx512bw\n") == []
-    assert e2e_grpo.bf16_cpu_flags("") == []
+    assert trl_peer.bf16_cpu_flags(info) == ["amx_bf16", "avx512_bf16"]
+    assert trl_peer.bf16_cpu_flags("flags\t: fpu sse avx2 avx512f avx512bw\n") == []
+    assert trl_peer.bf16_cpu_flags("") == []
 
 
 def test_trl_runs_flag_and_result_keys():
-    runs = _common.listed(e2e_grpo.trl_run_name, "defaults,tuned")("defaults,tuned")
+    runs = _common.listed(trl_peer.trl_run_name, "defaults,tuned")("defaults,tuned")
     assert runs.items == ("defaults", "tuned")
     with pytest.raises(argparse.ArgumentTypeError, match="'fast' is not a TRL run"):
-        _common.listed(e2e_grpo.trl_run_name, "defaults,tuned")("defaults,fast")
-    assert [e2e_grpo.trl_key(r) for r in e2e_grpo.TRL_RUNS] == ["trl", "trl_no_bf16", "trl_no_bf16_no_ckpt",
+        _common.listed(trl_peer.trl_run_name, "defaults,tuned")("defaults,fast")
+    assert [trl_peer.trl_key(r) for r in trl_peer.TRL_RUNS] == ["trl", "trl_no_bf16", "trl_no_bf16_no_ckpt",
                                                                 "trl_tuned"]   # old files' "trl": the defaults
 
 
@@ -236,7 +239,7 @@ def _trl_result(run: str, gen: float, fwd: float, bwd: float) -> dict:
 def test_trl_comparison_per_phase_against_the_baseline_and_along_the_ladder():
     baseline = {"rollout": 10.0, "reward": 0.0, "logprob": 0.0, "update": 5.0, "step": 15.0}
     runs = {"defaults": _trl_result("defaults", 100, 40, 360), "tuned": _trl_result("tuned", 20, 10, 20)}
-    cmp = e2e_grpo.trl_comparison(baseline, runs)
+    cmp = trl_peer.trl_comparison(baseline, runs)
     d = cmp["runs"]["defaults"]
     assert d["median"] == {"generate": 100, "score": 0.5, "loss_forward": 40, "backward": 360, "update": 400,
                            "step": 502}
@@ -245,7 +248,7 @@ def test_trl_comparison_per_phase_against_the_baseline_and_along_the_ladder():
     assert cmp["ladder"] == [pytest.approx({"from": "defaults", "to": "tuned", "generate": 5.0, "loss_forward": 4.0,
                                             "backward": 18.0, "step": 502 / 52})]
     runs["no-bf16"] = _trl_result("no-bf16", 50, 10, 100)            # the ladder follows TRL_RUNS' order
-    assert [(x["from"], x["to"]) for x in e2e_grpo.trl_comparison(baseline, runs)["ladder"]] == [
+    assert [(x["from"], x["to"]) for x in trl_peer.trl_comparison(baseline, runs)["ladder"]] == [
         ("defaults", "no-bf16"), ("no-bf16", "tuned")]
 
 
@@ -254,19 +257,19 @@ def test_trl_tables_show_every_run_and_read_older_results():
          "tlt": {"rollout": 5.0, "reward": 0.0, "logprob": 0.0, "update": 5.0, "step": 10.5}}
     old = {k: v for k, v in _trl_result("defaults", 100, 40, 360).items() if k not in ("run", "settings")}
     runs = {"defaults": old, "tuned": _trl_result("tuned", 20, 10, 20)}
-    args = argparse.Namespace(prompts=16, group=8, trl_steps=2)
-    text = e2e_grpo._trl_tables(runs, e2e_grpo.trl_comparison(s["baseline"], runs), s, args)
+    args = argparse.Namespace(prompts=16, num_generations=8, trl_steps=2)
+    text = trl_peer._trl_tables(runs, trl_peer.trl_comparison(s["baseline"], runs), s, args)
     assert "| defaults | ? | True | ? x 16 | ? | ? |" in text                 # settings an older file lacks
     assert "| tuned | False | False | 8 x 16 | continuous batching | ? |" in text
     assert "| TRL defaults | 100.00 | 0.50 | 40.00 | 360.00 | 400.00 | 502.00 | 33.47x |" in text
     assert "| defaults | tuned | 5.00x | 4.00x | 18.00x | 9.65x |" in text
-    assert e2e_grpo._trl_tables({}, None, s, args) == ""
+    assert trl_peer._trl_tables({}, None, s, args) == ""
 
 
 def test_drafters_bench_reports_depth_accuracy_and_accept_lengths_per_drafter(tmp_path):
     from tltlib import load
-    from tltlib.draft_data import sample_responses
-    from tltlib.tasks import generate_task
+    from tltlib.drafting.responses import sample_responses
+    from tltlib.tasks.datasets import generate_task
     target, tok, _ = load("data/tiny-reasoner", device="cpu")
     responses = tmp_path / "r.jsonl"
     sample_responses(target, tok, generate_task("chain", 4, 7), responses, max_new_tokens=24, progress=False)
@@ -288,7 +291,7 @@ def test_long_tail_bench_with_same_lengths_runs_every_policy_on_one_schedule(tmp
     """``--same-lengths``: each policy is given the lengths of its round's no-SD rollout, so every policy emits the
     same number of tokens although SD at T=0.9 samples other responses; the guarantee line is reported, over the
     timed rounds and the ``--guarantee-rounds`` (no SD, best in hindsight, adaptive only), with its intervals."""
-    out = bench(tmp_path, "long_tail_rollout", "--prompts", "3", "--group", "3", "--max-new", "40", "--repeats", "2",
+    out = bench(tmp_path, "long_tail_rollout", "--prompts", "3", "--num-generations", "3", "--max-new", "40", "--repeats", "2",
                 "--tune-rollouts", "1", "--threshold", "4", "--fixed-threshold", "4", "--arms", "off;chain-2",
                 "--ngram-arms", "off;ngram-2", "--no-always", "--no-identity", "--same-lengths",
                 "--guarantee-rounds", "2")
@@ -314,7 +317,7 @@ def test_a_recipe_sets_the_comparison_from_a_train_grpo_file(tmp_path):
     ns = argparse.Namespace(recipe=str(recipe), model=None, drafter=None, trl_steps=None, probe=4, steps=5,
                             **{k: None for k in e2e_grpo.RECIPE_FLAGS})
     args = e2e_grpo._with_recipe(ns, pytest.fail)
-    assert (args.prompts, args.group, args.lr, args.drafter_steps, args.held_out, args.trl_steps) == \
+    assert (args.prompts, args.num_generations, args.lr, args.drafter_steps, args.held_out, args.trl_steps) == \
         (4, 4, 3e-6, 3, 24, 0)
     assert args.model == "data/tiny-reasoner" and args.drafter == "data/tiny-reasoner-drafter" and args.train_on == "own"
     grpo = e2e_grpo._grpo(args, seed=2)
@@ -354,7 +357,7 @@ def test_drift_bench_writes_accuracy_and_every_drafters_curve(tmp_path):
 def test_two_worker_comparison_evaluates_the_policies_after_the_workers(tmp_path):
     """``e2e_grpo --workers 2``: the three runs' held-out accuracy is measured by the launcher from the policies the
     workers wrote (inside the workers it ran out of memory on SmolLM2)."""
-    out = bench(tmp_path, "e2e_grpo", "--workers", "2", "--steps", "1", "--prompts", "2", "--group", "2",
+    out = bench(tmp_path, "e2e_grpo", "--workers", "2", "--steps", "1", "--prompts", "2", "--num-generations", "2",
                 "--max-new", "24", "--held-out", "2", "--probe", "1", "--probe-strategy", "chain-2")
     assert out.returncode == 0, out.stderr
     d = json.loads((tmp_path / "e2e_grpo-cpu-float32-w2.json").read_text())
@@ -369,7 +372,7 @@ def test_kv_cache_bench_runs_both_caches_on_one_workload_and_names_the_cpu(tmp_p
     row of the tokens held, the dense allocation far above it, the memory check's estimate from the rollout's lengths
     near the paged peak; the file is named after this machine's CPU."""
     from tltlib.machine import this_machine
-    out = bench(tmp_path, "kv_cache", "--prompts", "3", "--group", "2", "--max-new", "24", "--repeats", "1",
+    out = bench(tmp_path, "kv_cache", "--prompts", "3", "--num-generations", "2", "--max-new", "24", "--repeats", "1",
                 "--page-size", "4")
     assert out.returncode == 0, out.stderr
     d = json.loads((tmp_path / f"kv_cache-cpu-float32-{this_machine().slug}-3x2-24.json").read_text())
@@ -383,7 +386,7 @@ def test_kv_cache_bench_runs_both_caches_on_one_workload_and_names_the_cpu(tmp_p
 def test_kv_cache_attention_grid_checks_the_paged_kernels_against_the_gathered_path(tmp_path):
     """``--attention``: every cell of rows x new tokens first checks the paged kernel's output against gather + the
     dense path (a mismatch fails the run), then times both; the file names this machine's CPU."""
-    from tltlib import ragged_attention as ra
+    from tltlib.kernels import ragged_attention as ra
     from tltlib.machine import this_machine
     if ra.kernel() is None:
         pytest.skip("no C++ compiler: the paged kernels cannot be built here")

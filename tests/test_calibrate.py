@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from tltlib.calibrate import Check, Drift, check_harvest, policy_from, validate
-from tltlib.measured_costs import fit_overheads, measure_costs
-from tltlib.simulate import OFF, harvested_share
-from tltlib.speculative import SpecStrategy
+from tltlib.lab.calibrate import Check, Drift, check_harvest, policy_from, validate
+from tltlib.sim.measure import fit_overheads, measure_costs
+from tltlib.sim.simulate import OFF, harvested_share
+from tltlib.spec.strategy import SpecStrategy
 
 
 def test_the_policy_a_rollout_played_is_read_from_its_timeline():
@@ -71,12 +71,13 @@ def test_measured_costs_grow_with_rows_and_tokens(monkeypatch):
     passes on any machine, so the noise limit is off here (its refusal is tested in test_physical)."""
     import math
 
-    import tltlib.physical as physical
-    from tltlib.loading import load
+    import tltlib.sim.physical as physical
+    from tltlib.model.loading import load
     monkeypatch.setattr(physical, "NOISE_LIMIT", math.inf)
     monkeypatch.setattr(physical, "MIN_TOLERANCE", math.inf)       # a fall within any noise lifted, not refused
     model, _, drafter = load("data/tiny-reasoner", "data/tiny-reasoner-drafter", device="cpu")
-    c = measure_costs(model, drafter, rows=(1, 64), contexts=(16, 256), tokens=(1, 33), widths=(1, 4), repeats=2)
+    c = measure_costs(model, drafter, rows=(1, 64), contexts=(16, 256), tokens=(1, 33), widths=(1, 4), repeats=2,
+                      passes=2)
     t = np.asarray(c.target_s)
     assert (t > 0).all() and t[1, 0, 1] > t[0, 0, 0] and c.forward(8, 100, 9) > 0 and c.draft_level(8, 100, 2) > 0
 
@@ -88,14 +89,14 @@ def test_a_small_validation_measures_simulates_and_names_every_check(monkeypatch
     moment's refusal is tested in test_physical, so here any noise is accepted.)"""
     import math
 
-    import tltlib.physical as physical
-    from tltlib.loading import load
+    import tltlib.sim.physical as physical
+    from tltlib.model.loading import load
     monkeypatch.setattr(physical, "NOISE_LIMIT", math.inf)
     # nor a crossing of a physical bound by noise: 2-row bands of these tiny rollouts hold a handful of SD steps, whose
     # median came out 0.85x its forwards once under an 11% noise (the bounds' refusal is tested in test_physical)
     monkeypatch.setattr(physical, "MIN_TOLERANCE", math.inf)
     model, tok, drafter = load("data/tiny-reasoner", "data/tiny-reasoner-drafter", device="cpu")
-    checks, inputs = validate(model, tok, drafter, prompts=4, group=4, max_new=96, steps=2, cost_rows=(1, 4, 16),
+    checks, inputs = validate(model, tok, drafter, prompts=4, num_generations=4, max_new=96, steps=2, cost_rows=(1, 4, 16),
                               log=lambda s: None)
     assert [c.what for c in checks] == [
         "rollout 4 x 4, no SD: median seconds", "rollout 4 x 4, chain-8 at <= 32 rows: median seconds",
@@ -117,9 +118,9 @@ def test_a_small_validation_measures_simulates_and_names_every_check(monkeypatch
 
 
 def test_the_command_exits_non_zero_when_a_prediction_is_off(monkeypatch, tmp_path, capsys):
-    import tltlib.calibrate as cal
+    import tltlib.lab.calibrate as cal
     from tltlib.cli import main
-    from tltlib.costs import MeasuredCosts
+    from tltlib.sim.costs import MeasuredCosts
     costs = MeasuredCosts((1,), (1,), (1,), (((1.0,),),))
     monkeypatch.setattr(cal, "validate", lambda *a, **k: ([Check("rollout", 1.0, 1.05), Check("step", 1.3, 1.0),
                                                           Check("idle", 0.06, 0.03, share=True)],
@@ -138,7 +139,7 @@ def test_the_engines_overhead_is_fitted_from_what_a_rollout_took_beyond_its_forw
     """Plain iterations that took their forward plus 1 ms + 0.1 ms per row, SD steps 1.2x their forwards at 1-2
     rows and 1.5x at 8: the fit gives those back per band of rows (interpolated between), and the simulator's
     iteration time then matches the measured one."""
-    from tltlib.costs import MeasuredCosts, iteration_time
+    from tltlib.sim.costs import MeasuredCosts, iteration_time
     costs = MeasuredCosts((1, 64), (16, 512), (1, 9), (((0.002, 0.003), (0.003, 0.004)), ((0.01, 0.03), (0.012, 0.035))),
                           (1,), (((0.0005,), (0.0006,)), ((0.001,), (0.0012,))))
     scale = {1: 1.2, 2: 1.2, 4: 1.3, 8: 1.5}
@@ -174,8 +175,8 @@ def test_the_engines_overhead_is_fitted_from_what_a_rollout_took_beyond_its_forw
 
 
 def test_the_drift_factors_are_each_probe_now_over_that_probe_at_calibration(monkeypatch):
-    from tltlib.calibrate import _moved
-    from tltlib.loading import load
+    from tltlib.lab.calibrate import _moved
+    from tltlib.model.loading import load
     model, _, _ = load("data/tiny-reasoner", device="cpu")
     d = Drift(model, rows=(1, 2), context=8, calls=3)
     assert d.factors().tolist() == [1.0, 1.0]                   # no reference yet: no slowdown
@@ -187,5 +188,5 @@ def test_the_drift_factors_are_each_probe_now_over_that_probe_at_calibration(mon
 
 
 def test_leave_one_out_drops_exactly_the_step_it_predicts():
-    from tltlib.calibrate import _without
+    from tltlib.lab.calibrate import _without
     assert [_without(["a", "b", "c"], i) for i in range(3)] == [["b", "c"], ["a", "c"], ["a", "b"]]

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tltlib.cudagraph import GraphConfig, GraphPool, Replay, row_bucket, span_bucket
-from tltlib.drafter import Drafter, DrafterConfig
-from tltlib.kvcache import KVCache
-from tltlib.model import ModelConfig, Transformer
-from tltlib.rollout import RolloutConfig, RolloutEngine
-from tltlib.sampling import SamplingConfig
+from tltlib.model.cudagraph import GraphConfig, GraphPool, Replay, row_bucket, span_bucket
+from tltlib.model.drafter import Drafter, DrafterConfig
+from tltlib.kv.dense import KVCache
+from tltlib.model.decoder import ModelConfig, Transformer
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+from tltlib.model.sampling import SamplingConfig
 
 CFG = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   eos_token_ids=(2,), pad_token_id=0, bos_token_id=1, max_position_embeddings=200)
@@ -80,7 +80,7 @@ def _run(engine, strategy, seed, pool_cfg=None):
 def test_padded_fixed_span_calls_give_the_eager_tokens(pair, strategy, temperature):
     target, drafter = pair
     engine = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=temperature, max_new_tokens=60),
-                                                 group_size=3, compact_fraction=0.2), drafter=drafter)
+                                                 num_generations=3, compact_fraction=0.2), drafter=drafter)
     eager, _ = _run(engine, strategy, 5)
     padded, pool = _run(engine, strategy, 5, GraphConfig(max_rows=16, min_span=16))
     assert torch.equal(eager.lengths, padded.lengths)
@@ -99,7 +99,7 @@ def test_cuda_graph_replays_give_the_eager_tokens(pair, strategy):
     tokens = {}
     for graphs in (False, True):
         engine = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0.9, max_new_tokens=60),
-                                                     group_size=3, graphs=GraphConfig(enabled=graphs)),
+                                                     num_generations=3, graphs=GraphConfig(enabled=graphs)),
                                drafter=drafter)
         for rep in range(2):                       # the second rollout replays the first one's graphs
             g = torch.Generator(device="cuda").manual_seed(5)

@@ -7,12 +7,13 @@ import copy
 import numpy as np
 import pytest
 
-from tltlib.curriculum import CurriculumConfig, level_pools, problem_level, stage, stage_pool
-from tltlib.grpo import GRPOConfig
-from tltlib.loading import load
-from tltlib.problem import Problem
-from tltlib.tasks import ChainTaskConfig, generate_problems, load_problems, save_problems
-from tltlib.trainer import GRPOTrainer
+from tltlib.rl.curriculum import CurriculumConfig, level_pools, problem_level, stage, stage_pool
+from tltlib.rl.grpo import GRPOConfig
+from tltlib.model.loading import load
+from tltlib.tasks.problem import Problem
+from tltlib.tasks.chain import ChainTaskConfig, generate_problems
+from tltlib.tasks.datasets import load_problems, save_problems
+from tltlib.rl.trainer import GRPOTrainer
 
 PROBLEMS = [p for k in (3, 4, 5) for p in generate_problems(ChainTaskConfig(min_steps=3, max_steps=6), 6, seed=k,
                                                                steps=k)]

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from tltlib.draft_data import sample_responses
-from tltlib.tasks import read_responses
-from tltlib.model import ModelConfig, Transformer
-from tltlib.problem import Problem
+from tltlib.drafting.responses import sample_responses
+from tltlib.tasks.datasets import read_responses
+from tltlib.model.decoder import ModelConfig, Transformer
+from tltlib.tasks.problem import Problem
 
 CFG = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   eos_token_ids=(2,), pad_token_id=0, max_position_embeddings=96)
@@ -30,8 +30,8 @@ class _Tok:
 
 
 def test_responses_are_appended_per_batch_and_a_rerun_continues(tmp_path, monkeypatch):
-    import tltlib.tasks
-    monkeypatch.setattr(tltlib.tasks, "encode_prompts", lambda probs, tok: [[1] + [3 + ord(c) % 20 for c in p.prompt]
+    import tltlib.tasks.prompts
+    monkeypatch.setattr(tltlib.tasks.prompts, "encode_prompts", lambda probs, tok: [[1] + [3 + ord(c) % 20 for c in p.prompt]
                                                                   for p in probs])
     torch.manual_seed(0)
     target = Transformer(CFG, init_std=0.4).eval()
@@ -67,7 +67,7 @@ def test_read_responses_refusals(tmp_path):
 
 
 def test_response_pairs_hold_out_the_last_rows_and_refuse_too_few(tmp_path):
-    from tltlib.draft_warm import response_pairs
+    from tltlib.drafting.warmup import response_pairs
     torch.manual_seed(0)
     target = Transformer(CFG, init_std=0.4).eval()
     f = tmp_path / "r.jsonl"

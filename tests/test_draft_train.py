@@ -4,15 +4,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tltlib.draft_train import (DrafterTrainConfig, DrafterTrainer, depth_accuracy, drafter_loss, pairs_from_sequences,
+from tltlib.drafting.train import (DrafterTrainConfig, DrafterTrainer, depth_accuracy, drafter_loss, pairs_from_sequences,
                                 train_offline)
-from tltlib.pairs import loss_mask
-from tltlib.pairs import PairBuffer
-from tltlib.drafter import Drafter, DrafterConfig
-from tltlib.model import ModelConfig, Transformer
-from tltlib.rollout import RolloutConfig, RolloutEngine
-from tltlib.sampling import SamplingConfig
-from tltlib.speculative import OFF, SpecStrategy
+from tltlib.drafting.pairs import loss_mask
+from tltlib.drafting.pairs import PairBuffer
+from tltlib.model.drafter import Drafter, DrafterConfig
+from tltlib.model.decoder import ModelConfig, Transformer
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+from tltlib.model.sampling import SamplingConfig
+from tltlib.spec.strategy import OFF, SpecStrategy
 
 CFG = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   eos_token_ids=(2,), pad_token_id=0, max_position_embeddings=128)
@@ -30,7 +30,7 @@ def _pair(seed=0):
 def test_streamed_pairs_are_the_pairs_the_engine_feeds_the_drafter_and_a_full_forward_gives(monkeypatch):
     """The alignment DESIGN.md asks to pin: pair t = (f_t, x_{t+1}) at drafter position t, the same in the buffer
     the rollout streams, in what the engine feeds the drafter, and from a training forward of the sequence."""
-    from tltlib.specdecode import SpecDecoder
+    from tltlib.spec.step import SpecDecoder
     fed_pairs, feed = [], SpecDecoder._feed
 
     def recording_feed(self, cache, hidden, tokens, n):
@@ -105,7 +105,7 @@ def test_a_time_budget_cuts_the_step_count_and_the_schedule_with_it():
     the learning-rate schedule then ends with the cut run; a negative budget is refused."""
     from dataclasses import replace
 
-    from tltlib.draft_train import BUDGET_PROBE_STEPS, _budget_steps
+    from tltlib.drafting.train import BUDGET_PROBE_STEPS, _budget_steps
     cfg = DrafterTrainConfig(steps=100, minutes=1.0)
     assert _budget_steps(cfg, 5, 10.0, 1.0, 2.0, 10) == 35                   # 60 - 10 - 10 x 2 = 30 more
     assert _budget_steps(replace(cfg, steps=20), 5, 10.0, 1.0, 2.0, 10) == 20    # never beyond steps
@@ -123,7 +123,7 @@ def test_a_time_budget_cuts_the_step_count_and_the_schedule_with_it():
 def test_chunked_head_loss_equals_one_pass_over_all_logits():
     import torch.nn.functional as F
 
-    from tltlib.pairs import PairBatch
+    from tltlib.drafting.pairs import PairBatch
     target, drafter = _pair()
     g = torch.Generator().manual_seed(0)
     h = torch.randn(3, 9, target.config.hidden_size, generator=g)
@@ -152,7 +152,7 @@ def test_unrolled_loss_trains_on_the_drafters_own_features():
     the drafter predicted from position t-1 (position 0 carries no second-step loss); gradients flow through it."""
     import torch.nn.functional as F
 
-    from tltlib.pairs import PairBatch
+    from tltlib.drafting.pairs import PairBatch
     target, drafter = _pair()
     g = torch.Generator().manual_seed(1)
     h = torch.randn(2, 7, target.config.hidden_size, generator=g)
@@ -184,7 +184,7 @@ def test_unrolled_loss_trains_on_the_drafters_own_features():
 def test_subsampled_cross_entropy_is_an_unbiased_estimate_of_the_full_one():
     from dataclasses import replace
 
-    from tltlib.pairs import PairBatch
+    from tltlib.drafting.pairs import PairBatch
     target, drafter = _pair()
     g = torch.Generator().manual_seed(1)
     h = torch.randn(4, 12, target.config.hidden_size, generator=g)
@@ -206,9 +206,9 @@ def test_train_drafter_refuses_long_prompts_and_a_drafter_of_another_shape(tmp_p
 
     import pytest
 
-    from tltlib.checkpoint import save_model
-    from tltlib.draft_warm import check_context, train_warm_drafter
-    from tltlib.model import preset
+    from tltlib.model.weights import save_model
+    from tltlib.drafting.warmup import check_context, train_warm_drafter
+    from tltlib.model.decoder import preset
     DATA = Path(__file__).resolve().parent.parent / "data"
     with pytest.raises(ValueError, match=r"data.jsonl: 2 of 3 prompts \(rows \[0, 2\]\) leave no room for a response in "
                                          r"the context of m \(8 tokens.*longest prompt has 9\)"):
@@ -226,7 +226,7 @@ def test_the_full_vocabulary_loss_ignores_a_draft_vocabulary_and_accuracy_measur
     """With ``ce_vocab="full"`` the loss (and its gradients) ignore the draft vocabulary: the drafter learns the
     target's whole distribution; depth accuracy measures what it would propose, so excluding tokens the target picks
     lowers it."""
-    from tltlib.pairs import PairBatch
+    from tltlib.drafting.pairs import PairBatch
     target, drafter = _pair()
     g = torch.Generator().manual_seed(2)
     h = torch.randn(3, 10, target.config.hidden_size, generator=g)
@@ -252,7 +252,7 @@ def test_the_draft_vocabulary_loss_is_the_cross_entropy_renormalised_over_it():
     is refused."""
     import torch.nn.functional as F
 
-    from tltlib.pairs import PairBatch
+    from tltlib.drafting.pairs import PairBatch
     target, drafter = _pair()
     g = torch.Generator().manual_seed(3)
     h = torch.randn(2, 8, target.config.hidden_size, generator=g)
@@ -277,9 +277,9 @@ def test_the_draft_vocabulary_loss_is_the_cross_entropy_renormalised_over_it():
 
 
 def test_train_drafter_with_a_draft_vocabulary(tmp_path):
-    from tltlib.draft_warm import train_warm_drafter
-    from tltlib.drafter import load_drafter
-    from tltlib.checkpoint import load_model
+    from tltlib.drafting.warmup import train_warm_drafter
+    from tltlib.model.drafter import load_drafter
+    from tltlib.model.weights import load_model
     card = train_warm_drafter("data/tiny-reasoner", tmp_path / "d", DrafterTrainConfig(steps=2, batch_sequences=2),
                               n_train=4, n_eval=2, n_accept=1, max_new_tokens=24, progress=False, draft_vocab=12)
     assert "a draft vocabulary of 1" in card and "of the held-out pairs' tokens" in card

@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tltlib.drafter import (Drafter, DrafterConfig, export_vllm_eagle, frequent_tokens, load_drafter, load_vllm_eagle,
+from tltlib.model.drafter import (Drafter, DrafterConfig, export_vllm_eagle, frequent_tokens, load_drafter, load_vllm_eagle,
                             save_drafter)
-from tltlib.model import ModelConfig, Transformer
+from tltlib.model.decoder import ModelConfig, Transformer
 
 CFG = ModelConfig(vocab_size=30, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
                   eos_token_ids=(2,))
@@ -132,7 +132,7 @@ def test_non_finite_or_extra_drafter_tensors_are_refused_at_load(pair, tmp_path)
     with pytest.raises(ValueError, match="tensor layer.mlp.down.weight holds 1 non-finite values"):
         load_drafter(path, target)
     save_file({**state, "layer.extra": torch.zeros(2)}, str(path / "drafter.safetensors"))
-    with pytest.raises(ValueError, match="holds 1 tensors the config does not use \\(layer.extra\\)"):
+    with pytest.raises(ValueError, match="hold 1 tensors the config does not use \\(layer.extra\\)"):
         load_drafter(path, target)
     save_file({**state, "fc.weight": state["fc.weight"][:, :3].contiguous()}, str(path / "drafter.safetensors"))
     with pytest.raises(ValueError, match="fc.weight is \\[.*\\], expected"):

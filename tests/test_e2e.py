@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tltlib.e2e import amdahl_bound, compare, frozen_copy, long_run, summarize, trl_phases
+from tltlib.lab.e2e import amdahl_bound, compare, frozen_copy, long_run, summarize, trl_phases
 
 
 def _run(seed, rollout, update, drafter, rewards, acc):
@@ -64,12 +64,12 @@ def test_trl_phases_from_a_bench_file(tmp_path):
 
 
 def test_a_tiny_comparison_runs_both_policies_and_probes_the_drafters():
-    from tltlib.loading import load
-    from tltlib.grpo import GRPOConfig
-    from tltlib.tasks import ChainTaskConfig, generate_problems
-    from tltlib.trainer import TLTConfig
-    from tltlib.grpo import accuracy_reward
-    from tltlib.curriculum import CurriculumConfig
+    from tltlib.model.loading import load
+    from tltlib.rl.grpo import GRPOConfig
+    from tltlib.tasks.chain import ChainTaskConfig, generate_problems
+    from tltlib.rl.config import TLTConfig
+    from tltlib.rl.grpo import accuracy_reward
+    from tltlib.rl.curriculum import CurriculumConfig
 
     def length_reward(prompts, completions, **kw):
         return [-len(c) / 100 for c in completions]
@@ -117,10 +117,11 @@ def test_a_long_run_measures_accuracy_and_the_drift_of_frozen_copies():
     """Evaluations at 0, every 2 steps and the last; probes at 0, every 2 steps, the snapshot step and the last; the
     snapshot equals the online drafter when taken (same accepted length), then stays as it was while the online
     drafter trains; the warm drafter never changes; no copy of the model is made."""
-    from tltlib.grpo import GRPOConfig
-    from tltlib.loading import load
-    from tltlib.tasks import ChainTaskConfig, generate_problems
-    from tltlib.trainer import GRPOTrainer, TLTConfig
+    from tltlib.rl.grpo import GRPOConfig
+    from tltlib.model.loading import load
+    from tltlib.tasks.chain import ChainTaskConfig, generate_problems
+    from tltlib.rl.trainer import GRPOTrainer
+    from tltlib.rl.config import TLTConfig
     model, tok, drafter = load("data/tiny-reasoner", "data/tiny-reasoner-drafter")
     train = generate_problems(ChainTaskConfig(max_steps=3), 16, seed=1)
     tr = GRPOTrainer(model, tok, train, GRPOConfig(num_generations=2, generation_batch_size=4,

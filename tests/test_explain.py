@@ -5,11 +5,11 @@ from collections import Counter
 
 import torch
 
-from tltlib.drafter import Drafter, DrafterConfig
-from tltlib.explain import compare_samplers, sample_categories, trace_step
-from tltlib.model import ModelConfig, Transformer
-from tltlib.sampling import SamplingConfig
-from tltlib.speculative import OFF, SpecStrategy
+from tltlib.model.drafter import Drafter, DrafterConfig
+from tltlib.lab.explain import compare_samplers, sample_categories, trace_step
+from tltlib.model.decoder import ModelConfig, Transformer
+from tltlib.model.sampling import SamplingConfig
+from tltlib.spec.strategy import OFF, SpecStrategy
 
 CFG = ModelConfig(vocab_size=12, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                   eos_token_ids=(2,), max_position_embeddings=64)

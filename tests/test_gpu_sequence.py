@@ -14,11 +14,12 @@ import pytest
 import yaml
 from test_notebooks import EXPECTED
 
-from tltlib.drafter import is_drafter_folder
+from tltlib.model.drafter import is_drafter_folder
 from tltlib.fileio import ROOT
-from tltlib.memory import MeasuredLengths
-from tltlib.notebook import read_metrics
-from tltlib.tasks import ChainTaskConfig, generate_problems, save_problems
+from tltlib.rl.memory import MeasuredLengths
+from tltlib.lab.notebook import read_metrics
+from tltlib.tasks.chain import ChainTaskConfig, generate_problems
+from tltlib.tasks.datasets import save_problems
 
 MODEL = "/models/Qwen2.5-1.5B-Instruct"
 TINY_GRPO = {"num_generations": 2, "generation_batch_size": 4, "max_completion_length": 48, "max_steps": 1,

@@ -11,8 +11,8 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from tltlib import importers  # noqa: E402
-from tltlib.loading import load  # noqa: E402
+from tltlib.model import importers  # noqa: E402
+from tltlib.model.loading import load  # noqa: E402
 
 H, L, V, F = 32, 2, 40, 64
 
@@ -145,7 +145,7 @@ SHIPPED_SMOL_DRAFTER = Path(__file__).resolve().parent.parent / "data" / "smollm
 
 def test_shipped_smollm2_drafter_fits_smollm2():
     """The drafter in data/ was trained for SmolLM2-135M-Instruct (checked without the model, which is not shipped)."""
-    from tltlib.drafter import DrafterConfig
+    from tltlib.model.drafter import DrafterConfig
     cfg = DrafterConfig.from_dict(json.loads((SHIPPED_SMOL_DRAFTER / "drafter_config.json").read_text()))
     t = cfg.target
     assert (t.architecture, t.hidden_size, t.num_heads, t.num_kv_heads, t.vocab_size, t.intermediate_size) == (
@@ -156,10 +156,11 @@ def test_shipped_smollm2_drafter_fits_smollm2():
 
 @pytest.mark.slow
 def test_shipped_smollm2_drafter_is_lossless_and_accepts_on_smollm2():
-    from tltlib.rollout import RolloutConfig, RolloutEngine
-    from tltlib.sampling import SamplingConfig
-    from tltlib.speculative import SpecStrategy
-    from tltlib.tasks import encode_prompts, generate_task
+    from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+    from tltlib.model.sampling import SamplingConfig
+    from tltlib.spec.strategy import SpecStrategy
+    from tltlib.tasks.prompts import encode_prompts
+    from tltlib.tasks.datasets import generate_task
     path = importers.get_model("smollm2-135m", progress=False)
     target, tok, drafter = load(path, SHIPPED_SMOL_DRAFTER, device="cpu")
     prompts = encode_prompts(generate_task("words", 2, seed=123), tok)

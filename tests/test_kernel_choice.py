@@ -1,4 +1,4 @@
-"""Kernel choices by measurement on the machine that runs them (tltlib.kernel_table, tltlib.kernel_search): the
+"""Kernel choices by measurement on the machine that runs them (tltlib.kernels.table, tltlib.kernels.search): the
 chooser picks what a (fake) timer says is fastest and keeps the starting point in a near-tie; a busy machine's
 timings choose nothing; every candidate computes the same function, so a model decodes the same tokens whatever the
 table picked; a table from another machine or torch is ignored with one warning and measured again; a machine's
@@ -12,11 +12,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tltlib import kernel_search as ks
-from tltlib import kernel_table as kt
-from tltlib.kernels import attention_with, linear, linear_with
+from tltlib.kernels import search as ks
+from tltlib.kernels import table as kt
+from tltlib.kernels.dispatch import attention_with, linear, linear_with
 from tltlib.machine import Machine, this_machine
-from tltlib.model import ModelConfig, Transformer
+from tltlib.model.decoder import ModelConfig, Transformer
 
 FAST = ks.SearchConfig(rounds=3, sample_s=1e-5, retries=0, context=16)
 
@@ -169,13 +169,14 @@ def test_linear_keeps_autograd_and_f_linear_outside_cpu_float32_inference():
 def test_the_model_decodes_the_same_tokens_whatever_the_table_picked(fresh_tables):
     """Greedy generation of the shipped tiny reasoner under tables that force each projection kernel and each
     attention kernel: identical tokens (every kernel computes the same function; greedy picks the same argmax)."""
-    from tltlib.loading import load
-    from tltlib.rollout import RolloutConfig, RolloutEngine
-    from tltlib.sampling import SamplingConfig
-    from tltlib.tasks import ChainTaskConfig, encode_prompts, generate_problems
+    from tltlib.model.loading import load
+    from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+    from tltlib.model.sampling import SamplingConfig
+    from tltlib.tasks.chain import ChainTaskConfig, generate_problems
+    from tltlib.tasks.prompts import encode_prompts
     model, tok, _ = load("data/tiny-reasoner", None)
     prompts = encode_prompts(generate_problems(ChainTaskConfig(), 3, seed=5), tok)
-    config = RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=48), group_size=2)
+    config = RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=48), num_generations=2)
     tokens = []
     for lin, att in (("linear", "sdpa"), ("mm", "matmul"), ("mm-pad", "ragged"), ("packed", "ragged")):
         l, a = ks.search(model, None, timer=fake_timer({"linear": lin, "attention": att}), config=FAST,

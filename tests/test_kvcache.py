@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tltlib.kvcache import KVCache
-from tltlib.model import ModelConfig, Transformer
-from tltlib.paged_cache import KVConfig
+from tltlib.kv.dense import KVCache
+from tltlib.model.decoder import ModelConfig, Transformer
+from tltlib.kv.paged import KVConfig
 
 CFG = ModelConfig(vocab_size=61, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   max_position_embeddings=128)
@@ -124,8 +124,8 @@ def test_cache_errors():
 def test_matmul_attention_equals_sdpa_with_mask(monkeypatch, bias_max):
     """Both ways the CPU kernel applies a mask (added as a bias inside the first matmul for small score tensors,
     in place beyond), each with the per-forward memo the layers share: SDPA's result, and the memo built once."""
-    from tltlib import kernels
-    from tltlib.kernels import gqa_attention
+    from tltlib.kernels import dispatch as kernels
+    from tltlib.kernels.dispatch import gqa_attention
     monkeypatch.setattr(kernels, "CPU_BIAS_MAX_SCORES", bias_max)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(s, generator=g) for s in [(3, 6, 4, 8), (3, 2, 10, 8), (3, 2, 10, 8)])
@@ -148,8 +148,8 @@ def test_sdpa_path_keeps_the_mask_as_a_float_bias_per_forward():
     """Where the kernel table has no choice (here: none at all) the CPU kernel is PyTorch's SDPA; with a forward's
     memo it converts the bool mask once (SDPA would per layer): the same result as the bool mask, the memo built
     once."""
-    from tltlib import kernel_table as kt
-    from tltlib.kernels import cached_attention
+    from tltlib.kernels import table as kt
+    from tltlib.kernels.dispatch import cached_attention
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(s, generator=g) for s in [(3, 6, 2, 8), (3, 2, 10, 8), (3, 2, 10, 8)])
     mask = torch.rand(3, 1, 2, 10, generator=g) > 0.3
@@ -167,8 +167,8 @@ def test_sdpa_path_keeps_the_mask_as_a_float_bias_per_forward():
 def test_the_mask_is_all_true_before_mask_from_and_kernels_mask_only_the_tail(monkeypatch):
     """After SD steps rows differ in length: the shortest row's prefix is seen by every row, so the CPU kernel masks
     only the columns from ``mask_from`` on (the same result, exactly), and ``mask_from`` is as far as it can be."""
-    from tltlib import kernels
-    from tltlib.kernels import gqa_attention
+    from tltlib.kernels import dispatch as kernels
+    from tltlib.kernels.dispatch import gqa_attention
     monkeypatch.setattr(kernels, "CPU_BIAS_MAX_SCORES", 0)           # the in-place path (the bias ignores it)
     cache = KVCache(1, 4, 2, 32, 8)
     cache.advance(torch.tensor([12, 9, 15, 10]))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tltlib.drafter import Drafter, DrafterConfig
-from tltlib.logprobs import SequenceBatch, micro_batches, padded_tokens, response_logprobs, sampling_logprobs
-from tltlib.model import ModelConfig, Transformer
-from tltlib.rollout import RolloutConfig, RolloutEngine
-from tltlib.sampling import SamplingConfig
+from tltlib.model.drafter import Drafter, DrafterConfig
+from tltlib.model.logprobs import SequenceBatch, micro_batches, padded_tokens, response_logprobs, sampling_logprobs
+from tltlib.model.decoder import ModelConfig, Transformer
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+from tltlib.model.sampling import SamplingConfig
 
 CFG = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   eos_token_ids=(2,), pad_token_id=0, max_position_embeddings=128)
@@ -30,7 +30,7 @@ def pair():
 def test_training_logprobs_equal_the_rollouts(pair, strategy, sampling):
     target, drafter = pair
     s = SamplingConfig(max_new_tokens=30, **sampling)
-    res = RolloutEngine(target, RolloutConfig(s, group_size=2), drafter=drafter).generate(
+    res = RolloutEngine(target, RolloutConfig(s, num_generations=2), drafter=drafter).generate(
         PROMPTS, torch.Generator().manual_seed(1), strategy=strategy)
     prompts = [PROMPTS[i // 2] for i in range(res.num_sequences)]
     responses = [res.response_ids(i) for i in range(res.num_sequences)]

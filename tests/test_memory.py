@@ -13,16 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tltlib.grpo import GRPOConfig
-from tltlib.loading import load
-from tltlib.memory import (HEADROOM, KV_PART, POOL_SLACK, KVEstimate, MeasuredLengths, activation_bytes_per_token,
+from tltlib.rl.grpo import GRPOConfig
+from tltlib.model.loading import load
+from tltlib.rl.memory import (HEADROOM, KV_PART, POOL_SLACK, KVEstimate, MeasuredLengths, activation_bytes_per_token,
                            available_bytes, check_fits, grpo_memory, grpo_plan, kv_estimate, kv_pool_bytes,
-                           peak_held_tokens, trainer_kv, trainer_memory)
-from tltlib.pages import kv_bytes_per_token
-from tltlib.rollout import RolloutConfig, RolloutEngine
-from tltlib.sampling import SamplingConfig
-from tltlib.tasks import ChainTaskConfig, encode_prompts, generate_problems
-from tltlib.trainer import GRPOTrainer
+                           peak_held_tokens, worker_kv, worker_memory)
+from tltlib.kv.pages import kv_bytes_per_token
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+from tltlib.model.sampling import SamplingConfig
+from tltlib.tasks.chain import ChainTaskConfig, generate_problems
+from tltlib.tasks.prompts import encode_prompts
+from tltlib.rl.trainer import GRPOTrainer
 
 ARGS = GRPOConfig(num_generations=2, generation_batch_size=8, max_completion_length=64, micro_batch_tokens=256,
                   logprob_chunk=128)
@@ -55,7 +56,7 @@ def test_the_peak_is_the_largest_running_rows_times_their_pages_plus_the_shared_
     # 4 rows in 2 groups, prompt of 10 tokens with pages of 4: 2 whole pages shared per group, 2 tokens copied per row
     lengths = [1, 5, 6, 14]
     by_hand = max(n * -(-(2 + t) // 4) * 4 for n, t in ((4, 1), (3, 5), (2, 6), (1, 14))) + 2 * 2 * 4
-    assert peak_held_tokens(lengths, 14, rows=4, group=2, prompt_tokens=10, page_size=4) == by_hand == 24 + 16
+    assert peak_held_tokens(lengths, 14, rows=4, num_generations=2, prompt_tokens=10, page_size=4) == by_hand == 24 + 16
     # (the peak: 3 rows at 5 tokens, 2 pages each, beside the 2 groups' shared pages)
     # twice the rows in the same proportions hold twice as much; none measured: every row at the maximum
     assert peak_held_tokens(lengths, 14, 8, 2, 10, 4) == 2 * by_hand
@@ -94,7 +95,7 @@ def test_measured_lengths_round_trip_and_a_wrong_file_is_refused(tmp_path):
 def test_the_estimate_from_a_rollouts_lengths_predicts_its_paged_kv_peak(tiny):
     model, tok, _ = tiny
     prompts = encode_prompts(generate_problems(ChainTaskConfig(), 4, seed=0), tok)
-    engine = RolloutEngine(model, RolloutConfig(SamplingConfig(temperature=0.9, max_new_tokens=720), group_size=4))
+    engine = RolloutEngine(model, RolloutConfig(SamplingConfig(temperature=0.9, max_new_tokens=720), num_generations=4))
     res = engine.generate(prompts, torch.Generator().manual_seed(0))
     c = model.config
     per = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.dim_head, 4)
@@ -122,24 +123,24 @@ def test_the_pool_gets_the_estimate_with_slack_what_the_run_leaves_at_most_and_t
 
 
 def test_a_run_that_cannot_fit_is_refused_before_the_rollout_and_the_engine_gets_the_pool(tiny, monkeypatch):
-    import tltlib.memory
+    import tltlib.rl.memory
     model, tok, _ = tiny
     probs = generate_problems(ChainTaskConfig(), 16, seed=0)
     trainer = GRPOTrainer(copy.deepcopy(model), tok, probs, ARGS)
-    parts = trainer_memory(trainer)
-    kv, longest = trainer_kv(trainer)
+    kv, longest = worker_kv(model.config, ARGS, trainer.worker_shape())
+    parts = worker_memory(model.config, ARGS, trainer.worker_shape(), kv)
     assert parts[KV_PART] == kv.bytes > longest > 0 and parts["update activations"] > 0
     assert available_bytes("cpu") > 0
     pool = max(longest, math.ceil(POOL_SLACK * kv.bytes))            # the estimate + slack: the machine has room
     assert trainer.engine.config.kv.memory == trainer.kv_plan.pool_bytes == pool
     assert "no measured response lengths" in trainer.kv_plan.describe()
     others = sum(parts.values()) - kv.bytes
-    monkeypatch.setattr(tltlib.memory, "available_bytes", lambda device: int((others + longest // 2) / HEADROOM))
+    monkeypatch.setattr(tltlib.rl.memory, "available_bytes", lambda device: int((others + longest // 2) / HEADROOM))
     with pytest.raises(MemoryError, match="GRPO with 8 completions of up to 64 tokens on cpu needs about .* GiB "
                                           "beyond the loaded weights .*may use 90%.*update activations .*lower "
                                           "grpo.micro_batch_tokens"):
         GRPOTrainer(copy.deepcopy(model), tok, probs, ARGS)
-    monkeypatch.setattr(tltlib.memory, "available_bytes", lambda device: int((others + 2 * longest) / HEADROOM))
+    monkeypatch.setattr(tltlib.rl.memory, "available_bytes", lambda device: int((others + 2 * longest) / HEADROOM))
     with pytest.warns(UserWarning, match="rows will wait for pages"):
         short = GRPOTrainer(copy.deepcopy(model), tok, probs, ARGS)      # smaller than the estimate: it runs
     assert longest <= short.kv_plan.pool_bytes < kv.bytes
@@ -147,7 +148,7 @@ def test_a_run_that_cannot_fit_is_refused_before_the_rollout_and_the_engine_gets
     with warnings.catch_warnings():
         warnings.simplefilter("error")                  # short responses measured: the same memory is enough
         fits = GRPOTrainer(copy.deepcopy(model), tok, probs, ARGS, lengths=measured)
-    assert trainer_kv(fits, measured)[0].bytes < kv.bytes and "the 8 measured" in fits.kv_plan.describe()
+    assert worker_kv(model.config, ARGS, fits.worker_shape(), measured)[0].bytes < kv.bytes and "the 8 measured" in fits.kv_plan.describe()
     with pytest.raises(MemoryError, match="rollout KV cache 2.0 GiB \\(lower grpo.generation_batch_size"):
         check_fits({"rollout KV cache": 2 << 30, "gradients": 1 << 20}, 1 << 30)
 
@@ -175,11 +176,11 @@ def test_the_gpu_examples_fit_one_80gb_gpu_as_their_memory_comment_says(path):
 
     import yaml
 
-    from tltlib.model import ModelConfig
+    from tltlib.model.decoder import ModelConfig
     data = yaml.safe_load(Path(path).read_text())
     if "notebooks" in data:                             # notebook 05's GRPO
         nb = data["notebooks"]["05"]
-        args = GRPOConfig(num_generations=nb["GROUP_SIZE"], generation_batch_size=nb["N_PROMPTS"] * nb["GROUP_SIZE"],
+        args = GRPOConfig(num_generations=nb["NUM_GENERATIONS"], generation_batch_size=nb["N_PROMPTS"] * nb["NUM_GENERATIONS"],
                           max_completion_length=nb["MAX_NEW_TOKENS"], micro_batch_tokens=nb["MICRO_BATCH_TOKENS"])
         model = data["MODEL_PATH"]
     else:
@@ -188,7 +189,7 @@ def test_the_gpu_examples_fit_one_80gb_gpu_as_their_memory_comment_says(path):
                           max_completion_length=g["max_completion_length"], micro_batch_tokens=g["micro_batch_tokens"])
         model = data["model"]
     assert Path(model).name == "Qwen2.5-1.5B-Instruct"
-    from tltlib.trainer import TLTConfig
+    from tltlib.rl.config import TLTConfig
     trainers = 2 if "notebooks" in data else 1        # notebook 05 alternates a baseline's steps with TLT's
     lines = grpo_plan(ModelConfig(**QWEN15), args, 256, args.generation_batch_size, 2, H100, Path(model).name,
                       buffer_tokens=TLTConfig().buffer_tokens, trainers=trainers)   # the online drafter's buffer

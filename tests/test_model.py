@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from tltlib.checkpoint import load_config, load_model, save_model
-from tltlib.model import ModelConfig, Transformer, preset
+from tltlib.model.weights import load_config, load_model, save_model
+from tltlib.model.decoder import ModelConfig, Transformer, preset
 
 
 def _tokens(vocab=97, rows=3, length=40, seed=1):
@@ -200,20 +200,20 @@ def test_config_fields_that_change_the_maths_are_refused(tmp_path, field, value,
 
 def test_fewer_layers_in_config_than_in_weights_is_refused(tmp_path):
     path = _copy_checkpoint(tmp_path, lambda c: c.update(num_hidden_layers=6))
-    with pytest.raises(ValueError, match="holds 18 tensors the config does not use.*"
+    with pytest.raises(ValueError, match="hold 18 tensors the config does not use.*"
                                          "The weights hold 8 layers but config.json's num_hidden_layers is 6"):
         load_model(path)
 
 
 def test_more_layers_in_config_than_in_weights_is_refused(tmp_path):
     path = _copy_checkpoint(tmp_path, lambda c: c.update(num_hidden_layers=9))
-    with pytest.raises(ValueError, match="lacks 9 tensors the config needs \\(model.layers.8"):
+    with pytest.raises(ValueError, match="lack 9 tensors the config needs \\(model.layers.8"):
         load_model(path)
 
 
 def test_missing_extra_and_misshapen_tensors_are_named(tmp_path):
     path = _copy_checkpoint(tmp_path / "a", tensors=lambda s: s.pop("model.norm.weight"))
-    with pytest.raises(ValueError, match="lacks 1 tensors the config needs \\(model.norm.weight\\)"):
+    with pytest.raises(ValueError, match="lack 1 tensors the config needs \\(model.norm.weight\\)"):
         load_model(path)
     path = _copy_checkpoint(tmp_path / "b", tensors=lambda s: s.update({"score.weight": torch.zeros(2, 192)}))
     with pytest.raises(ValueError, match="1 tensors the config does not use \\(score.weight\\)"):
@@ -292,8 +292,8 @@ def test_single_file_beside_a_shard_index_is_ambiguous(tmp_path):
 
 
 def test_the_one_loader_resolves_paths_and_checks_device_and_dtype():
-    from tltlib.checkpoint import parse_dtype, pick_device
-    from tltlib.loading import load
+    from tltlib.model.weights import parse_dtype, pick_device
+    from tltlib.model.loading import load
     model, tok, drafter = load("data/tiny-reasoner", "data/tiny-reasoner-drafter", device="cpu", dtype="float32")
     assert drafter.is_attached_to(model) and tok.eos_token_id in model.config.eos_token_ids
     assert model.device.type == "cpu" and load("data/tiny-reasoner").drafter is None
@@ -305,8 +305,8 @@ def test_the_one_loader_resolves_paths_and_checks_device_and_dtype():
 
 
 def test_casting_keeps_the_rotary_frequencies_float32():
-    from tltlib.drafter import Drafter, DrafterConfig
-    from tltlib.model import rope_inv_freq
+    from tltlib.model.drafter import Drafter, DrafterConfig
+    from tltlib.model.decoder import rope_inv_freq
     cfg = preset("tiny-cpu")
     for m in (Transformer(cfg).to(torch.bfloat16), Drafter(DrafterConfig.from_target(cfg)).bfloat16()):
         assert m.inv_freq.dtype == torch.float32 and torch.equal(m.inv_freq, rope_inv_freq(cfg))
@@ -315,7 +315,7 @@ def test_casting_keeps_the_rotary_frequencies_float32():
 
 @pytest.mark.parametrize("t", [1, 5])
 def test_gqa_sdpa_equals_repeated_kv_attention(t):
-    from tltlib.kernels import gqa_sdpa
+    from tltlib.kernels.dispatch import gqa_sdpa
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(*s, generator=g) for s in ((3, 6, t, 8), (3, 2, 11, 8), (3, 2, 11, 8)))
     mask = torch.rand(3, 1, t, 11, generator=g) > 0.3
@@ -329,9 +329,9 @@ def test_gqa_sdpa_equals_repeated_kv_attention(t):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("kind", [None, "linear", "mm", "mm-pad"])
 def test_linear_equals_f_linear_and_keeps_autograd(shape, bias, kind, monkeypatch):
-    import tltlib.kernels as tm
-    from tltlib import kernel_table as kt
-    from tltlib.kernels import linear
+    import tltlib.kernels.dispatch as tm
+    from tltlib.kernels import table as kt
+    from tltlib.kernels.dispatch import linear
     g = torch.Generator().manual_seed(0)
     w = torch.randn(11, 7, generator=g)
     b = torch.randn(11, generator=g) if bias else None
@@ -358,12 +358,12 @@ def test_linear_equals_f_linear_and_keeps_autograd(shape, bias, kind, monkeypatc
     torch.testing.assert_close(wg.grad, wr.grad)
 
 
-def test_integer_weights_are_refused_as_a_quantised_checkpoint(tmp_path):
+def test_integer_weights_are_refused_as_a_quantised_model(tmp_path):
     """A cast would turn int8 weights into a model of raw integers, whose training then diverges."""
     def int8(state):
         w = state["model.layers.2.self_attn.q_proj.weight"]
         state["model.layers.2.self_attn.q_proj.weight"] = (w * 100).round().clamp(-127, 127).to(torch.int8)
     path = _copy_checkpoint(tmp_path, tensors=int8)
     with pytest.raises(ValueError, match="1 weight tensors are not floating point "
-                                         "\\(model.layers.2.self_attn.q_proj.weight is int8\\): the checkpoint is quantised"):
+                                         "\\(model.layers.2.self_attn.q_proj.weight is int8\\): the model is quantised"):
         load_model(path)

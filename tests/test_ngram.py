@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from conftest import first_tokens_pvalue
-from tltlib import speculative as S
-from tltlib.model import ModelConfig, Transformer
-from tltlib.ngram import NgramConfig, NgramDrafter
-from tltlib.rollout import RolloutConfig, RolloutEngine
-from tltlib.sampling import SamplingConfig
-from tltlib.speculative import SpecStrategy
+from tltlib.spec import verify
+from tltlib.model.decoder import ModelConfig, Transformer
+from tltlib.spec.ngram import NgramConfig, NgramDrafter
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+from tltlib.model.sampling import SamplingConfig
+from tltlib.spec.strategy import SpecStrategy
 
 
 def _drafter(prompt, responses, **kw):
@@ -78,7 +78,7 @@ def _model(cfg, seed=0, std=0.4):
 def test_greedy_ngram_sd_is_token_identical_to_plain_without_a_drafter():
     target = _model(CFG)
     prompts = [[1, 5, 6, 5, 6], [1, 7], [1, 3, 4, 3, 4, 3], [1, 9, 9, 9]]
-    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=40), group_size=3,
+    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=40), num_generations=3,
                                               compact_fraction=0.3), ngram=NgramConfig(min_n=1))
     plain = eng.generate(prompts)
     for st in ("ngram-1", "ngram-5"):
@@ -95,7 +95,7 @@ def _ngram_joint_pvalue(temperature, top_k, top_p, rows=12000):
     with torch.no_grad():
         target.embed.weight[5] *= 0.0
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=3)
-    eng = RolloutEngine(target, RolloutConfig(sampling, group_size=rows, compact_fraction=0.0),
+    eng = RolloutEngine(target, RolloutConfig(sampling, num_generations=rows, compact_fraction=0.0),
                         ngram=NgramConfig(min_n=1, max_n=2))
     prompt = [1, 3, 4, 1, 3]
     res = eng.generate([prompt], torch.Generator().manual_seed(0), strategy=SpecStrategy("ngram", 2))
@@ -109,5 +109,5 @@ def test_ngram_sd_sampling_distribution_equals_plain(temperature, top_k, top_p):
 
 
 def test_ngram_chi_square_detects_a_missing_residual(monkeypatch):
-    monkeypatch.setattr(S, "residual", lambda p, q: p)
+    monkeypatch.setattr(verify, "residual", lambda p, q: p)
     assert _ngram_joint_pvalue(1.0, 0, 1.0) < 1e-6

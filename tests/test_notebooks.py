@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tltlib.notebook import notebook_paths, read_metrics, run_notebooks
+from tltlib.lab.notebook import notebook_paths, read_metrics, run_notebooks
 
 EXPECTED = {
     "01_profile_long_tail": ["rollout/len_p50", "rollout/len_p99", "rollout/tail_time_frac_10",

@@ -33,9 +33,9 @@ state = lambda: (torch.get_num_threads(), torch.get_default_dtype(), torch.is_gr
                  torch.random.get_rng_state().sum().item(), random.getstate()[1][:5])
 before = state()
 import importlib, pkgutil
-for m in pkgutil.iter_modules(tltlib.__path__):
-    if m.name != "__main__":
-        importlib.import_module("tltlib." + m.name)
+for m in pkgutil.walk_packages(tltlib.__path__, "tltlib."):
+    if m.name != "tltlib.__main__":
+        importlib.import_module(m.name)
 assert state() == before, (before, state())
 """
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

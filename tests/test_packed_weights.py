@@ -1,5 +1,5 @@
-"""Packed weights (tltlib.kernels.WeightPacks): on a CPU in float32 a rollout's projections run through oneDNN with
-the weights laid out once, where the machine's kernel table picks them (forced here: tltlib.kernel_table.Forced).
+"""Packed weights (tltlib.kernels.dispatch.WeightPacks): on a CPU in float32 a rollout's projections run through oneDNN with
+the weights laid out once, where the machine's kernel table picks them (forced here: tltlib.kernels.table.Forced).
 They must compute what F.linear computes, give the same tokens as an unpacked rollout (greedy, Qwen2 with q/k/v
 biases and Llama), follow weight updates between rollouts (optimizer steps, ``.data`` writes, a reloaded model) and
 refuse a weight changed during a rollout."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tltlib.kernels as K
-from tltlib import kernel_table as kt
-from tltlib.checkpoint import load_model
-from tltlib.rollout import RolloutConfig, RolloutEngine
-from tltlib.sampling import SamplingConfig
+import tltlib.kernels.dispatch as K
+from tltlib.kernels import table as kt
+from tltlib.model.weights import load_model
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+from tltlib.model.sampling import SamplingConfig
 
 from conftest import make_hf_model
 
@@ -61,7 +61,7 @@ def test_a_packed_projection_equals_f_linear_and_is_used_where_the_table_picks_i
 def test_a_packed_rollout_gives_the_unpacked_tokens(target):
     ps = _prompts()
     plain = _engine(target, False).generate(ps)
-    packed_engine = _engine(target, True, group_size=2)
+    packed_engine = _engine(target, True, num_generations=2)
     assert torch.equal(packed_engine.generate(ps).tokens[::2], plain.tokens)
     packs = packed_engine.kept.packs.packs
     assert packs, "a CPU float32 rollout made no packed weights"

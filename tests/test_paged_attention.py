@@ -1,4 +1,4 @@
-"""Attention read through block tables (tltlib.paged_attention) equals attention over each row's own dense keys and
+"""Attention read through block tables (tltlib.kv.paged_attention) equals attention over each row's own dense keys and
 values: decode, a causal verify of several tokens, a draft tree, grouped-query heads, rows of different lengths on
 pages in scattered order and pages shared by a prompt's samples."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tltlib.pages import BlockTables, PagePool
-from tltlib.paged_attention import paged_attention, slot_index, visible
+from tltlib.kv.pages import BlockTables, PagePool
+from tltlib.kv.paged_attention import paged_attention, slot_index, visible
 
 
 def _dense(q, keys, values, new, tree=None):

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tltlib.drafter import Drafter, DrafterConfig
-from tltlib.model import ModelConfig, Transformer
-from tltlib.pages import pages_for
-from tltlib.paged_cache import KVCacheFull, KVConfig, PagedKVCache, make_cache
-from tltlib.rollout import RolloutConfig, RolloutEngine
-from tltlib.sampling import SamplingConfig
-from tltlib.speculative import SpecStrategy
+from tltlib.model.drafter import Drafter, DrafterConfig
+from tltlib.model.decoder import ModelConfig, Transformer
+from tltlib.kv.pages import pages_for
+from tltlib.kv.paged import KVCacheFull, KVConfig, PagedKVCache, make_cache
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+from tltlib.model.sampling import SamplingConfig
+from tltlib.spec.strategy import SpecStrategy
 
 CFG = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   eos_token_ids=(2,), pad_token_id=0, bos_token_id=1, max_position_embeddings=160)
@@ -38,7 +38,7 @@ def drafter(target):
 
 def _engine(target, drafter, kv, temperature=0.0, **kw):
     sampling = SamplingConfig(temperature=temperature, max_new_tokens=kw.pop("max_new_tokens", 40))
-    return RolloutEngine(target, RolloutConfig(sampling, group_size=3, compact_fraction=0.3, kv=kv, **kw),
+    return RolloutEngine(target, RolloutConfig(sampling, num_generations=3, compact_fraction=0.3, kv=kv, **kw),
                          drafter=drafter)
 
 

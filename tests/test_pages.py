@@ -1,11 +1,11 @@
-"""The paged KV cache's bookkeeping (tltlib.pages): pages taken as rows grow and given back, prompt pages shared by
+"""The paged KV cache's bookkeeping (tltlib.kv.pages): pages taken as rows grow and given back, prompt pages shared by
 a group's samples without a copy, copy-on-write where a sample writes into a shared page, and the errors."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tltlib.pages import BlockTables, PagePool, check_page_size, kv_bytes_per_token, pages_for
+from tltlib.kv.pages import BlockTables, PagePool, check_page_size, kv_bytes_per_token, pages_for
 
 
 @pytest.mark.parametrize("bad", [0, -16, 12, 3, 1.5, True, "16"])
@@ -32,8 +32,8 @@ def test_a_budget_holds_whole_pages_and_refuses_less_than_one_prompt_naming_the_
     assert per_token == 2 * 2 * 2 * 8 * 4
     pool = PagePool.for_budget(10 * 16 * per_token + 5, per_token, page_size=16, min_tokens=40)
     assert pool.num_pages == 10 and pool.page_size == 16
-    with pytest.raises(ValueError, match=f"a KV memory budget of 2,048 bytes holds 0 page\\(s\\) of 16 tokens "
-                                         f"\\(4,096 bytes each\\), but 40 tokens need 3: give it at least 12,288 bytes"):
+    with pytest.raises(ValueError, match="a KV memory budget of 2,048 bytes holds 0 page\\(s\\) of 16 tokens "
+                                         "\\(4,096 bytes each\\), but 40 tokens need 3: give it at least 12,288 bytes"):
         PagePool.for_budget(2048, per_token, page_size=16, min_tokens=40)
 
 

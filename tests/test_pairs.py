@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from tltlib.pairs import loss_mask
-from tltlib.pairs import PairBuffer, PairBufferConfig
+from tltlib.drafting.pairs import loss_mask
+from tltlib.drafting.pairs import PairBuffer, PairBufferConfig
 
 H = 4
 
@@ -103,10 +103,10 @@ def test_config_errors():
 
 
 def test_sample_with_max_pairs_bounds_the_batch():
-    from tltlib.pairs import PairBuffer
+    from tltlib.drafting.pairs import PairBuffer
     buf = PairBuffer(4)
     g = torch.Generator().manual_seed(0)
-    pids, first = buf.begin([[1, 2]], group_size=6, rl_step=0)
+    pids, first = buf.begin([[1, 2]], num_generations=6, rl_step=0)
     for s in range(first, first + 6):            # six sequences of 100 response pairs each (one length bucket)
         buf.add(torch.tensor([s] * 100), torch.arange(100), torch.randn(100, 4, generator=g), torch.ones(100).long())
     assert buf.sample(4).hidden.shape[0] == 4

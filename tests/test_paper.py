@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from tltlib.adaptive import expected_tokens
-from tltlib.paper import (PAPER, SETTINGS, ProjectionConfig, fit_acceptance, lengths_from_bench, ngram_policy,
-                          paper_policy, project, sd_time_share, table3)
-from tltlib.simulate import LengthDistribution, RolloutSim
-from tltlib.speculative import SpecStrategy
+from tltlib.spec.acceptance import expected_tokens
+from tltlib.paper.numbers import PAPER, SETTINGS
+from tltlib.paper.projection import (ProjectionConfig, fit_acceptance, lengths_from_bench, ngram_policy, paper_policy, project, sd_time_share, table3)
+from tltlib.sim.simulate import LengthDistribution, RolloutSim
+from tltlib.spec.strategy import SpecStrategy
 
 
 def test_the_fitted_acceptance_gives_the_accept_length_back():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tltlib.notebook import notebook_paths
-from tltlib.params import SCHEMA, declared_parameters, inferred, load_params, plan_run
+from tltlib.lab.notebook import notebook_paths
+from tltlib.lab.params import SCHEMA, declared_parameters, inferred, load_params, plan_run
 
 ALL = notebook_paths()
 
@@ -19,7 +19,7 @@ def _plan(tmp_path, text, only=None):
 def test_every_notebook_parameter_has_a_schema_entry_its_default_passes():
     for nb in ALL:
         for name, default in declared_parameters(nb).items():
-            assert name in SCHEMA, f"{nb.name}: add {name} to tltlib.params.SCHEMA"
+            assert name in SCHEMA, f"{nb.name}: add {name} to tltlib.lab.params.SCHEMA"
             if name in ("MODEL_PATH", "DRAFTER_PATH", "DATASET"):
                 continue                              # existence is checked against the machine, not the default
             assert SCHEMA[name].error(default) is None, (nb.name, name, default, SCHEMA[name].error(default))
@@ -64,7 +64,7 @@ def test_a_key_in_the_wrong_notebook_section_is_refused(tmp_path):
     ("notebooks:\n  \"01\": {N_PROMPTS: lots}\n", "N_PROMPTS = 'lots' \\(notebook 01_profile_long_tail\\): not an "
                                                   "integer; expected an integer >= 1"),
     ("N_PROMPTS: 0\n", "N_PROMPTS = 0 \\(notebooks 01, 02, 04, 05, 06, 07\\): out of range"),
-    ("GROUP_SIZE: true\n", "GROUP_SIZE = True .*not an integer"),
+    ("NUM_GENERATIONS: true\n", "NUM_GENERATIONS = True .*not an integer"),
     ("DTYPE: bf16\n", "DTYPE = 'bf16' .*expected a string in 'float32', 'bfloat16', 'float16'"),
     ("DEVICE: gpu\n", "DEVICE = 'gpu' \\(notebooks 01, 02, 03, 04, 05, 06, 07\\): not a device; expected 'auto', 'cpu', 'cuda'"),
     ("TEMPERATURE: '0.9'\n", "TEMPERATURE = '0.9' .*not a number"),
@@ -134,6 +134,10 @@ def test_a_key_given_twice_is_refused(tmp_path):
     ("FIGURES_DIR: README.md\n", "FIGURES_DIR = 'README.md' .*is \\(inside\\) a file, not a folder"),
     ("n_prompts: 3\n", "n_prompts is declared by no notebook \\(did you mean N_PROMPTS\\?\\)"),
     ("PAIRS: all\n", "PAIRS is declared by no notebook \\(renamed TRAIN_ON\\)"),
+    ("GROUP_SIZE: 8\n", "GROUP_SIZE is declared by no notebook \\(renamed NUM_GENERATIONS\\)"),
+    ("TOP_K: 3\n", "TOP_K is declared by no notebook \\(renamed BRANCH\\)"),
+    ("notebooks:\n  \"01\": {GROUP_SIZE: 8}\n", "GROUP_SIZE under \"01\" .*no notebook declares it \\(renamed "
+                                                  "NUM_GENERATIONS\\)"),
     ("notebooks:\n  \"05\": {REWARDS: [accuracy, lenght]}\n", "REWARDS = .*unknown reward function 'lenght'"),
     ("notebooks:\n  \"05\": {REWARD_WEIGHTS: [a]}\n", "REWARD_WEIGHTS = \\['a'\\] .*not null or a list of finite"),
     ("notebooks:\n  \"06\": {CURRICULUM: {levels: [1, 1]}}\n", "CURRICULUM = .*curriculum levels must be distinct"),
@@ -151,8 +155,8 @@ def test_an_empty_only_prefix_is_refused():
 
 
 def test_smollm2_file_plans_notebook_01_or_says_how_to_import_the_model(tmp_path, monkeypatch):
-    from tltlib.importers import is_imported
-    from tltlib.params import resolve
+    from tltlib.model.importers import is_imported
+    from tltlib.lab.params import resolve
     only = notebook_paths(["01"])
     if is_imported(resolve("~/.cache/tltlib/models/smollm2-135m")):
         assert dict(plan_run("cpu-smollm2", ALL, only))[only[0]]["TASK"] == "words"
@@ -180,9 +184,9 @@ def test_a_missing_path_stops_only_the_notebooks_that_run(tmp_path):
 
 
 def test_task_configs_give_the_chain_task_a_longer_held_out_and_name_a_bad_setting():
-    from tltlib.params import task_configs
-    from tltlib.tasks import ChainTaskConfig
-    from tltlib.wordproblems import WordTaskConfig
+    from tltlib.lab.params import task_configs
+    from tltlib.tasks.chain import ChainTaskConfig
+    from tltlib.tasks.wordproblems import WordTaskConfig
     assert task_configs("chain", {}, "x") == (ChainTaskConfig(), ChainTaskConfig(zipf_exponent=0.6))
     assert task_configs("chain", {"zipf_exponent": 1.5, "max_steps": 9}, "x") == \
         (ChainTaskConfig(zipf_exponent=1.5, max_steps=9),) * 2

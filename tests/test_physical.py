@@ -1,4 +1,4 @@
-"""A calibration that refuses what is not physical (tltlib.physical, tltlib.measured_costs): costs that fall as the
+"""A calibration that refuses what is not physical (tltlib.sim.physical, tltlib.sim.measure): costs that fall as the
 work grows, a negative engine overhead, an SD step cheaper than its own forwards, a set-up below zero and a machine
 too busy to measure are each refused with a message that names the value and says to rerun on a quiet machine;
 what crosses a bound by less than the measurement's noise is moved onto it and said."""
@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tltlib.costs import MeasuredCosts, iteration_time
-from tltlib.measured_costs import fit_overheads
-from tltlib.physical import (CalibrationError, at_least, check_quiet, monotone, nondecreasing_fit, pass_noise,
+from tltlib.sim.costs import MeasuredCosts, iteration_time
+from tltlib.sim.measure import fit_overheads
+from tltlib.sim.physical import (CalibrationError, at_least, check_quiet, monotone, nondecreasing_fit, pass_noise,
                              tolerance)
-from tltlib.speculative import SpecStrategy
+from tltlib.spec.strategy import SpecStrategy
 
 QUIET = "rerun on a quiet machine"
 COSTS = MeasuredCosts((1, 64), (16, 512), (1, 9), (((0.002, 0.003), (0.003, 0.004)), ((0.01, 0.03), (0.012, 0.035))),
@@ -120,16 +120,18 @@ def test_measured_costs_that_cannot_be_physical_are_refused():
 
 def test_a_busy_machine_during_the_cost_measurement_is_refused(monkeypatch):
     """The second pass over the forwards ran while another process held the CPU: nothing is fitted."""
-    import tltlib.measured_costs as mc
-    from tltlib.loading import load
+    import tltlib.sim.measure as mc
+    from tltlib.model.loading import load
     model, _, _ = load("data/tiny-reasoner", device="cpu")
     calls = []
 
-    def fake_pass(model, drafter, rows, contexts, tokens, widths, repeats, order, g):
+    def fake_pass(model, drafter, rows, contexts, tokens, widths, catch_up_width, repeats, order, g):
         calls.append(order)
         base = np.add.outer(np.add.outer(np.log2(rows), np.log(contexts)), np.asarray(tokens) / 10.0) + 10.0
-        return base * 1e-4 * (1.0 if order == 1 else 2.5), np.zeros((len(rows), len(contexts), len(widths)))
+        return {"target": base * 1e-4 * (1.0 if order == 1 else 2.5),
+                "draft": np.zeros((len(rows), len(contexts), len(widths))), "catch_up": np.zeros(len(rows)),
+                "ragged": np.zeros(len(rows))}
     monkeypatch.setattr(mc, "_cost_pass", fake_pass)
     with pytest.raises(CalibrationError, match=f"the forward costs: two passes .* disagree by 60%.*{QUIET}"):
-        mc.measure_costs(model, rows=(1, 4), contexts=(16, 64), tokens=(1, 5))
+        mc.measure_costs(model, rows=(1, 4), contexts=(16, 64), tokens=(1, 5), passes=2)
     assert calls == [1, -1]                                 # the second pass in the opposite order of rows

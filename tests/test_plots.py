@@ -9,9 +9,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from tltlib import plots  # noqa: E402
-from tltlib.adaptive import CostModel  # noqa: E402
-from tltlib.speculative import SpecStrategy  # noqa: E402
+from tltlib.lab import plots  # noqa: E402
+from tltlib.sim.costs import MeasuredCosts, predicted_speedup  # noqa: E402
+from tltlib.spec.strategy import SpecStrategy  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -67,13 +67,12 @@ def test_adaptive_timeline_colours_each_strategy_and_draws_the_threshold():
 
 
 def test_predicted_speedups_plots_one_curve_per_arm():
-    cm = CostModel(np.array([1.0, 64.0]), np.array([1.0, 9.0]), np.array([[1.0, 1.1], [2.0, 16.0]]),
-                   np.array([1.0]), np.array([[0.1], [0.2]]))
+    cm = MeasuredCosts((1, 64), (64,), (1, 9), (((1.0, 1.1),), ((2.0, 16.0),)), (1,), (((0.1,),), ((0.2,),)))
     arms = [SpecStrategy("chain", 2), SpecStrategy("chain", 8)]
     ax = plots.predicted_speedups(cm, arms, 0.9, batches=[1, 8, 64]).axes[0]
     curves = [l for l in ax.lines if len(l.get_xdata()) == 3]
     assert len(curves) == 2
-    np.testing.assert_allclose(curves[1].get_ydata(), [cm.predict(arms[1], b, 0.9) for b in (1, 8, 64)])
+    np.testing.assert_allclose(curves[1].get_ydata(), [predicted_speedup(cm, arms[1], b, 0.9) for b in (1, 8, 64)])
 
 
 def test_step_time_bars_stack_the_phases_and_label_the_rollout_share():

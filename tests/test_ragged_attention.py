@@ -1,4 +1,4 @@
-"""The CPU ragged-attention kernel (tltlib.ragged_attention): each row attends over its own cached length and equals
+"""The CPU ragged-attention kernel (tltlib.kernels.ragged_attention): each row attends over its own cached length and equals
 the masked matmul/SDPA attention; the rollout routes one-token forwards to it; a build failure or the switch falls
 back to the matmul path with one warning."""
 from __future__ import annotations
@@ -9,7 +9,9 @@ import warnings
 import pytest
 import torch
 
-from tltlib import kernels, ragged_attention as ra
+from tltlib.kernels import dispatch as kernels
+
+from tltlib.kernels import ragged_attention as ra
 
 needs_compiler = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                                     reason="no C++ compiler: the kernel cannot be built here")
@@ -111,9 +113,9 @@ def test_one_token_forwards_use_the_kernel_and_give_the_matmul_paths_logits(monk
     reading the pages in place): it is called once per layer and the logits equal the masked path's (the kernel
     off: the table's choice falls back); where the table picks the matmuls for many uniform rows, a dense cache
     does not call the kernel, a paged one still does (any other kernel would gather the pages first)."""
-    from tltlib import kernel_table as kt
-    from tltlib import paged_cache
-    from tltlib.model import ModelConfig, Transformer
+    from tltlib.kernels import table as kt
+    from tltlib.kv import paged as paged_cache
+    from tltlib.model.decoder import ModelConfig, Transformer
     assert ra.kernel() is not None
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=61, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -182,7 +184,7 @@ def test_a_killed_builds_lock_is_removed_once_stale_and_a_fresh_one_kept(tmp_pat
     import os
     import time
 
-    from tltlib.ragged_attention import STALE_LOCK_S, clear_stale_lock
+    from tltlib.kernels.ragged_attention import STALE_LOCK_S, clear_stale_lock
     lock = tmp_path / "lock"
     lock.write_text("")
     assert not clear_stale_lock(str(tmp_path)) and lock.exists()              # a build running now

@@ -5,9 +5,10 @@ from __future__ import annotations
 import matplotlib
 import pytest
 
-from tltlib import paper_plots
-from tltlib.paper import PAPER, ProjectionConfig, project
-from tltlib.reproduce import (measured_drift, measured_e2e, measured_idle, measured_rewards, measured_sd, results,
+from tltlib.paper import plots as paper_plots
+from tltlib.paper.numbers import PAPER
+from tltlib.paper.projection import ProjectionConfig, project
+from tltlib.paper.reproduce import (measured_drift, measured_e2e, measured_idle, measured_rewards, measured_sd, results,
                               simulated_case_study, simulated_idle, simulated_sd, timeline_rows)
 
 matplotlib.use("Agg")
@@ -91,7 +92,7 @@ def test_every_figure_says_where_each_point_comes_from():
 
 
 def test_lengths_and_projection_read_the_committed_bench_file(tmp_path):
-    from tltlib.paper import lengths_from_bench
+    from tltlib.paper.projection import lengths_from_bench
     d = lengths_from_bench(f"{RESULTS}/e2e_grpo-cpu-float32.json")
     assert 1000 < d.median < d.p99 < d.cap == 32768
     broken = tmp_path / "broken.json"

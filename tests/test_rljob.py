@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tltlib.rljob import read_job, read_metrics_log
+from tltlib.lab.rljob import read_job, read_metrics_log
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE = ROOT / "params" / "train" / "smoke.yaml"
@@ -94,8 +94,8 @@ def test_bad_files_are_refused_before_anything_loads(tmp_path, text, error, matc
 
 
 def test_a_word_task_job_with_a_curriculum_and_two_rewards_reads_and_a_missing_level_is_named(tmp_path):
-    from tltlib.rljob import job_problems
-    from tltlib.tasks import save_problems
+    from tltlib.lab.rljob import job_problems
+    from tltlib.tasks.datasets import save_problems
     f = tmp_path / "job.yaml"
     f.write_text("model: data/tiny-reasoner\ntask: words\ntask_config: {max_steps: 3, zipf_exponent: 0.0}\n"
                  "rewards: [accuracy, format]\ncurriculum: {levels: [1, 3], steps_per_level: 4}\n"
@@ -171,7 +171,7 @@ tlt: null
 @pytest.fixture(scope="module")
 def one_step(tmp_path_factory):
     """A job file and the folder of its finished one-step run."""
-    from tltlib.rljob import run_job
+    from tltlib.lab.rljob import run_job
     d = tmp_path_factory.mktemp("run")
     (d / "job.yaml").write_text(TINY)
     run_job(d / "job.yaml", d / "out", progress=False, out=open(os.devnull, "w"))
@@ -186,7 +186,7 @@ def _copy(run, tmp_path):
 
 
 def _resume(params, out, **kw):
-    from tltlib.rljob import run_job
+    from tltlib.lab.rljob import run_job
     return run_job(params, out, resume=True, progress=False, out=open(os.devnull, "w"), **kw)
 
 
@@ -230,7 +230,7 @@ def test_resume_accepts_the_same_model_written_as_an_absolute_path(one_step, tmp
 
 
 def test_a_run_stopped_before_its_first_checkpoint_can_be_started_again(one_step, tmp_path):
-    from tltlib.rljob import run_job
+    from tltlib.lab.rljob import run_job
     params, out = _copy(one_step, tmp_path)
     for f in ("trainer_state.json", "policy.safetensors", "state.pt", "README.md"):
         (out / f).unlink()                                                 # save_steps: 0, killed before the end

@@ -6,10 +6,10 @@ import pytest
 import torch
 from conftest import chi2_pvalue
 
-from tltlib.checkpoint import save_model
-from tltlib.model import ModelConfig, Transformer
-from tltlib.rollout import RolloutConfig, RolloutEngine
-from tltlib.sampling import SamplingConfig, probs_from_logits
+from tltlib.model.weights import save_model
+from tltlib.model.decoder import ModelConfig, Transformer
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+from tltlib.model.sampling import SamplingConfig, probs_from_logits
 
 CFG = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   eos_token_ids=(2,), pad_token_id=0, bos_token_id=1, max_position_embeddings=96)
@@ -41,7 +41,7 @@ def test_greedy_matches_transformers_generate(model, tmp_path):
 
 
 def test_rows_leave_the_batch_and_traces_add_up(model):
-    res = _engine(model, temperature=1.0, max_new_tokens=40, group_size=4, compact_fraction=0.0).generate(PROMPTS)
+    res = _engine(model, temperature=1.0, max_new_tokens=40, num_generations=4, compact_fraction=0.0).generate(PROMPTS)
     tl = res.timeline
     assert res.num_sequences == 16
     assert np.all(np.diff(tl["rows"]) <= 0) and tl["rows"][-1] < 16
@@ -58,9 +58,9 @@ def test_rows_leave_the_batch_and_traces_add_up(model):
 
 
 def test_logprobs_and_streamed_hidden_states_match_a_full_forward(model):
-    from tltlib.pairs import PairBuffer
+    from tltlib.drafting.pairs import PairBuffer
     buf = PairBuffer(CFG.hidden_size)
-    res = _engine(model, temperature=0.8, top_k=10, max_new_tokens=25, group_size=2).generate(
+    res = _engine(model, temperature=0.8, top_k=10, max_new_tokens=25, num_generations=2).generate(
         PROMPTS, torch.Generator().manual_seed(5), pairs=buf)
     assert buf.sequences() == list(range(res.num_sequences))
     for i in range(res.num_sequences):
@@ -77,7 +77,7 @@ def test_logprobs_and_streamed_hidden_states_match_a_full_forward(model):
 
 def test_first_two_tokens_follow_the_model_chi_square(model):
     g = torch.Generator().manual_seed(11)
-    res = _engine(model, temperature=1.0, max_new_tokens=2, group_size=3000).generate([[1, 5]], g)
+    res = _engine(model, temperature=1.0, max_new_tokens=2, num_generations=3000).generate([[1, 5]], g)
     with torch.no_grad():
         p1 = torch.softmax(model(torch.tensor([[1, 5]]))[0, -1], -1)
     counts = np.bincount(res.tokens[:, 0].numpy(), minlength=CFG.vocab_size)
@@ -85,7 +85,7 @@ def test_first_two_tokens_follow_the_model_chi_square(model):
 
 
 def test_seeded_reproducible_and_groups_differ(model):
-    eng = _engine(model, temperature=1.0, max_new_tokens=20, group_size=3)
+    eng = _engine(model, temperature=1.0, max_new_tokens=20, num_generations=3)
     a = eng.generate(PROMPTS, torch.Generator().manual_seed(1))
     b = eng.generate(PROMPTS, torch.Generator().manual_seed(1))
     c = eng.generate(PROMPTS, torch.Generator().manual_seed(2))
@@ -111,8 +111,8 @@ def test_bad_prompts_are_clear_errors(model):
         eng.generate([[]])
     with pytest.raises(ValueError, match="token ids outside"):
         eng.generate([[1, 99]])
-    with pytest.raises(ValueError, match="group_size must be >= 1"):
-        RolloutConfig(group_size=0)
+    with pytest.raises(ValueError, match="num_generations must be >= 1"):
+        RolloutConfig(num_generations=0)
 
 
 @pytest.mark.gpu
@@ -124,7 +124,7 @@ def test_cuda_greedy_matches_cpu(model):
 
 
 def test_prefill_chunks_cover_every_row_within_the_row_and_padding_bounds():
-    from tltlib.rollout import prefill_chunks
+    from tltlib.rollout.engine import prefill_chunks
     g = torch.Generator().manual_seed(0)
     lengths = sorted(torch.randint(1, 200, (157,), generator=g).tolist())
     chunks = prefill_chunks(lengths, max_rows=16)
@@ -142,7 +142,7 @@ def test_a_prompts_tokens_do_not_depend_on_the_other_prompts_or_their_order(mode
     """Prompts are prefilled shortest first in chunks; every response still belongs to its own prompt."""
     g = torch.Generator().manual_seed(5)
     prompts = [[1] + torch.randint(3, 24, (int(n),), generator=g).tolist() for n in (3, 40, 7, 25, 2, 40, 11)]
-    cfg = RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=12), group_size=2, ignore_eos=True,
+    cfg = RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=12), num_generations=2, ignore_eos=True,
                         prefill_rows=3)
     eng = RolloutEngine(model, cfg)
     together = eng.generate(prompts)
@@ -161,7 +161,7 @@ def test_a_cpu_rollout_reuses_a_kept_workspace_at_least_as_long_and_gives_the_sa
     from dataclasses import replace
     torch.manual_seed(0)
     m = Transformer(replace(CFG, max_position_embeddings=400), init_std=0.4).eval()
-    eng = _engine(m, temperature=1.0, max_new_tokens=300, group_size=3)
+    eng = _engine(m, temperature=1.0, max_new_tokens=300, num_generations=3)
     short = [4, 9, 2] * len(PROMPTS)
     eng.generate(PROMPTS, torch.Generator().manual_seed(1), lengths=short)
     small = eng.kept._workspace[1]
@@ -170,7 +170,7 @@ def test_a_cpu_rollout_reuses_a_kept_workspace_at_least_as_long_and_gives_the_sa
     assert big is not small and big.cache.max_len > small.cache.max_len
     again = eng.generate(PROMPTS, torch.Generator().manual_seed(3), lengths=short)
     assert eng.kept._workspace[1] is big
-    fresh = _engine(m, temperature=1.0, max_new_tokens=300, group_size=3).generate(
+    fresh = _engine(m, temperature=1.0, max_new_tokens=300, num_generations=3).generate(
         PROMPTS, torch.Generator().manual_seed(3), lengths=short)
     assert torch.equal(again.tokens, fresh.tokens) and torch.equal(again.logprobs, fresh.logprobs)
     eng.generate(PROMPTS[:2], torch.Generator().manual_seed(4), lengths=short[:6])
@@ -180,7 +180,7 @@ def test_a_cpu_rollout_reuses_a_kept_workspace_at_least_as_long_and_gives_the_sa
 def test_forced_lengths_replay_a_length_distribution(model):
     """``lengths=``: every response has exactly its given length, EOS ignored; a plain rollout given its own lengths
     and seed reproduces itself; lengths that do not fit are refused."""
-    eng = _engine(model, temperature=1.0, max_new_tokens=20, group_size=3, draft_margin=8)   # a tight cache
+    eng = _engine(model, temperature=1.0, max_new_tokens=20, num_generations=3, draft_margin=8)   # a tight cache
     free = eng.generate(PROMPTS, torch.Generator().manual_seed(4))
     assert free.lengths.min() < 20                                    # some end at EOS
     again = eng.generate(PROMPTS, torch.Generator().manual_seed(4), lengths=free.lengths)

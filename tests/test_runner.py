@@ -14,13 +14,13 @@ import pytest
 nbformat = pytest.importorskip("nbformat")   # the notebooks extra (absent on a bare GPU image)
 
 from tltlib.fileio import atomic_folder, check_output_folder, remove_stale_temporaries
-from tltlib.notebook import NotebookError, read_metrics, run_notebooks
+from tltlib.lab.notebook import NotebookError, read_metrics, run_notebooks
 
 ROOT = Path(__file__).resolve().parent.parent
 BODY = """
 import matplotlib; matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from tltlib.notebook import save_figure, write_metrics
+from tltlib.lab.notebook import save_figure, write_metrics
 fig = plt.figure(); plt.plot([LABEL, LABEL])
 save_figure(fig, "fig_" + str(LABEL), OUT_DIR, FIGURES_DIR)
 import time; time.sleep(SLEEP)
@@ -119,13 +119,13 @@ def test_every_command_reexecutes_inside_the_venv():
 
 
 def test_train_drafter_checks_its_output_before_any_work(tmp_path, monkeypatch):
-    import tltlib.checkpoint
-    from tltlib.draft_warm import train_warm_drafter
+    import tltlib.model.weights
+    from tltlib.drafting.warmup import train_warm_drafter
 
     def no_work(*a, **k):
         raise AssertionError("the output folder must be checked before the target is loaded")
 
-    monkeypatch.setattr(tltlib.checkpoint, "load_model", no_work)
+    monkeypatch.setattr(tltlib.model.weights, "load_model", no_work)
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     with pytest.raises(NotADirectoryError, match="cannot write the drafter .*a-file' is a file, not a folder"):
@@ -134,7 +134,7 @@ def test_train_drafter_checks_its_output_before_any_work(tmp_path, monkeypatch):
         train_warm_drafter("data/tiny-reasoner", "data/tiny-reasoner", overwrite=True)
     with pytest.raises(FileExistsError, match="already holds a drafter; pass --overwrite"):
         train_warm_drafter("data/tiny-reasoner", "data/tiny-reasoner-drafter")
-    from tltlib.reasoner import ReasonerTrainConfig, train_reasoner
+    from tltlib.lab.reasoner import ReasonerTrainConfig, train_reasoner
     with pytest.raises(FileExistsError, match="already holds a model; pass --overwrite"):
         train_reasoner(ReasonerTrainConfig(), "data/tiny-reasoner")
     from tltlib.cli import build_parser

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import chi2_pvalue
 
-from tltlib.sampling import SamplingConfig, probs_from_logits, sample, sample_from_logits
+from tltlib.model.sampling import SamplingConfig, probs_from_logits, sample, sample_from_logits
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (0.9, 0, 0.8), (1.3, 7, 0.6)])
@@ -64,7 +64,7 @@ def test_bad_sampling_settings(kwargs, match):
 
 
 def test_inverse_cdf_never_draws_outside_the_support():
-    from tltlib.sampling import inverse_cdf
+    from tltlib.model.sampling import inverse_cdf
     q = torch.tensor([[0.0, 0.0, 0.3, 0.0, 0.7], [0.5, 0.0, 0.0, 0.5, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0]])
     zero = torch.zeros(3, 1, dtype=torch.float64)
     assert inverse_cdf(q, zero)[:, 0].tolist() == [2, 0, 1]        # u = 0: the first token with mass, not token 0
@@ -83,7 +83,7 @@ def test_every_token_gets_exactly_its_share_of_the_unit_interval_at_qwens_vocabu
     token's exact interval of [0, 1) (computed in 80-bit long double) draws that token — at its middle and a
     thousandth of its width inside either end. On a float32 CDF or with float32 uniforms most of the small tokens
     would be drawn never or 60x too often; float32 uniforms are refused."""
-    from tltlib.sampling import inverse_cdf
+    from tltlib.model.sampling import inverse_cdf
     v = 151_936
     g = torch.Generator().manual_seed(0)
     p = torch.rand(v, generator=g, dtype=torch.float64) + 0.5

@@ -13,8 +13,8 @@ import pytest
 import torch
 import yaml
 
-from tltlib.scheduler import SchedulerConfig, schedule_metrics
-from tltlib.world import shard, torchrun_command
+from tltlib.rl.scheduler import SchedulerConfig, schedule_metrics
+from tltlib.rl.world import shard, torchrun_command
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "dist_job.py"
@@ -61,11 +61,11 @@ def test_schedule_metrics_by_hand():
 
 
 def test_pair_buffer_export_and_ingest_move_one_steps_sequences():
-    from tltlib.pairs import PairBuffer
+    from tltlib.drafting.pairs import PairBuffer
     a, b = PairBuffer(4), PairBuffer(4)
     g = torch.Generator().manual_seed(0)
     for buf, step in ((a, 0), (a, 1), (b, 0)):
-        pids, first = buf.begin([[1, 2, 3]], group_size=2, rl_step=step)
+        pids, first = buf.begin([[1, 2, 3]], num_generations=2, rl_step=step)
         buf.add(torch.tensor([pids[0]] * 2), torch.arange(2), torch.randn(2, 4, generator=g), torch.tensor([2, 3]))
         for s in (first, first + 1):
             buf.add(torch.tensor([s] * 3), torch.arange(3), torch.randn(3, 4, generator=g), torch.tensor([5, 6, 7]))
@@ -85,7 +85,7 @@ def test_torchrun_command_and_read_job_scheduler_section(tmp_path):
     cmd = torchrun_command(2, ["train-grpo", "--params", "x.yaml"], max_restarts=1, python="py")
     assert cmd == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
                    "-m", "tltlib", "train-grpo", "--params", "x.yaml"]
-    from tltlib.rljob import read_job
+    from tltlib.lab.rljob import read_job
     p = _params(tmp_path, scheduler={"max_micro_steps": 0})
     with pytest.raises(ValueError, match="max_micro_steps is 0"):
         read_job(p)
@@ -98,7 +98,7 @@ def test_all_reduce_flat_buckets_keep_values_and_dtypes():
     """One gloo rank: the sum is the identity, so what comes back shows the bucketing and copy-back are right."""
     import torch.distributed as dist
 
-    from tltlib.world import DistributedWorld
+    from tltlib.rl.world import DistributedWorld
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         w = DistributedWorld.__new__(DistributedWorld)
@@ -117,7 +117,7 @@ def test_max_restarts_without_workers_is_refused(capsys):
 
 
 def test_workers_outside_torchrun_say_how_to_launch(monkeypatch):
-    from tltlib.world import DistributedWorld
+    from tltlib.rl.world import DistributedWorld
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(RuntimeError, match="torchrun --nproc-per-node"):
         DistributedWorld("cpu")

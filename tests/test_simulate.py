@@ -7,11 +7,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tltlib.model import preset
-from tltlib.costs import MeasuredCosts, ModelShape, Roofline, forward_time, hardware, iteration_time
-from tltlib.simulate import (OFF, LengthDistribution, SDPolicy, StepConfig, compare_policies, simulate_rollout,
+from tltlib.model.decoder import preset
+from tltlib.sim.costs import MeasuredCosts, ModelShape, Roofline, forward_time, hardware, iteration_time
+from tltlib.sim.simulate import (OFF, LengthDistribution, SDPolicy, StepConfig, compare_policies, simulate_rollout,
                              simulate_step)
-from tltlib.speculative import SpecStrategy
+from tltlib.spec.strategy import SpecStrategy
 
 QWEN7 = preset("qwen2.5-7b", tie_word_embeddings=False)
 H100 = hardware("h100")
@@ -54,7 +54,7 @@ def test_sd_runs_at_or_below_the_threshold_and_advances_rows_by_its_accept_lengt
 
 
 def _cfg(nodes, **kw):
-    return StepConfig(QWEN7, H100, nodes=nodes, tp=4, prompts=64, group=8,
+    return StepConfig(QWEN7, H100, nodes=nodes, tp=4, prompts=64, num_generations=8,
                       lengths=LengthDistribution(median=3000, p99=30000, cap=32768), **kw)
 
 
@@ -88,7 +88,7 @@ def test_the_step_adds_the_update_and_syncs_and_tlt_pays_only_preemption_and_the
 
 
 def test_idle_and_harvested_shares_by_hand():
-    from tltlib.simulate import RolloutSim, StepSim
+    from tltlib.sim.simulate import RolloutSim, StepSim
     s = StepSim("x", 10.0, 0, 0, 0, 0, [RolloutSim(10.0), RolloutSim(6.0), RolloutSim(8.0)], 1.0)
     assert s.idle_frac == pytest.approx((0 + 4 + 2) / 30)
     assert s.harvested(1.0) == pytest.approx((3.5 + 1.5) / 6)

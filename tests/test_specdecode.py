@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from conftest import chi2_pvalue
-from tltlib import speculative as S
-from tltlib.drafter import Drafter, DrafterConfig
-from tltlib.model import ModelConfig, Transformer
-from tltlib.rollout import RolloutConfig, RolloutEngine
-from tltlib.sampling import SamplingConfig, probs_from_logits
-from tltlib.speculative import SpecStrategy
+from tltlib.spec import strategy as S, verify
+from tltlib.model.drafter import Drafter, DrafterConfig
+from tltlib.model.decoder import ModelConfig, Transformer
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+from tltlib.model.sampling import SamplingConfig, probs_from_logits
+from tltlib.spec.strategy import SpecStrategy
 
 CFG = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   eos_token_ids=(2,), pad_token_id=0, bos_token_id=1, max_position_embeddings=160)
@@ -50,7 +50,7 @@ def _engine(target, drafter, **kw):
 
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
 def test_greedy_sd_is_token_identical_to_plain(target, drafter, strategy):
-    eng = _engine(target, drafter, temperature=0, max_new_tokens=40, group_size=2, compact_fraction=0.3)
+    eng = _engine(target, drafter, temperature=0, max_new_tokens=40, num_generations=2, compact_fraction=0.3)
     plain = eng.generate(PROMPTS)
     spec = eng.generate(PROMPTS, strategy=strategy)
     assert torch.equal(plain.lengths, spec.lengths)
@@ -72,7 +72,7 @@ def good(target):
 
 
 def test_greedy_identity_with_a_drafter_that_is_often_right(target, good):
-    eng = _engine(target, good, temperature=0, max_new_tokens=60, group_size=1)
+    eng = _engine(target, good, temperature=0, max_new_tokens=60, num_generations=1)
     plain = eng.generate(PROMPTS)
     for st in (SpecStrategy("chain", 5), SpecStrategy("tree", 5, 3, 12)):
         spec = eng.generate(PROMPTS, strategy=st)
@@ -82,7 +82,7 @@ def test_greedy_identity_with_a_drafter_that_is_often_right(target, good):
 def test_strategy_may_change_every_step_and_budgets_hold(target, drafter):
     rng = random.Random(0)
     choices = [S.OFF] + STRATEGIES
-    eng = _engine(target, drafter, temperature=0, max_new_tokens=23, group_size=3)
+    eng = _engine(target, drafter, temperature=0, max_new_tokens=23, num_generations=3)
     plain = eng.generate(PROMPTS)
     mixed = eng.generate(PROMPTS, strategy=lambda step, active: rng.choice(choices))
     assert torch.equal(plain.tokens, mixed.tokens)
@@ -96,7 +96,7 @@ def test_strategy_may_change_every_step_and_budgets_hold(target, drafter):
 @pytest.fixture
 def small_backlog(monkeypatch):
     """A backlog budget so small that plain iterations feed the drafter every 32 (the floor of ``flush_at``)."""
-    import tltlib.specdecode as sd
+    import tltlib.spec.step as sd
     monkeypatch.setattr(sd, "BACKLOG_BYTES", 1)
 
 
@@ -105,7 +105,7 @@ def test_sd_switches_on_right_after_a_pending_flush(target, drafter, plain_steps
     """With a small backlog budget SpecDecoder flushes it into the drafter every ``flush_at`` (32) plain iterations;
     an SD step right after a flush must still find each row's last entry in the backlog (it proposes the first
     draft)."""
-    eng = _engine(target, drafter, temperature=0, max_new_tokens=60, group_size=2, ignore_eos=True)
+    eng = _engine(target, drafter, temperature=0, max_new_tokens=60, num_generations=2, ignore_eos=True)
     assert eng.start(PROMPTS).spec.flush_at == 32
     plain = eng.generate(PROMPTS)
     late = eng.generate(PROMPTS, strategy=lambda step, active: S.OFF if step < plain_steps else SpecStrategy("chain", 3))
@@ -120,7 +120,7 @@ def test_plain_iterations_leave_the_drafter_alone_until_sd_needs_it(target, draf
     monkeypatch.setattr(drafter, "forward_cached", lambda *a, **k: calls.append(a[0].shape[1]) or real(*a, **k))
     eng = _engine(target, drafter, temperature=0, max_new_tokens=50, ignore_eos=True)
     plain = eng.generate(PROMPTS)
-    from tltlib.rollout import prefill_chunks
+    from tltlib.rollout.engine import prefill_chunks
     prefills = len(prefill_chunks(sorted(map(len, PROMPTS)), eng.config.prefill_rows))
     assert len(calls) == prefills                                # the prompts' prefill (in chunks) only
     seen = []
@@ -152,7 +152,7 @@ def test_chain_deeper_than_the_flush_size_is_exact(target, good):
 
 
 def test_streamed_pairs_of_sd_equal_plain(target, drafter):
-    from tltlib.pairs import PairBuffer
+    from tltlib.drafting.pairs import PairBuffer
     eng = _engine(target, drafter, temperature=0, max_new_tokens=20)
     bufs = [PairBuffer(CFG.hidden_size), PairBuffer(CFG.hidden_size)]
     plain = eng.generate(PROMPTS, pairs=bufs[0])
@@ -189,7 +189,7 @@ def _sd_joint_pvalue(strategy, temperature, top_k, top_p, rows=12000, seed=0, dr
     if draft_vocab is not None:
         poor.set_draft_vocab(torch.tensor(draft_vocab))
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=3)
-    eng = RolloutEngine(target, RolloutConfig(sampling, group_size=rows, compact_fraction=0.0), drafter=poor)
+    eng = RolloutEngine(target, RolloutConfig(sampling, num_generations=rows, compact_fraction=0.0), drafter=poor)
     prompt = [1, 3]
     res = eng.generate([prompt], torch.Generator().manual_seed(seed), strategy=strategy)
     assert res.stats["spec/accept_len_mean"] < strategy.depth + 1       # the poor drafter is rejected sometimes
@@ -219,7 +219,7 @@ def test_sd_with_a_draft_vocabulary_is_lossless(strategy):
 
 @pytest.mark.parametrize("strategy", [SpecStrategy("chain", 5), SpecStrategy("tree", 5, 3, 12)], ids=lambda s: s.name)
 def test_greedy_sd_with_a_draft_vocabulary_is_token_identical(target, good, strategy):
-    eng = _engine(target, good, temperature=0, max_new_tokens=60, group_size=1)
+    eng = _engine(target, good, temperature=0, max_new_tokens=60, num_generations=1)
     plain = eng.generate(PROMPTS)
     unused = [t for t in range(CFG.vocab_size) if t not in set(plain.tokens.flatten().tolist())]
     try:
@@ -235,12 +235,12 @@ def test_greedy_sd_with_a_draft_vocabulary_is_token_identical(target, good, stra
 
 
 def test_sd_chi_square_detects_a_missing_residual(monkeypatch):
-    monkeypatch.setattr(S, "residual", lambda p, q: p)
+    monkeypatch.setattr(verify, "residual", lambda p, q: p)
     assert _sd_joint_pvalue(SpecStrategy("chain", 2), 1.0, 0, 1.0) < 1e-6
 
 
 def test_sd_tree_chi_square_detects_a_missing_residual(monkeypatch):
-    monkeypatch.setattr(S, "drop_children", lambda p, tree, is_child: p)
+    monkeypatch.setattr(verify, "drop_children", lambda p, tree, is_child: p)
     assert _sd_joint_pvalue(SpecStrategy("tree", 2, 2), 1.0, 0, 1.0) < 1e-6
 
 
@@ -259,18 +259,19 @@ def test_too_many_verify_tokens_for_the_cache(target, drafter):
 
 # ----------------------------------------------------------------------------------- the shipped models
 def test_shipped_drafter_is_lossless_and_accepts_long_runs():
-    from tltlib.drafter import load_drafter
-    from tltlib.checkpoint import load_model
-    from tltlib.notebook import ROOT
-    from tltlib.tasks import ChainTaskConfig, encode_prompts, generate_problems
-    from tltlib.tokenizer import load_tokenizer
+    from tltlib.model.drafter import load_drafter
+    from tltlib.model.weights import load_model
+    from tltlib.lab.notebook import ROOT
+    from tltlib.tasks.chain import ChainTaskConfig, generate_problems
+    from tltlib.tasks.prompts import encode_prompts
+    from tltlib.tasks.tokenizer import load_tokenizer
     if not (ROOT / "data" / "tiny-reasoner-drafter" / "drafter.safetensors").is_file():
         pytest.skip("data/tiny-reasoner-drafter not built")
     target = load_model(ROOT / "data" / "tiny-reasoner")
     tok = load_tokenizer(ROOT / "data" / "tiny-reasoner")
     drafter = load_drafter(ROOT / "data" / "tiny-reasoner-drafter", target)
     prompts = encode_prompts(generate_problems(ChainTaskConfig(zipf_exponent=0.8), 12, seed=5), tok)
-    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=200), group_size=1),
+    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=200), num_generations=1),
                         drafter=drafter)
     plain = eng.generate(prompts)
     for st in (SpecStrategy("chain", 6), SpecStrategy("tree", 5, 3, 12)):
@@ -281,7 +282,7 @@ def test_shipped_drafter_is_lossless_and_accepts_long_runs():
 
 def test_chain_drafts_stay_in_the_drafters_support_when_the_uniform_is_zero(target, drafter, monkeypatch):
     """A uniform of exactly 0.0 (2^-53 likely in float64): a draft must still be a token q allows (top-k here)."""
-    from tltlib.specdecode import SpecDecoder
+    from tltlib.spec.step import SpecDecoder
     seen = []
     real = SpecDecoder._draft_chain
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import chi2_pvalue
-from tltlib import speculative as S
-from tltlib.sampling import probs_from_logits
+from tltlib.spec import acceptance, trees, verify, strategy as S
+from tltlib.model.sampling import probs_from_logits
 
 V = 5
 TARGET_LOGITS = torch.tensor([[2.0, 1.0, 0.2, -1.0, 0.5], [0.1, 1.5, 1.4, 0.0, -2.0], [1.0, 1.0, 1.0, 1.0, 1.0],
@@ -52,7 +52,7 @@ def run_chain(rows, gamma, temperature, top_k, top_p, seed, n=3):
         drafts = torch.stack(drafts, 1)
         ctx = torch.cat([last[:, None], drafts], 1)                     # token before each verify position
         p = probs_from_logits(TARGET_LOGITS[ctx], temperature, top_k, top_p)
-        acc, nxt = S.verify_chain(p, torch.stack(qs, 1), drafts, g)
+        acc, nxt = verify.verify_chain(p, torch.stack(qs, 1), drafts, g)
         for r in range(rows):
             out[r] += drafts[r, : acc[r]].tolist() + [int(nxt[r])]
         last = nxt
@@ -73,10 +73,10 @@ def topk_tree(last, depth, k):
                 depths.append(torch.full((rows,), level))
                 new.append((len(tokens) - 1, kids[:, j]))
         frontier = new
-    return S.DraftTree(torch.stack(tokens, 1), torch.stack(parents, 1), torch.stack(depths, 1))
+    return trees.DraftTree(torch.stack(tokens, 1), torch.stack(parents, 1), torch.stack(depths, 1))
 
 
-def run_tree(rows, depth, k, temperature, top_k, top_p, seed, n=3, verify=S.verify_tree):
+def run_tree(rows, depth, k, temperature, top_k, top_p, seed, n=3, verify=verify.verify_tree):
     g = torch.Generator().manual_seed(seed)
     out = [[] for _ in range(rows)]
     last = torch.zeros(rows, dtype=torch.long)
@@ -108,13 +108,13 @@ def test_tree_verification_is_exact(temperature, top_k, top_p):
 
 
 def test_chain_test_fails_without_the_residual(monkeypatch):
-    monkeypatch.setattr(S, "residual", lambda p, q: p)               # resample from p instead of norm(p - q)+
+    monkeypatch.setattr(verify, "residual", lambda p, q: p)               # resample from p instead of norm(p - q)+
     samples = run_chain(20000, 3, 1.0, 0, 1.0, seed=1)
     assert chi2_pvalue(joint_counts(samples), exact_joint(1.0, 0, 1.0)) < 1e-6
 
 
 def test_tree_test_fails_without_the_residual(monkeypatch):
-    monkeypatch.setattr(S, "drop_children", lambda p, tree, is_child: p)
+    monkeypatch.setattr(verify, "drop_children", lambda p, tree, is_child: p)
     samples = run_tree(20000, 2, 2, 1.0, 0, 1.0, seed=2)
     assert chi2_pvalue(joint_counts(samples), exact_joint(1.0, 0, 1.0)) < 1e-6
 
@@ -126,37 +126,37 @@ def test_greedy_chain_and_tree_follow_the_argmax():
     tree_out = run_tree(4, 3, 2, 0.0, 0, 1.0, seed=0)
     assert (tree_out == greedy[1:]).all()
     drafts = torch.tensor([[greedy[1], greedy[2], 4]])
-    acc, nxt = S.verify_chain_greedy(TARGET_LOGITS[torch.tensor([[0, greedy[1], greedy[2], 4]])].argmax(-1), drafts)
+    acc, nxt = verify.verify_chain_greedy(TARGET_LOGITS[torch.tensor([[0, greedy[1], greedy[2], 4]])].argmax(-1), drafts)
     assert acc.item() == 2 and nxt.item() == greedy[3]
 
 
 def test_tree_helpers():
     parents = torch.tensor([[-1, 0, 0, 1, 3]])
-    m = S.ancestor_mask(parents)[0].int().tolist()
+    m = trees.ancestor_mask(parents)[0].int().tolist()
     assert m == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]]
-    t = S.chain_tree(torch.tensor([7]), torch.tensor([[1, 2]]))
+    t = trees.chain_tree(torch.tensor([7]), torch.tensor([[1, 2]]))
     assert t.parents.tolist() == [[-1, 0, 1]] and t.depth.tolist() == [[0, 1, 2]]
     # candidates: two depth-1 nodes (scores -0.1, -0.5) and their children; budget 3 keeps a closed subtree
     scores = torch.tensor([[-0.1, -0.5, -0.3, -0.2, -0.9]])
     par = torch.tensor([[-1, -1, 0, 0, 1]])
     dep = torch.tensor([[1, 1, 2, 2, 2]])
-    assert S.select_nodes(scores, par, dep, 3).tolist() == [[0, 3, 2]]
+    assert trees.select_nodes(scores, par, dep, 3).tolist() == [[0, 3, 2]]
 
 
 def test_strategy_validation_and_names():
     assert S.SpecStrategy("tree", 6, 4, 32).name == "tree-6x4-32"
     assert S.SpecStrategy("chain", 5).verify_tokens == 5 and S.SpecStrategy("tree", 3, 2).verify_tokens == 10
-    for kw, match in [(dict(kind="tree", depth=0), "depth must be >= 1"), (dict(kind="tree", top_k=0), "top_k"),
-                      (dict(kind="tree", depth=5, top_k=2, budget=3), "budget .* must be >= the draft depth"),
+    for kw, match in [(dict(kind="tree", depth=0), "depth must be >= 1"), (dict(kind="tree", branch=0), "branch"),
+                      (dict(kind="tree", depth=5, branch=2, budget=3), "budget .* must be >= the draft depth"),
                       (dict(kind="beam"), "unknown speculative strategy")]:
         with pytest.raises(ValueError, match=match):
             S.SpecStrategy(**kw)
 
 
 def test_leviathan_formula_and_inverse():
-    assert S.leviathan_speedup(0.8, 8, 0.05) == pytest.approx(3.09, abs=0.01)   # the paper-peers note's numbers
-    assert S.leviathan_speedup(0.9, 8, 0.05) == pytest.approx(4.38, abs=0.01)
-    a = S.alpha_from_accept_length((1 - 0.7 ** 5) / 0.3, 4)
+    assert acceptance.leviathan_speedup(0.8, 8, 0.05) == pytest.approx(3.09, abs=0.01)   # the paper-peers note's numbers
+    assert acceptance.leviathan_speedup(0.9, 8, 0.05) == pytest.approx(4.38, abs=0.01)
+    a = acceptance.alpha_from_accept_length((1 - 0.7 ** 5) / 0.3, 4)
     assert a == pytest.approx(0.7, abs=1e-6)
 
 
@@ -173,7 +173,7 @@ def run_point_chain(rows, gamma, temperature, top_k, top_p, seed, n=3):
         drafts = torch.stack(drafts, 1)
         ctx = torch.cat([last[:, None], drafts], 1)
         p = probs_from_logits(TARGET_LOGITS[ctx], temperature, top_k, top_p)
-        acc, nxt = S.verify_chain_point(p, drafts, g)
+        acc, nxt = verify.verify_chain_point(p, drafts, g)
         for r in range(rows):
             out[r] += drafts[r, : acc[r]].tolist() + [int(nxt[r])]
         last = nxt
@@ -187,7 +187,7 @@ def test_point_chain_verification_is_exact(temperature, top_k, top_p):
 
 
 def test_point_chain_test_fails_without_the_residual(monkeypatch):
-    monkeypatch.setattr(S, "residual", lambda p, q: p)
+    monkeypatch.setattr(verify, "residual", lambda p, q: p)
     samples = run_point_chain(20000, 3, 1.0, 0, 1.0, seed=3)
     assert chi2_pvalue(joint_counts(samples), exact_joint(1.0, 0, 1.0)) < 1e-6
 

@@ -8,11 +8,11 @@ import torch
 
 from conftest import first_tokens_pvalue
 from test_ngram import CFG, SMALL, _model      # the same small models as the n-gram drafter's tests
-from tltlib import speculative as S
-from tltlib.rollout import RolloutConfig, RolloutEngine
-from tltlib.sampling import SamplingConfig
-from tltlib.speculative import SpecStrategy
-from tltlib.suffix import SuffixConfig, SuffixDrafter, SuffixHistory, trie_nodes
+from tltlib.spec import verify
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+from tltlib.model.sampling import SamplingConfig
+from tltlib.spec.strategy import SpecStrategy
+from tltlib.spec.suffix import SuffixConfig, SuffixDrafter, SuffixHistory, trie_nodes
 
 
 def _drafter(prompt, responses, history=None, **kw):
@@ -68,7 +68,7 @@ def test_history_is_bounded_in_tokens_and_kept_only_when_asked_for():
     hist.add([3], [8] * 2)                                 # 13 tokens > 10: prompt 2's 4 go
     assert sorted(hist.by_prompt) == [(1,), (3,)] and hist.tokens == 9 and hist.of([1]) == [[5] * 4, [7] * 3]
     target = _model(CFG)
-    cfg = RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=6), group_size=2)
+    cfg = RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=6), num_generations=2)
     plain = RolloutEngine(target, cfg)
     plain.generate([[1, 5, 6]])
     assert len(plain.suffix_history) == 0                  # no suffix config given: nothing copied or kept
@@ -90,7 +90,7 @@ def test_config_errors():
 def test_greedy_suffix_sd_is_token_identical_to_plain_and_learns_from_earlier_rollouts():
     target = _model(CFG)
     prompts = [[1, 5, 6, 5, 6], [1, 7], [1, 3, 4, 3, 4, 3], [1, 9, 9, 9]]
-    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=40), group_size=3,
+    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=40), num_generations=3,
                                               compact_fraction=0.3), suffix=SuffixConfig(min_match=1))
     plain = eng.generate(prompts)
     assert len(eng.suffix_history) == 12                   # every rollout's responses are kept per prompt
@@ -109,7 +109,7 @@ def _suffix_joint_pvalue(temperature, top_k, top_p, rows=6000):
     with torch.no_grad():
         target.embed.weight[5] *= 0.0
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=3)
-    eng = RolloutEngine(target, RolloutConfig(sampling, group_size=rows, compact_fraction=0.0),
+    eng = RolloutEngine(target, RolloutConfig(sampling, num_generations=rows, compact_fraction=0.0),
                         suffix=SuffixConfig(min_match=1, max_match=2, occurrences=8, history=4))
     prompt = [1, 3, 4, 1, 3]
     eng.suffix_history.add(prompt, [4, 1, 2])
@@ -125,14 +125,14 @@ def test_suffix_sd_sampling_distribution_equals_plain(temperature, top_k, top_p)
 
 
 def test_suffix_chi_square_detects_siblings_left_in_the_residual(monkeypatch):
-    monkeypatch.setattr(S, "drop_children", lambda p, tree, is_child: p)
+    monkeypatch.setattr(verify, "drop_children", lambda p, tree, is_child: p)
     assert _suffix_joint_pvalue(1.0, 0, 1.0) < 1e-6
 
 
 def test_hybrid_picks_per_row_the_tree_expecting_more_and_stays_token_identical():
-    from tltlib.drafter import Drafter, DrafterConfig
-    from tltlib.specdecode import _pick_trees
-    from tltlib.speculative import DraftTree
+    from tltlib.model.drafter import Drafter, DrafterConfig
+    from tltlib.spec.step import _pick_trees
+    from tltlib.spec.trees import DraftTree
     two = (lambda row: torch.tensor([row] * 2))
     eagle = DraftTree(two([9, 1, 2]), two([-1, 0, 1]), two([0, 1, 2]))           # a chain 1 -> 2
     suffix = DraftTree(two([9, 3, 4]), two([-1, 0, 0]), two([0, 1, 1]))          # two branches
@@ -146,7 +146,7 @@ def test_hybrid_picks_per_row_the_tree_expecting_more_and_stays_token_identical(
     torch.manual_seed(1)
     drafter = Drafter(DrafterConfig.from_target(CFG), init_std=0.3).eval().attach(target)
     prompts = [[1, 5, 6, 5, 6], [1, 7], [1, 3, 4, 3, 4, 3]]
-    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=30), group_size=2),
+    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=30), num_generations=2),
                         drafter=drafter, suffix=SuffixConfig(min_match=1))
     plain = eng.generate(prompts)
     for _ in range(2):
@@ -159,7 +159,7 @@ def test_hybrid_picks_per_row_the_tree_expecting_more_and_stays_token_identical(
 def test_the_combined_drafter_refuses_a_drafter_of_another_target_and_trees_the_cache_cannot_hold():
     from dataclasses import replace
 
-    from tltlib.drafter import Drafter, DrafterConfig
+    from tltlib.model.drafter import Drafter, DrafterConfig
     target = _model(CFG)
     for other in (replace(CFG, hidden_size=48), replace(CFG, vocab_size=30)):
         with pytest.raises(ValueError, match="does not match the target"):
@@ -169,7 +169,7 @@ def test_the_combined_drafter_refuses_a_drafter_of_another_target_and_trees_the_
     for name in ("suffix-8-16", "hybrid-4x4-16"):
         with pytest.raises(ValueError, match="verifies 16 tokens but the cache leaves room for 7"):
             eng.generate([[1, 4, 5]], strategy=name)
-    from tltlib.explain import trace_step
+    from tltlib.lab.explain import trace_step
     for name in ("ngram-2", "suffix-2-4", "hybrid-2x2-4"):              # traces need the drafter's q at every node
         with pytest.raises(ValueError, match="trace a chain-D or tree-DxK-N step"):
             trace_step(target, eng.drafter, [1, 4, 5], SpecStrategy.parse(name), SamplingConfig(), context_steps=1)

@@ -6,8 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from tltlib.tasks import (ChainTaskConfig, Problem, encode_prompts, extract_answer, generate_problems, load_problems,
-                          prompt_text, reward, save_problems, solve)
+from tltlib.tasks.chain import ChainTaskConfig, generate_problems, solve
+from tltlib.tasks.problem import Problem, extract_answer, reward
+from tltlib.tasks.prompts import encode_prompts, prompt_text
+from tltlib.tasks.datasets import load_problems, save_problems
 
 
 def test_generator_is_seeded_and_solutions_are_correct():
@@ -96,7 +98,7 @@ def test_chat_template_is_used_when_the_tokenizer_has_one():
 
 
 def test_chat_prompts_for_a_tokenizer_without_a_chat_template_are_refused():
-    from tltlib.loading import load
+    from tltlib.model.loading import load
     _, tok, _ = load("data/tiny-reasoner", None)
     assert not getattr(tok, "chat_template", None)
     chat = Problem(({"role": "user", "content": "A:01+02=03"},), "03")
@@ -136,8 +138,8 @@ def test_dataset_errors_name_file_row_and_field(tmp_path):
 
 
 def test_text_the_tokenizer_cannot_encode_is_refused_naming_dataset_and_characters(tmp_path):
-    from tltlib.tasks import encode_prompts
-    from tltlib.tokenizer import load_tokenizer
+    from tltlib.tasks.prompts import encode_prompts
+    from tltlib.tasks.tokenizer import load_tokenizer
     tok = load_tokenizer("data/tiny-reasoner")
     path = tmp_path / "gsm8k.jsonl"
     path.write_text(json.dumps({"question": "Natalia sold clips to 48 of her friends.\nHow much, in $?",
@@ -175,7 +177,7 @@ def test_non_utf8_dataset_and_bad_limit_are_named(tmp_path):
 
 
 def test_problems_for_generates_or_reads_rows_with_an_offset(tmp_path):
-    from tltlib.tasks import problems_for
+    from tltlib.tasks.datasets import problems_for
     assert problems_for("", 3, seed=5) == generate_problems(ChainTaskConfig(), 3, seed=5)
     path = save_problems(generate_problems(ChainTaskConfig(), 5, seed=1), tmp_path / "d.jsonl")
     rows = load_problems(path)
@@ -184,7 +186,7 @@ def test_problems_for_generates_or_reads_rows_with_an_offset(tmp_path):
 
 
 def test_split_problems_keeps_held_out_prompts_out_of_training(tmp_path):
-    from tltlib.tasks import save_problems, split_problems
+    from tltlib.tasks.datasets import save_problems, split_problems
     rows = generate_problems(ChainTaskConfig(), 20, seed=4)
     save_problems(rows, tmp_path / "d.jsonl")
     train, held = split_problems(tmp_path / "d.jsonl", 16, 8, seed=0)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tltlib.tokenizer import CHARS, SPECIALS, build_tokenizer, load_tokenizer
+from tltlib.tasks.tokenizer import CHARS, SPECIALS, build_tokenizer, load_tokenizer
 
 
 def test_roundtrip_and_specials(tmp_path):

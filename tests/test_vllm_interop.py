@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tltlib.checkpoint import load_model
-from tltlib.loading import load
-from tltlib.drafter import Drafter, DrafterConfig, export_vllm_eagle
-from tltlib.rollout import RolloutConfig, RolloutEngine
-from tltlib.sampling import SamplingConfig
-from tltlib.speculative import SpecStrategy
+from tltlib.model.weights import load_model
+from tltlib.model.loading import load
+from tltlib.model.drafter import Drafter, DrafterConfig, export_vllm_eagle
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+from tltlib.model.sampling import SamplingConfig
+from tltlib.spec.strategy import SpecStrategy
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = Path(os.environ.get("TLTLIB_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
@@ -48,8 +48,8 @@ def _qwen2_case(tmp: Path):
     accepts most drafts, so a drafter that computes anything else in vLLM shows in the counts)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from tltlib.draft_train import DrafterTrainConfig, train_offline
-    from tltlib.pairs import PairBuffer, PairBufferConfig
+    from tltlib.drafting.train import DrafterTrainConfig, train_offline
+    from tltlib.drafting.pairs import PairBuffer, PairBufferConfig
     cfg = Qwen2Config(vocab_size=97, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, eos_token_id=2,
                       bos_token_id=1, tie_word_embeddings=True)      # head_dim 64: vLLM's CPU attention needs >= 32
@@ -74,7 +74,8 @@ def _qwen2_case(tmp: Path):
 
 def test_exported_drafters_run_in_vllm_as_eagle_with_tltlibs_outputs_and_acceptance(tmp_path):
     reasoner, tok, shipped = load(ROOT / "data" / "tiny-reasoner", ROOT / "data" / "tiny-reasoner-drafter")
-    from tltlib.tasks import ChainTaskConfig, encode_prompts, generate_problems
+    from tltlib.tasks.chain import ChainTaskConfig, generate_problems
+    from tltlib.tasks.prompts import encode_prompts
     cases = {"llama": (reasoner, shipped, ROOT / "data" / "tiny-reasoner",
                        encode_prompts(generate_problems(ChainTaskConfig(), 6, seed=5), tok), 96)}
     q_target, q_drafter, q_path = _qwen2_case(tmp_path)

@@ -1,4 +1,4 @@
-"""The supervised warm start on worked solutions (tltlib.warm_start): the loss falls and the weights move on a small
+"""The supervised warm start on worked solutions (tltlib.lab.sft): the loss falls and the weights move on a small
 model, bad settings refused (the loss on the solution tokens only is reasoner.sft_batch's, tested there)."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import string
 import pytest
 import torch
 
-from tltlib.model import ModelConfig, Transformer
-from tltlib.tokenizer import build_tokenizer
-from tltlib.warm_start import WarmStartConfig, warm_start
+from tltlib.model.decoder import ModelConfig, Transformer
+from tltlib.tasks.tokenizer import build_tokenizer
+from tltlib.lab.sft import WarmStartConfig, warm_start
 
 
 def _char_tokenizer():
@@ -47,7 +47,7 @@ def test_the_command_writes_a_loadable_model_with_the_tokenizer_and_a_card(tmp_p
     import json
 
     from tltlib import load
-    from tltlib.checkpoint import save_model
+    from tltlib.model.weights import save_model
     from tltlib.cli import main
     tok = _char_tokenizer()
     torch.manual_seed(0)

@@ -8,8 +8,10 @@ from collections import Counter
 
 import pytest
 
-from tltlib.tasks import encode_prompts, problems_for, prompt_text, reward, task_config
-from tltlib.wordproblems import LIMIT, WordTaskConfig, generate_word_problems, make_word_problem
+from tltlib.tasks.prompts import encode_prompts, prompt_text
+from tltlib.tasks.datasets import problems_for, task_config
+from tltlib.tasks.problem import reward
+from tltlib.tasks.wordproblems import LIMIT, WordTaskConfig, generate_word_problems, make_word_problem
 
 
 def _replay(text: str, start: int) -> int:
@@ -72,7 +74,7 @@ def test_chat_prompts_use_the_template_and_plain_prompts_do_not():
 
 
 def test_task_names_select_the_generator_and_a_character_tokenizer_is_refused():
-    from tltlib.tokenizer import build_tokenizer
+    from tltlib.tasks.tokenizer import build_tokenizer
     words = problems_for("", 4, seed=0, task="words")
     assert all(p.meta["source"] == "words" for p in words)
     assert problems_for("", 4, seed=0) == problems_for("", 4, seed=0, task="chain")
@@ -81,13 +83,13 @@ def test_task_names_select_the_generator_and_a_character_tokenizer_is_refused():
     with pytest.raises(ValueError, match="chat messages but this model's tokenizer has no chat template"):
         encode_prompts(words, build_tokenizer())
     plain = problems_for("", 4, seed=0, task=WordTaskConfig(chat=False))
-    with pytest.raises(ValueError, match="unknown to the tokenizer.*a real checkpoint"):
+    with pytest.raises(ValueError, match="unknown to the tokenizer.*a real model"):
         encode_prompts(plain, build_tokenizer())
 
 
 def test_an_echoed_answer_placeholder_does_not_hide_the_answer():
     """SmolLM2 greedy, verbatim: the answer, then the prompt's instruction echoed (it scored 0 before the fix)."""
-    from tltlib.tasks import extract_answer, reward
+    from tltlib.tasks.problem import extract_answer, reward
     text = 'She has 10 pencils left over.\n#### 10\nThe answer is "#### <number>".'
     assert extract_answer(text) == "10" and reward(text, "10") == 1.0
     assert extract_answer('The answer is "#### <number>".') is None
@@ -99,7 +101,7 @@ def test_worked_solutions_show_every_step_and_end_in_the_answer_line():
     scores 1; adding it left the problems of a seed as they were."""
     import re
 
-    from tltlib.problem import reward
+    from tltlib.tasks.problem import reward
     problems = generate_word_problems(WordTaskConfig(), 300, seed=7)
     assert problems[0].prompt[0]["content"].startswith("Ava has 6 cards. She buys 28 more cards. How many cards")
     for p in problems:

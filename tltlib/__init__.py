@@ -1,7 +1,7 @@
 """tltlib: TLT ("Taming the Long-Tail", ASPLOS 2026) for RL training of reasoning LLMs, small and honest.
 
 Importing the package changes no global state and imports nothing heavy: ``python -m tltlib setup`` must run on a
-bare Python before torch is installed. Import the modules you need (``from tltlib.rollout import RolloutEngine``) or
+bare Python before torch is installed. Import the modules you need (``from tltlib.rollout.engine import RolloutEngine``) or
 use the lazy attributes below.
 """
 from __future__ import annotations
@@ -11,15 +11,15 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "ModelConfig": "model", "Transformer": "model",
-    "load": "loading", "load_model": "checkpoint", "save_model": "checkpoint",
-    "PairBuffer": "pairs",
-    "KVCache": "kvcache",
-    "SamplingConfig": "sampling",
-    "RolloutConfig": "rollout", "RolloutEngine": "rollout", "RolloutResult": "rollout",
-    "ChainTaskConfig": "tasks", "Problem": "problem", "load_problems": "tasks", "generate_problems": "tasks",
-    "GRPOConfig": "grpo", "GRPOTrainer": "trainer", "TLTConfig": "trainer",
-    "load_tokenizer": "tokenizer",
+    "ModelConfig": "model.decoder", "Transformer": "model.decoder",
+    "load": "model.loading", "load_model": "model.weights", "save_model": "model.weights",
+    "PairBuffer": "drafting.pairs",
+    "KVCache": "kv.dense",
+    "SamplingConfig": "model.sampling",
+    "RolloutConfig": "rollout.engine", "RolloutEngine": "rollout.engine", "RolloutResult": "rollout.engine",
+    "ChainTaskConfig": "tasks.datasets", "Problem": "tasks.problem", "load_problems": "tasks.datasets", "generate_problems": "tasks.datasets",
+    "GRPOConfig": "rl.grpo", "GRPOTrainer": "rl.trainer", "TLTConfig": "rl.trainer",
+    "load_tokenizer": "tasks.tokenizer",
 }
 
 

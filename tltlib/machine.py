@@ -1,10 +1,11 @@
 """This machine, as the measurements that depend on it name it: the CPU's model and instruction-set flags, its cores,
-the threads torch uses, the torch version, the last-level cache.
+the threads torch uses, the torch version, the last-level cache; what a results file records of it
+(:func:`machine_info`) and how a call is timed on it (:func:`call_times`).
 
 A kernel choice or a cost measured on one CPU is a fact about that CPU (an AMD EPYC and an Intel Xeon of the same
 cloud "kind" disagree by 2-3x on which projection kernel is fastest for one row): what depends on the machine is
 cached under a :class:`Machine` and refused, with what differs named, on another one
-(:mod:`tltlib.kernel_table`, the ragged-attention build of :mod:`tltlib.ragged_attention`).
+(:mod:`tltlib.kernels.table`, the ragged-attention build of :mod:`tltlib.kernels.ragged_attention`).
 
 Departures: none (bookkeeping only).
 """
@@ -14,6 +15,7 @@ import hashlib
 import os
 import platform
 import re
+import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -122,3 +124,36 @@ def available_bytes(device) -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def call_times(fn, repeats: int, device) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn`` after one warm-up call, CUDA synchronised around each call
+    when ``device`` (a ``torch.device``) is a GPU."""
+    sync = None
+    if getattr(device, "type", str(device)) == "cuda":
+        import torch
+        sync = lambda: torch.cuda.synchronize(device)                      # noqa: E731
+    fn()
+    out = []
+    for _ in range(repeats):
+        if sync:
+            sync()
+        t = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def machine_info(device: str = "cpu") -> dict:
+    """The machine a measurement ran on, for a results file: CPU model, threads, versions, the GPU on ``cuda``."""
+    import torch
+    import transformers
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "platform": platform.platform(), "device": device, "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(), "cpu": cpu_name()}
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name()
+    return info

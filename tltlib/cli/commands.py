@@ -1,0 +1,216 @@
+"""What each ``python -m tltlib`` command does, once its arguments are parsed (:mod:`tltlib.cli.parser`) and it runs
+inside the venv: each imports what it needs when called, so building the parser never imports torch.
+
+Departures: none (tooling).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from .bootstrap import ROOT, notebook_env
+
+
+def cmd_run_notebooks(args) -> int:
+    from ..lab.notebook import run_notebooks
+    notebook_env()
+    done = run_notebooks(args.params, out_root=args.out, only=args.only, progress=not args.quiet,
+                         notebooks=args.notebooks)
+    for path in done:
+        print(f"executed {path}")
+    return 0
+
+
+def cmd_test(args) -> int:
+    import pytest
+    notebook_env()
+    os.chdir(ROOT)
+    return pytest.main(["-m", "not gpu and not slow", *args.pytest_args])
+
+
+def cmd_train_reasoner(args) -> int:
+    from ..lab.reasoner import ReasonerTrainConfig, train_reasoner
+    from ..model.weights import pick_device
+    extra = {k: v for k, v in (("lr", args.lr), ("eval_problems", args.eval_problems)) if v is not None}
+    cfg = ReasonerTrainConfig(preset=args.preset, steps=args.steps, minutes=args.minutes, seed=args.seed, **extra)
+    card = train_reasoner(cfg, args.out, progress=not args.quiet, overwrite=args.overwrite,
+                          device=pick_device(args.device))
+    print(card)
+    print(f"saved {args.out}")
+    return 0
+
+
+def cmd_train_drafter(args) -> int:
+    from ..drafting.train import DrafterTrainConfig
+    from ..drafting.warmup import train_warm_drafter
+    out = args.out or str(ROOT / "runs" / "drafters" / f"{Path(args.model).resolve().name}-drafter")
+    command = "python -m tltlib train-drafter " + " ".join(a for a in sys.argv[2:] if a != "--quiet")
+    from ..model.weights import pick_device
+    recipe = DrafterTrainConfig(steps=args.steps, ce_positions=args.ce_positions, unroll=args.unroll,
+                                ce_vocab=args.ce_vocab, minutes=args.minutes,
+                                **({"lr": args.lr} if args.lr else {}),
+                                **({"batch_sequences": args.batch} if args.batch else {}))
+    print(train_warm_drafter(args.model, out, recipe, seed=args.seed, progress=not args.quiet,
+                             overwrite=args.overwrite, task_max_steps=args.task_max_steps, command=command.strip(),
+                             device=pick_device(args.device), dtype=args.dtype, dataset=args.dataset,
+                             init=args.init, n_train=args.n_train, n_eval=args.n_eval,
+                             max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             n_accept=args.n_accept, draft_vocab=args.draft_vocab, responses=args.responses))
+    print(f"saved {out}")
+    return 0
+
+
+
+
+def cmd_get_model(args) -> int:
+    from ..model.importers import MODELS, ensure_gguf, get_model, is_imported, cache_dir
+    if args.list or not args.name:
+        for name, m in MODELS.items():
+            where = Path(args.root or cache_dir()) / name
+            print(f"{name}: {m.about}\n    {where} ({'imported' if is_imported(where) else 'not imported yet'})")
+        return 0
+    ensure_gguf()
+    print(get_model(args.name, args.root, progress=not args.quiet))
+    return 0
+
+
+def cmd_import_gguf(args) -> int:
+    from ..model.importers import ensure_gguf, import_gguf
+    ensure_gguf()
+    rec = import_gguf(args.file, args.out, overwrite=args.overwrite)
+    print(f"imported {rec['name'] or rec['gguf_file']} ({rec['architecture']}, {rec['parameters'] / 1e6:.1f} M "
+          f"parameters; logits within {rec['logits_max_abs_diff']:.1e} of transformers) -> {args.out}")
+    return 0
+
+
+def cmd_train_grpo(args) -> int:
+    from ..lab.rljob import read_job, run_job
+    from ..rl.world import launched_by_torchrun, shard, torchrun_command
+    if args.workers and launched_by_torchrun():
+        raise ValueError("--workers starts torchrun itself; under torchrun drop --workers (the world size is "
+                         "torchrun's --nproc-per-node)")
+    if args.max_restarts and not args.workers:
+        raise ValueError("--max-restarts goes with --workers; under torchrun give it to torchrun (torchrun "
+                         "--max-restarts N ... -m tltlib train-grpo ...)")
+    if args.workers:
+        grpo = read_job(args.params).grpo            # one clear error here rather than one per worker
+        shard(grpo.prompts_per_step, args.workers, 0)
+        argv = sys.argv[1:]
+        i = argv.index("train-grpo")
+        rest, skip = [], False
+        for a in argv[i + 1:]:                        # the same command without --workers / --max-restarts
+            if skip:
+                skip = False
+            elif a in ("--workers", "--max-restarts"):
+                skip = True
+            elif not a.startswith(("--workers=", "--max-restarts=")):
+                rest.append(a)
+        cmd = torchrun_command(args.workers, ["train-grpo", *rest], args.max_restarts)
+        return subprocess.run(cmd, env={**os.environ, "TLTLIB_NO_VENV": "1"}).returncode
+    if args.resume and args.output_dir and Path(args.resume).resolve() != Path(args.output_dir).resolve():
+        raise ValueError(f"--resume {args.resume} continues the run in that folder; drop --output-dir "
+                         f"{args.output_dir} (a resumed run writes where it was saved)")
+    run_job(args.params, output_dir=args.resume or args.output_dir, resume=bool(args.resume),
+            max_steps=args.max_steps, progress=not args.quiet)
+    return 0
+
+
+def cmd_simulate(args) -> int:
+    import json
+
+    from ..lab.calibrate import report, validate
+    from ..fileio import atomic_write_text, resolve
+    from ..model.loading import load
+    from ..machine import machine_info
+    if args.validate == args.project:
+        raise ValueError("say what to simulate: --validate (check the simulator against runs measured here) or "
+                         "--project (the paper's settings, beside its Table 3)")
+    if args.project:
+        return _simulate_project(args)
+    model, tok, drafter = load(args.model, args.drafter, device="cpu")
+    checks, inputs = validate(model, tok, drafter, prompts=args.prompts, num_generations=args.num_generations, max_new=args.max_new,
+                              steps=args.steps, workers_results=resolve(args.workers_results) if args.workers_results
+                              else None, log=lambda s: print(s, file=sys.stderr, flush=True))
+    table, payload = report(checks, inputs, machine_info(), {k: v for k, v in vars(args).items() if k != "func"})
+    print(table)
+    out = resolve(args.out)
+    atomic_write_text(out / "simulate-validate-cpu.json", json.dumps(payload, indent=1) + "\n")
+    atomic_write_text(out / "simulate-validate-cpu.md", table)
+    bad = [c.what for c in checks if not c.ok]
+    if bad:
+        print(f"error: {len(bad)} prediction(s) off by more than 15% (shares: 5 points): {'; '.join(bad)}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import runpy
+    script = ROOT / "bench" / f"{args.name}.py"
+    if not script.is_file():
+        names = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if not p.stem.startswith("_"))
+        raise ValueError(f"unknown benchmark {args.name!r}; choose one of {names}")
+    sys.argv = [str(script), *args.bench_args]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def cmd_sample_responses(args) -> int:
+    """``python -m tltlib sample-responses``: ``--n`` problems of ``--dataset`` (a generated task drawn with seed
+    ``--seed`` + 1000, train-drafter's training seed for word problems; or a file's first rows), one sampled response
+    each, appended to ``--out``."""
+    from ..drafting.responses import sample_responses
+    from ..fileio import resolve
+    from ..model.loading import load
+    from ..tasks.datasets import generate_task, load_problems
+    target, tok, _ = load(args.model, None, device=args.device)
+    generated = args.dataset in ("", "chain", "words")
+    problems = (generate_task(args.dataset or "chain", args.n, args.seed + 1000) if generated
+                else load_problems(resolve(args.dataset))[: args.n])
+    st = sample_responses(target, tok, problems, args.out, args.temperature, args.max_new_tokens, args.batch,
+                          args.seed, progress=not args.quiet)
+    print(f"{st['rows']} responses ({st['tokens']} tokens) in {st['seconds']:.0f} s appended to {args.out}")
+    return 0
+
+
+def cmd_warm_start(args) -> int:
+    """``python -m tltlib warm-start``: load ``--model`` (float32, CPU or the GPU), train, write ``--out``."""
+    from ..fileio import resolve
+    from ..lab.sft import WarmStartConfig, warm_start, write_warm_start
+    from ..model.loading import load
+    given = {k: getattr(args, k) for k in ("steps", "batch", "lr", "max_problem_steps", "seed")}
+    cfg = WarmStartConfig(**{k: v for k, v in given.items() if v is not None})
+    out = resolve(args.out)
+    if out.exists() and not args.overwrite:
+        raise ValueError(f"{out} exists; pass --overwrite to replace it, or choose another --out")
+    model, tok, _ = load(args.model, None, dtype="float32")
+    log = warm_start(model, tok, cfg, progress=not args.quiet)
+    write_warm_start(model, resolve(args.model), out, cfg, log)
+    print(f"warm start: loss {log['loss'][0]:.3f} -> {log['loss'][-1]:.3f} in {log['seconds']:.0f} s; "
+          f"written to {out}")
+    return 0
+
+
+def _simulate_project(args) -> int:
+    """The simulator at the paper's Table 3 settings: a table beside the paper's, and its JSON."""
+    import json
+
+    from ..fileio import atomic_write_text, resolve
+    from ..paper.numbers import SETTINGS
+    from ..paper.projection import ProjectionConfig, lengths_from_bench, project, table3
+    lengths = lengths_from_bench(resolve(args.lengths_from))
+    rows = {m: project(ProjectionConfig(model=m, tp=s["tp"], nodes=s["nodes"], hardware=args.hardware,
+                                        lengths=lengths)) for m, s in SETTINGS.items()}
+    text = (f"Simulated end-to-end speedup of TLT over the baseline at the paper's settings (64 prompts x 8, 32K max, "
+            f"{args.hardware}, 8 per node; response lengths: a log-normal of median {lengths.median:.0f} and p99 "
+            f"{lengths.p99:.0f} tokens, from {args.lengths_from} scaled to 32K) beside the paper's Table 3 "
+            "(`python -m tltlib simulate --project`):\n\n" + table3(rows))
+    print(text)
+    out = resolve(args.out)
+    payload = {"settings": {k: v for k, v in vars(args).items() if k != "func"},
+               "lengths": {"median": lengths.median, "p99": lengths.p99, "cap": lengths.cap}, "projection": rows}
+    atomic_write_text(out / f"simulate-project-{args.hardware}.json", json.dumps(payload, indent=1) + "\n")
+    atomic_write_text(out / f"simulate-project-{args.hardware}.md", text)
+    return 0

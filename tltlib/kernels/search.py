@@ -1,0 +1,327 @@
+"""The kernel search: time every candidate kernel for the shapes and bands of rows a model's rollout uses, on this
+machine, and keep the fastest per cell in the machine's kernel table (:mod:`tltlib.kernels.table`).
+
+:func:`ensure` runs when a CPU rollout engine is made (and before the cost model and the simulator's calibration time
+forwards): the cells of the model's (and drafter's) shapes that this machine's table lacks are measured once, with a
+progress bar, and saved; later processes read them (tiny reasoner and its drafter ~7 s, SmolLM2-135M 17-30 s,
+once per machine and thread count). ``python -m tltlib bench kernels`` measures them afresh and writes a results table.
+
+How a cell is measured (:func:`measure_cell`): every candidate once as a warm-up, then ``rounds`` interleaved rounds
+(the order rotated each round, so a slow moment hits all alike), each timing a call repeated until ``sample_s`` has
+passed (:class:`WallTimer`); the median per candidate and its spread (interquartile range over median). A cell
+whose choice or starting point spread more than ``kernel_table.MAX_SPREAD`` is *noisy*: nothing is chosen from it
+(:func:`ensure` leaves PyTorch's default there and says so once; ``bench kernels`` too, and refuses with "rerun on
+a quiet machine" when more than a few cells are noisy). Inputs are what the rollout feeds: projections run over the model's own weights of that shape, cycled, plus copies up to twice the last-level
+cache when the model is larger than the cache (so weights come from memory, as in a forward); attention reads a
+cache of ``context`` positions per row, spread over half to 1.5x of it for rows of unequal lengths.
+
+Departures: none (measurement only).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from . import table as kt
+from .dispatch import attention_with, linear_with, pack_weights
+from ..machine import llc_bytes
+from .ragged_attention import kernel as ragged_kernel
+
+Timer = Callable[[str, Callable[[], object]], float]
+"""``timer(candidate name, call) -> seconds per call``: :class:`WallTimer`, or a fake one in tests."""
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """How the search measures."""
+
+    rounds: int = 7
+    """Interleaved rounds per cell (each candidate timed once per round)."""
+    sample_s: float = 2e-3
+    """One timing repeats the call until at least this long (short calls are timed in groups)."""
+    retries: int = 2
+    """A noisy cell is measured again up to this many times (the quietest measurement is kept)."""
+    context: int = 512
+    """Cached positions per row in the attention cells."""
+    max_verify_queries: int = 2048
+    """Attention cells of several queries per row are measured up to this many rows x queries (a verify forward's
+    size; beyond, PyTorch's SDPA)."""
+
+    def __post_init__(self):
+        if self.rounds < 3:
+            raise ValueError(f"SearchConfig.rounds must be >= 3 (a median and a spread need them), got {self.rounds}")
+        if self.retries < 0:
+            raise ValueError(f"SearchConfig.retries must be >= 0, got {self.retries}")
+        if not self.sample_s > 0:
+            raise ValueError(f"SearchConfig.sample_s must be > 0 seconds, got {self.sample_s}")
+        if self.context < 8:
+            raise ValueError(f"SearchConfig.context must be >= 8 cached positions, got {self.context}")
+
+
+class WallTimer:
+    """Seconds per call of ``fn``, repeated until ``sample_s`` has passed (one call when it takes longer)."""
+
+    def __init__(self, sample_s: float = SearchConfig.sample_s):
+        self.sample_s = sample_s
+
+    def __call__(self, name: str, fn: Callable[[], object]) -> float:
+        n, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            elapsed = time.perf_counter() - t0
+            if elapsed >= self.sample_s:
+                return elapsed / n
+
+
+def spread(samples) -> float:
+    """Interquartile range over median of ``samples`` (0 for a single value)."""
+    x = np.asarray(samples, dtype=np.float64)
+    q1, med, q3 = np.percentile(x, [25, 50, 75])
+    return float((q3 - q1) / med) if med > 0 else math.inf
+
+
+def measure_cell(candidates: dict[str, Callable[[], object]], timer: Timer, config: SearchConfig) -> kt.Timing:
+    """Each candidate's median seconds and spread (:func:`spread`) over ``config.rounds`` interleaved rounds after a
+    warm-up call; a cell whose largest spread exceeds ``kernel_table.MAX_SPREAD`` is measured again (up to
+    ``config.retries`` times: a moment's disturbance passes, a busy machine stays noisy) and the quietest kept."""
+    names = list(candidates)
+    for name in names:
+        candidates[name]()
+    best = None
+    for _ in range(1 + config.retries):
+        samples = {name: [] for name in names}
+        for r in range(config.rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                samples[name].append(timer(name, candidates[name]))
+        timing = kt.Timing({n: float(np.median(s)) for n, s in samples.items()},
+                           {n: spread(s) for n, s in samples.items()})
+        if best is None or max(timing.spread.values()) < max(best.spread.values()):
+            best = timing
+        if max(best.spread.values()) <= kt.MAX_SPREAD:
+            break
+    return best
+
+
+# ---------------------------------------------------------------------------------------------- projections
+def projection_weights(model, drafter=None) -> dict[tuple[int, int], list[torch.Tensor]]:
+    """The weights a rollout's projections multiply by, grouped by shape ``(N, K)``: every 2-D float32 parameter of
+    ``model`` but an untied input embedding (tied: the embedding is the LM head), and of ``drafter`` (its own layer and
+    fc; its draft-vocabulary head, a slice of the target's head, when it has one)."""
+    groups: dict[tuple[int, int], list[torch.Tensor]] = {}
+    untied = getattr(model, "lm_head", None) is not None
+    skip = {id(model.embed.weight)} if untied else set()
+    for module in (model, drafter):
+        if module is None:
+            continue
+        for p in module.parameters():
+            if p.dim() == 2 and p.dtype == torch.float32 and p.device.type == "cpu" and id(p) not in skip:
+                groups.setdefault(tuple(p.shape), []).append(p.detach())
+    ids = getattr(drafter, "draft_ids", None) if drafter is not None else None
+    if ids is not None:
+        head = model.head_weight.detach().index_select(0, ids.to(model.head_weight.device))
+        groups.setdefault(tuple(head.shape), []).append(head)
+    return groups
+
+
+def _pool(weights: list[torch.Tensor], cold_bytes: int) -> list[torch.Tensor]:
+    """``weights``, extended with copies until they hold ``cold_bytes`` (0: as they are): cycled through, each call
+    reads its weight from memory rather than from the cache, as in a forward of a model larger than the cache."""
+    pool, i = list(weights), 0
+    while sum(w.numel() * w.element_size() for w in pool) < cold_bytes:
+        pool.append(weights[i % len(weights)].clone())
+        i += 1
+    return pool
+
+
+def linear_candidates(pool: list[torch.Tensor], packs: list, rows: int, generator: torch.Generator) -> dict:
+    """The projection candidates for ``rows`` rows over ``pool`` (cycled: each call the next weight)."""
+    x = torch.randn(rows, pool[0].shape[1], generator=generator)
+    names = ["linear", "mm", *(["mm-pad"] if rows == 1 else []), *(["packed"] if packs else [])]
+
+    def call(kind):
+        turn = itertools.cycle(range(len(pool)))
+
+        def run():
+            i = next(turn)
+            return linear_with(kind, x, pool[i], None, packs[i] if kind == "packed" else None)
+        return run
+    return {name: call(name) for name in names}
+
+
+# ------------------------------------------------------------------------------------------------ attention
+def attention_inputs(heads: int, kv_heads: int, dim: int, rows: int, queries: int, ragged: bool, context: int,
+                     generator: torch.Generator) -> tuple:
+    """(q, k, v, mask, mask_from, limits) as a rollout's cached forward passes them: ``rows`` rows of ``queries`` new
+    tokens each after ``context`` cached ones (``ragged``: lengths spread evenly over half to 1.5x ``context``);
+    the new tokens see each other causally."""
+    if ragged and rows > 1:
+        lengths = torch.linspace(context // 2, context * 3 // 2, rows).round().long()
+    else:
+        lengths = torch.full((rows,), context, dtype=torch.long)
+    span = int(lengths.max()) + queries
+    q = torch.randn(rows, heads, queries, dim, generator=generator)
+    k, v = (torch.randn(rows, kv_heads, span, dim, generator=generator) for _ in range(2))
+    limits = lengths + 1
+    mask = None
+    if ragged or queries > 1:
+        pos = torch.arange(span)
+        mask = (pos[None, None, :] <= lengths[:, None, None] + torch.arange(queries)[None, :, None])[:, None]
+    return q, k, v, mask, int(lengths.min()), limits
+
+
+def attention_candidates(inputs: list[tuple], queries: int) -> dict:
+    """The attention candidates over ``inputs`` (one tuple per layer, cycled)."""
+    names = ["sdpa", "matmul", *(["ragged"] if queries == 1 and ragged_kernel() is not None else [])]
+
+    def call(kind):
+        turn = itertools.cycle(range(len(inputs)))
+
+        def run():
+            q, k, v, mask, mask_from, limits = inputs[next(turn)]
+            return attention_with(kind, q, k, v, mask, mask_from, {}, limits)
+        return run
+    return {name: call(name) for name in names}
+
+
+def attention_cells(config: SearchConfig) -> list[tuple[int, int, bool]]:
+    """The (query band, row band, ragged) cells measured: one query per row uniform and ragged, several queries
+    (always masked) up to ``config.max_verify_queries`` rows x queries."""
+    cells = []
+    for q in range(kt.MAX_QUERY_BAND + 1):
+        for r in range(kt.MAX_ATTENTION_ROW_BAND + 1):
+            if q == 0:
+                cells += [(0, r, False), (0, r, True)]
+            elif kt.band_size(q) * kt.band_size(r) <= config.max_verify_queries:
+                cells.append((q, r, True))
+    return cells
+
+
+# --------------------------------------------------------------------------------------------------- search
+def _model_bytes(weights: dict) -> int:
+    return sum(w.numel() * w.element_size() for ws in weights.values() for w in ws)
+
+
+def missing_cells(table: kt.KernelTable, model, drafter=None, config: SearchConfig = SearchConfig()) -> dict:
+    """The cells of ``model``'s (and ``drafter``'s) shapes that ``table`` has not decided: ``{"linear": {(N, K):
+    [bands]}, "attention": {(heads, kv, dim): [(q, r, ragged)]}}``."""
+    lin = {shape: [b for b in range(kt.MAX_ROW_BAND + 1) if not table.decided(kt.linear_key(*shape, b))]
+           for shape in projection_weights(model, drafter)}
+    att = {}
+    for m in (model, drafter):
+        if m is None:
+            continue
+        c = getattr(m.config, "target", m.config)          # a drafter's layer has its target's attention shape
+        shape = (c.num_heads, c.num_kv_heads, c.dim_head)
+        att[shape] = [cell for cell in attention_cells(config)
+                      if not table.decided(kt.attention_key(*shape, *cell))]
+    return {"linear": {k: v for k, v in lin.items() if v}, "attention": {k: v for k, v in att.items() if v}}
+
+
+@torch.no_grad()
+def search(model, drafter=None, cells: dict | None = None, timer: Timer | None = None,
+           config: SearchConfig = SearchConfig(), progress: bool = True) -> tuple[dict, dict]:
+    """Measure ``cells`` (default: every cell of the model's and drafter's shapes, :func:`missing_cells` of an
+    empty table): returns ``(linear, attention)`` timings keyed as the table keys them."""
+    from tqdm.auto import tqdm
+    timer = timer or WallTimer(config.sample_s)
+    cells = cells if cells is not None else missing_cells(kt.KernelTable(None), model, drafter, config)
+    weights = projection_weights(model, drafter)
+    cold = 2 * llc_bytes() if _model_bytes(weights) > llc_bytes() else 0
+    g = torch.Generator().manual_seed(0)
+    total = sum(map(len, cells["linear"].values())) + sum(map(len, cells["attention"].values()))
+    bar = tqdm(total=total, desc="tltlib: measuring this machine's kernels (once)", unit="cell", leave=False,
+               disable=not progress)
+    linear, attention = {}, {}
+    try:
+        for shape, bands in cells["linear"].items():
+            pool = _pool(weights[shape], cold)
+            packs = list(pack_weights_of(pool))
+            for b in bands:
+                linear[kt.linear_key(*shape, b)] = measure_cell(
+                    linear_candidates(pool, packs, kt.band_size(b), g), timer, config)
+                bar.update()
+            del pool, packs
+        for shape, shape_cells in cells["attention"].items():
+            layers = model.config.num_layers
+            for q, r, ragged in shape_cells:
+                one = attention_inputs(*shape, kt.band_size(r), kt.band_size(q), ragged, config.context, g)
+                size = sum(t.numel() * t.element_size() for t in one[1:3])
+                copies = min(layers, max(1, math.ceil(cold / size))) if cold else 1
+                inputs = [one] + [tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in one)
+                                  for _ in range(copies - 1)]
+                attention[kt.attention_key(*shape, q, r, ragged)] = measure_cell(
+                    attention_candidates(inputs, kt.band_size(q)), timer, config)
+                bar.update()
+    finally:
+        bar.close()
+    return linear, attention
+
+
+def pack_weights_of(weights: list[torch.Tensor]) -> list:
+    """:func:`tltlib.kernels.dispatch.pack_weights`' entries for a list of weights (empty without oneDNN)."""
+    holder = torch.nn.Module()
+    holder.w = torch.nn.ParameterList([torch.nn.Parameter(w, requires_grad=False) for w in weights])
+    packs = pack_weights(holder)
+    if not packs:
+        return []
+    return [(w, w._version, packs[id(p)][2]) for w, p in zip(weights, holder.w, strict=True)]
+
+
+_attempted: set[tuple] = set()     # (machine, cell key) measured in this process: a noisy one is retried next process
+
+
+def ensure(model, drafter=None, config: SearchConfig = SearchConfig(), progress: bool = True,
+           timer: Timer | None = None) -> kt.KernelTable:
+    """This machine's kernel table with every cell of ``model``'s (and ``drafter``'s) shapes measured: what the table
+    lacks is measured now (once per machine, thread count and shape; a progress bar), saved and used by this process.
+    No effect on CUDA, for other dtypes than float32, or with ``TLTLIB_KERNELS=0``. Cells too noisy to choose keep
+    PyTorch's default, with one warning, and are measured again in the next process."""
+    if (not kt.enabled() or model.device.type != "cpu" or model.embed.weight.dtype != torch.float32
+            or kt._OVERRIDE.get() is not None):
+        return kt.current()
+    table = kt.current()
+    missing = missing_cells(table, model, drafter, config)
+    fresh = {"linear": {}, "attention": {}}
+    for part, key_of in (("linear", kt.linear_key), ("attention", kt.attention_key)):
+        for shape, cells in missing[part].items():
+            todo = [c for c in cells if (table.machine, key_of(*shape, *_tuple(c))) not in _attempted]
+            if todo:
+                fresh[part][shape] = todo
+                _attempted.update((table.machine, key_of(*shape, *_tuple(c))) for c in todo)
+    if not (fresh["linear"] or fresh["attention"]):
+        return table
+    linear, attention = search(model, drafter, fresh, timer, config, progress)
+    table = keep(linear, attention, config)
+    noisy = [(k, v) for k, v in table.noisy() if k in set(linear) | set(attention)]
+    if noisy:
+        warnings.warn(f"tltlib: {len(noisy)} of {len(linear) + len(attention)} kernel timings were too noisy to choose "
+                      f"(spread up to {noisy[0][1]:.0%} at {noisy[0][0]}; the machine was busy): those use PyTorch's "
+                      "defaults and are measured again in the next process (or run `python -m tltlib bench kernels` "
+                      "on a quiet machine)", stacklevel=3)
+    return table
+
+
+def keep(linear: dict, attention: dict, config: SearchConfig) -> kt.KernelTable:
+    """This machine's table with the measured cells (:func:`search`'s) added, used by this process from now on and
+    saved for the next ones (a cache that cannot be written: one warning, the table still used)."""
+    table = kt.current().merged(linear, attention, {"search": asdict(config)})
+    kt.install(table)
+    try:
+        kt.save(table, kt.cache_path(table.machine))
+    except OSError as e:                                  # a read-only home: used here, measured again next time
+        warnings.warn(f"tltlib: the kernel table could not be saved to {kt.cache_path(table.machine)} ({e}); this "
+                      "process uses it, the next one measures again: set TLTLIB_CACHE to a writable folder",
+                      stacklevel=3)
+    return table
+
+
+def _tuple(cell) -> tuple:
+    return cell if isinstance(cell, tuple) else (cell,)

@@ -1,0 +1,133 @@
+"""What the notebooks share: the papermill runner, paths, devices, metrics.json and figures.
+
+Notebooks are thin (a ``parameters`` cell of literals, then calls into tltlib and plots); everything they would
+otherwise repeat lives here, tested. Parameter files and their checks are in :mod:`tltlib.lab.params`.
+
+The runner executes ``notebooks/NN_*.ipynb`` in order with papermill, from the project root. Each notebook writes
+into a temporary folder that replaces ``runs/<params name>/<notebook>/`` only when the notebook has finished, so
+the executed copy, its figures and its ``metrics.json`` always come from one run; the figures are then copied into
+``FIGURES_DIR`` in one step. A failed or interrupted notebook leaves the previous outputs as they were and its
+partly executed copy in ``runs/<params name>/<notebook>.failed/`` (the failing cell marked by papermill).
+
+Departures: none (tooling).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+from ..fileio import atomic_file, atomic_folder, atomic_write_text, check_writable, read_json
+from .params import ROOT, plan_run, resolve
+
+__all__ = ["resolve", "write_metrics", "read_metrics", "save_figure", "run_notebooks"]
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if hasattr(x, "tolist"):
+        return _jsonable(x.tolist())
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def write_metrics(metrics: dict, out_dir: str | os.PathLike) -> Path:
+    """Write ``OUT_DIR/metrics.json`` (plain JSON: numpy/torch values converted, NaN -> null), atomically."""
+    return atomic_write_text(Path(out_dir) / "metrics.json", json.dumps(_jsonable(metrics), indent=2,
+                                                                        sort_keys=True) + "\n")
+
+
+def read_metrics(out_dir: str | os.PathLike) -> dict:
+    """``OUT_DIR/metrics.json`` as a dict."""
+    return read_json(Path(out_dir) / "metrics.json", "run the notebook again")
+
+
+def save_figure(fig, name: str, out_dir: str | os.PathLike, figures_dir: str | os.PathLike | None = None) -> Path:
+    """Save ``fig`` as ``OUT_DIR/name.png`` and, when ``figures_dir`` is set, also into it (the committed figures)."""
+    out = Path(out_dir) / f"{name}.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    if figures_dir:
+        dest = resolve(figures_dir)
+        dest.mkdir(parents=True, exist_ok=True)
+        fig.savefig(dest / f"{name}.png", dpi=110, bbox_inches="tight")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- runner
+class NotebookError(RuntimeError):
+    """A notebook failed under the runner; the message holds the failing cell's error and where the partly
+    executed copy is."""
+
+
+def notebook_paths(only: list[str] | None = None, folder: str | os.PathLike | None = None) -> list[Path]:
+    """The ordered notebooks ``NN_*.ipynb`` of ``folder`` (default ``notebooks/``), optionally filtered by name
+    prefixes (each prefix must match)."""
+    folder = resolve(folder) if folder else ROOT / "notebooks"
+    paths = sorted(folder.glob("[0-9][0-9]_*.ipynb"))
+    if not paths:
+        raise FileNotFoundError(f"no NN_*.ipynb notebooks in {str(folder)!r}")
+    if only is not None:
+        if not only or not all(o.strip() for o in only):
+            raise ValueError("--only needs notebook prefixes, e.g. --only 01 03 (an empty prefix would match all)")
+        chosen = [p for p in paths if any(p.stem.startswith(o) for o in only)]
+        unmatched = [o for o in only if not any(p.stem.startswith(o) for p in paths)]
+        if unmatched:
+            raise ValueError(f"no notebook matches {unmatched}; notebooks: {[p.stem for p in paths]}")
+        paths = chosen
+    return paths
+
+
+def _cell_error(e, nb: Path, kept: Path) -> NotebookError:
+    cell = f"cell [{e.exec_count}]" if getattr(e, "exec_count", None) else f"cell {e.cell_index}"
+    msg = " ".join(str(e.evalue).split()) if e.evalue else ""
+    return NotebookError(f"{nb.name} failed in {cell}: {e.ename}: {msg}\n  partly executed notebook: {kept}")
+
+
+def run_notebooks(params: str | os.PathLike = "params/cpu-tiny.yaml", out_root: str | os.PathLike = "runs",
+                  only: list[str] | None = None, progress: bool = True,
+                  notebooks: str | os.PathLike | None = None) -> list[Path]:
+    """Execute the notebooks in order with papermill; return the executed copies.
+
+    Every notebook's parameters are checked first (:func:`tltlib.lab.params.plan_run`), for all notebooks, so a typo
+    fails before anything runs. Each notebook gets the parameters its ``parameters`` cell declares plus
+    ``OUT_DIR``; outputs are swapped in atomically (see the module docstring). ``notebooks``: another folder of
+    ``NN_*.ipynb`` notebooks than the suite's."""
+    import papermill as pm
+    from papermill.exceptions import PapermillExecutionError
+
+    from .params import params_path
+    plan = plan_run(params, notebook_paths(folder=notebooks), notebook_paths(only, notebooks))
+    run_dir = check_writable(resolve(out_root) / params_path(params).stem, "run folder (--out)")
+    done = []
+    for nb, values in plan:
+        final, failed = run_dir / nb.stem, run_dir / f"{nb.stem}.failed"
+        figures_dir = values.get("FIGURES_DIR", "")
+        try:
+            with atomic_folder(final, failed_to=failed) as tmp:
+                inject = {**values, "OUT_DIR": str(tmp)}
+                if figures_dir:
+                    inject["FIGURES_DIR"] = ""            # copied by the runner once the notebook has succeeded
+                try:
+                    pm.execute_notebook(str(nb), str(tmp / nb.name), parameters=inject, kernel_name="python3",
+                                        language="python", cwd=str(ROOT), progress_bar=progress, log_output=False)
+                except PapermillExecutionError as e:
+                    raise _cell_error(e, nb, failed / nb.name) from None
+        except (KeyboardInterrupt, SystemExit):
+            if failed.is_dir():
+                (failed / "INTERRUPTED").write_text("the run was interrupted while this notebook executed\n")
+            raise
+        if failed.exists():
+            shutil.rmtree(failed)                     # a successful run supersedes an older failure
+        if figures_dir:                               # each figure replaced atomically, after the run succeeded
+            for png in final.glob("*.png"):
+                with atomic_file(resolve(figures_dir) / png.name) as tmp_png:
+                    shutil.copy2(png, tmp_png)
+        done.append(final / nb.name)
+    return done

@@ -1,0 +1,126 @@
+"""The metric vocabulary: every statistic tltlib returns is keyed by one of :data:`METRICS` (namespaced
+``rollout/``, ``spec/``, ``drafter/``, ``sched/``, ``rl/``, ``update/``, ``time/``, ``eval/``, ``e2e/``,
+``adaptive/``); notebooks write them to ``metrics.json``, ``train-grpo`` to ``metrics.jsonl``, and tests read them
+back (:func:`is_metric`). The statistics themselves are computed in :mod:`tltlib.stats` (rollouts) and by the
+components that own them.
+
+Departures: none (a vocabulary).
+"""
+from __future__ import annotations
+
+METRICS: dict[str, str] = {
+    "rollout/num_sequences": "responses generated (prompts x group size)",
+    "rollout/tokens": "response tokens generated (EOS included)",
+    "rollout/time_s": "wall time of the rollout, prefill included (s)",
+    "rollout/prefill_s": "wall time of the prefill (s)",
+    "rollout/iterations": "decode iterations (target forwards after the prefill: plain or SD steps)",
+    "rollout/tokens_per_s": "response tokens per second of rollout wall time",
+    "rollout/len_mean": "mean response length (tokens)",
+    "rollout/len_p50": "median response length",
+    "rollout/len_p90": "90th percentile response length",
+    "rollout/len_p99": "99th percentile response length",
+    "rollout/len_max": "longest response",
+    "rollout/p99_over_p50": "p99 / median response length (long-tail ratio)",
+    "rollout/max_over_p50": "max / median response length",
+    "rollout/tail_time_frac_10": "share of decode time with <= 10% of the rows still running",
+    "rollout/tail_time_frac_25": "share of decode time with <= 25% of the rows still running",
+    "rollout/truncated_frac": "share of responses cut at max_new_tokens",
+    "rollout/kv_peak_bytes": "most bytes the KV caches held at once (paged: pages in use, transient ones included; "
+                             "dense: the allocation)",
+    "rollout/kv_pool_bytes": "bytes the KV caches take (the paged pools, or the dense caches)",
+    "rollout/preempted": "rows taken out of the batch because the KV budget could not hold their next tokens "
+                         "(admission by memory; each re-admitted later by recomputing its tokens)",
+    "rollout/recomputed_tokens": "tokens prefilled again to re-admit preempted rows",
+    "rollout/graph_replays": "CUDA graph replays (decode, verify and draft forwards; CUDA only)",
+    "rollout/graph_captures": "CUDA graphs captured during the rollout (first use of a row/span bucket)",
+    "rollout/graph_capture_s": "seconds spent capturing CUDA graphs (included in rollout/time_s)",
+    "sched/idle_frac": "share of the workers' rollout time spent idle, waiting for the last worker (measured by the "
+                       "scheduler; the step-count model in stats.split_idle_fraction)",
+    "sched/workers": "W, the number of data-parallel workers (or of workers in the idle-time estimate)",
+    "sched/rollout_worker_s": "worker-seconds of the rollout phase: W x (last rollout end - start), summed",
+    "sched/idle_s": "idle worker-seconds: each worker's wait from its rollout end to the last one's, summed",
+    "sched/train_s": "seconds of drafter training inside the idle windows, summed over workers",
+    "sched/harvested": "share of the idle worker-time spent training the drafter (sched/train_s / sched/idle_s)",
+    "sched/micro_steps": "spot-trainer micro-steps in the step, summed over workers",
+    "sched/micro_step_s": "median seconds of one spot-trainer micro-step",
+    "sched/preempt_s": "seconds from the last rollout's end until the spot trainer stopped (worst worker)",
+    "sched/preempt_micro_steps": "preemption latency over the length of the micro-step it interrupted (<= 1: "
+                                 "stopped within one micro-step)",
+    "sched/signal_s": "seconds for the end of the last rollout to reach a waiting worker",
+    "sched/sync_s": "seconds of the drafter sync after the idle window (worst worker)",
+    "sched/overhead_s": "what the spot trainer adds to the step's critical path: from the last rollout's end until "
+                        "every worker holds the merged drafter (signal, interrupted micro-step, sync)",
+    "sched/timeline": "per worker, the (phase, start s, end s) spans of the step",
+    "sched/empty_slot_frac": "share of row x decode-step slots of a static batch left empty by finished responses",
+    "spec/steps": "SD steps: decode iterations that ran speculative decoding",
+    "spec/time_frac": "share of decode time spent in SD steps",
+    "spec/accept_len_mean": "mean tokens emitted per row per SD step (accepted drafts + 1, bonus included)",
+    "spec/draft_time_s": "time spent drafting (drafter extend + draft forwards)",
+    "spec/verify_time_s": "time spent verifying (target forward + acceptance)",
+    **{f"spec/accept_ge_{d}": f"share of speculative row-steps accepting at least {d} drafts" for d in range(1, 65)},
+    "drafter/loss": "drafter training loss (w_v SmoothL1 + w_p soft CE)",
+    "drafter/vloss": "SmoothL1 of the predicted next hidden state",
+    "drafter/ploss": "soft cross-entropy against the target's next-token distribution",
+    **{f"drafter/acc_{d}": f"top-1 agreement with the target at draft depth {d}" for d in range(1, 17)},
+    "drafter/pairs": "training pairs (hidden, token) used",
+    "drafter/train_s": "drafter training wall time (s)",
+    "adaptive/threshold": "SD switch threshold (running rows at or below which SD runs)",
+    "adaptive/arms": "strategies the BEG-MAB tuner chooses among",
+    "adaptive/rollout_s": "wall time of the adaptive rollout (after its tuning rollouts on other prompts)",
+    "adaptive/speedup_vs_no_sd": "rollout time without SD / with the adaptive engine",
+    "adaptive/speedup_vs_fixed": "rollout time with a fixed strategy / with the adaptive engine",
+    "adaptive/explored_arms": "distinct strategies the adaptive rollout played",
+    "spec/ngram_match_rate": "share of n-gram draft requests that found an earlier occurrence of the suffix",
+    "spec/suffix_match_rate": "share of suffix-drafter requests that found a recurring suffix (a non-empty tree)",
+    "spec/suffix_nodes": "draft nodes the suffix drafter proposed per request (before padding to the budget)",
+    "spec/chi2_pvalue": "chi-square p-value of plain vs speculative samples (large = same distribution)",
+    "rl/reward_mean": "mean reward of the rollout's responses",
+    "rl/accuracy": "share of responses whose final answer is correct",
+    "rl/step": "RL steps done",
+    "rl/reward_std": "standard deviation of the rollout's rewards",
+    "rl/loss": "GRPO loss of the update (mean over iterations)",
+    "rl/kl": "mean per-token KL to the reference policy (beta > 0)",
+    "rl/clip_frac": "share of completion tokens whose ratio was clipped",
+    "rl/grad_norm": "policy gradient norm before clipping",
+    "rl/completion_len_mean": "mean completion length (tokens)",
+    **{f"rl/reward/{name}": f"mean reward of the reward function {name}" for name in ("accuracy_reward",
+                                                                                      "format_reward")},
+    "rl/curriculum_level": "the curriculum level opened last (the step draws from it and, cumulative, those before)",
+    "drafter/version": "the drafter's weight version: +1 each time the drafter the rollout drafts with is replaced by "
+                       "a trained one (once per RL step in which it trained: after the one-process micro-steps, or "
+                       "when the workers' drafters are merged), whatever the number of workers or micro-steps",
+    "drafter/buffer_pairs": "(hidden, token) pairs held in the drafter's buffer",
+    "update/tokens": "tokens through the policy's forward and backward (all iterations)",
+    "update/padding_frac": "share of the update's forward tokens that were padding",
+    "update/tokens_per_s": "update tokens per second",
+    "time/rollout_s": "RL step phase: rollout (s)",
+    "time/reward_s": "RL step phase: rewards and advantages (s)",
+    "time/logprob_s": "RL step phase: reference / old-policy log-probabilities (s)",
+    "time/update_s": "RL step phase: policy update (s)",
+    "time/drafter_s": "RL step phase: drafter training (s)",
+    "time/step_s": "RL step wall time (s)",
+    "eval/accuracy": "held-out accuracy (greedy decoding)",
+    "eval/accuracy_before": "held-out accuracy of the initial policy (greedy decoding)",
+    "eval/accuracy_baseline": "held-out accuracy of the baseline runs (mean over seeds)",
+    "eval/accuracy_tlt": "held-out accuracy of the TLT runs (mean over seeds)",
+    "e2e/step_speedup": "baseline RL step time / TLT RL step time",
+    "e2e/rollout_speedup": "baseline rollout time / TLT rollout time",
+    "e2e/amdahl_bound": "step speedup if only the rollout got faster: 1 / ((1 - share) + share / rollout speedup)",
+    "e2e/rollout_share": "share of the baseline RL step spent in the rollout",
+    "e2e/drafter_share": "share of the TLT RL step spent training the drafter",
+    "e2e/reward_overlap": "share of RL steps whose baseline and TLT reward means lie within their summed stds",
+    "spec/accept_len_online_last": "accepted length of the online drafter after the last RL step (probe)",
+    "spec/accept_len_frozen_last": "accepted length of the frozen warm drafter after the last RL step (probe)",
+    "spec/accept_len_ngram_last": "accepted length of the n-gram drafter after the last RL step (probe)",
+    "eval/len_mean": "held-out mean response length (greedy decoding)",
+    "sched/overhead_share": "spot-trainer overhead on the critical path as a share of the step (mean over steps)",
+    **{f"sched/idle_frac_model_w{w}": f"idle share with {w} workers (step-count model on one rollout's lengths)"
+       for w in (1, 2, 4, 8, 16, 32, 64, 128)},
+    "spec/accept_len_warm_initial": "accepted length of the warm drafter on the initial policy (probe)",
+    "spec/accept_len_spot_last": "accepted length of the spot-trained drafter on the final policy (probe)",
+}
+
+
+def is_metric(key: str) -> bool:
+    """Whether ``key`` belongs to the vocabulary (``rl/reward/<function>`` keys are open-ended)."""
+    return key in METRICS or key.startswith("rl/reward/")

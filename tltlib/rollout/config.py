@@ -1,0 +1,51 @@
+"""How a rollout runs: :class:`RolloutConfig` (sampling, GRPO group size, compaction, prefill chunks, draft room, the
+KV cache and its memory, CUDA graphs, packed weights), the settings of :class:`tltlib.rollout.engine.RolloutEngine`.
+
+Paper: TLT §5 (the rollout engine these settings configure).
+
+Departures: none.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..model.cudagraph import GraphConfig
+from ..kv.paged import KVConfig
+from ..model.sampling import SamplingConfig
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How a rollout runs."""
+
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Temperature, top-k, top-p and max_new_tokens."""
+    num_generations: int = 1
+    """G: responses sampled per prompt (GRPO group size)."""
+    compact_fraction: float = 0.125
+    """Compact the cache once at least this share of the batch's rows has finished (0 = at every finish)."""
+    prefill_rows: int = 64
+    """Prompts prefilled per forward (bounds prefill activation memory)."""
+    ignore_eos: bool = False
+    """Keep generating after EOS until max_new_tokens (benchmarks: every row decodes the same number of tokens)."""
+    draft_margin: int = 72
+    """Cache slots kept beyond the longest sequence for draft tokens (must exceed a strategy's verify tokens)."""
+    graphs: GraphConfig = field(default_factory=GraphConfig)
+    """CUDA graphs for the decode, verify and draft forwards of small batches (on CUDA; no effect on a CPU)."""
+    kv: KVConfig = field(default_factory=KVConfig)
+    """The KV cache: paged (default; pages taken as rows grow, a prompt's pages shared by its G samples) or dense,
+    and the memory its pool may take (:class:`tltlib.kv.paged.KVConfig`)."""
+    packed_weights: bool = True
+    """On a CPU in float32: projections of 3+ rows through oneDNN on a packed copy of the target's weights, kept
+    between rollouts and re-made when a weight changed (1.2-2x faster projections for a second copy of the weights;
+    :class:`tltlib.kernels.dispatch.WeightPacks`). No effect elsewhere."""
+
+    def __post_init__(self):
+        if self.num_generations < 1:
+            raise ValueError(f"num_generations must be >= 1, got {self.num_generations}")
+        if not 0 <= self.compact_fraction < 1:
+            raise ValueError(f"compact_fraction must be in [0, 1), got {self.compact_fraction}")
+        if self.prefill_rows < 1:
+            raise ValueError(f"prefill_rows must be >= 1, got {self.prefill_rows}")
+        if self.draft_margin < 1:
+            raise ValueError(f"draft_margin must be >= 1, got {self.draft_margin}")
