@@ -314,8 +314,8 @@ TASK_HELP = ("prompts: 'chain' (the tiny reasoner's chain task) or 'words' (GSM8
 def task_prompts(task: str, tokenizer, count: int, seed: int, steps: int | None = None) -> list[list[int]]:
     """Token ids of ``count`` seeded prompts of ``task`` ('chain': ``steps`` fixes every problem's step count)."""
     from tltlib.tasks.chain import ChainTaskConfig, generate_problems
-    from tltlib.tasks.prompts import encode_prompts
     from tltlib.tasks.datasets import generate_task
+    from tltlib.tasks.prompts import encode_prompts
     if task == "chain":
         return encode_prompts(generate_problems(ChainTaskConfig(), count, seed=seed, steps=steps), tokenizer)
     return encode_prompts(generate_task(task, count, seed), tokenizer)

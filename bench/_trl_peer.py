@@ -14,7 +14,6 @@ from pathlib import Path
 
 from _common import markdown_table, resolve
 
-
 TRL_RUNS = ("defaults", "no-bf16", "no-bf16-no-ckpt", "tuned")   # --trl-runs: see trl_settings
 TRL_DEFAULT_ROWS = 8       # TRL 1.16's per_device_train_batch_size default
 TRL_TUNED_ROWS = 32        # the tuned run's micro-batch rows (--trl-rows; 16, 32, 64 and 128 measured: 32 fastest)
@@ -119,7 +118,8 @@ def _trl_run(args, problems, settings: dict) -> dict:
     from tltlib.tasks.tokenizer import load_tokenizer
     ds = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
     model = AutoModelForCausalLM.from_pretrained(resolve(args.model), dtype=getattr(torch, args.dtype))
-    cfg = TRLConfig(output_dir=tempfile.mkdtemp(), num_generations=args.num_generations, max_completion_length=args.max_new,
+    cfg = TRLConfig(output_dir=tempfile.mkdtemp(), num_generations=args.num_generations,
+                    max_completion_length=args.max_new,
                     temperature=args.temperature, learning_rate=args.lr, beta=0.0, loss_type="dapo",
                     use_cpu=not args.device.startswith("cuda"), logging_steps=1, max_steps=args.trl_steps,
                     report_to="none", save_strategy="no", seed=0, disable_tqdm=True, shuffle_dataset=False,
@@ -221,7 +221,8 @@ def _trl_tables(trl: dict, cmp: dict | None, s: dict, args) -> str:
     first = next(iter(trl.values()))
     b, t = s["baseline"], s["tlt"]
     text = (f"\n\nTRL {first['version']} GRPOTrainer (transformers {first.get('transformers', '?')}) on the same "
-            f"workload: the same model, reward, {args.prompts} x {args.num_generations} batch, completion length, temperature, "
+            f"workload: the same model, reward, {args.prompts} x {args.num_generations} batch, completion length, "
+            f"temperature, "
             f"lr, DAPO loss, beta 0, seed 0's prompts of steps 1-{args.trl_steps}; its runs in turn, each from the "
             f"checkpoint. Native bf16 on this device: {'yes' if first.get('native_bf16') else 'no'} "
             f"({', '.join(first.get('cpu_bf16_flags', [])) or first.get('checked', '?')}).\n\n" + markdown_table(

@@ -156,6 +156,7 @@ class _InProcess:
                  stop: list[int] | None = None) -> dict:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+
         from vllm_worker import counters
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=stop is None, seed=seed,
                                 stop_token_ids=stop)
@@ -214,7 +215,6 @@ def vllm_section(args, target, tok, drafter, max_new: int, results: list[dict]) 
     speculator (k = each chain strategy's depth), on the same prompts at every (temperature, batch) of ``results``,
     interleaved pairwise; None when ``--vllm`` finds no vLLM. Greedy outputs are checked against tltlib's."""
     from _common import interleaved_medians, resolve, task_prompts
-
     from tltlib.model.drafter import export_vllm_eagle
     chains = [st for st in args.strategies.items if st.kind == "chain"]
     stop = None if args.task == "words" else list(target.config.eos_token_ids)

@@ -15,10 +15,26 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    TASK_HELP,
+    add_device_flags,
+    add_model_flags,
+    add_output_flags,
+    bench_parser,
+    interleaved_medians,
+    listed,
+    load_models,
+    machine_info,
+    markdown_table,
+    model_suffix,
+    parse_bench_args,
+    positive_int,
+    resolve,
+    result_name,
+    task_prompts,
+    write_results,
+)
 from _vllm import vllm_peer  # noqa: E402
-from _common import (TASK_HELP, add_device_flags, add_model_flags, add_output_flags, bench_parser,  # noqa: E402
-                     interleaved_medians, listed, load_models, machine_info, markdown_table, model_suffix,
-                     parse_bench_args, positive_int, resolve, result_name, task_prompts, write_results)
 
 
 def parse_args(argv: list[str] | None = None):
@@ -36,8 +52,8 @@ def parse_args(argv: list[str] | None = None):
 
 def main() -> None:
     args = parse_args()
-    from tltlib.rollout.engine import RolloutConfig, RolloutEngine
     from tltlib.model.sampling import SamplingConfig
+    from tltlib.rollout.engine import RolloutConfig, RolloutEngine
 
     ours, tok, _ = load_models(args)
     device, dtype, path = str(ours.device), ours.embed.weight.dtype, resolve(args.model)

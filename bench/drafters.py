@@ -19,9 +19,25 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (add_device_flags, add_output_flags, bench_parser, existing_file, folder, listed,  # noqa: E402
-                     load_models, machine_info, markdown_table, model_suffix, parse_bench_args, positive_int, resolve,
-                     result_name, strategy_name, temperature, write_results)
+from _common import (  # noqa: E402
+    add_device_flags,
+    add_output_flags,
+    bench_parser,
+    existing_file,
+    folder,
+    listed,
+    load_models,
+    machine_info,
+    markdown_table,
+    model_suffix,
+    parse_bench_args,
+    positive_int,
+    resolve,
+    result_name,
+    strategy_name,
+    temperature,
+    write_results,
+)
 
 
 def parse_args(argv: list[str] | None = None):

@@ -21,9 +21,23 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (add_output_flags, bench_parser, depth_table, existing_file, folder, listed, machine_info,  # noqa: E402
-                     markdown_table, parse_bench_args, positive_int, result_name, save_png, strategy_name,
-                     use_all_cores, write_results)
+from _common import (  # noqa: E402
+    add_output_flags,
+    bench_parser,
+    depth_table,
+    existing_file,
+    folder,
+    listed,
+    machine_info,
+    markdown_table,
+    parse_bench_args,
+    positive_int,
+    result_name,
+    save_png,
+    strategy_name,
+    use_all_cores,
+    write_results,
+)
 
 
 def parse_args(argv: list[str] | None = None):
@@ -78,7 +92,8 @@ def main() -> None:
     t0 = time.perf_counter()
 
     def write(out: dict, final: bool = False) -> Path:
-        payload = {"bench": "drift", "machine": machine_info(device), "settings": {**vars(args), "recipe_job": job.settings()},
+        payload = {"bench": "drift", "machine": machine_info(device), "settings": {**vars(args),
+                                                                                   "recipe_job": job.settings()},
                    "complete": final, "wall_s": time.perf_counter() - t0, **out}
         return write_results(name, payload, tables(payload), args.out)
 

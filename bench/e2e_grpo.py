@@ -44,12 +44,31 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (add_num_generations, DRAFTER, MODEL, add_device_flags, add_model_flags, add_output_flags, bench_parser,  # noqa: E402
-                     depth_table, existing_file, listed, load_models, machine_info, markdown_table, nonnegative_int,
-                     parse_bench_args, positive_float, positive_int, result_name, save_png, strategy_name,
-                     temperature, write_results)
-from _trl_peer import (TRL_TUNED_ROWS, _trl_peer, _trl_tables, trl_comparison, trl_key,  # noqa: E402
-                       trl_run_name)
+from _common import (  # noqa: E402
+    DRAFTER,
+    MODEL,
+    add_device_flags,
+    add_model_flags,
+    add_num_generations,
+    add_output_flags,
+    bench_parser,
+    depth_table,
+    existing_file,
+    listed,
+    load_models,
+    machine_info,
+    markdown_table,
+    nonnegative_int,
+    parse_bench_args,
+    positive_float,
+    positive_int,
+    result_name,
+    save_png,
+    strategy_name,
+    temperature,
+    write_results,
+)
+from _trl_peer import TRL_TUNED_ROWS, _trl_peer, _trl_tables, trl_comparison, trl_key, trl_run_name  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None):
@@ -58,7 +77,8 @@ def parse_args(argv: list[str] | None = None):
     add_device_flags(ap)
     ap.add_argument("--steps", type=positive_int, default=8, help="RL steps per seed")
     ap.add_argument("--seeds", type=positive_int, default=3)
-    ap.add_argument("--prompts", type=positive_int, default=16, help="prompts per step (x --num-generations completions)")
+    ap.add_argument("--prompts", type=positive_int, default=16, help="prompts per step (x --num-generations "
+                                                                     "completions)")
     add_num_generations(ap, 8)
     ap.add_argument("--max-new", type=positive_int, default=720)
     ap.add_argument("--temperature", type=temperature, default=0.9)
@@ -101,7 +121,8 @@ def parse_args(argv: list[str] | None = None):
     return _with_recipe(parse_bench_args(ap, argv), ap.error)
 
 
-RECIPE_FLAGS = {"prompts": 16, "num_generations": 8, "max_new": 720, "temperature": 0.9, "lr": 1e-4, "micro_batch_tokens": 2048,
+RECIPE_FLAGS = {"prompts": 16, "num_generations": 8, "max_new": 720, "temperature": 0.9, "lr": 1e-4,
+                "micro_batch_tokens": 2048,
                 "drafter_steps": 6, "drafter_batch": 4, "threshold": 0, "on_drafter_change": "discount",
                 "held_out": 128, "spot_max": 200, "train_on": "own"}
 """The flags a ``--recipe`` sets, with their defaults without one."""
@@ -130,7 +151,8 @@ def _with_recipe(args, error):
     if not args.drafter:
         error(f"{args.recipe}: no drafter; give --drafter")
     args.trl_steps = 0
-    for k, v in {"prompts": g.prompts_per_step, "num_generations": g.num_generations, "max_new": g.max_completion_length,
+    for k, v in {"prompts": g.prompts_per_step, "num_generations": g.num_generations,
+                 "max_new": g.max_completion_length,
                  "temperature": g.temperature, "lr": g.learning_rate, "micro_batch_tokens": g.micro_batch_tokens,
                  "drafter_steps": t.drafter_steps, "drafter_batch": t.drafter_batch, "threshold": t.threshold,
                  "on_drafter_change": t.on_drafter_change, "held_out": job.eval_problems,
@@ -157,8 +179,8 @@ def main() -> None:
 def _one_process(args) -> None:
     """Baseline vs TLT over ``--seeds`` x ``--steps``, the update's speed by micro-batching, TRL's peer."""
     from tltlib.lab.e2e import compare, summarize, update_speed
-    from tltlib.tasks.prompts import encode_prompts
     from tltlib.rl.trainer import GRPOTrainer
+    from tltlib.tasks.prompts import encode_prompts
     model, tok, drafter = load_models(args, drafter=True)
     device = str(model.device)
     train, held, probe = _data(args)
@@ -275,8 +297,8 @@ def _launch_workers(args) -> None:
     import subprocess
 
     from tltlib.lab.e2e import probe_row, schedule_summary, summarize
-    from tltlib.rl.world import torchrun_command
     from tltlib.rl.trainer import GRPOTrainer
+    from tltlib.rl.world import torchrun_command
     args.seeds, args.trl_steps = 1, 0                 # what the data-parallel comparison runs (recorded as such)
     cmd = torchrun_command(args.workers, ["bench", "e2e_grpo", *sys.argv[1:]])
     with tempfile.TemporaryDirectory() as folder:     # the raw result and the policies: gone however this ends
@@ -313,7 +335,8 @@ def _launch_workers(args) -> None:
     summary["accept_last"] = {"spot": last and last["online"], "frozen": last and last["frozen"],
                               "one_process_online": one[-1]["accept"] if one else None}
     table = _worker_tables(summary, result["acceptance"], one, args, device, runs["tlt"][0]["steps"])
-    payload = {"bench": "e2e_grpo", "workers": args.workers, "machine": machine_info(device), "settings": _settings(args),
+    payload = {"bench": "e2e_grpo", "workers": args.workers, "machine": machine_info(device),
+               "settings": _settings(args),
                "summary": summary, "acceptance": result["acceptance"], "one_process": one, "runs": runs}
     path = write_results(result_name("e2e_grpo", device, args.dtype, f"-w{args.workers}{args.tag}"), payload, table,
                          args.out)
@@ -326,7 +349,8 @@ def _worker_tables(s, acceptance, one, args, device, tlt_steps) -> str:
              f"{b['step'] / v['step']:.2f}x", f"{v['rollout'] / v['step']:.0%}"]
             for name, v in (("baseline", b), ("TLT, spot trainer", t), ("TLT, drafter frozen", f))]
     text = (f"GRPO end to end on {args.workers} data-parallel workers (torchrun), {args.prompts} prompts x "
-            f"{args.num_generations} completions per step, up to {args.max_new} tokens, T={args.temperature}, lr {args.lr}, "
+            f"{args.num_generations} completions per step, up to {args.max_new} tokens, T={args.temperature}, lr "
+            f"{args.lr}, "
             f"{args.steps} steps, {args.dtype} on {device} (median seconds per step, rank 0's phases, the arms "
             f"interleaved; the step's interquartile range in brackets)\n\n"
             + markdown_table(["policy", "rollout", "log-prob", "update", "drafter", "step", "speedup",
@@ -408,7 +432,8 @@ def _tables(s, acceptance, upd, args, device) -> str:
     rows = [[name, v["rollout"], v["logprob"], v["update"], v["drafter"], _with_iqr(v, "step"),
              f"{b['step'] / v['step']:.2f}x", f"{v['rollout'] / v['step']:.0%}"] for name, v in (("baseline", b),
                                                                                                  ("TLT", t))]
-    text = (f"GRPO end to end, {args.prompts} prompts x {args.num_generations} completions, up to {args.max_new} tokens, "
+    text = (f"GRPO end to end, {args.prompts} prompts x {args.num_generations} completions, up to {args.max_new} "
+            f"tokens, "
             f"T={args.temperature}, lr {args.lr}, {args.steps} steps x {args.seeds} seeds, {args.dtype} on {device}"
             " (median seconds per step over all steps and seeds, the arms interleaved; the step's interquartile "
             "range in brackets)\n\n" + markdown_table(

@@ -15,9 +15,19 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (add_device_flags, add_model_flags, add_output_flags, bench_parser,  # noqa: E402
-                     interleaved_medians, listed, machine_info, markdown_table, parse_bench_args, positive_int,
-                     write_results)
+from _common import (  # noqa: E402
+    add_device_flags,
+    add_model_flags,
+    add_output_flags,
+    bench_parser,
+    interleaved_medians,
+    listed,
+    machine_info,
+    markdown_table,
+    parse_bench_args,
+    positive_int,
+    write_results,
+)
 
 
 def copy_bandwidth(device, gib: float = 2.0, repeats: int = 10) -> float:
@@ -112,8 +122,8 @@ def _model(args, dtype):
     """``--model`` loaded, else the ``--preset`` shape with seeded random weights."""
     import torch
 
-    from tltlib.model.weights import load_model
     from tltlib.model.decoder import Transformer, preset
+    from tltlib.model.weights import load_model
     if args.model:
         return load_model(args.model, dtype=dtype, device=args.device)
     torch.manual_seed(0)
@@ -124,8 +134,8 @@ def _model(args, dtype):
 def _engines(model, n: int) -> dict:
     """The greedy ``n``-token engines, eager and with CUDA graphs (kept for every batch size: captures are reused)."""
     from tltlib.model.cudagraph import GraphConfig
-    from tltlib.rollout.engine import RolloutConfig, RolloutEngine
     from tltlib.model.sampling import SamplingConfig
+    from tltlib.rollout.engine import RolloutConfig, RolloutEngine
     return {name: RolloutEngine(model, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=n),
                                                      ignore_eos=True, graphs=GraphConfig(enabled=on)))
             for name, on in (("eager", False), ("graphs", True))}

@@ -20,8 +20,19 @@ from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (DRAFTER, add_model_flags, add_output_flags, bench_parser, load_models, machine_info,  # noqa: E402
-                     markdown_table, model_suffix, parse_bench_args, positive_int, write_results)
+from _common import (  # noqa: E402
+    DRAFTER,
+    add_model_flags,
+    add_output_flags,
+    bench_parser,
+    load_models,
+    machine_info,
+    markdown_table,
+    model_suffix,
+    parse_bench_args,
+    positive_int,
+    write_results,
+)
 
 DECODE_ROWS = (1, 16, 64)
 
@@ -79,7 +90,8 @@ def main() -> None:
                "drafter": args.drafter or None, "settings": vars(args), "search_s": search_s, "cells": measured.size,
                "table": measured.as_dict(), "decode_forward": forward, "weights_floor": floor}
     text = (f"Kernel choices on this CPU for {args.model}" + (f" and {args.drafter}" if args.drafter else "")
-            + f" (float32, {here.machine.threads} threads; medians of {args.rounds} interleaved rounds; {measured.size} "
+            + f" (float32, {here.machine.threads} threads; medians of {args.rounds} interleaved rounds; "
+              f"{measured.size} "
             f"cells measured in {search_s:.0f} s; the table is saved to {kt.cache_path(table.machine)})\n\n"
             + "One decode forward of the model, ms (one token per row after 128-384 cached, packed weights at hand; "
               "medians of interleaved rounds):\n\n" + _forward_table(forward)
@@ -196,7 +208,8 @@ def _attention_table(table) -> str:
         chosen = table.attention_kernel(int(heads), int(kv), int(dim), qn, rn, kind == "ragged", kernel) or "sdpa"
         ms = [f"{t.seconds[c] * 1e3:.4f}" if c in t.seconds else "" for c in kt.ATTENTION_KERNELS]
         rows.append([shape, _band_label(int(q[1:])), _band_label(int(r[1:])), kind, *ms, chosen,
-                     kt.attention_start(rn, qn, kind == "ragged", kernel), f"{t.seconds['sdpa'] / t.seconds[chosen]:.2f}x"])
+                     kt.attention_start(rn, qn, kind == "ragged", kernel),
+                     f"{t.seconds['sdpa'] / t.seconds[chosen]:.2f}x"])
     return markdown_table(["heads", "queries", "rows", "lengths", *kt.ATTENTION_KERNELS, "chosen", "dev-VM constant",
                            "chosen vs SDPA"], rows)
 

@@ -1,24 +1,26 @@
 """The paged KV cache against the dense one: rollout time, peak KV memory against the tokens held, token identity.
 
-Workload: ``--prompts`` prompts x ``--num-generations`` samples at ``--temperature``, up to ``--max-new`` new tokens, one
-rollout per cache (``--kv paged,dense``), the same prompts and seed for both, so both must give the same tokens (the
+Workload: ``--prompts`` prompts x ``--num-generations`` samples at ``--temperature``, up to ``--max-new`` new tokens,
+one rollout per cache (``--kv paged,dense``), the same prompts and seed for both, so both must give the same tokens (the
 paged cache reads the same entries). Time: wall time of ``RolloutEngine.generate``, median of ``--repeats`` after a
 warm-up, the caches interleaved. Memory: one more run per cache with a hook after every iteration: the paged pool's
 peak (pages held at any moment, a forward's reserved pages included) against the most tokens the rows held at an
 iteration's end (a prompt's pages shared by its samples counted once), and the dense cache's allocation against the
 same; and the memory check's estimate of the paged peak (:func:`tltlib.rl.memory.kv_estimate`) from the rollout's own
-response lengths against the peak measured. A dense cache that cannot fit the budget is refused before its rollout; the bench records the refusal.
+response lengths against the peak measured. A dense cache that cannot fit the budget is refused before its rollout; the
+bench records the refusal.
 
     python -m tltlib bench kv_cache                                    # the tiny reasoner, CPU, ~3 min
     python -m tltlib bench kv_cache --model ~/.cache/tltlib/models/smollm2-135m --drafter data/smollm2-135m-drafter \\
         --task words --prompts 8 --num-generations 8 --max-new 512
     python -m tltlib bench kv_cache --model ~/.cache/tltlib/models/smollm2-135m --drafter data/smollm2-135m-drafter \\
-        --task words --prompts 32 --num-generations 8 --max-new 4096 --once      # the rollout dense cannot hold on 24 GB
+        --task words --prompts 32 --num-generations 8 --max-new 4096 --once   # dense cannot hold it on 24 GB
     python -m tltlib bench kv_cache --attention                        # the paged kernels vs gather + BLAS, ~1 min
 
 ``--attention`` times one layer's attention instead, at the model's head shapes, over a grid of rows x new tokens per
 row: the CPU's paged C++ kernels reading the pages in place against gathering the rows' pages and the dense path
-(:func:`tltlib.kernels.dispatch.cached_attention`), pages scattered as a long rollout leaves them; it is the measurement behind
+(:func:`tltlib.kernels.dispatch.cached_attention`), pages scattered as a long rollout leaves them; it is the measurement
+behind
 ``PagedKVCache``'s kernel choice (``paged_cache.MASKED_KERNEL_MAX_NEW``) on this CPU.
 """
 from __future__ import annotations
@@ -30,10 +32,29 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (add_num_generations, DRAFTER, TASK_HELP, add_device_flags, add_model_flags, add_output_flags,  # noqa: E402
-                     bench_parser, interleaved_medians, listed, load_models, machine_info, markdown_table,
-                     model_suffix, parse_bench_args, positive_float, positive_int, result_name, strategy_name,
-                     task_prompts, temperature, write_results)
+from _common import (  # noqa: E402
+    DRAFTER,
+    TASK_HELP,
+    add_device_flags,
+    add_model_flags,
+    add_num_generations,
+    add_output_flags,
+    bench_parser,
+    interleaved_medians,
+    listed,
+    load_models,
+    machine_info,
+    markdown_table,
+    model_suffix,
+    parse_bench_args,
+    positive_float,
+    positive_int,
+    result_name,
+    strategy_name,
+    task_prompts,
+    temperature,
+    write_results,
+)
 
 KINDS = ("paged", "dense")
 
@@ -73,10 +94,8 @@ def parse_args(argv: list[str] | None = None):
 def main() -> None:
     args = parse_args()
     import torch
+
     from tltlib.machine import this_machine
-    from tltlib.kv.paged import KVConfig
-    from tltlib.rollout.engine import RolloutConfig, RolloutEngine
-    from tltlib.model.sampling import SamplingConfig
 
     use_drafter = args.drafter not in (None, "none") and not args.attention
     model, tok, drafter = load_models(args, drafter=use_drafter)
@@ -84,18 +103,7 @@ def main() -> None:
         return attention_grid(model, args)
     device = str(model.device)
     prompts = task_prompts(args.task, tok, args.prompts, seed=1)
-    sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new)
-    engines, refused = {}, {}
-    for kind in args.kv.items:
-        kv = KVConfig(kind=kind, memory=args.memory, page_size=args.page_size)
-        engine = RolloutEngine(model, RolloutConfig(sampling, num_generations=args.num_generations, kv=kv), drafter=drafter)
-        try:                                       # the dense check runs when the buffers are made: make them now
-            engine.kept.workspace(_Probe(), args.prompts * args.num_generations,
-                                  max(map(len, prompts)) + args.max_new + engine.config.draft_margin)
-            engines[kind] = engine
-        except ValueError as e:
-            refused[kind] = str(e)
-            print(f"{kind}: refused: {e}", file=sys.stderr)
+    engines, refused = _engines(model, drafter, prompts, args)
     out: dict = {}
 
     def run(kind):
@@ -142,14 +150,36 @@ def main() -> None:
     sd = "" if args.strategy == "off" else f"-{args.strategy}"
     suffix = f"{where}{model_suffix(args.model)}-{args.prompts}x{args.num_generations}-{args.max_new}{sd}"
     write_results(result_name("kv_cache", device, args.dtype, suffix), payload,
-                  f"KV cache, model {args.model}, {args.task} prompts, {args.prompts} x {args.num_generations} rows, up to "
-                  f"{args.max_new} new tokens at T={args.temperature}, strategy {args.strategy}, pages of "
+                  f"KV cache, model {args.model}, {args.task} prompts, {args.prompts} x {args.num_generations} rows, "
+                  f"up to {args.max_new} new tokens at T={args.temperature}, strategy {args.strategy}, pages of "
                   f"{args.page_size}, budget {args.memory} ("
                   + ("one run each, timed with the memory hook" if args.once else
                      f"median of {args.repeats} after a warm-up") + "); responses: "
                   f"mean {payload['response_lengths']['mean']:.0f}, max {payload['response_lengths']['max']:.0f} "
                   f"tokens; {note}; process peak RSS {payload['max_rss_bytes'] / 2**30:.2f} GiB\n\n"
                   + markdown_table(header, rows), args.out)
+
+
+def _engines(model, drafter, prompts, args) -> tuple[dict, dict]:
+    """({cache kind: engine}, {cache kind: why it was refused}): one engine per ``--kv`` kind, its buffers made now
+    (the dense cache's memory check runs when they are)."""
+    from tltlib.kv.paged import KVConfig
+    from tltlib.model.sampling import SamplingConfig
+    from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+    sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new)
+    engines, refused = {}, {}
+    for kind in args.kv.items:
+        kv = KVConfig(kind=kind, memory=args.memory, page_size=args.page_size)
+        engine = RolloutEngine(model, RolloutConfig(sampling, num_generations=args.num_generations, kv=kv),
+                               drafter=drafter)
+        try:
+            engine.kept.workspace(_Probe(), args.prompts * args.num_generations,
+                                  max(map(len, prompts)) + args.max_new + engine.config.draft_margin)
+            engines[kind] = engine
+        except ValueError as e:
+            refused[kind] = str(e)
+            print(f"{kind}: refused: {e}", file=sys.stderr)
+    return engines, refused
 
 
 ATTENTION_ROWS = (2, 8, 32, 128)
@@ -159,9 +189,10 @@ ATTENTION_NEW = (1, 2, 5, 9, 17, 33)
 def attention_grid(model, args) -> None:
     """One layer's attention at ``model``'s head shapes over rows x new tokens (``ATTENTION_ROWS`` x
     ``ATTENTION_NEW``), rows of 200-400 committed positions on scattered pages of ``--page-size``, causal over the
-    new tokens: the paged kernel against gather + :func:`tltlib.kernels.dispatch.cached_attention`, median of ``--repeats``
-    timings of a few calls each; the same results checked first."""
+    new tokens: the paged kernel against gather + :func:`tltlib.kernels.dispatch.cached_attention`, median of
+    ``--repeats`` timings of a few calls each; the same results checked first."""
     import torch
+
     from tltlib.kernels import ragged_attention as ra
     from tltlib.kernels.dispatch import cached_attention
     from tltlib.machine import this_machine

@@ -2,9 +2,9 @@
 threshold + fixed strategy, and adaptive (threshold + BEG-MAB), with the learned EAGLE drafter and with the
 model-free n-gram drafter. Total rollout time, ratios, and token identity at temperature 0.
 
-Workload: ``--prompts`` held-out chain problems x ``--num-generations`` samples at ``--temperature`` on the tiny reasoner (the
-notebook-01 rollout: a few responses run ~15x longer than the median). Every policy runs the same prompts with the
-same seed, side by side in one process, after a common warm-up; the adaptive controllers first tune on
+Workload: ``--prompts`` held-out chain problems x ``--num-generations`` samples at ``--temperature`` on the tiny
+reasoner (the notebook-01 rollout: a few responses run ~15x longer than the median). Every policy runs the same prompts
+with the same seed, side by side in one process, after a common warm-up; the adaptive controllers first tune on
 ``--tune-rollouts`` rollouts of other prompts (as they would on the previous RL steps: the controller lives across the
 whole RL run), then are timed. Time = wall time of ``RolloutEngine.generate`` (median of ``--repeats``, policies
 interleaved, each round in its own shuffled order; each repeat samples with its own seed, shared by all policies,
@@ -32,10 +32,29 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (add_num_generations, DRAFTER, TASK_HELP, add_device_flags, add_model_flags, add_output_flags,  # noqa: E402
-                     bench_parser, listed, load_models, machine_info, markdown_table, model_suffix, nonnegative_int,
-                     parse_bench_args, positive_int, result_name, strategy, task_prompts, temperature, timed,
-                     write_results)
+from _common import (  # noqa: E402
+    DRAFTER,
+    TASK_HELP,
+    add_device_flags,
+    add_model_flags,
+    add_num_generations,
+    add_output_flags,
+    bench_parser,
+    listed,
+    load_models,
+    machine_info,
+    markdown_table,
+    model_suffix,
+    nonnegative_int,
+    parse_bench_args,
+    positive_int,
+    result_name,
+    strategy,
+    task_prompts,
+    temperature,
+    timed,
+    write_results,
+)
 
 
 def parse_args(argv: list[str] | None = None):
@@ -198,8 +217,8 @@ class Runner:
 
     def engines(self, temp: float) -> tuple:
         """(engine with the learned drafter, engine without) sampling at ``temp``."""
-        from tltlib.rollout.engine import RolloutConfig, RolloutEngine
         from tltlib.model.sampling import SamplingConfig
+        from tltlib.rollout.engine import RolloutConfig, RolloutEngine
         from tltlib.spec.suffix import SuffixConfig
         cfg = RolloutConfig(SamplingConfig(temperature=temp, max_new_tokens=self.args.max_new),
                             num_generations=self.args.num_generations)
@@ -371,7 +390,8 @@ def _table(args, device: str, rows: list, r0, summary: dict, best_fixed: dict, c
     oracle_of = f"'<= {args.fixed_threshold} rows' strategy" if args.no_always else "always-strategy"
     g = summary["guarantee"]
     same = "; every policy given the lengths of the round's no-SD rollout" if args.same_lengths else ""
-    return (f"Long-tail rollout: {args.prompts} prompts x {args.num_generations} samples, temperature {args.temperature}, "
+    return (f"Long-tail rollout: {args.prompts} prompts x {args.num_generations} samples, temperature "
+            f"{args.temperature}, "
             f"max {args.max_new} new tokens, {args.dtype} on {device}; {int(r0.lengths.sum()):,} tokens, response "
             f"length median {int(np.median(r0.lengths.numpy()))} / max {int(r0.lengths.max())}; median of "
             f"{args.repeats}{same}"

@@ -20,9 +20,20 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (add_output_flags, bench_parser, folder, interleaved_medians, listed,  # noqa: E402
-                     machine_info, markdown_table, parse_bench_args, positive_float, positive_int, task_prompts,
-                     write_results)
+from _common import (  # noqa: E402
+    add_output_flags,
+    bench_parser,
+    folder,
+    interleaved_medians,
+    listed,
+    machine_info,
+    markdown_table,
+    parse_bench_args,
+    positive_float,
+    positive_int,
+    task_prompts,
+    write_results,
+)
 
 
 def parse_args(argv: list[str] | None = None):
@@ -80,8 +91,8 @@ def _rollouts(args) -> dict:
     import torch
 
     import tltlib.model.sampling as sampling
-    from tltlib.rollout.adaptive import timed_rollout
     from tltlib.model.loading import load
+    from tltlib.rollout.adaptive import timed_rollout
     from tltlib.rollout.engine import RolloutConfig, RolloutEngine
     model, tok, _ = load(args.model, device="cpu")
     prompts = task_prompts("words", tok, args.prompts, 0)

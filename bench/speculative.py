@@ -16,11 +16,29 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    DRAFTER,
+    TASK_HELP,
+    add_device_flags,
+    add_model_flags,
+    add_output_flags,
+    bench_parser,
+    interleaved_medians,
+    listed,
+    load_models,
+    machine_info,
+    markdown_table,
+    model_suffix,
+    parse_bench_args,
+    positive_int,
+    resolve,
+    result_name,
+    strategy,
+    task_prompts,
+    temperature,
+    write_results,
+)
 from _vllm import vllm_section, vllm_table  # noqa: E402
-from _common import (DRAFTER, TASK_HELP, add_device_flags, add_model_flags, add_output_flags,  # noqa: E402
-                     bench_parser, interleaved_medians, listed, load_models, machine_info, markdown_table, model_suffix,
-                     parse_bench_args, positive_int, resolve, result_name, strategy, task_prompts, temperature,
-                     write_results)
 
 
 def parse_args(argv: list[str] | None = None):
@@ -75,8 +93,8 @@ def _measure(target, drafter, tok, args, temp: float, b: int, max_new: int, devi
     import numpy as np
     import torch
 
-    from tltlib.rollout.engine import RolloutConfig, RolloutEngine
     from tltlib.model.sampling import SamplingConfig
+    from tltlib.rollout.engine import RolloutConfig, RolloutEngine
     sampling = SamplingConfig(temperature=temp, max_new_tokens=max_new)
     prompts = task_prompts(args.task, tok, b, seed=100 + b, steps=args.steps)
     eng = RolloutEngine(target, RolloutConfig(sampling, compact_fraction=0.0, ignore_eos=args.task == "words"),

@@ -21,9 +21,22 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (add_num_generations, add_device_flags, add_model_flags, add_output_flags, bench_parser,  # noqa: E402
-                     listed, load_models, machine_info, markdown_table, model_suffix, parse_bench_args,
-                     positive_int, result_name, write_results)
+from _common import (  # noqa: E402
+    add_device_flags,
+    add_model_flags,
+    add_num_generations,
+    add_output_flags,
+    bench_parser,
+    listed,
+    load_models,
+    machine_info,
+    markdown_table,
+    model_suffix,
+    parse_bench_args,
+    positive_int,
+    result_name,
+    write_results,
+)
 
 GIB = 1 << 30
 
@@ -59,9 +72,9 @@ def child(args) -> None:
 
     from tltlib.rl.grpo import GRPOConfig
     from tltlib.rl.memory import worker_kv, worker_memory
-    from tltlib.tasks.prompts import encode_prompts
-    from tltlib.tasks.datasets import generate_task
     from tltlib.rl.trainer import GRPOTrainer
+    from tltlib.tasks.datasets import generate_task
+    from tltlib.tasks.prompts import encode_prompts
     micro, chunk = json.loads(args.child)
     model, tok, _ = load_models(args)
     base = _rss("VmRSS:")
@@ -113,7 +126,8 @@ def main() -> None:
 
 
 def _fits(args) -> list[dict]:
-    """The most prompts per step (x ``--num-generations``) whose estimate fits ``--budget-gib``, per completion length."""
+    """The most prompts per step (x ``--num-generations``) whose estimate fits ``--budget-gib``, per completion
+    length."""
     from tltlib.rl.grpo import GRPOConfig
     from tltlib.rl.memory import HEADROOM, grpo_memory
     model, tok, _ = load_models(args, all_cores=False)
@@ -143,7 +157,8 @@ def _tables(results, fits, args) -> str:
             "trainer's estimate, and the update's speed\n\n" + markdown_table(
                 ["micro_batch_tokens", "logprob_chunk", "micro-batches", "peak GiB", "estimate GiB",
                  "of which activations", "update s", "tokens/s"], rows))
-    text += (f"\n\nWhat fits in {args.budget_gib:g} GiB by the estimate (weights included, {args.num_generations} completions "
+    text += (f"\n\nWhat fits in {args.budget_gib:g} GiB by the estimate (weights included, {args.num_generations} "
+             f"completions "
              f"per prompt, prompts of 128 tokens, micro_batch_tokens {args.chunk_micro}):\n\n"
              + markdown_table(["completion length", "prompts per step", "completions per step"],
                               [[f["length"], f["prompts"], f["completions"]] for f in fits]))

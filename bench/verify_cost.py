@@ -14,9 +14,22 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (add_device_flags, add_model_flags, add_output_flags, bench_parser,  # noqa: E402
-                     interleaved_medians, listed, load_models, machine_info, markdown_table, model_suffix,
-                     parse_bench_args, positive_int, result_name, write_results)
+from _common import (  # noqa: E402
+    add_device_flags,
+    add_model_flags,
+    add_output_flags,
+    bench_parser,
+    interleaved_medians,
+    listed,
+    load_models,
+    machine_info,
+    markdown_table,
+    model_suffix,
+    parse_bench_args,
+    positive_int,
+    result_name,
+    write_results,
+)
 
 
 def parse_args(argv: list[str] | None = None):

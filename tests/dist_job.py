@@ -60,8 +60,8 @@ if MODE == "job":
     run_job(PARAMS, output_dir=OUT, progress=False, reward_funcs=(faulty_reward,), out=open(os.devnull, "w"))
     sys.exit(0)
 
-from tltlib.lab.rljob import build, read_job          # noqa: E402
-from tltlib.rl.world import DistributedWorld         # noqa: E402
+from tltlib.lab.rljob import build, read_job  # noqa: E402
+from tltlib.rl.world import DistributedWorld  # noqa: E402
 
 job = read_job(PARAMS)
 if MODE == "mismatch" and RANK == 1:

@@ -9,15 +9,23 @@ import numpy as np
 import pytest
 import torch
 
-from tltlib.rollout.adaptive import (AdaptiveConfig, AdaptiveController, DepthAcceptance, TunerConfig,
-                                     default_threshold, load_prior, save_prior, timed_rollout)
+from tltlib.model.decoder import ModelConfig, Transformer
+from tltlib.model.drafter import Drafter, DrafterConfig
+from tltlib.model.sampling import SamplingConfig
+from tltlib.rollout.adaptive import (
+    AdaptiveConfig,
+    AdaptiveController,
+    DepthAcceptance,
+    TunerConfig,
+    default_threshold,
+    load_prior,
+    save_prior,
+    timed_rollout,
+)
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
 from tltlib.sim.costs import MeasuredCosts, iteration_time, plain_rate, predicted_speedup, switch_cost
 from tltlib.sim.measure import measure_costs
 from tltlib.spec.acceptance import expected_tokens
-from tltlib.model.drafter import Drafter, DrafterConfig
-from tltlib.model.decoder import ModelConfig, Transformer
-from tltlib.rollout.engine import RolloutConfig, RolloutEngine
-from tltlib.model.sampling import SamplingConfig
 from tltlib.spec.strategy import OFF, SpecStrategy
 
 ARMS = ("chain-2", "chain-6", "tree-4x2-8", "ngram-4")
@@ -265,7 +273,8 @@ def test_cost_model_scales_with_context_and_the_reward_is_normalised_by_it():
     assert cm.forward(1, 512, 1) == pytest.approx(1.448) and cm.forward(1, None, 1) == pytest.approx(1.0)
     assert cm.forward(16, 288, 1) == pytest.approx(3.12) and cm.forward(16, 288, 9) == pytest.approx(5.12)
     assert MeasuredCosts.from_dict(cm.to_dict()).to_dict() == cm.to_dict()
-    with pytest.raises(ValueError, match="the tuner's arms \\['chain-2'\\] draft with the learned drafter but the cost model "
+    with pytest.raises(ValueError, match="the tuner's arms \\['chain-2'\\] draft with the learned drafter but the cost "
+                                         "model "
                                          "has no drafter timings"):
         AdaptiveController(AdaptiveConfig(threshold=16, tuner=TunerConfig(arms=("chain-2",), buckets=(1,))), cm)
     ctl = AdaptiveController(AdaptiveConfig(threshold=16, tuner=TunerConfig(arms=("ngram-4",), buckets=(1,))), cm)

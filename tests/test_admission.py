@@ -1,19 +1,19 @@
-"""Admission by memory (tltlib.rollout.admission): a rollout whose rows outgrow the KV budget preempts rows and re-admits them
-by recomputing their tokens, and finishes with the tokens an unconstrained rollout gives (greedy), log-probs the
-training forward reproduces (sampled, plain and SD), the SD switch shown only running rows, and the KV pool never
-above its budget; budgets that cannot hold one row or the prefill are refused before the rollout."""
+"""Admission by memory (tltlib.rollout.admission): a rollout whose rows outgrow the KV budget preempts rows and
+re-admits them by recomputing their tokens, and finishes with the tokens an unconstrained rollout gives (greedy),
+log-probs the training forward reproduces (sampled, plain and SD), the SD switch shown only running rows, and the KV
+pool never above its budget; budgets that cannot hold one row or the prefill are refused before the rollout."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tltlib.kv.paged import KVConfig
+from tltlib.kv.pages import kv_bytes_per_token
+from tltlib.model.decoder import ModelConfig, Transformer
 from tltlib.model.drafter import Drafter, DrafterConfig
 from tltlib.model.logprobs import SequenceBatch, response_logprobs
-from tltlib.model.decoder import ModelConfig, Transformer
-from tltlib.kv.pages import kv_bytes_per_token
-from tltlib.kv.paged import KVConfig
-from tltlib.rollout.engine import RolloutConfig, RolloutEngine
 from tltlib.model.sampling import SamplingConfig
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
 from tltlib.spec.strategy import OFF, SpecStrategy
 
 CFG = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -291,7 +291,8 @@ def test_long_tail_bench_with_same_lengths_runs_every_policy_on_one_schedule(tmp
     """``--same-lengths``: each policy is given the lengths of its round's no-SD rollout, so every policy emits the
     same number of tokens although SD at T=0.9 samples other responses; the guarantee line is reported, over the
     timed rounds and the ``--guarantee-rounds`` (no SD, best in hindsight, adaptive only), with its intervals."""
-    out = bench(tmp_path, "long_tail_rollout", "--prompts", "3", "--num-generations", "3", "--max-new", "40", "--repeats", "2",
+    out = bench(tmp_path, "long_tail_rollout", "--prompts", "3", "--num-generations", "3", "--max-new", "40",
+                "--repeats", "2",
                 "--tune-rollouts", "1", "--threshold", "4", "--fixed-threshold", "4", "--arms", "off;chain-2",
                 "--ngram-arms", "off;ngram-2", "--no-always", "--no-identity", "--same-lengths",
                 "--guarantee-rounds", "2")
@@ -319,7 +320,8 @@ def test_a_recipe_sets_the_comparison_from_a_train_grpo_file(tmp_path):
     args = e2e_grpo._with_recipe(ns, pytest.fail)
     assert (args.prompts, args.num_generations, args.lr, args.drafter_steps, args.held_out, args.trl_steps) == \
         (4, 4, 3e-6, 3, 24, 0)
-    assert args.model == "data/tiny-reasoner" and args.drafter == "data/tiny-reasoner-drafter" and args.train_on == "own"
+    assert args.model == "data/tiny-reasoner" and args.drafter == "data/tiny-reasoner-drafter"
+    assert args.train_on == "own"
     grpo = e2e_grpo._grpo(args, seed=2)
     assert (grpo.max_steps, grpo.seed, grpo.reward_weights) == (5, 2, (1.0, 0.5))
     kw = e2e_grpo._trainer_kwargs(args)

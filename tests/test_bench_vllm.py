@@ -96,8 +96,8 @@ def test_vllm_peer_off_or_absent_gives_no_column_and_a_named_mode_without_vllm_s
 @pytest.mark.skipif(_vllm.vllm_python() is None, reason="no .venv-vllm: python -m tltlib setup-vllm")
 def test_the_real_vllm_column_decodes_what_tltlib_decodes():
     from tltlib.model.loading import load
-    from tltlib.rollout.engine import RolloutConfig, RolloutEngine
     from tltlib.model.sampling import SamplingConfig
+    from tltlib.rollout.engine import RolloutConfig, RolloutEngine
     target, _, _ = load(ROOT / "data" / "tiny-reasoner", device="cpu")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 60, (int(n),), generator=g).tolist() for n in (5, 9, 3)]

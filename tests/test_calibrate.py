@@ -96,7 +96,8 @@ def test_a_small_validation_measures_simulates_and_names_every_check(monkeypatch
     # median came out 0.85x its forwards once under an 11% noise (the bounds' refusal is tested in test_physical)
     monkeypatch.setattr(physical, "MIN_TOLERANCE", math.inf)
     model, tok, drafter = load("data/tiny-reasoner", "data/tiny-reasoner-drafter", device="cpu")
-    checks, inputs = validate(model, tok, drafter, prompts=4, num_generations=4, max_new=96, steps=2, cost_rows=(1, 4, 16),
+    checks, inputs = validate(model, tok, drafter, prompts=4, num_generations=4, max_new=96, steps=2, cost_rows=(1, 4,
+                                                                                                                 16),
                               log=lambda s: None)
     assert [c.what for c in checks] == [
         "rollout 4 x 4, no SD: median seconds", "rollout 4 x 4, chain-8 at <= 32 rows: median seconds",
@@ -129,7 +130,8 @@ def test_the_command_exits_non_zero_when_a_prediction_is_off(monkeypatch, tmp_pa
                                                               "GRPO steps, tlt: an overhead set to 0 ms"]}))
     assert main(["simulate", "--validate", "--out", str(tmp_path)]) == 1
     out = capsys.readouterr()
-    assert "| step | 1.300 | 1.000 | +30.0% | OFF |" in out.out and "| idle | 0.060 | 0.030 | +3.0 points | ok |" in out.out
+    assert "| step | 1.300 | 1.000 | +30.0% | OFF |" in out.out
+    assert "| idle | 0.060 | 0.030 | +3.0 points | ok |" in out.out
     assert "moved onto a physical bound within that noise: GRPO steps, tlt: an overhead set to 0 ms" in out.out
     assert "1 prediction(s) off by more than 15% (shares: 5 points): step" in out.err
     assert (tmp_path / "simulate-validate-cpu.json").is_file()
@@ -140,7 +142,8 @@ def test_the_engines_overhead_is_fitted_from_what_a_rollout_took_beyond_its_forw
     rows and 1.5x at 8: the fit gives those back per band of rows (interpolated between), and the simulator's
     iteration time then matches the measured one."""
     from tltlib.sim.costs import MeasuredCosts, iteration_time
-    costs = MeasuredCosts((1, 64), (16, 512), (1, 9), (((0.002, 0.003), (0.003, 0.004)), ((0.01, 0.03), (0.012, 0.035))),
+    costs = MeasuredCosts((1, 64), (16, 512), (1, 9), (((0.002, 0.003), (0.003, 0.004)), ((0.01, 0.03), (0.012,
+                                                                                                         0.035))),
                           (1,), (((0.0005,), (0.0006,)), ((0.001,), (0.0012,))))
     scale = {1: 1.2, 2: 1.2, 4: 1.3, 8: 1.5}
 

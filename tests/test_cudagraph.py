@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tltlib.model.cudagraph import GraphConfig, GraphPool, Replay, row_bucket, span_bucket
-from tltlib.model.drafter import Drafter, DrafterConfig
 from tltlib.kv.dense import KVCache
+from tltlib.model.cudagraph import GraphConfig, GraphPool, Replay, row_bucket, span_bucket
 from tltlib.model.decoder import ModelConfig, Transformer
-from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+from tltlib.model.drafter import Drafter, DrafterConfig
 from tltlib.model.sampling import SamplingConfig
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
 
 CFG = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   eos_token_ids=(2,), pad_token_id=0, bos_token_id=1, max_position_embeddings=200)

@@ -7,13 +7,13 @@ import copy
 import numpy as np
 import pytest
 
+from tltlib.model.loading import load
 from tltlib.rl.curriculum import CurriculumConfig, level_pools, problem_level, stage, stage_pool
 from tltlib.rl.grpo import GRPOConfig
-from tltlib.model.loading import load
-from tltlib.tasks.problem import Problem
+from tltlib.rl.trainer import GRPOTrainer
 from tltlib.tasks.chain import ChainTaskConfig, generate_problems
 from tltlib.tasks.datasets import load_problems, save_problems
-from tltlib.rl.trainer import GRPOTrainer
+from tltlib.tasks.problem import Problem
 
 PROBLEMS = [p for k in (3, 4, 5) for p in generate_problems(ChainTaskConfig(min_steps=3, max_steps=6), 6, seed=k,
                                                                steps=k)]

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tltlib.drafting.responses import sample_responses
-from tltlib.tasks.datasets import read_responses
 from tltlib.model.decoder import ModelConfig, Transformer
+from tltlib.tasks.datasets import read_responses
 from tltlib.tasks.problem import Problem
 
 CFG = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -31,7 +31,8 @@ class _Tok:
 
 def test_responses_are_appended_per_batch_and_a_rerun_continues(tmp_path, monkeypatch):
     import tltlib.tasks.prompts
-    monkeypatch.setattr(tltlib.tasks.prompts, "encode_prompts", lambda probs, tok: [[1] + [3 + ord(c) % 20 for c in p.prompt]
+    monkeypatch.setattr(tltlib.tasks.prompts, "encode_prompts", lambda probs,
+                        tok: [[1] + [3 + ord(c) % 20 for c in p.prompt]
                                                                   for p in probs])
     torch.manual_seed(0)
     target = Transformer(CFG, init_std=0.4).eval()

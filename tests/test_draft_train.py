@@ -4,14 +4,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tltlib.drafting.train import (DrafterTrainConfig, DrafterTrainer, depth_accuracy, drafter_loss, pairs_from_sequences,
-                                train_offline)
-from tltlib.drafting.pairs import loss_mask
-from tltlib.drafting.pairs import PairBuffer
-from tltlib.model.drafter import Drafter, DrafterConfig
+from tltlib.drafting.pairs import PairBuffer, loss_mask
+from tltlib.drafting.train import (
+    DrafterTrainConfig,
+    DrafterTrainer,
+    depth_accuracy,
+    drafter_loss,
+    pairs_from_sequences,
+    train_offline,
+)
 from tltlib.model.decoder import ModelConfig, Transformer
-from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+from tltlib.model.drafter import Drafter, DrafterConfig
 from tltlib.model.sampling import SamplingConfig
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
 from tltlib.spec.strategy import OFF, SpecStrategy
 
 CFG = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -206,11 +211,12 @@ def test_train_drafter_refuses_long_prompts_and_a_drafter_of_another_shape(tmp_p
 
     import pytest
 
-    from tltlib.model.weights import save_model
     from tltlib.drafting.warmup import check_context, train_warm_drafter
     from tltlib.model.decoder import preset
+    from tltlib.model.weights import save_model
     DATA = Path(__file__).resolve().parent.parent / "data"
-    with pytest.raises(ValueError, match=r"data.jsonl: 2 of 3 prompts \(rows \[0, 2\]\) leave no room for a response in "
+    with pytest.raises(ValueError, match=r"data.jsonl: 2 of 3 prompts \(rows \[0, 2\]\) leave no room for a response "
+                                         r"in "
                                          r"the context of m \(8 tokens.*longest prompt has 9\)"):
         check_context([[1] * 8, [1] * 3, [1] * 9], 8, "data.jsonl", "m")
     other = tmp_path / "wide"

@@ -7,9 +7,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tltlib.model.drafter import (Drafter, DrafterConfig, export_vllm_eagle, frequent_tokens, load_drafter, load_vllm_eagle,
-                            save_drafter)
 from tltlib.model.decoder import ModelConfig, Transformer
+from tltlib.model.drafter import (
+    Drafter,
+    DrafterConfig,
+    export_vllm_eagle,
+    frequent_tokens,
+    load_drafter,
+    load_vllm_eagle,
+    save_drafter,
+)
 
 CFG = ModelConfig(vocab_size=30, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
                   eos_token_ids=(2,))

@@ -5,9 +5,9 @@ from collections import Counter
 
 import torch
 
-from tltlib.model.drafter import Drafter, DrafterConfig
 from tltlib.lab.explain import compare_samplers, sample_categories, trace_step
 from tltlib.model.decoder import ModelConfig, Transformer
+from tltlib.model.drafter import Drafter, DrafterConfig
 from tltlib.model.sampling import SamplingConfig
 from tltlib.spec.strategy import OFF, SpecStrategy
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_notebooks import EXPECTED
 
-from tltlib.model.drafter import is_drafter_folder
+from test_notebooks import EXPECTED
 from tltlib.fileio import ROOT
-from tltlib.rl.memory import MeasuredLengths
 from tltlib.lab.notebook import read_metrics
+from tltlib.model.drafter import is_drafter_folder
+from tltlib.rl.memory import MeasuredLengths
 from tltlib.tasks.chain import ChainTaskConfig, generate_problems
 from tltlib.tasks.datasets import save_problems
 

@@ -7,8 +7,17 @@ import math
 import pytest
 import torch
 
-from tltlib.rl.grpo import (GRPOConfig, accuracy_reward, aggregate_loss, clipped_token_loss, compute_rewards,
-                         format_reward, group_advantages, kl_k3, reward_funcs_named)
+from tltlib.rl.grpo import (
+    GRPOConfig,
+    accuracy_reward,
+    aggregate_loss,
+    clipped_token_loss,
+    compute_rewards,
+    format_reward,
+    group_advantages,
+    kl_k3,
+    reward_funcs_named,
+)
 
 
 def test_group_advantages_by_scaling():

@@ -156,11 +156,11 @@ def test_shipped_smollm2_drafter_fits_smollm2():
 
 @pytest.mark.slow
 def test_shipped_smollm2_drafter_is_lossless_and_accepts_on_smollm2():
-    from tltlib.rollout.engine import RolloutConfig, RolloutEngine
     from tltlib.model.sampling import SamplingConfig
+    from tltlib.rollout.engine import RolloutConfig, RolloutEngine
     from tltlib.spec.strategy import SpecStrategy
-    from tltlib.tasks.prompts import encode_prompts
     from tltlib.tasks.datasets import generate_task
+    from tltlib.tasks.prompts import encode_prompts
     path = importers.get_model("smollm2-135m", progress=False)
     target, tok, drafter = load(path, SHIPPED_SMOL_DRAFTER, device="cpu")
     prompts = encode_prompts(generate_task("words", 2, seed=123), tok)

@@ -155,7 +155,8 @@ def test_every_attention_kernel_computes_the_masked_softmax(queries, ragged):
 def test_linear_keeps_autograd_and_f_linear_outside_cpu_float32_inference():
     w = torch.randn(5, 3, requires_grad=True)
     x = torch.randn(2, 3, requires_grad=True)
-    table = kt.KernelTable(None, {kt.linear_key(5, 3, b): kt.Timing({"mm": 1e-6, "linear": 3e-6}, {"mm": 0, "linear": 0})
+    table = kt.KernelTable(None, {kt.linear_key(5, 3, b): kt.Timing({"mm": 1e-6, "linear": 3e-6}, {"mm": 0,
+                                                                                                   "linear": 0})
                                   for b in range(kt.MAX_ROW_BAND + 1)})
     with kt.using(table):
         assert table.linear_kernel(5, 3, 2, False) == "mm"
@@ -170,8 +171,8 @@ def test_the_model_decodes_the_same_tokens_whatever_the_table_picked(fresh_table
     """Greedy generation of the shipped tiny reasoner under tables that force each projection kernel and each
     attention kernel: identical tokens (every kernel computes the same function; greedy picks the same argmax)."""
     from tltlib.model.loading import load
-    from tltlib.rollout.engine import RolloutConfig, RolloutEngine
     from tltlib.model.sampling import SamplingConfig
+    from tltlib.rollout.engine import RolloutConfig, RolloutEngine
     from tltlib.tasks.chain import ChainTaskConfig, generate_problems
     from tltlib.tasks.prompts import encode_prompts
     model, tok, _ = load("data/tiny-reasoner", None)
@@ -179,9 +180,9 @@ def test_the_model_decodes_the_same_tokens_whatever_the_table_picked(fresh_table
     config = RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=48), num_generations=2)
     tokens = []
     for lin, att in (("linear", "sdpa"), ("mm", "matmul"), ("mm-pad", "ragged"), ("packed", "ragged")):
-        l, a = ks.search(model, None, timer=fake_timer({"linear": lin, "attention": att}), config=FAST,
-                         progress=False)
-        with kt.using(kt.KernelTable(this_machine(), l, a)):
+        lin_t, att_t = ks.search(model, None, timer=fake_timer({"linear": lin, "attention": att}), config=FAST,
+                                 progress=False)
+        with kt.using(kt.KernelTable(this_machine(), lin_t, att_t)):
             out = RolloutEngine(model, config).generate(prompts)
         tokens.append(out.tokens)
     assert all(torch.equal(tokens[0], t) for t in tokens[1:])

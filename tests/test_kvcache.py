@@ -1,12 +1,13 @@
-"""Ragged KV caches (dense and paged): prefill of different prompt lengths, per-step append, rollback, compaction, tree masks."""
+"""Ragged KV caches (dense and paged): prefill of different prompt lengths, per-step append, rollback, compaction,
+tree masks."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from tltlib.kv.dense import KVCache
-from tltlib.model.decoder import ModelConfig, Transformer
 from tltlib.kv.paged import KVConfig
+from tltlib.model.decoder import ModelConfig, Transformer
 
 CFG = ModelConfig(vocab_size=61, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   max_position_embeddings=128)

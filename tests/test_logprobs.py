@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tltlib.model.decoder import ModelConfig, Transformer
 from tltlib.model.drafter import Drafter, DrafterConfig
 from tltlib.model.logprobs import SequenceBatch, micro_batches, padded_tokens, response_logprobs, sampling_logprobs
-from tltlib.model.decoder import ModelConfig, Transformer
-from tltlib.rollout.engine import RolloutConfig, RolloutEngine
 from tltlib.model.sampling import SamplingConfig
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
 
 CFG = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   eos_token_ids=(2,), pad_token_id=0, max_position_embeddings=128)

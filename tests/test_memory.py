@@ -13,17 +13,31 @@ from pathlib import Path
 import pytest
 import torch
 
-from tltlib.rl.grpo import GRPOConfig
-from tltlib.model.loading import load
-from tltlib.rl.memory import (HEADROOM, KV_PART, POOL_SLACK, KVEstimate, MeasuredLengths, activation_bytes_per_token,
-                           available_bytes, check_fits, grpo_memory, grpo_plan, kv_estimate, kv_pool_bytes,
-                           peak_held_tokens, worker_kv, worker_memory)
 from tltlib.kv.pages import kv_bytes_per_token
-from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+from tltlib.model.loading import load
 from tltlib.model.sampling import SamplingConfig
+from tltlib.rl.grpo import GRPOConfig
+from tltlib.rl.memory import (
+    HEADROOM,
+    KV_PART,
+    POOL_SLACK,
+    KVEstimate,
+    MeasuredLengths,
+    activation_bytes_per_token,
+    available_bytes,
+    check_fits,
+    grpo_memory,
+    grpo_plan,
+    kv_estimate,
+    kv_pool_bytes,
+    peak_held_tokens,
+    worker_kv,
+    worker_memory,
+)
+from tltlib.rl.trainer import GRPOTrainer
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
 from tltlib.tasks.chain import ChainTaskConfig, generate_problems
 from tltlib.tasks.prompts import encode_prompts
-from tltlib.rl.trainer import GRPOTrainer
 
 ARGS = GRPOConfig(num_generations=2, generation_batch_size=8, max_completion_length=64, micro_batch_tokens=256,
                   logprob_chunk=128)
@@ -148,7 +162,8 @@ def test_a_run_that_cannot_fit_is_refused_before_the_rollout_and_the_engine_gets
     with warnings.catch_warnings():
         warnings.simplefilter("error")                  # short responses measured: the same memory is enough
         fits = GRPOTrainer(copy.deepcopy(model), tok, probs, ARGS, lengths=measured)
-    assert worker_kv(model.config, ARGS, fits.worker_shape(), measured)[0].bytes < kv.bytes and "the 8 measured" in fits.kv_plan.describe()
+    assert worker_kv(model.config, ARGS, fits.worker_shape(),
+                     measured)[0].bytes < kv.bytes and "the 8 measured" in fits.kv_plan.describe()
     with pytest.raises(MemoryError, match="rollout KV cache 2.0 GiB \\(lower grpo.generation_batch_size"):
         check_fits({"rollout KV cache": 2 << 30, "gradients": 1 << 20}, 1 << 30)
 
@@ -180,7 +195,8 @@ def test_the_gpu_examples_fit_one_80gb_gpu_as_their_memory_comment_says(path):
     data = yaml.safe_load(Path(path).read_text())
     if "notebooks" in data:                             # notebook 05's GRPO
         nb = data["notebooks"]["05"]
-        args = GRPOConfig(num_generations=nb["NUM_GENERATIONS"], generation_batch_size=nb["N_PROMPTS"] * nb["NUM_GENERATIONS"],
+        args = GRPOConfig(num_generations=nb["NUM_GENERATIONS"],
+                          generation_batch_size=nb["N_PROMPTS"] * nb["NUM_GENERATIONS"],
                           max_completion_length=nb["MAX_NEW_TOKENS"], micro_batch_tokens=nb["MICRO_BATCH_TOKENS"])
         model = data["MODEL_PATH"]
     else:

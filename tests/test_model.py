@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from tltlib.model.weights import load_config, load_model, save_model
 from tltlib.model.decoder import ModelConfig, Transformer, preset
+from tltlib.model.weights import load_config, load_model, save_model
 
 
 def _tokens(vocab=97, rows=3, length=40, seed=1):
@@ -153,6 +153,7 @@ def _copy_checkpoint(tmp_path, edit=None, tensors=None):
     """A copy of the shipped tiny reasoner with config.json edited by ``edit(dict)`` and/or tensors replaced."""
     import shutil
     from pathlib import Path
+
     from safetensors.torch import load_file, save_file
     src = Path(__file__).resolve().parent.parent / TINY
     dst = tmp_path / "ckpt"
@@ -292,8 +293,8 @@ def test_single_file_beside_a_shard_index_is_ambiguous(tmp_path):
 
 
 def test_the_one_loader_resolves_paths_and_checks_device_and_dtype():
-    from tltlib.model.weights import parse_dtype, pick_device
     from tltlib.model.loading import load
+    from tltlib.model.weights import parse_dtype, pick_device
     model, tok, drafter = load("data/tiny-reasoner", "data/tiny-reasoner-drafter", device="cpu", dtype="float32")
     assert drafter.is_attached_to(model) and tok.eos_token_id in model.config.eos_token_ids
     assert model.device.type == "cpu" and load("data/tiny-reasoner").drafter is None
@@ -305,8 +306,8 @@ def test_the_one_loader_resolves_paths_and_checks_device_and_dtype():
 
 
 def test_casting_keeps_the_rotary_frequencies_float32():
-    from tltlib.model.drafter import Drafter, DrafterConfig
     from tltlib.model.decoder import rope_inv_freq
+    from tltlib.model.drafter import Drafter, DrafterConfig
     cfg = preset("tiny-cpu")
     for m in (Transformer(cfg).to(torch.bfloat16), Drafter(DrafterConfig.from_target(cfg)).bfloat16()):
         assert m.inv_freq.dtype == torch.float32 and torch.equal(m.inv_freq, rope_inv_freq(cfg))
@@ -365,5 +366,6 @@ def test_integer_weights_are_refused_as_a_quantised_model(tmp_path):
         state["model.layers.2.self_attn.q_proj.weight"] = (w * 100).round().clamp(-127, 127).to(torch.int8)
     path = _copy_checkpoint(tmp_path, tensors=int8)
     with pytest.raises(ValueError, match="1 weight tensors are not floating point "
-                                         "\\(model.layers.2.self_attn.q_proj.weight is int8\\): the model is quantised"):
+                                         "\\(model.layers.2.self_attn.q_proj.weight is int8\\): "
+                                         "the model is quantised"):
         load_model(path)

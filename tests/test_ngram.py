@@ -1,16 +1,15 @@
 """The model-free n-gram drafter: what it proposes, and that SD with it stays exact in the engine."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from conftest import first_tokens_pvalue
-from tltlib.spec import verify
 from tltlib.model.decoder import ModelConfig, Transformer
-from tltlib.spec.ngram import NgramConfig, NgramDrafter
-from tltlib.rollout.engine import RolloutConfig, RolloutEngine
 from tltlib.model.sampling import SamplingConfig
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+from tltlib.spec import verify
+from tltlib.spec.ngram import NgramConfig, NgramDrafter
 from tltlib.spec.strategy import SpecStrategy
 
 

@@ -34,7 +34,7 @@ def test_every_notebook_has_expectations_and_a_parameters_cell():
         tagged = [c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])]
         assert len(tagged) == 1, f"{nb.name} needs exactly one cell tagged 'parameters'"
         source = "".join(tagged[0]["source"])
-        assigned = [l.split("=")[0].strip() for l in source.splitlines() if l and not l.startswith("#")]
+        assigned = [line.split("=")[0].strip() for line in source.splitlines() if line and not line.startswith("#")]
         from papermill.translators import PythonTranslator
         parsed = [p.name for p in PythonTranslator.inspect({"source": source})]
         assert parsed == assigned, f"{nb.name}: papermill cannot parse every parameter line (no '=' in comments)"

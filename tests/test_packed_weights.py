@@ -1,5 +1,5 @@
-"""Packed weights (tltlib.kernels.dispatch.WeightPacks): on a CPU in float32 a rollout's projections run through oneDNN with
-the weights laid out once, where the machine's kernel table picks them (forced here: tltlib.kernels.table.Forced).
+"""Packed weights (tltlib.kernels.dispatch.WeightPacks): on a CPU in float32 a rollout's projections run through oneDNN
+with the weights laid out once, where the machine's kernel table picks them (forced here: tltlib.kernels.table.Forced).
 They must compute what F.linear computes, give the same tokens as an unpacked rollout (greedy, Qwen2 with q/k/v
 biases and Llama), follow weight updates between rollouts (optimizer steps, ``.data`` writes, a reloaded model) and
 refuse a weight changed during a rollout."""
@@ -9,12 +9,11 @@ import pytest
 import torch
 
 import tltlib.kernels.dispatch as K
+from conftest import make_hf_model
 from tltlib.kernels import table as kt
+from tltlib.model.sampling import SamplingConfig
 from tltlib.model.weights import load_model
 from tltlib.rollout.engine import RolloutConfig, RolloutEngine
-from tltlib.model.sampling import SamplingConfig
-
-from conftest import make_hf_model
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
 

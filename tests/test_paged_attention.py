@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tltlib.kv.pages import BlockTables, PagePool
 from tltlib.kv.paged_attention import paged_attention, slot_index, visible
+from tltlib.kv.pages import BlockTables, PagePool
 
 
 def _dense(q, keys, values, new, tree=None):

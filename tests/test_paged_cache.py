@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tltlib.model.drafter import Drafter, DrafterConfig
-from tltlib.model.decoder import ModelConfig, Transformer
-from tltlib.kv.pages import pages_for
 from tltlib.kv.paged import KVCacheFull, KVConfig, PagedKVCache, make_cache
-from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+from tltlib.kv.pages import pages_for
+from tltlib.model.decoder import ModelConfig, Transformer
+from tltlib.model.drafter import Drafter, DrafterConfig
 from tltlib.model.sampling import SamplingConfig
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
 from tltlib.spec.strategy import SpecStrategy
 
 CFG = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -152,7 +152,8 @@ def test_a_prompt_the_budget_can_never_hold_is_refused_before_the_rollout(target
     kv = KVConfig(memory=2 * per_page, page_size=4)                       # bytes: two pages
     eng = RolloutEngine(target, RolloutConfig(SamplingConfig(max_new_tokens=4), kv=kv))
     with pytest.raises(ValueError, match=f"a row of 14 tokens \\(its prompt, max_new_tokens and one more\\) needs 4 "
-                                         f"pages of KV cache but its budget holds 2: .*at least {4 * per_page:,} bytes"):
+                                         f"pages of KV cache but its budget holds 2: "
+                                         f".*at least {4 * per_page:,} bytes"):
         eng.generate([[1] * 9])
     out = eng.generate([[1] * 3])                                         # 3 + 4 + 1 tokens fit two pages of 4
     assert out.stats["rollout/kv_pool_bytes"] == 2 * per_page

@@ -128,7 +128,7 @@ def test_a_runs_free_pages_go_to_other_rows_when_no_whole_run_is_left():
     a, b = pool.take(1), pool.take(1)
     assert (a, b) == ([0], [8])                                        # each starts a run
     assert pool.take(1, after=a[0]) == [1]                             # a row's next page: the one after its last
-    assert pool.take(13) is not None and pool.free == 0                # no run left whole: any free page, never withheld
+    assert pool.take(13) is not None and pool.free == 0        # no run left whole: any free page, never withheld
     assert pool.take(1) is None
 
 

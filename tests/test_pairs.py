@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tltlib.drafting.pairs import loss_mask
-from tltlib.drafting.pairs import PairBuffer, PairBufferConfig
+from tltlib.drafting.pairs import PairBuffer, PairBufferConfig, loss_mask
 
 H = 4
 

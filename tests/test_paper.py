@@ -6,10 +6,19 @@ import json
 
 import pytest
 
-from tltlib.spec.acceptance import expected_tokens
 from tltlib.paper.numbers import PAPER, SETTINGS
-from tltlib.paper.projection import (ProjectionConfig, fit_acceptance, lengths_from_bench, ngram_policy, paper_policy, project, sd_time_share, table3)
+from tltlib.paper.projection import (
+    ProjectionConfig,
+    fit_acceptance,
+    lengths_from_bench,
+    ngram_policy,
+    paper_policy,
+    project,
+    sd_time_share,
+    table3,
+)
 from tltlib.sim.simulate import LengthDistribution, RolloutSim
+from tltlib.spec.acceptance import expected_tokens
 from tltlib.spec.strategy import SpecStrategy
 
 

@@ -36,7 +36,7 @@ def test_shipped_cpu_files_plan_cleanly_and_gpu_example_fails_only_on_this_machi
     with pytest.raises(ValueError) as e:
         plan_run("gpu-example", ALL, ALL)
     lines = str(e.value).splitlines()[1:]
-    assert lines and all("does not exist" in l or "CUDA is not available" in l for l in lines), lines
+    assert lines and all("does not exist" in x or "CUDA is not available" in x for x in lines), lines
 
 
 def test_a_typo_is_refused_also_when_only_some_notebooks_run(tmp_path):
@@ -66,7 +66,8 @@ def test_a_key_in_the_wrong_notebook_section_is_refused(tmp_path):
     ("N_PROMPTS: 0\n", "N_PROMPTS = 0 \\(notebooks 01, 02, 04, 05, 06, 07\\): out of range"),
     ("NUM_GENERATIONS: true\n", "NUM_GENERATIONS = True .*not an integer"),
     ("DTYPE: bf16\n", "DTYPE = 'bf16' .*expected a string in 'float32', 'bfloat16', 'float16'"),
-    ("DEVICE: gpu\n", "DEVICE = 'gpu' \\(notebooks 01, 02, 03, 04, 05, 06, 07\\): not a device; expected 'auto', 'cpu', 'cuda'"),
+    ("DEVICE: gpu\n", "DEVICE = 'gpu' \\(notebooks 01, 02, 03, 04, 05, 06, 07\\): not a device; expected 'auto', "
+                      "'cpu', 'cuda'"),
     ("TEMPERATURE: '0.9'\n", "TEMPERATURE = '0.9' .*not a number"),
     ("MODEL_PATH: /nope/model\n", "MODEL_PATH = '/nope/model' .*'/nope/model' does not exist"),
     ("DATASET: data/none.jsonl\n", "DATASET = 'data/none.jsonl' .*does not exist"),
@@ -155,8 +156,8 @@ def test_an_empty_only_prefix_is_refused():
 
 
 def test_smollm2_file_plans_notebook_01_or_says_how_to_import_the_model(tmp_path, monkeypatch):
-    from tltlib.model.importers import is_imported
     from tltlib.lab.params import resolve
+    from tltlib.model.importers import is_imported
     only = notebook_paths(["01"])
     if is_imported(resolve("~/.cache/tltlib/models/smollm2-135m")):
         assert dict(plan_run("cpu-smollm2", ALL, only))[only[0]]["TASK"] == "words"
@@ -176,7 +177,8 @@ def test_a_missing_path_stops_only_the_notebooks_that_run(tmp_path):
     needed; its values are still checked, and the notebook that reads it is stopped."""
     text = "notebooks:\n  \"05\": {MODEL_PATH: /nope/sft}\n"
     assert _plan(tmp_path, text, only=["01"])
-    with pytest.raises(ValueError, match="MODEL_PATH = '/nope/sft' \\(notebook 05_grpo_with_tlt\\): '/nope/sft' does not "
+    with pytest.raises(ValueError, match="MODEL_PATH = '/nope/sft' \\(notebook 05_grpo_with_tlt\\): '/nope/sft' does "
+                                         "not "
                                          "exist"):
         _plan(tmp_path, text, only=["05"])
     with pytest.raises(ValueError, match="MODEL_PATH = 5 .*not a string"):

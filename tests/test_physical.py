@@ -9,8 +9,15 @@ import pytest
 
 from tltlib.sim.costs import MeasuredCosts, iteration_time
 from tltlib.sim.measure import fit_overheads
-from tltlib.sim.physical import (CalibrationError, at_least, check_quiet, monotone, nondecreasing_fit, pass_noise,
-                             tolerance)
+from tltlib.sim.physical import (
+    CalibrationError,
+    at_least,
+    check_quiet,
+    monotone,
+    nondecreasing_fit,
+    pass_noise,
+    tolerance,
+)
 from tltlib.spec.strategy import SpecStrategy
 
 QUIET = "rerun on a quiet machine"
@@ -100,14 +107,16 @@ def test_the_machines_drift_between_the_forwards_and_the_rollouts_widens_the_tol
 
 
 def test_an_sd_step_cheaper_than_its_forwards_is_refused():
-    with pytest.raises(CalibrationError, match=f"an SD step's time over its forwards' came out 0.56x at 4 rows.*{QUIET}"):
+    with pytest.raises(CalibrationError,
+                       match=f"an SD step's time over its forwards' came out 0.56x at 4 rows.*{QUIET}"):
         fit_overheads(COSTS, [_rollout([4, 4, 2], [CHAIN] * 3, lambda r, st, t: t * (0.56 if r == 4 else 1.2))])
     fitted = fit_overheads(COSTS, [_rollout([4, 4, 2], [CHAIN] * 3, lambda r, st, t: t * (0.99 if r == 4 else 1.2))])
     assert dict(fitted.sd_scale) == pytest.approx({4: 1.0, 2: 1.2})
 
 
 def test_measured_costs_that_cannot_be_physical_are_refused():
-    with pytest.raises(CalibrationError, match="a target forward is not monotone in context: 10 ms at context 16 but 9 ms"):
+    with pytest.raises(CalibrationError, match="a target forward is not monotone in context: 10 ms at context 16 but 9 "
+                                               "ms"):
         MeasuredCosts((1, 64), (16, 512), (1,), (((0.002,), (0.003,)), ((0.010,), (0.009,))))
     with pytest.raises(CalibrationError, match="a draft level is not monotone in width"):
         MeasuredCosts((1,), (16,), (1,), (((0.002,),),), (1, 4), (((0.002, 0.001),),))

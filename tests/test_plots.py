@@ -42,7 +42,8 @@ def test_policy_times_labels_speedups_over_the_first_policy():
 def test_length_plots_mark_percentiles_and_end_the_cdf_at_one():
     lengths = [10] * 98 + [100, 400]
     ax = plots.length_histogram(lengths).axes[0]
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["p50 = 10", f"p99 = {np.percentile(lengths, 99):.0f}"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["p50 = 10",
+                                                                   f"p99 = {np.percentile(lengths, 99):.0f}"]
     line = plots.length_cdf(lengths).axes[0].lines[0]
     assert line.get_ydata()[-1] == 1.0 and line.get_xdata()[-1] == 400
 
@@ -70,7 +71,7 @@ def test_predicted_speedups_plots_one_curve_per_arm():
     cm = MeasuredCosts((1, 64), (64,), (1, 9), (((1.0, 1.1),), ((2.0, 16.0),)), (1,), (((0.1,),), ((0.2,),)))
     arms = [SpecStrategy("chain", 2), SpecStrategy("chain", 8)]
     ax = plots.predicted_speedups(cm, arms, 0.9, batches=[1, 8, 64]).axes[0]
-    curves = [l for l in ax.lines if len(l.get_xdata()) == 3]
+    curves = [line for line in ax.lines if len(line.get_xdata()) == 3]
     assert len(curves) == 2
     np.testing.assert_allclose(curves[1].get_ydata(), [predicted_speedup(cm, arms[1], b, 0.9) for b in (1, 8, 64)])
 

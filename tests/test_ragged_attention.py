@@ -1,6 +1,6 @@
-"""The CPU ragged-attention kernel (tltlib.kernels.ragged_attention): each row attends over its own cached length and equals
-the masked matmul/SDPA attention; the rollout routes one-token forwards to it; a build failure or the switch falls
-back to the matmul path with one warning."""
+"""The CPU ragged-attention kernel (tltlib.kernels.ragged_attention): each row attends over its own cached length and
+equals the masked matmul/SDPA attention; the rollout routes one-token forwards to it; a build failure or the switch
+falls back to the matmul path with one warning."""
 from __future__ import annotations
 
 import shutil
@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from tltlib.kernels import dispatch as kernels
-
 from tltlib.kernels import ragged_attention as ra
 
 needs_compiler = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
@@ -85,7 +84,8 @@ def test_paged_masked_kernel_equals_masked_attention_over_gathered_pages(new):
     seen = torch.gather(tree, 2, rel.clamp(0, new - 1).expand(rows, new, span))
     mask = ((rel < 0) | ((rel < new) & seen)).contiguous()                         # [rows, T, span]
     q = torch.randn(rows, heads, new, d, generator=g)
-    dense = [store[:, table].transpose(0, 1).reshape(rows, kv_heads, -1, d)[:, :, :span] for store in (k_pages, v_pages)]
+    dense = [store[:, table].transpose(0, 1).reshape(rows, kv_heads, -1, d)[:, :, :span] for store in (k_pages,
+                                                                                                       v_pages)]
     want = torch.nn.functional.scaled_dot_product_attention(q, *dense, attn_mask=mask[:, None], enable_gqa=True)
     out = ra.paged_masked_attention(q, k_pages, v_pages, table, ends, mask, 0)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)

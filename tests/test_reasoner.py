@@ -77,8 +77,8 @@ def test_shipped_model_card_numbers_meet_the_brief():
 @needs_model
 def test_shipped_model_is_long_tailed_under_its_own_sampling():
     """The brief's requirement, measured afresh: 512 samples at T=0.9, p99/p50 >= 4 and max/median >= 8."""
-    from tltlib.model.weights import load_model
     from tltlib.lab.reasoner import evaluate
+    from tltlib.model.weights import load_model
     from tltlib.tasks.chain import generate_problems
     from tltlib.tasks.tokenizer import load_tokenizer
     model, tok = load_model(SHIPPED), load_tokenizer(SHIPPED)

@@ -8,8 +8,18 @@ import pytest
 from tltlib.paper import plots as paper_plots
 from tltlib.paper.numbers import PAPER
 from tltlib.paper.projection import ProjectionConfig, project
-from tltlib.paper.reproduce import (measured_drift, measured_e2e, measured_idle, measured_rewards, measured_sd, results,
-                              simulated_case_study, simulated_idle, simulated_sd, timeline_rows)
+from tltlib.paper.reproduce import (
+    measured_drift,
+    measured_e2e,
+    measured_idle,
+    measured_rewards,
+    measured_sd,
+    results,
+    simulated_case_study,
+    simulated_idle,
+    simulated_sd,
+    timeline_rows,
+)
 
 matplotlib.use("Agg")
 RESULTS = "bench/results"

@@ -153,7 +153,8 @@ def test_resume_refuses_a_second_output_folder(tmp_path):
 
 
 def test_a_missing_job_file_lists_the_job_files():
-    with pytest.raises(FileNotFoundError, match=r"'missing.yaml' not found; available in params/train/: \[.*'smoke.yaml'"):
+    with pytest.raises(FileNotFoundError, match=r"'missing.yaml' not found; available in params/train/: "
+                                                r"\[.*'smoke.yaml'"):
         read_job("missing.yaml")
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import chi2_pvalue
 
-from tltlib.model.weights import save_model
+from conftest import chi2_pvalue
 from tltlib.model.decoder import ModelConfig, Transformer
-from tltlib.rollout.engine import RolloutConfig, RolloutEngine
 from tltlib.model.sampling import SamplingConfig, probs_from_logits
+from tltlib.model.weights import save_model
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
 
 CFG = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   eos_token_ids=(2,), pad_token_id=0, bos_token_id=1, max_position_embeddings=96)

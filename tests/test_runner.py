@@ -13,8 +13,8 @@ import pytest
 
 nbformat = pytest.importorskip("nbformat")   # the notebooks extra (absent on a bare GPU image)
 
-from tltlib.fileio import atomic_folder, check_output_folder, remove_stale_temporaries
-from tltlib.lab.notebook import NotebookError, read_metrics, run_notebooks
+from tltlib.fileio import atomic_folder, check_output_folder, remove_stale_temporaries  # noqa: E402
+from tltlib.lab.notebook import NotebookError, read_metrics, run_notebooks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BODY = """

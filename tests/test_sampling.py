@@ -4,15 +4,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import chi2_pvalue
 
+from conftest import chi2_pvalue
 from tltlib.model.sampling import SamplingConfig, probs_from_logits, sample, sample_from_logits
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (0.9, 0, 0.8), (1.3, 7, 0.6)])
 def test_probs_match_transformers_warpers(temperature, top_k, top_p):
-    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
-                                                         TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
     logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(0)) * 2
     procs = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
     if top_k:

@@ -9,8 +9,15 @@ import pytest
 
 from tltlib.model.decoder import preset
 from tltlib.sim.costs import MeasuredCosts, ModelShape, Roofline, forward_time, hardware, iteration_time
-from tltlib.sim.simulate import (OFF, LengthDistribution, SDPolicy, StepConfig, compare_policies, simulate_rollout,
-                             simulate_step)
+from tltlib.sim.simulate import (
+    OFF,
+    LengthDistribution,
+    SDPolicy,
+    StepConfig,
+    compare_policies,
+    simulate_rollout,
+    simulate_step,
+)
 from tltlib.spec.strategy import SpecStrategy
 
 QWEN7 = preset("qwen2.5-7b", tie_word_embeddings=False)

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from conftest import chi2_pvalue
-from tltlib.spec import strategy as S, verify
-from tltlib.model.drafter import Drafter, DrafterConfig
 from tltlib.model.decoder import ModelConfig, Transformer
-from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+from tltlib.model.drafter import Drafter, DrafterConfig
 from tltlib.model.sampling import SamplingConfig, probs_from_logits
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+from tltlib.spec import strategy as S
+from tltlib.spec import verify
 from tltlib.spec.strategy import SpecStrategy
 
 CFG = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -108,7 +109,8 @@ def test_sd_switches_on_right_after_a_pending_flush(target, drafter, plain_steps
     eng = _engine(target, drafter, temperature=0, max_new_tokens=60, num_generations=2, ignore_eos=True)
     assert eng.start(PROMPTS).spec.flush_at == 32
     plain = eng.generate(PROMPTS)
-    late = eng.generate(PROMPTS, strategy=lambda step, active: S.OFF if step < plain_steps else SpecStrategy("chain", 3))
+    late = eng.generate(PROMPTS, strategy=lambda step, active: S.OFF if step < plain_steps else SpecStrategy("chain",
+                                                                                                             3))
     assert torch.equal(plain.tokens, late.tokens)
 
 
@@ -259,9 +261,9 @@ def test_too_many_verify_tokens_for_the_cache(target, drafter):
 
 # ----------------------------------------------------------------------------------- the shipped models
 def test_shipped_drafter_is_lossless_and_accepts_long_runs():
+    from tltlib.lab.notebook import ROOT
     from tltlib.model.drafter import load_drafter
     from tltlib.model.weights import load_model
-    from tltlib.lab.notebook import ROOT
     from tltlib.tasks.chain import ChainTaskConfig, generate_problems
     from tltlib.tasks.prompts import encode_prompts
     from tltlib.tasks.tokenizer import load_tokenizer

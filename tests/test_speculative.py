@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from conftest import chi2_pvalue
-from tltlib.spec import acceptance, trees, verify, strategy as S
 from tltlib.model.sampling import probs_from_logits
+from tltlib.spec import acceptance, trees, verify
+from tltlib.spec import strategy as S
 
 V = 5
 TARGET_LOGITS = torch.tensor([[2.0, 1.0, 0.2, -1.0, 0.5], [0.1, 1.5, 1.4, 0.0, -2.0], [1.0, 1.0, 1.0, 1.0, 1.0],
@@ -126,7 +127,8 @@ def test_greedy_chain_and_tree_follow_the_argmax():
     tree_out = run_tree(4, 3, 2, 0.0, 0, 1.0, seed=0)
     assert (tree_out == greedy[1:]).all()
     drafts = torch.tensor([[greedy[1], greedy[2], 4]])
-    acc, nxt = verify.verify_chain_greedy(TARGET_LOGITS[torch.tensor([[0, greedy[1], greedy[2], 4]])].argmax(-1), drafts)
+    acc, nxt = verify.verify_chain_greedy(TARGET_LOGITS[torch.tensor([[0, greedy[1], greedy[2], 4]])].argmax(-1),
+                                          drafts)
     assert acc.item() == 2 and nxt.item() == greedy[3]
 
 
@@ -154,7 +156,8 @@ def test_strategy_validation_and_names():
 
 
 def test_leviathan_formula_and_inverse():
-    assert acceptance.leviathan_speedup(0.8, 8, 0.05) == pytest.approx(3.09, abs=0.01)   # the paper-peers note's numbers
+    assert acceptance.leviathan_speedup(0.8, 8, 0.05) == pytest.approx(3.09,
+                                                                       abs=0.01)   # the paper-peers note's numbers
     assert acceptance.leviathan_speedup(0.9, 8, 0.05) == pytest.approx(4.38, abs=0.01)
     a = acceptance.alpha_from_accept_length((1 - 0.7 ** 5) / 0.3, 4)
     assert a == pytest.approx(0.7, abs=1e-6)

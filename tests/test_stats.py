@@ -5,8 +5,18 @@ import numpy as np
 import pytest
 
 from tltlib.metrics import METRICS
-from tltlib.stats import (active_over_time, empty_slot_fraction, length_stats, long_tail_report, paired_ratio,
-                          per_bucket_oracle, rollout_stats, split_idle_fraction, tail_time_share, time_by_bucket)
+from tltlib.stats import (
+    active_over_time,
+    empty_slot_fraction,
+    length_stats,
+    long_tail_report,
+    paired_ratio,
+    per_bucket_oracle,
+    rollout_stats,
+    split_idle_fraction,
+    tail_time_share,
+    time_by_bucket,
+)
 
 
 def test_length_stats():

@@ -2,15 +2,14 @@
 that SD with them stays exact in the engine (greedy identity, chi-square of sampled sequences)."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from conftest import first_tokens_pvalue
-from test_ngram import CFG, SMALL, _model      # the same small models as the n-gram drafter's tests
-from tltlib.spec import verify
-from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+from test_ngram import CFG, SMALL, _model  # the same small models as the n-gram drafter's tests
 from tltlib.model.sampling import SamplingConfig
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+from tltlib.spec import verify
 from tltlib.spec.strategy import SpecStrategy
 from tltlib.spec.suffix import SuffixConfig, SuffixDrafter, SuffixHistory, trie_nodes
 

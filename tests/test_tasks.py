@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from tltlib.tasks.chain import ChainTaskConfig, generate_problems, solve
+from tltlib.tasks.datasets import load_problems, save_problems
 from tltlib.tasks.problem import Problem, extract_answer, reward
 from tltlib.tasks.prompts import encode_prompts, prompt_text
-from tltlib.tasks.datasets import load_problems, save_problems
 
 
 def test_generator_is_seeded_and_solutions_are_correct():

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from tltlib.model.loading import load
-from tltlib.rl.grpo import GRPOConfig
-from tltlib.tasks.chain import ChainTaskConfig, generate_problems
-from tltlib.rl.trainer import GRPOTrainer
 from tltlib.rl.config import TLTConfig
+from tltlib.rl.grpo import GRPOConfig
+from tltlib.rl.trainer import GRPOTrainer
+from tltlib.tasks.chain import ChainTaskConfig, generate_problems
 
 PROBLEMS = generate_problems(ChainTaskConfig(min_steps=3, max_steps=6), 40, seed=3)
 ARGS = GRPOConfig(num_generations=2, generation_batch_size=8, max_completion_length=72, temperature=1.5,
@@ -156,6 +156,7 @@ def test_an_update_raises_the_likelihood_of_completions_with_positive_advantage(
     """The direction of the policy gradient: after one update, the completions the group rated above its mean are
     more likely than before and those below less (summed response log-probabilities, same sampling settings)."""
     import numpy as np
+
     from tltlib.model.logprobs import response_logprobs
     model, tok, _ = shipped
     probs = generate_problems(ChainTaskConfig(min_steps=4, max_steps=8), 32, seed=3)

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tltlib.model.weights import load_model
-from tltlib.model.loading import load
 from tltlib.model.drafter import Drafter, DrafterConfig, export_vllm_eagle
-from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+from tltlib.model.loading import load
 from tltlib.model.sampling import SamplingConfig
+from tltlib.model.weights import load_model
+from tltlib.rollout.engine import RolloutConfig, RolloutEngine
 from tltlib.spec.strategy import SpecStrategy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,8 +48,8 @@ def _qwen2_case(tmp: Path):
     accepts most drafts, so a drafter that computes anything else in vLLM shows in the counts)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from tltlib.drafting.train import DrafterTrainConfig, train_offline
     from tltlib.drafting.pairs import PairBuffer, PairBufferConfig
+    from tltlib.drafting.train import DrafterTrainConfig, train_offline
     cfg = Qwen2Config(vocab_size=97, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, eos_token_id=2,
                       bos_token_id=1, tie_word_embeddings=True)      # head_dim 64: vLLM's CPU attention needs >= 32

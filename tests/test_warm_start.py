@@ -7,9 +7,9 @@ import string
 import pytest
 import torch
 
+from tltlib.lab.sft import WarmStartConfig, warm_start
 from tltlib.model.decoder import ModelConfig, Transformer
 from tltlib.tasks.tokenizer import build_tokenizer
-from tltlib.lab.sft import WarmStartConfig, warm_start
 
 
 def _char_tokenizer():
@@ -47,8 +47,8 @@ def test_the_command_writes_a_loadable_model_with_the_tokenizer_and_a_card(tmp_p
     import json
 
     from tltlib import load
-    from tltlib.model.weights import save_model
     from tltlib.cli import main
+    from tltlib.model.weights import save_model
     tok = _char_tokenizer()
     torch.manual_seed(0)
     src, out = tmp_path / "src", tmp_path / "out"

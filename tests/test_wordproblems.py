@@ -8,9 +8,9 @@ from collections import Counter
 
 import pytest
 
-from tltlib.tasks.prompts import encode_prompts, prompt_text
 from tltlib.tasks.datasets import problems_for, task_config
 from tltlib.tasks.problem import reward
+from tltlib.tasks.prompts import encode_prompts, prompt_text
 from tltlib.tasks.wordproblems import LIMIT, WordTaskConfig, generate_word_problems, make_word_problem
 
 

@@ -17,7 +17,8 @@ import sys
 def _counters(llm) -> dict:
     out = {}
     for m in llm.get_metrics():
-        for key, name in (("drafts", "vllm:spec_decode_num_drafts"), ("draft_tokens", "vllm:spec_decode_num_draft_tokens"),
+        for key, name in (("drafts", "vllm:spec_decode_num_drafts"), ("draft_tokens",
+                                                                      "vllm:spec_decode_num_draft_tokens"),
                           ("accepted", "vllm:spec_decode_num_accepted_tokens")):
             if m.name == name:
                 out[key] = int(getattr(m, "value", 0))

@@ -1,8 +1,8 @@
 """tltlib: TLT ("Taming the Long-Tail", ASPLOS 2026) for RL training of reasoning LLMs, small and honest.
 
 Importing the package changes no global state and imports nothing heavy: ``python -m tltlib setup`` must run on a
-bare Python before torch is installed. Import the modules you need (``from tltlib.rollout.engine import RolloutEngine``) or
-use the lazy attributes below.
+bare Python before torch is installed. Import the modules you need (``from tltlib.rollout.engine import RolloutEngine``)
+or use the lazy attributes below.
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ _LAZY = {
     "KVCache": "kv.dense",
     "SamplingConfig": "model.sampling",
     "RolloutConfig": "rollout.engine", "RolloutEngine": "rollout.engine", "RolloutResult": "rollout.engine",
-    "ChainTaskConfig": "tasks.datasets", "Problem": "tasks.problem", "load_problems": "tasks.datasets", "generate_problems": "tasks.datasets",
+    "ChainTaskConfig": "tasks.datasets", "Problem": "tasks.problem", "load_problems": "tasks.datasets",
+    "generate_problems": "tasks.datasets",
     "GRPOConfig": "rl.grpo", "GRPOTrainer": "rl.trainer", "TLTConfig": "rl.trainer",
     "load_tokenizer": "tasks.tokenizer",
 }

@@ -65,7 +65,7 @@ def cmd_train_drafter(args) -> int:
 
 
 def cmd_get_model(args) -> int:
-    from ..model.importers import MODELS, ensure_gguf, get_model, is_imported, cache_dir
+    from ..model.importers import MODELS, cache_dir, ensure_gguf, get_model, is_imported
     if args.list or not args.name:
         for name, m in MODELS.items():
             where = Path(args.root or cache_dir()) / name
@@ -120,17 +120,18 @@ def cmd_train_grpo(args) -> int:
 def cmd_simulate(args) -> int:
     import json
 
-    from ..lab.calibrate import report, validate
     from ..fileio import atomic_write_text, resolve
-    from ..model.loading import load
+    from ..lab.calibrate import report, validate
     from ..machine import machine_info
+    from ..model.loading import load
     if args.validate == args.project:
         raise ValueError("say what to simulate: --validate (check the simulator against runs measured here) or "
                          "--project (the paper's settings, beside its Table 3)")
     if args.project:
         return _simulate_project(args)
     model, tok, drafter = load(args.model, args.drafter, device="cpu")
-    checks, inputs = validate(model, tok, drafter, prompts=args.prompts, num_generations=args.num_generations, max_new=args.max_new,
+    checks, inputs = validate(model, tok, drafter, prompts=args.prompts, num_generations=args.num_generations,
+                              max_new=args.max_new,
                               steps=args.steps, workers_results=resolve(args.workers_results) if args.workers_results
                               else None, log=lambda s: print(s, file=sys.stderr, flush=True))
     table, payload = report(checks, inputs, machine_info(), {k: v for k, v in vars(args).items() if k != "func"})

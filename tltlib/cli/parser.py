@@ -60,7 +60,8 @@ def _notebook_commands(sub) -> None:
     for name, text in (("run", "set up, then execute every notebook headless (the main job)"),
                        ("run-notebooks", "execute notebooks with papermill (inside an installed env)")):
         r = sub.add_parser(name, help=text)
-        r.add_argument("--params", default="params/cpu-tiny.yaml", help="papermill parameter file (default %(default)s)")
+        r.add_argument("--params", default="params/cpu-tiny.yaml",
+                       help="papermill parameter file (default %(default)s)")
         r.add_argument("--only", nargs="+", metavar="PREFIX", help="notebook name prefixes to run, e.g. 01 03")
         r.add_argument("--out", default="runs", help="folder for executed notebooks, figures, metrics.json")
         r.add_argument("--notebooks", help="folder of NN_*.ipynb notebooks to run (default: the suite's notebooks/)")
@@ -91,7 +92,8 @@ def _train_drafter_command(sub) -> None:
                     "word problems) or a local .jsonl/.parquet (rows with a 'response' are trained on as given)")
     td.add_argument("--init", help="continue from this drafter (it must have been trained for this target's shape)")
     td.add_argument("--n-train", type=int, default=512, help="training responses (default %(default)s)")
-    td.add_argument("--n-eval", type=int, default=64, help="held-out responses for the accuracies (default %(default)s)")
+    td.add_argument("--n-eval", type=int, default=64,
+                    help="held-out responses for the accuracies (default %(default)s)")
     td.add_argument("--n-accept", type=int, default=32, help="held-out prompts of the measured accept lengths "
                     "(default %(default)s; 0: not measured)")
     td.add_argument("--max-new-tokens", type=int, default=720, help="longest sampled response (default %(default)s)")

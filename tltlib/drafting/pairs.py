@@ -113,7 +113,8 @@ class PairBuffer:
         self._next_prompt = -1
 
     # ------------------------------------------------------------------------------------------ streaming
-    def begin(self, prompts: list[list[int]], num_generations: int, rl_step: int | None = None) -> tuple[list[int], int]:
+    def begin(self, prompts: list[list[int]], num_generations: int, rl_step: int | None = None) -> tuple[list[int],
+                                                                                                         int]:
         """Register a rollout of ``prompts`` x ``num_generations`` (at RL step ``rl_step``, default: :attr:`rl_step`);
         returns (prompt owner ids, first sequence id)."""
         if rl_step is not None:

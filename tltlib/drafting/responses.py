@@ -24,10 +24,10 @@ def sample_responses(target, tokenizer, problems, out, temperature: float = 0.9,
     file's row count says where). Returns ``{"rows": ..., "tokens": ..., "seconds": ...}`` of this call."""
     import torch
 
-    from ..rollout.engine import RolloutConfig, RolloutEngine
     from ..model.sampling import SamplingConfig
-    from ..tasks.prompts import encode_prompts
+    from ..rollout.engine import RolloutConfig, RolloutEngine
     from ..tasks.datasets import read_responses
+    from ..tasks.prompts import encode_prompts
     if batch < 1 or max_new_tokens < 1:
         raise ValueError(f"batch and max_new_tokens must be >= 1, got {batch}, {max_new_tokens}")
     out = Path(out)

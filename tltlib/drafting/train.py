@@ -124,8 +124,9 @@ def target_hidden(target, sequences: list[list[int]], pad_id: int = 0, chunk: in
 
 def pairs_from_sequences(target, sequences: list[list[int]], prompt_lens: list[int], pad_id: int = 0,
                          config=None, progress: bool = False):
-    """A :class:`tltlib.drafting.pairs.PairBuffer` of given token sequences (prompt + response), their hidden states from one
-    training forward of the target (for data that was not streamed by a rollout, e.g. a dataset's responses)."""
+    """A :class:`tltlib.drafting.pairs.PairBuffer` of given token sequences (prompt + response), their hidden states
+    from one training forward of the target (for data that was not streamed by a rollout, e.g. a dataset's
+    responses)."""
     if not sequences:
         raise ValueError("no sequences to train the drafter on")
     if len(sequences) != len(prompt_lens):

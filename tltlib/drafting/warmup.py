@@ -12,18 +12,19 @@ from pathlib import Path
 
 import torch
 
-from ..model.weights import load_model, parse_dtype
-from .train import DrafterTrainConfig, pairs_from_sequences, train_offline
-from ..model.drafter import Drafter, DrafterConfig, frequent_tokens, is_drafter_folder, load_drafter, save_drafter
 from ..fileio import check_output_folder, resolve
-from .pairs import PairBuffer, PairBufferConfig
-from ..rollout.engine import RolloutConfig, RolloutEngine
+from ..model.drafter import Drafter, DrafterConfig, frequent_tokens, is_drafter_folder, load_drafter, save_drafter
 from ..model.sampling import SamplingConfig
+from ..model.weights import load_model, parse_dtype
+from ..rollout.engine import RolloutConfig, RolloutEngine
 from ..spec.strategy import SpecStrategy
 from ..tasks.chain import ChainTaskConfig, generate_problems
-from ..tasks.prompts import encode_prompts
 from ..tasks.datasets import generate_task, load_problems, read_responses
+from ..tasks.prompts import encode_prompts
 from ..tasks.tokenizer import load_tokenizer
+from .pairs import PairBuffer, PairBufferConfig
+from .train import DrafterTrainConfig, pairs_from_sequences, train_offline
+
 
 def rollout_dataset(target, tokenizer, problems, num_generations: int = 1, temperature: float = 0.9,
                     max_new_tokens: int = 720, seed: int = 0, progress: bool = False, max_tokens: int = 1 << 22):
@@ -55,8 +56,8 @@ embedding and LM head are the target's, shared and frozen, not stored here) for 
 
 ## How it was made
 `{command}` — offline warm-up, {start}, on the target's own responses: {n_train} {data_line}, {pairs} training
-pairs; {steps} AdamW steps (lr {lr}, batch {batch} sequences, loss = SmoothL1(hidden) + 0.1 x soft CE{ce_line}{unroll_line}),
-{minutes:.1f} minutes on {where}.
+pairs; {steps} AdamW steps (lr {lr}, batch {batch} sequences,
+loss = SmoothL1(hidden) + 0.1 x soft CE{ce_line}{unroll_line}), {minutes:.1f} minutes on {where}.
 
 ## Quality on {n_eval} held-out responses
 Top-1 agreement with the target's argmax by draft depth (predicted features, true tokens):
@@ -122,7 +123,8 @@ def training_pairs(target, tokenizer, problems, seed: int, temperature: float, m
 
 def response_pairs(target, tokenizer, path, n_train: int, n_eval: int,
                    progress: bool = False) -> tuple[PairBuffer, PairBuffer, str]:
-    """(training pairs, held-out pairs, description) of a responses file (:func:`tltlib.drafting.responses.read_responses`):
+    """(training pairs, held-out pairs, description) of a responses file
+    (:func:`tltlib.drafting.responses.read_responses`):
     its last ``n_eval`` rows held out, at most ``n_train`` of the others trained on; hidden states from one forward
     of the target."""
     rows = read_responses(path, target.config.vocab_size)
@@ -198,8 +200,8 @@ def train_warm_drafter(model_path, out_dir, cfg: DrafterTrainConfig | None = Non
     drafter trains in float32 under autocast to it, then is measured and saved in it. ``draft_vocab`` > 0 gives the
     drafter a draft vocabulary of that many tokens, the most frequent in the training pairs (plus EOS), and the card
     reports how much of the held-out pairs' tokens it covers (0 keeps ``init``'s, or the whole vocabulary).
-    ``responses``: train on a responses file (:mod:`tltlib.drafting.responses`; its last ``n_eval`` rows held out) instead of
-    sampling; the acceptance is still measured on ``dataset``'s held-out prompts."""
+    ``responses``: train on a responses file (:mod:`tltlib.drafting.responses`; its last ``n_eval`` rows held out)
+    instead of sampling; the acceptance is still measured on ``dataset``'s held-out prompts."""
     check_output_folder(out_dir, overwrite, is_drafter_folder, "drafter")
     cfg = cfg or DrafterTrainConfig()
     dtype = parse_dtype(("bfloat16" if str(device).startswith("cuda") else "float32") if dtype == "auto" else dtype)

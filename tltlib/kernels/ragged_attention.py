@@ -315,7 +315,8 @@ def paged_ragged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torc
     module).
 
     q ``[B, H, 1, d]`` float32 on a CPU; k_pages, v_pages ``[KVH, pages, page_size, d]`` contiguous (one layer of a
-    paged cache, head-major; ``page_size`` a power of two); table ``[B, W]`` int64 contiguous: row b's position j lives at token
+    paged cache, head-major; ``page_size`` a power of two); table ``[B, W]`` int64 contiguous: row b's position j lives
+    at token
     ``j % page_size`` of page ``table[b, j // page_size]``; limit ``[B]`` int64 (``1 <= limit <= W * page_size``).
     Returns ``[B, H, 1, d]``, equal to :func:`ragged_attention` over each row's positions gathered into a dense
     cache, up to float rounding."""

@@ -11,9 +11,10 @@ How a cell is measured (:func:`measure_cell`): every candidate once as a warm-up
 passed (:class:`WallTimer`); the median per candidate and its spread (interquartile range over median). A cell
 whose choice or starting point spread more than ``kernel_table.MAX_SPREAD`` is *noisy*: nothing is chosen from it
 (:func:`ensure` leaves PyTorch's default there and says so once; ``bench kernels`` too, and refuses with "rerun on
-a quiet machine" when more than a few cells are noisy). Inputs are what the rollout feeds: projections run over the model's own weights of that shape, cycled, plus copies up to twice the last-level
-cache when the model is larger than the cache (so weights come from memory, as in a forward); attention reads a
-cache of ``context`` positions per row, spread over half to 1.5x of it for rows of unequal lengths.
+a quiet machine" when more than a few cells are noisy). Inputs are what the rollout feeds: projections run over the
+model's own weights of that shape, cycled, plus copies up to twice the last-level cache when the model is larger than
+the cache (so weights come from memory, as in a forward); attention reads a cache of ``context`` positions per row,
+spread over half to 1.5x of it for rows of unequal lengths.
 
 Departures: none (measurement only).
 """
@@ -29,9 +30,9 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..machine import llc_bytes
 from . import table as kt
 from .dispatch import attention_with, linear_with, pack_weights
-from ..machine import llc_bytes
 from .ragged_attention import kernel as ragged_kernel
 
 Timer = Callable[[str, Callable[[], object]], float]

@@ -10,17 +10,17 @@ transformers there. A threshold measured on one CPU is a fact about that CPU, so
 
 What the table holds (one :class:`Timing` per cell: every candidate's median seconds and relative spread):
 
-* **projections** (:func:`tltlib.kernels.dispatch.linear` in CPU float32 inference), keyed by the weight's shape ``(N, K)`` and
-  the band of rows ``m`` (:func:`band`: 1, 2, 3-4, 5-8, ..., 257-512; more rows use the last band's choice).
+* **projections** (:func:`tltlib.kernels.dispatch.linear` in CPU float32 inference), keyed by the weight's shape ``(N,
+  K)`` and the band of rows ``m`` (:func:`band`: 1, 2, 3-4, 5-8, ..., 257-512; more rows use the last band's choice).
   Candidates (:data:`LINEAR_KERNELS`): ``linear`` (``F.linear``, PyTorch's default), ``mm`` (``weight @ x.T``),
   ``mm-pad`` (one row run as two, ``weight @ x.T``; band 1 only), ``packed`` (oneDNN on a copy of the weight packed
   for it, inside a rollout that has one: :func:`tltlib.kernels.dispatch.packed_weights`).
-* **cached attention** (:func:`tltlib.kernels.dispatch.cached_attention` on a CPU in float32), keyed by (heads, KV heads, head
-  dim), the band of new queries per row (1, 2, 3-4, ..., 17-32; more: PyTorch's SDPA), the band of rows (1 ... 65-128;
-  more rows use the last band's choice) and whether the rows differ in length (a mask) or not. Candidates
+* **cached attention** (:func:`tltlib.kernels.dispatch.cached_attention` on a CPU in float32), keyed by (heads, KV
+  heads, head dim), the band of new queries per row (1, 2, 3-4, ..., 17-32; more: PyTorch's SDPA), the band of rows (1
+  ... 65-128; more rows use the last band's choice) and whether the rows differ in length (a mask) or not. Candidates
   (:data:`ATTENTION_KERNELS`): ``sdpa`` (PyTorch's, the default), ``matmul`` (two batched matmuls,
-  :func:`tltlib.kernels.dispatch.gqa_attention`), ``ragged`` (the C++ kernel of :mod:`tltlib.kernels.ragged_attention`; one query per
-  row).
+  :func:`tltlib.kernels.dispatch.gqa_attention`), ``ragged`` (the C++ kernel of :mod:`tltlib.kernels.ragged_attention`;
+  one query per row).
 
 A choice (:func:`choose`) is the fastest candidate available at the call, except that the **starting point** — what
 the constants below, measured on the development VM, would pick — stays unless another is faster by more than
@@ -241,8 +241,8 @@ class KernelTable:
     @classmethod
     def from_dict(cls, d: dict) -> "KernelTable":
         if not isinstance(d, dict) or d.get("schema") != SCHEMA:
-            raise ValueError(f"written by another tltlib version (schema {d.get('schema') if isinstance(d, dict) else '?'}"
-                             f", this one reads {SCHEMA})")
+            schema = d.get("schema") if isinstance(d, dict) else "?"
+            raise ValueError(f"written by another tltlib version (schema {schema}, this one reads {SCHEMA})")
         return cls(Machine.from_dict(d["machine"]), {k: Timing.from_dict(v) for k, v in d["linear"].items()},
                    {k: Timing.from_dict(v) for k, v in d["attention"].items()}, d.get("settings"))
 

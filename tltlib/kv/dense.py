@@ -37,7 +37,8 @@ class CacheWrite:
             committed prefix), so a kernel need only mask the columns from there on; after SD steps rows differ by
             a few tokens, and masking only that tail keeps a ragged decode as cheap as a uniform one.
         memo: scratch shared by the layers of one forward: the attention kernel keeps the mask there in its own
-            layout (:func:`tltlib.kernels.dispatch.cached_attention`), built on the first layer and reused by the others.
+            layout (:func:`tltlib.kernels.dispatch.cached_attention`), built on the first layer and reused by the
+            others.
         limits: for one new token per row on a CPU (no tree mask): ``[rows]`` int64, the slots each row's query
             sees (``0 .. limits[r] - 1``: its committed entries, the uncommitted ones before it, itself), which the
             ragged kernel reads instead of the mask (:mod:`tltlib.kernels.ragged_attention`); else None.

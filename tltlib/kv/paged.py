@@ -2,11 +2,11 @@
 
 Keys and values of every layer live in one pool of fixed-size pages, ``[layers, kv_heads, pages + 1, page_size,
 head_dim]`` (head-major, so that one head's tokens of a page are contiguous: the decode kernel reads a row's pages
-one KV head at a time; the last page is the *scratch page*: where a row without a page reads and writes, e.g. the padded rows
-of a captured CUDA graph; no row's data is ever there). Each row has a block table (:class:`tltlib.kv.pages.BlockTables`
-on the host, mirrored in :attr:`PagedKVCache.table` on the device): token ``t`` of row ``r`` is token ``t %
-page_size`` of page ``table[r, t // page_size]``. So a row holds pages for the tokens it has, not for the longest it
-could grow to:
+one KV head at a time; the last page is the *scratch page*: where a row without a page reads and writes, e.g. the padded
+rows of a captured CUDA graph; no row's data is ever there). Each row has a block table
+(:class:`tltlib.kv.pages.BlockTables` on the host, mirrored in :attr:`PagedKVCache.table` on the device): token ``t`` of
+row ``r`` is token ``t % page_size`` of page ``table[r, t // page_size]``. So a row holds pages for the tokens it has,
+not for the longest it could grow to:
 
 * a forward's new tokens get pages as they are written (:meth:`PagedKVCache.prepare`; a row writing into a page
   another row still reads gets its own copy first), and the pages past what a row commits are given back
@@ -16,11 +16,12 @@ could grow to:
   pool, and ``select_rows(arange(P).repeat_interleave(G))`` gives the G samples of a prompt the prompt's pages
   (shared, reference-counted: no G-fold copy);
 * attention reads through the block tables: on a CPU, a decode step and a verify of up to
-  :data:`MASKED_KERNEL_MAX_NEW` tokens by the C++ kernels (:func:`tltlib.kernels.ragged_attention.paged_ragged_attention`,
+  :data:`MASKED_KERNEL_MAX_NEW` tokens by the C++ kernels
+  (:func:`tltlib.kernels.ragged_attention.paged_ragged_attention`,
   :func:`~tltlib.kernels.ragged_attention.paged_masked_attention`, no copy; a row's pages are kept in runs,
   :class:`tltlib.kv.pages.PagePool`, which they read as one stretch); everything else (prefills, longer trees, CUDA)
-  over the rows' pages gathered into a ``[rows, kv_heads, span, head_dim]`` block and the dense cache's masked
-  kernels, which also runs under CUDA graphs (the gather has fixed shapes at a fixed span).
+  over the rows' pages gathered into a ``[rows, kv_heads, span, head_dim]`` block and the dense cache's masked kernels,
+  which also runs under CUDA graphs (the gather has fixed shapes at a fixed span).
 
 The pool is sized by a memory budget (:class:`KVConfig`: bytes, or a share of the memory free when the cache is
 made), capped at what a dense cache of the same rows would take. When it runs out, :meth:`PagedKVCache.prepare`
@@ -41,11 +42,11 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.dispatch import cached_attention
-from .dense import CacheWrite, KVCache, attention_mask, check_fixed_span
-from ..machine import available_bytes
-from .pages import BlockTables, PagePool, check_page_size, kv_bytes_per_token, pages_for, pages_in_budget
 from ..kernels.ragged_attention import kernel as ragged_kernel
 from ..kernels.ragged_attention import paged_masked_attention, paged_ragged_attention
+from ..machine import available_bytes
+from .dense import CacheWrite, KVCache, attention_mask, check_fixed_span
+from .pages import BlockTables, PagePool, check_page_size, kv_bytes_per_token, pages_for, pages_in_budget
 
 KINDS = ("paged", "dense")
 
@@ -310,7 +311,8 @@ class PagedKVCache:
         """As :meth:`tltlib.kv.dense.KVCache.attend`. On a CPU in float32 with the C++ kernel built, the paged kernels
         read the pages in place: one new token per row (decode, chain drafting), or up to
         :data:`MASKED_KERNEL_MAX_NEW` under the forward's mask (chain and tree verifies, drafter tree levels); other
-        forwards (prefills, CUDA) attend over the rows' gathered pages by :func:`tltlib.kernels.dispatch.cached_attention`."""
+        forwards (prefills, CUDA) attend over the rows' gathered pages by
+        :func:`tltlib.kernels.dispatch.cached_attention`."""
         self._store(layer, where, k_new, v_new)
         kind = where.memo.get("paged")                 # chosen on the first layer, for the forward's every layer
         if kind is None:

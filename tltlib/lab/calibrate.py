@@ -2,8 +2,8 @@
 (``python -m tltlib simulate --validate``).
 
 1. **Costs** (:mod:`tltlib.sim.measure`): target forwards of rows x new tokens after short and long cached
-   contexts, drafter forwards of 1 and 4 nodes per row (a tree's ``branch``) — a :class:`tltlib.sim.costs.MeasuredCosts` table, the
-   same costs the simulator uses for hardware it only knows from its datasheet — timed in two passes whose
+   contexts, drafter forwards of 1 and 4 nodes per row (a tree's ``branch``) — a :class:`tltlib.sim.costs.MeasuredCosts`
+   table, the same costs the simulator uses for hardware it only knows from its datasheet — timed in two passes whose
    disagreement is the measurement's noise; then the engine's costs beyond its forwards (sampling, bookkeeping, a
    rollout's set-up) fitted on rollouts of other prompts than the checks' by the same engine, run between the checks
    so that the machine's drift reaches both alike; a GRPO step is predicted from the other measured steps
@@ -33,20 +33,27 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..rollout.adaptive import DEFAULT_ARMS, AdaptiveConfig, AdaptiveController, TunerConfig, timed_rollout
-from ..rl.grpo import GRPOConfig
-from ..rollout.engine import RolloutConfig, RolloutEngine
 from ..model.sampling import SamplingConfig
+from ..rl.config import TLTConfig
+from ..rl.grpo import GRPOConfig
+from ..rl.trainer import GRPOTrainer
+from ..rollout.adaptive import DEFAULT_ARMS, AdaptiveConfig, AdaptiveController, TunerConfig, timed_rollout
+from ..rollout.engine import RolloutConfig, RolloutEngine
 from ..sim.costs import MeasuredCosts, hardware
 from ..sim.measure import fit_overheads, measure_costs, typical_seconds
 from ..sim.physical import NOISE_LIMIT
-from ..sim.simulate import (OFF, LengthDistribution, SDPolicy, StepConfig, harvested_share, simulate_rollout,
-                       simulate_step)
+from ..sim.simulate import (
+    OFF,
+    LengthDistribution,
+    SDPolicy,
+    StepConfig,
+    harvested_share,
+    simulate_rollout,
+    simulate_step,
+)
 from ..spec.strategy import SpecStrategy
 from ..tasks.chain import ChainTaskConfig, generate_problems
 from ..tasks.prompts import encode_prompts
-from ..rl.trainer import GRPOTrainer
-from ..rl.config import TLTConfig
 
 TOLERANCE = 0.15
 SHARE_TOLERANCE = 0.05
@@ -208,7 +215,8 @@ def check_rollouts(model, tokenizer, drafter, costs: MeasuredCosts, problems, nu
     (``drift``) are appended to ``runs``. Returns (checks, ``costs`` with the fitted overheads)."""
     if len(problems) % workers:
         raise ValueError(f"{workers} workers cannot share {len(problems)} prompts evenly (whole GRPO groups)")
-    config = RolloutConfig(SamplingConfig(temperature=temperature, max_new_tokens=max_new), num_generations=num_generations)
+    config = RolloutConfig(SamplingConfig(temperature=temperature, max_new_tokens=max_new),
+                           num_generations=num_generations)
     engine, shard_engine = (RolloutEngine(model, config, drafter=drafter) for _ in range(2))
     controller = AdaptiveController(AdaptiveConfig(threshold=threshold, tuner=TunerConfig(
         arms=("off", *DEFAULT_ARMS), seed=seed)), costs, drafter)     # the tuner reads the costs the simulator does
@@ -367,7 +375,8 @@ def validate(model, tokenizer, drafter, prompts: int = 16, num_generations: int 
              temperature: float = 0.9, steps: int = 6, seed: int = 0, cost_rows=(1, 2, 4, 8, 16, 32, 64, 128),
              workers_results=None, log=print) -> tuple[list[Check], dict]:
     """Measure this machine's costs (forwards at ``cost_rows`` rows), then check the simulator against measured
-    rollouts (one process, and 2 workers' shards), GRPO steps of the chain task (``prompts`` x ``num_generations``, at most
+    rollouts (one process, and 2 workers' shards), GRPO steps of the chain task (``prompts`` x ``num_generations``, at
+    most
     ``max_new`` tokens) and, from ``workers_results`` (a ``bench e2e_grpo --workers 2`` results file; None: skip),
     the spot trainer's harvested share; returns (checks, the measured inputs and every measured run with its
     prediction and the machine's speed before it: ``runs``)."""
@@ -379,14 +388,16 @@ def validate(model, tokenizer, drafter, prompts: int = 16, num_generations: int 
     costs = measure_costs(model, drafter, rows=cost_rows, **CALIBRATION)
     drift.calibrating()
     problems = generate_problems(ChainTaskConfig(), 4096, seed=seed + 1)
-    args = GRPOConfig(num_generations=num_generations, generation_batch_size=prompts * num_generations, max_completion_length=max_new,
+    args = GRPOConfig(num_generations=num_generations, generation_batch_size=prompts * num_generations,
+                      max_completion_length=max_new,
                       temperature=temperature, learning_rate=1e-4, max_steps=steps, seed=seed,
                       micro_batch_tokens=2048)
     tlt = TLTConfig(speculative="adaptive", drafter_steps=6, drafter_batch=4)
     log("measuring rollouts and 2 workers' shards (other prompts' to fit the engine's costs beyond its forwards, "
         "then the checks') ...")
     runs: list[dict] = []
-    checks, costs = check_rollouts(model, tokenizer, drafter, costs, problems[:prompts], num_generations, max_new, temperature,
+    checks, costs = check_rollouts(model, tokenizer, drafter, costs, problems[:prompts], num_generations, max_new,
+                                   temperature,
                                    seed=seed, drift=drift, runs=runs)
     log("measuring and simulating GRPO steps ...")
     step_notes: list[str] = []

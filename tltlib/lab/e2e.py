@@ -32,9 +32,9 @@ from ..drafting.warmup import measure_acceptance
 from ..fileio import read_json
 from ..model.logprobs import SequenceBatch, micro_batches, padded_tokens, response_logprobs
 from ..rl.scheduler import SchedulerConfig
-from ..spec.strategy import SpecStrategy
 from ..rl.trainer import GRPOTrainer
 from ..rl.world import DistributedWorld
+from ..spec.strategy import SpecStrategy
 
 PHASES = ("rollout", "reward", "logprob", "update", "drafter")
 LENGTH_KEYS = ("len_mean", "len_p50", "len_p90", "len_p99", "len_max")
@@ -139,7 +139,8 @@ def summarize(runs: dict, trl_step_s: float | None = None) -> dict:
             p = float(ttest_ind(b["held_out"], t["held_out"], equal_var=False).pvalue)
     out["comparison"] = {"rollout_share_baseline": share, "rollout_speedup": speed,
                          "step_speedup": b["step"] / t["step"], "amdahl_bound": bound,
-                         "of_bound": (b["step"] / t["step"]) / bound, "drafter_share_of_tlt_step": t["drafter"] / t["step"],
+                         "of_bound": (b["step"] / t["step"]) / bound,
+                         "drafter_share_of_tlt_step": t["drafter"] / t["step"],
                          "reward_curves_overlap_frac": float(np.mean(overlap)), "held_out_welch_p": p}
     if trl_step_s:
         out["comparison"]["trl_step_s"] = trl_step_s

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from scipy.stats import chi2_contingency
 
-from ..rollout.engine import RolloutConfig, RolloutEngine
 from ..model.sampling import SamplingConfig
+from ..rollout.engine import RolloutConfig, RolloutEngine
 from ..spec.strategy import OFF, SpecStrategy
 
 

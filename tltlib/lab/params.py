@@ -73,7 +73,8 @@ class Param:
         elif self.lo is not None:
             what += f" >= {self.lo}"
         if self.exists:
-            what += {"dir": " to an existing folder", "file": " to an existing file", "out": " to a folder"}[self.exists]
+            what += {"dir": " to an existing folder", "file": " to an existing file",
+                     "out": " to a folder"}[self.exists]
         return what + (" (or \"\")" if self.empty_ok else "")
 
     def error(self, value, exists: bool = True) -> str | None:
@@ -291,7 +292,8 @@ def load_params(params: str | os.PathLike) -> tuple[dict, dict[str, dict]]:
         if not isinstance(k, str):
             hint = f'"{k:02d}"' if isinstance(k, int) and not isinstance(k, bool) else f'"{k}"'
             raise ValueError(f"{path}: the notebook section {k!r} under 'notebooks' was read by YAML as "
-                             f"{'a number' if isinstance(k, (int, float)) else type(k).__name__}, not a name prefix; quote it: {hint}:")
+                             f"{'a number' if isinstance(k, (int, float)) else type(k).__name__}, not a name prefix; "
+                             f"quote it: {hint}:")
     for where, d in (("top level", data), *((f"notebooks/{k}", v) for k, v in per_nb.items())):
         bad = [k for k in d if not isinstance(k, str)]
         if bad:

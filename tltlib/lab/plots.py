@@ -363,7 +363,8 @@ def step_time_bars(phases: dict[str, dict], title: str = "Time of one RL step by
     return fig
 
 
-def reward_curves(reward_by_step: dict[str, list[list[float]]], title: str = "Reward per RL step (mean +- std over seeds)"):
+def reward_curves(reward_by_step: dict[str, list[list[float]]], title: str = "Reward per RL step (mean +- std over "
+                                                                             "seeds)"):
     """One line per policy with a band of one standard deviation: ``{policy: [[reward of each seed] per step]}``."""
     fig, ax = _fig()
     for name, rows in reward_by_step.items():

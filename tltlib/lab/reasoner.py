@@ -28,12 +28,12 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..model.weights import save_model
 from ..fileio import check_output_folder
 from ..model.decoder import Transformer, preset
-from ..stats import length_stats
-from ..rollout.engine import RolloutConfig, RolloutEngine
 from ..model.sampling import SamplingConfig
+from ..model.weights import save_model
+from ..rollout.engine import RolloutConfig, RolloutEngine
+from ..stats import length_stats
 from ..tasks.chain import ChainTaskConfig, generate_problems, make_problem, solve
 from ..tasks.prompts import encode_prompts, score_responses
 from ..tasks.tokenizer import build_tokenizer
@@ -173,9 +173,9 @@ A {params_m:.2f} M-parameter Llama-architecture model ({layers} layers, hidden {
 task. It loads with `tltlib.model.weights.load_model` and with `transformers.AutoModelForCausalLM.from_pretrained`.
 
 ## How it was made
-`python -m tltlib train-reasoner --preset {preset} --steps {steps}` — SFT on freshly generated traces: {steps} AdamW steps of ~{tpb} tokens
-(lr {lr}, warm-up {warmup}, cosine to 10%, bf16 autocast), loss on response tokens only, {minutes:.1f} minutes
-on {where}. Recipe: `tltlib.lab.reasoner.ReasonerTrainConfig` = `{recipe}`.
+`python -m tltlib train-reasoner --preset {preset} --steps {steps}` — SFT on freshly generated traces: {steps} AdamW
+steps of ~{tpb} tokens (lr {lr}, warm-up {warmup}, cosine to 10%, bf16 autocast), loss on response tokens only,
+{minutes:.1f} minutes on {where}. Recipe: `tltlib.lab.reasoner.ReasonerTrainConfig` = `{recipe}`.
 
 ## The task
 Prompt `47 18 c?` = two start values and the label of the last step; each step adds the two latest values digit
@@ -211,7 +211,8 @@ def train_reasoner(cfg: ReasonerTrainConfig, out_dir: str | Path, progress: bool
     ev_sample = evaluate(model, tok, problems, temperature=0.9, progress=progress)
     ev_greedy = evaluate(model, tok, problems, temperature=0.0, progress=progress)
     mc = model.config
-    card = CARD.format(name=Path(out_dir).name, preset=cfg.preset, params_m=mc.num_parameters / 1e6, layers=mc.num_layers, hidden=mc.hidden_size,
+    card = CARD.format(name=Path(out_dir).name, preset=cfg.preset, params_m=mc.num_parameters / 1e6,
+                       layers=mc.num_layers, hidden=mc.hidden_size,
                        heads=mc.num_heads, kv_heads=mc.num_kv_heads, inter=mc.intermediate_size, vocab=mc.vocab_size,
                        steps=log["steps_done"], tpb=cfg.tokens_per_batch, lr=cfg.lr, warmup=cfg.warmup_steps,
                        minutes=log["train_seconds"] / 60,

@@ -8,8 +8,8 @@ The file (YAML) names the model, the drafter, the data and the configuration sec
     lengths: ""                            # response lengths measured before (notebook 01's lengths.json): the
                                            # memory check sizes the KV page pool from them; "" = max length
     task: chain                            # chain (the tiny reasoner's) or words (word problems, real models)
-    task_config: {}                        # the task's settings (tltlib.tasks.datasets.task_config), e.g. {max_steps: 4}
-    rewards: [accuracy]                    # reward functions (tltlib.rl.grpo.REWARD_FUNCS), weighted by grpo.reward_weights
+    task_config: {}                        # the task's settings (tasks.datasets.task_config), e.g. {max_steps: 4}
+    rewards: [accuracy]                    # reward functions (rl.grpo.REWARD_FUNCS), weighted by grpo.reward_weights
     curriculum: null                       # tltlib.rl.curriculum.CurriculumConfig, e.g. {levels: [1, 2, 4]}
     train_problems: 4096                   # prompts per epoch (dataset: cycling over the rows before the held-out)
     eval_problems: 128                     # held-out prompts for eval/accuracy, never trained on
@@ -49,16 +49,16 @@ import yaml
 from tqdm.auto import tqdm
 
 from ..fileio import atomic_write_text, check_output_folder, read_json, remove_stale_temporaries, resolve
+from ..model.loading import load
+from ..rl.config import TLTConfig
 from ..rl.curriculum import CurriculumConfig, level_pools
 from ..rl.grpo import GRPOConfig, reward_funcs_named
-from ..model.loading import load
-from .params import dataclass_from_mapping, load_yaml, params_path, task_configs
-from ..rl.scheduler import SchedulerConfig
-from ..tasks.datasets import TASKS, split_problems
 from ..rl.memory import MeasuredLengths
+from ..rl.scheduler import SchedulerConfig
 from ..rl.trainer import GRPOTrainer
-from ..rl.config import TLTConfig
 from ..rl.world import DistributedWorld, launched_by_torchrun, torchrun_command
+from ..tasks.datasets import TASKS, split_problems
+from .params import dataclass_from_mapping, load_yaml, params_path, task_configs
 
 TOP_LEVEL = {"model": str, "drafter": str, "dataset": str, "lengths": str, "task": str, "task_config": dict,
              "rewards": list, "curriculum": (dict, type(None)), "train_problems": int, "eval_problems": int,
@@ -175,7 +175,8 @@ def _check_path(source: Path, key: str, value: str, kind: str) -> None:
 
 def write_job_params(path: str | os.PathLike, model: str, drafter: str, grpo: dict, tlt: dict | None,
                      scheduler: dict, device: str = "auto", dtype: str = "float32", train_problems: int = 4096,
-                     eval_problems: int = 128, eval_steps: int = 0, task: str = "chain", task_config: dict | None = None,
+                     eval_problems: int = 128, eval_steps: int = 0, task: str = "chain",
+                     task_config: dict | None = None,
                      rewards: list | None = None, curriculum: dict | None = None) -> Path:
     """Write a train-grpo parameter file (checked by reading it back: a bad value fails here, not in the workers)."""
     d = {"model": str(model), "drafter": str(drafter), "device": device, "dtype": dtype, "task": task,

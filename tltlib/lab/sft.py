@@ -51,13 +51,13 @@ class WarmStartConfig:
 
 
 def warm_start(model, tokenizer, cfg: WarmStartConfig | None = None, progress: bool = True) -> dict:
-    """Train ``model`` (a :class:`tltlib.model.decoder.Transformer`, in place) on ``cfg.steps x cfg.batch`` worked solutions
-    of generated word problems; returns the log ``{"step": [...], "loss": [...], "seconds": float}``."""
+    """Train ``model`` (a :class:`tltlib.model.decoder.Transformer`, in place) on ``cfg.steps x cfg.batch`` worked
+    solutions of generated word problems; returns the log ``{"step": [...], "loss": [...], "seconds": float}``."""
     import torch
     from tqdm.auto import tqdm
 
-    from .reasoner import sft_batch, sft_step
     from ..tasks.prompts import encode_prompts
+    from .reasoner import sft_batch, sft_step
     cfg = cfg or WarmStartConfig()
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no end-of-sequence token: the warm start must teach the model to stop")

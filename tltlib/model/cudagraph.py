@@ -1,8 +1,8 @@
 """CUDA graphs for the rollout's small-batch forwards: capture once per bucket, replay with one launch.
 
 At small batch a decode iteration is hundreds of kernels with a few microseconds of work each, so the GPU waits on
-the Python host that launches them; SD makes it worse (a chain of drafter forwards per SD step). As in the paper's engine
-(SGLang captures graphs per batch size and speculative strategy), :class:`GraphPool` captures any row-batched
+the Python host that launches them; SD makes it worse (a chain of drafter forwards per SD step). As in the paper's
+engine (SGLang captures graphs per batch size and speculative strategy), :class:`GraphPool` captures any row-batched
 function over KV caches — the target's decode forward, its verify forward, the drafter's chain or tree draft — once
 per key and replays it afterwards. The key:
 

@@ -12,8 +12,8 @@ reasoner shipped in ``data/``. Two forwards:
 Departures from transformers' implementation:
 1. q/k/v and gate/up projections are fused into one matrix each (fewer kernel launches per decode step, which is what
    bounds small-batch decoding on a CPU); :func:`load_model` / :func:`save_model` convert to and from the HF names.
-   Projections and cached attention go through :mod:`tltlib.kernels.dispatch`, which picks the fastest kernel for the device
-   and shape (same results up to float rounding).
+   Projections and cached attention go through :mod:`tltlib.kernels.dispatch`, which picks the fastest kernel for the
+   device and shape (same results up to float rounding).
 2. Only the rotary variants the paper's models use are implemented: default, ``linear`` and ``llama3``; other
    ``rope_type`` values (YaRN, dynamic NTK, ...) raise an error instead of silently producing wrong logits.
 3. Qwen2's sliding-window attention (``use_sliding_window: true``) is not implemented; such a config is refused.

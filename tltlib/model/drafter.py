@@ -32,11 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..fileio import atomic_folder, read_json
+from ..kernels.dispatch import linear
 from ..kv.dense import KVCache
 from ..kv.paged import KVConfig, make_cache
-from .weights import check_finite, check_tensors, hf_layer_names, read_safetensors, split_fused
-from ..kernels.dispatch import linear
 from .decoder import DecoderLayer, ModelConfig, Transformer, rope_cos_sin, rope_inv_freq
+from .weights import check_finite, check_tensors, hf_layer_names, read_safetensors, split_fused
 
 CONFIG_FILE = "drafter_config.json"
 WEIGHTS_FILE = "drafter.safetensors"
@@ -222,7 +222,8 @@ class Drafter(nn.Module):
 
 def frequent_tokens(tokens: torch.Tensor, size: int, vocab_size: int, always=()) -> torch.Tensor:
     """The ``size`` most frequent ids of ``tokens`` (any shape) plus every id in ``always`` (e.g. EOS), sorted
-    ``[<= size + len(always)]``; ids never seen are not added. The draft vocabulary of :meth:`Drafter.set_draft_vocab`."""
+    ``[<= size + len(always)]``; ids never seen are not added. The draft vocabulary of
+    :meth:`Drafter.set_draft_vocab`."""
     if size <= 0:
         raise ValueError(f"draft vocabulary size must be positive (got {size})")
     counts = torch.bincount(tokens.flatten().cpu().long(), minlength=vocab_size)[:vocab_size]
@@ -314,7 +315,8 @@ def vllm_eagle_tensors(drafter: Drafter, include_embedding: bool = True) -> dict
     out = {"fc.weight": drafter.fc.weight.detach()}
     for name, parts in hf_layer_names(cfg, 0).items():
         if not name.startswith("input_norm"):
-            out.update({p.removeprefix("model."): x.detach() for p, x in zip(parts, split_fused(cfg, name, ours[name]))})
+            out.update({p.removeprefix("model."): x.detach() for p, x in zip(parts, split_fused(cfg, name,
+                                                                                                ours[name]))})
     if include_embedding:
         out["embed_tokens.weight"] = drafter.target.embed.weight.detach()
     return {k: v.cpu().contiguous() for k, v in out.items()}

@@ -137,8 +137,8 @@ def import_gguf(gguf_file: str | os.PathLike, out: str | os.PathLike, overwrite:
     gguf_file = Path(gguf_file).resolve()
     check_output_folder(out, overwrite, is_imported, "model import")
     meta = check_gguf(gguf_file)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     kw = dict(gguf_file=gguf_file.name, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), **kw)
     hf = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), dtype=torch.float32, **kw).eval()

@@ -13,11 +13,11 @@ from typing import NamedTuple
 
 import torch
 
-from .weights import load_model, parse_dtype, pick_device
-from .drafter import load_drafter
 from ..fileio import resolve
-from .decoder import Transformer
 from ..tasks.tokenizer import load_tokenizer
+from .decoder import Transformer
+from .drafter import load_drafter
+from .weights import load_model, parse_dtype, pick_device
 
 
 class Loaded(NamedTuple):

@@ -6,8 +6,8 @@ the policy update (and without them for the old and reference policies). Two cos
 
 * **No [B, T, V] logits.** The decoder returns hidden states only (:meth:`Transformer.hidden_states`); the hidden
   states that predict response tokens are gathered ([K, H] for K response tokens), and the LM head plus log-softmax
-  run over chunks of ``chunk`` tokens, each under gradient checkpointing (its activations recomputed in the backward) when gradients are
-  on, so at most one
+  run over chunks of ``chunk`` tokens, each under gradient checkpointing (its activations recomputed in the backward)
+  when gradients are on, so at most one
   ``[chunk, V]`` block of logits is alive in the forward and in the backward.
 * **Little padding.** Sequences are grouped by length into micro-batches of at most ``max_tokens`` padded tokens
   (:func:`micro_batches`); in a long-tailed batch this trains on a fraction of the padding one batch would carry.

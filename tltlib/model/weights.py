@@ -1,4 +1,5 @@
-"""A model's weights in and out of transformers' layout: the one strict loader (config.json + safetensors) and the saver.
+"""A model's weights in and out of transformers' layout: the one strict loader (config.json + safetensors) and the
+saver.
 
 :func:`load_model` refuses, with the file and the fix named, everything that would otherwise run with numbers other
 than the model folder's: a config field the decoder does not implement (checked in :meth:`ModelConfig.from_hf`), a
@@ -118,7 +119,8 @@ def check_tensors(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[i
                          f"({_sample(missing)}).{layer_hint or hint}")
     bad = [f"{n} is {list(found[n])}, expected {list(s)}" for n, s in sorted(expected.items()) if found[n] != s]
     if bad:
-        raise ValueError(f"{source}: {len(bad)} tensors do not have the shape the config implies ({'; '.join(bad[:3])}); "
+        shown = "; ".join(bad[:3])
+        raise ValueError(f"{source}: {len(bad)} tensors do not have the shape the config implies ({shown}); "
                          f"is {config_name} from the same model as the weights?")
 
 

@@ -2,7 +2,8 @@
 
 From TLT (ASPLOS '26), its LaTeX source (see ``shared/reference``) — :data:`PAPER`: Table 3
 (end-to-end speedup over VeRL by model and nodes of 8 H100), Table 4 (SD speedup by batch size and tokens to verify,
-Qwen2.5-32B, TP 4, depth 10, a tree of branch 8: the paper's top-k), Fig. 14 (the 128-request rollout with SD switching on below 32 running
+Qwen2.5-32B, TP 4, depth 10, a tree of branch 8: the paper's top-k), Fig. 14 (the 128-request rollout with SD switching
+on below 32 running
 requests: 2.44x), Table 6 (accept length of the drafter of the target before RL 4.59, adaptive 6.53), Table 7
 (Qwen2.5-7B, TP 2, batch 1 on an H100: 242 tok/s plain, 542 with EAGLE), the rollout's ~85% share of a step. The paper
 gives Fig. 7's reward curves and Fig. 11's per-model bars only as pictures: no numbers are quoted for them.

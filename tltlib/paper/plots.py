@@ -6,8 +6,8 @@ Paper: TLT Table 3 / Fig. 11, Table 4, Fig. 14, Table 6, Fig. 7, Fig. 1b. Depart
 """
 from __future__ import annotations
 
-from .numbers import PAPER
 from ..lab.plots import _finish, _log_x
+from .numbers import PAPER
 
 PAPER_STYLE = {"marker": "*", "markersize": 12, "linestyle": "none"}
 MEASURED_STYLE = {"marker": "o", "markersize": 7, "linestyle": "none"}

@@ -1,4 +1,5 @@
-"""The simulator run at the paper's settings (:func:`project`), beside the paper's numbers (:mod:`tltlib.paper.numbers`).
+"""The simulator run at the paper's settings (:func:`project`), beside the paper's numbers
+(:mod:`tltlib.paper.numbers`).
 
 **The projection** (:func:`project`): :func:`tltlib.sim.simulate.compare_policies` at the paper's settings — Qwen2.5-7B
 (TP 4) and Qwen2.5-32B (TP 8) on 1/2/4/8 nodes of 8 H100 (the roofline preset, checked against Tables 2 and 7),
@@ -23,13 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..spec.acceptance import expected_tokens
-from ..sim.costs import hardware
 from ..fileio import read_json
 from ..model.decoder import preset
+from ..sim.costs import hardware
 from ..sim.simulate import DoesNotFit, LengthDistribution, SDPolicy, StepConfig, compare_policies
+from ..spec.acceptance import expected_tokens
 from ..spec.strategy import SpecStrategy
-
 from .numbers import PAPER
 
 
@@ -139,7 +139,8 @@ def _row(nodes: int, step: StepConfig, sims: list[dict], paper: float | None) ->
     def mean(policy, attr):
         return float(np.mean([getattr(s[policy], attr) for s in sims]))
     b, t, n = (mean(p, "step_s") for p in ("baseline", "tlt", "tlt-base"))
-    return {"nodes": nodes, "workers": step.workers, "rows_per_worker": step.prompts * step.num_generations // step.workers,
+    return {"nodes": nodes, "workers": step.workers,
+            "rows_per_worker": step.prompts * step.num_generations // step.workers,
             "baseline_s": b, "tlt_base_s": n, "tlt_s": t, "speedup": b / t, "tlt_base_speedup": b / n,
             "rollout_speedup": mean("baseline", "rollout_s") / mean("tlt", "rollout_s"),
             "rollout_share": mean("baseline", "rollout_s") / b,

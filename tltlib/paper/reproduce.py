@@ -2,7 +2,8 @@
 what the simulator projects at the paper's settings, and the paper's own number — the data behind notebook 07.
 
 Every function returns plain data, each series saying where it comes from (``"source"``): ``measured here`` (a
-bench results file, named), ``simulated`` (:mod:`tltlib.sim.simulate` / :mod:`tltlib.paper.projection`), ``paper`` (the table).
+bench results file, named), ``simulated`` (:mod:`tltlib.sim.simulate` / :mod:`tltlib.paper.projection`), ``paper`` (the
+table).
 
 Paper: TLT Table 3 / Fig. 11 (end to end), Table 4 (SD by batch size and tokens to verify), Fig. 14 (the rollout
 case study), Table 6 (adaptive vs frozen drafter), Fig. 7 (reward curves), Fig. 1b (idle workers).
@@ -15,14 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..spec.acceptance import expected_tokens
-from ..sim.costs import ModelShape, Roofline, hardware, iteration_time
 from ..fileio import read_json
 from ..model.decoder import preset
+from ..sim.costs import ModelShape, Roofline, hardware, iteration_time
+from ..sim.simulate import LengthDistribution, simulate_rollout
+from ..spec.acceptance import expected_tokens
+from ..spec.strategy import SpecStrategy
 from .numbers import PAPER
 from .projection import fit_acceptance, paper_policy
-from ..sim.simulate import LengthDistribution, simulate_rollout
-from ..spec.strategy import SpecStrategy
 
 BENCH_COMMANDS = {
     "e2e_grpo-cpu-float32.json": "python -m tltlib bench e2e_grpo",
@@ -146,7 +147,8 @@ def measured_idle(folder: str | Path) -> dict:
 
 
 def simulated_idle(rows: list[dict]) -> dict:
-    """Idle and harvested shares by rollout workers from :func:`tltlib.paper.projection.project` rows (OOM rows skipped)."""
+    """Idle and harvested shares by rollout workers from :func:`tltlib.paper.projection.project` rows (OOM rows
+    skipped)."""
     kept = [r for r in rows if "oom" not in r]
     return {"workers": [r["workers"] for r in kept], "idle": [r["idle_frac"] for r in kept],
             "harvested": [r["harvested"] for r in kept], "source": "simulated"}

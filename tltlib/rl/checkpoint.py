@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..model.weights import check_finite, check_floating, read_safetensors
 from ..fileio import atomic_folder, read_json
+from ..model.weights import check_finite, check_floating, read_safetensors
 
 CHECKPOINT_FORMAT = "tltlib-grpo-checkpoint-1"
 

@@ -125,8 +125,8 @@ class GRPOConfig:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.max_grad_norm < 0 or self.beta < 0 or self.weight_decay < 0 or self.save_steps < 0:
             raise ValueError("max_grad_norm, beta, weight_decay and save_steps must be >= 0")
-        if self.reward_weights is not None and not all(
-                isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in self.reward_weights):
+        finite = lambda w: isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)  # noqa: E731
+        if self.reward_weights is not None and not all(finite(w) for w in self.reward_weights):
             raise ValueError(f"reward_weights must be finite numbers, one per reward function, got "
                              f"{list(self.reward_weights)}")
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):

@@ -22,8 +22,8 @@ width, kv = KV heads x head dim, V vocabulary):
 * **drafter pair buffer**: up to ``buffer_tokens`` hidden states (h b + 24 bytes each), or what the run can produce.
 
 ``bench/update_memory.py`` measures the peak against this estimate by micro-batch budget and chunk: on SmolLM2
-(float32, CPU) the estimate was within -4% to +1% of the measured peak from 512 to 8,192 tokens per micro-batch. The check leaves 10% of what is available for the allocator
-and the rest of the process.
+(float32, CPU) the estimate was within -4% to +1% of the measured peak from 512 to 8,192 tokens per micro-batch. The
+check leaves 10% of what is available for the allocator and the rest of the process.
 
 Departures: none (tooling; TRL and verl leave an out-of-memory to the allocator, mid-run).
 """
@@ -39,8 +39,8 @@ import numpy as np
 import torch
 
 from ..fileio import atomic_write_text, read_json
-from ..machine import available_bytes
 from ..kv.pages import kv_bytes_per_token, pages_for
+from ..machine import available_bytes
 
 HEADROOM = 0.9
 """The share of the available memory an estimate may use."""
@@ -132,12 +132,12 @@ def survival(lengths) -> tuple[np.ndarray, np.ndarray]:
 
 
 def peak_held_tokens(lengths, max_new: int, rows: int, num_generations: int, prompt_tokens: int, page_size: int) -> int:
-    """Token slots (whole pages) a paged rollout of ``rows`` rows in groups of ``num_generations`` holds at its peak when its
-    response lengths follow ``lengths``, rows starting together and giving their pages back when they finish.
+    """Token slots (whole pages) a paged rollout of ``rows`` rows in groups of ``num_generations`` holds at its peak
+    when its response lengths follow ``lengths``, rows starting together and giving their pages back when they finish.
 
     At decode step t the rows still running, ``rows * P(length >= t)`` of them, hold ``ceil((p mod s + t) / s)``
-    pages of their own (the prompt's last partial page copied, the tokens they wrote); the ``num_generations`` samples of a
-    prompt share its ``floor(p / s)`` whole pages (p the prompt's tokens, s the page size). The peak is the largest
+    pages of their own (the prompt's last partial page copied, the tokens they wrote); the ``num_generations`` samples
+    of a prompt share its ``floor(p / s)`` whole pages (p the prompt's tokens, s the page size). The peak is the largest
     of these over the measured lengths. ``lengths`` None: every row runs to ``max_new`` (the maximum)."""
     t, alive = (np.array([max_new]), np.array([1])) if lengths is None else survival(lengths)
     n = 1 if lengths is None else len(lengths)

@@ -4,10 +4,10 @@ the online drafter trained on the pairs the rollout streamed — in one process 
 One :meth:`GRPOTrainer.step` (every phase a method, timed as ``time/<phase>_s``):
 
 1. **rollout** — this worker's share of ``generation_batch_size / num_generations`` prompts, ``num_generations``
-   completions each, by the :class:`tltlib.rollout.engine.RolloutEngine` with the adaptive controller (or a fixed strategy,
-   or none); the pairs the drafter trains on stream into the :class:`tltlib.drafting.pairs.PairBuffer`. With several workers
-   the **spot trainer** (:class:`tltlib.rl.scheduler.SpotTrainer`) then trains the drafter until the last worker's
-   rollout ends and merges the workers' drafters (inside this phase's time);
+   completions each, by the :class:`tltlib.rollout.engine.RolloutEngine` with the adaptive controller (or a fixed
+   strategy, or none); the pairs the drafter trains on stream into the :class:`tltlib.drafting.pairs.PairBuffer`. With
+   several workers the **spot trainer** (:class:`tltlib.rl.scheduler.SpotTrainer`) then trains the drafter until the
+   last worker's rollout ends and merges the workers' drafters (inside this phase's time);
 2. **reward** — the reward functions on this worker's completions, gathered into the whole batch
    (:class:`Completions`), then group advantages (:mod:`tltlib.rl.grpo`);
 3. **logprob** — no-grad forwards for the reference policy (``beta > 0``) and the old policy (``num_iterations >
@@ -48,35 +48,44 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..rollout.adaptive import AdaptiveConfig, AdaptiveController, TunerConfig, default_threshold
-from ..sim.measure import measure_costs
-from .curriculum import CurriculumConfig, level_pools, stage, stage_pool
-from ..drafting.train import DrafterTrainConfig, DrafterTrainer
-from ..model.drafter import check_separate
-from .grpo import GRPOConfig, accuracy_reward, aggregate_loss, clipped_token_loss, compute_rewards, group_advantages
-from .grpo import kl_k3, reward_name
-from ..model.logprobs import micro_batches, padded_tokens, response_logprobs
-from .memory import MeasuredLengths, WorkerShape, plan_worker
-from ..kv.paged import KVConfig
 from ..drafting.pairs import PairBuffer, PairBufferConfig
-from .clock import StepClock
+from ..drafting.train import DrafterTrainConfig, DrafterTrainer
+from ..kv.paged import KVConfig
+from ..model.drafter import check_separate
+from ..model.logprobs import micro_batches, padded_tokens, response_logprobs
+from ..model.sampling import SamplingConfig
+from ..rollout.adaptive import AdaptiveConfig, AdaptiveController, TunerConfig, default_threshold
 from ..rollout.engine import RolloutConfig, RolloutEngine
 from ..rollout.result import RolloutResult
-from ..model.sampling import SamplingConfig
-from .scheduler import SchedulerConfig, SpotTrainer, SpotWindow
+from ..sim.measure import measure_costs
 from ..spec.strategy import SpecStrategy
 from ..tasks.prompts import encode_prompts
 from . import checkpoint
-from .world import World
 from .batch import Completions, LossStats, UpdateBatch
+from .clock import StepClock
 from .config import TLTConfig
+from .curriculum import CurriculumConfig, level_pools, stage, stage_pool
+from .grpo import (
+    GRPOConfig,
+    accuracy_reward,
+    aggregate_loss,
+    clipped_token_loss,
+    compute_rewards,
+    group_advantages,
+    kl_k3,
+    reward_name,
+)
+from .memory import MeasuredLengths, WorkerShape, plan_worker
+from .scheduler import SchedulerConfig, SpotTrainer, SpotWindow
+from .world import World
 
 
 class GRPOTrainer:
     """GRPO with TLT on one model: in one process, or as one data-parallel worker (``world``).
 
     Args:
-        model: the policy (a :class:`tltlib.model.decoder.Transformer`); updated in place — the engine decodes with it. With
+        model: the policy (a :class:`tltlib.model.decoder.Transformer`); updated in place — the engine decodes with it.
+        With
             several workers it must already be on ``world.device``.
         tokenizer: its tokenizer.
         problems: the training prompts (:class:`tltlib.tasks.problem.Problem`), sampled without replacement each step
@@ -88,7 +97,8 @@ class GRPOTrainer:
         tlt: :class:`TLTConfig` (None = plain decoding, no drafter training: the baseline).
         progress: tqdm bars for rollouts (rank 0 only).
         world: :class:`tltlib.rl.world.World` (default: one process) or a :class:`~tltlib.rl.world.DistributedWorld`.
-        scheduler: :class:`tltlib.rl.scheduler.SchedulerConfig`, the spot trainer's settings (default: its defaults; with
+        scheduler: :class:`tltlib.rl.scheduler.SchedulerConfig`, the spot trainer's settings (default: its defaults;
+        with
             one worker there is no idle window).
         curriculum: :class:`tltlib.rl.curriculum.CurriculumConfig`: the prompts of each step come from the levels
             opened so far (None: from all problems).
@@ -380,7 +390,8 @@ class GRPOTrainer:
         mine = problems[self.world.rank::self.world.size]
         m = {"eval/accuracy": 0.0, "eval/len_mean": 0.0}
         if mine:
-            engine = RolloutEngine(self.model, RolloutConfig(replace(self.sampling, temperature=0.0), num_generations=1),
+            engine = RolloutEngine(self.model, RolloutConfig(replace(self.sampling, temperature=0.0),
+                                                             num_generations=1),
                                    drafter=self.drafter)
             res = engine.generate(encode_prompts(mine, self.tokenizer),
                                   strategy=strategy if self.drafter is not None else None)

@@ -14,13 +14,13 @@
   and contexts of one bucket comparable. Tokens are counted per row over the rows that keep running: a response's
   last iteration emits only what was left of it, whatever the arm.
 * **The prior.** :func:`tltlib.sim.measure.measure_costs` times target forwards of B rows x T tokens (at a short and
-  a long cached context) and drafter forwards on the real models (the cost model the simulator reads too); with the acceptance per draft depth it predicts each arm's
-  speedup (:func:`tltlib.sim.costs.predicted_speedup`): the tuner's prior. The acceptance starts from ``accept_prior`` and then
-  follows what chain SD steps measure, depth by depth, per drafter family and batch-size bucket (a bucket's own
-  measurement shrunk towards the family's: the tail's rows are late in their responses, where a drafter can be
-  worse than early on). While the rows are at one length, an SD step is also charged the masked attention every
-  later plain step pays once it has left them ragged. :func:`save_prior` / :func:`load_prior`
-  keep the costs and the measured acceptance for the next run on the same model and machine.
+  a long cached context) and drafter forwards on the real models (the cost model the simulator reads too); with the
+  acceptance per draft depth it predicts each arm's speedup (:func:`tltlib.sim.costs.predicted_speedup`): the tuner's
+  prior. The acceptance starts from ``accept_prior`` and then follows what chain SD steps measure, depth by depth, per
+  drafter family and batch-size bucket (a bucket's own measurement shrunk towards the family's: the tail's rows are late
+  in their responses, where a drafter can be worse than early on). While the rows are at one length, an SD step is also
+  charged the masked attention every later plain step pays once it has left them ragged. :func:`save_prior` /
+  :func:`load_prior` keep the costs and the measured acceptance for the next run on the same model and machine.
 * **Drafter changes.** When the learned drafter's weights change (``drafter.version`` moves) the evidence of the
   arms that use it, and their measured acceptance, keep ``tuner.discount`` of their weight (``"discount"``), or are
   erased (``"reset"``), or kept whole (``"keep"``).
@@ -44,11 +44,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .bandit import BEGMAB, DEFAULT_ARMS, PRIOR_REFRESH, Bandit, TunerConfig
-from ..sim.costs import MeasuredCosts, iteration_time, plain_rate, predicted_speedup, switch_cost
 from ..fileio import atomic_write_text, read_json
 from ..machine import machine_info
+from ..sim.costs import MeasuredCosts, iteration_time, plain_rate, predicted_speedup, switch_cost
 from ..spec.strategy import OFF, SpecStrategy, StrategySource
+from .bandit import BEGMAB, DEFAULT_ARMS, PRIOR_REFRESH, Bandit, TunerConfig
 
 __all__ = ["BEGMAB", "DEFAULT_ARMS", "Bandit", "TunerConfig", "AdaptiveConfig", "AdaptiveController",
            "default_threshold", "save_prior", "load_prior", "timed_rollout"]
@@ -248,7 +248,8 @@ class AdaptiveController(StrategySource):
         drafter arm's first step catches up on ``backlog`` entries per row; and while the rows are at one length
         (``uniform_left``: the plain steps the longest of them may still take; 0 once they are not), any SD step
         leaves them at unequal lengths for the rest of the rollout, each later plain step paying the masked
-        attention (:meth:`tltlib.sim.costs.MeasuredCosts.ragged_extra`). Empty without a cost model, a horizon, or anything to charge."""
+        attention (:meth:`tltlib.sim.costs.MeasuredCosts.ragged_extra`). Empty without a cost model, a horizon, or
+        anything to charge."""
         h = self.config.switch_horizon
         if self.costs is None or not h or (backlog <= 1 and uniform_left <= 0):
             return {}

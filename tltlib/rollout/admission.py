@@ -4,11 +4,11 @@ later, instead of running out of memory mid-rollout (issue 39, step 4).
 A paged cache holds pages for the tokens its rows have, so a rollout can start more rows than it could hold at
 their longest: most finish early (the long tail). When the pool cannot give every running row the pages its next
 iteration writes, admission takes the running rows with the highest sequence ids out of the batch (they
-wait; their pages go back to the pool) until the iteration fits (:func:`fit`); when finished rows have given pages back, :func:`readmit`
-re-admits the waiting rows, oldest first, by one prefill of each one's prompt and the tokens it had generated
-(*recompute*, vLLM's default preemption: no swap space), whose last sampled token then feeds the next iteration as
-if the row had never left. Nothing is sampled at re-admission: a row's tokens are the ones it would sample at its
-place in the batch, from the same distribution (exact; at a temperature > 0 the random stream is shared by the
+wait; their pages go back to the pool) until the iteration fits (:func:`fit`); when finished rows have given pages back,
+:func:`readmit` re-admits the waiting rows, oldest first, by one prefill of each one's prompt and the tokens it had
+generated (*recompute*, vLLM's default preemption: no swap space), whose last sampled token then feeds the next
+iteration as if the row had never left. Nothing is sampled at re-admission: a row's tokens are the ones it would sample
+at its place in the batch, from the same distribution (exact; at a temperature > 0 the random stream is shared by the
 rows in the batch, so the draws differ from an unpreempted run's, as they do between batch sizes).
 
 The worst case is bounded before the rollout starts (:meth:`tltlib.kv.paged.PagedKVCache.check_holds`,

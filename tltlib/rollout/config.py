@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..model.cudagraph import GraphConfig
 from ..kv.paged import KVConfig
+from ..model.cudagraph import GraphConfig
 from ..model.sampling import SamplingConfig
 
 

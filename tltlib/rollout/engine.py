@@ -11,8 +11,8 @@ every row's first token, then decode. Each iteration is either *plain* (one targ
 :mod:`tltlib.spec.step`); the strategy may change from one iteration to the next. Rows that emit EOS or reach their
 token budget retire; the cache is compacted when enough have finished, so later forwards really run on fewer rows.
 Each iteration's wall time, running rows, strategy and acceptance go into a timeline, each response's finish into a
-trace (read by notebook 01, the SD benches and the adaptive switch); a :class:`tltlib.drafting.pairs.PairBuffer`, if given,
-receives the drafter's online training pairs (hidden, token) as they are produced.
+trace (read by notebook 01, the SD benches and the adaptive switch); a :class:`tltlib.drafting.pairs.PairBuffer`, if
+given, receives the drafter's online training pairs (hidden, token) as they are produced.
 
 Paper: TLT §2 (rollout dominates the RL step; long-tail responses), §5 (the adaptive rollout engine SD plugs into).
 
@@ -32,17 +32,17 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from . import admission
 from ..kernels.dispatch import packed_weights
-from ..model.logprobs import pad_right
-from ..spec.ngram import NgramConfig, NgramDrafter
-from .config import RolloutConfig  # noqa: F401  (the engine's config, importable from here too)
-from ..spec.suffix import SuffixConfig, SuffixDrafter, SuffixHistory
 from ..kv.paged import kv_stats
-from ..stats import rollout_stats, spec_stats
+from ..model.logprobs import pad_right
 from ..model.sampling import sample_from_logits
+from ..spec.ngram import NgramConfig, NgramDrafter
 from ..spec.records import Emitted
 from ..spec.strategy import OFF, SpecStrategy, StrategySource, strategy_source
+from ..spec.suffix import SuffixConfig, SuffixDrafter, SuffixHistory
+from ..stats import rollout_stats, spec_stats
+from . import admission
+from .config import RolloutConfig  # noqa: F401  (the engine's config, importable from here too)
 from .result import RolloutResult
 from .workspace import Kept, kv_share
 
@@ -338,7 +338,8 @@ class Rollout:
 
     def _ngram_proposer(self):
         """``propose(strategy) -> [rows, depth]`` drafts copied from the rows' earlier text and their siblings'."""
-        self.ngram = self.ngram or NgramDrafter(self.prompts, self.engine.config.num_generations, self.engine.ngram_config)
+        self.ngram = self.ngram or NgramDrafter(self.prompts, self.engine.config.num_generations,
+                                                self.engine.ngram_config)
         ids = self.seq.tolist()
 
         def propose(st):

@@ -1,6 +1,6 @@
-"""What a :class:`tltlib.rollout.engine.RolloutEngine` keeps between rollouts: the device buffers of a rollout (the target's
-KV cache, the SD state with the drafter's cache and backlog, the CUDA graphs replaying its forwards) and, on a CPU,
-the target's weights packed for oneDNN (:class:`tltlib.kernels.dispatch.WeightPacks`).
+"""What a :class:`tltlib.rollout.engine.RolloutEngine` keeps between rollouts: the device buffers of a rollout (the
+target's KV cache, the SD state with the drafter's cache and backlog, the CUDA graphs replaying its forwards) and, on a
+CPU, the target's weights packed for oneDNN (:class:`tltlib.kernels.dispatch.WeightPacks`).
 
 Buffers are kept with CUDA graphs (graphs hold their addresses) and on a CPU (allocating and zeroing them costs a
 rollout of the tiny reasoner ~1%), not on a GPU without graphs; packs only on a CPU in float32 (re-made when a
@@ -11,11 +11,11 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
-from ..model.cudagraph import GraphPool, Replay
-from ..kernels.search import ensure as ensure_kernels
 from ..kernels.dispatch import WeightPacks
-from ..kv.paged import KVConfig
 from ..kernels.ragged_attention import kernel as ragged_kernel
+from ..kernels.search import ensure as ensure_kernels
+from ..kv.paged import KVConfig
+from ..model.cudagraph import GraphPool, Replay
 from ..spec.step import SpecDecoder
 
 

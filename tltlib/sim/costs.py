@@ -290,7 +290,8 @@ class MeasuredCosts:
             t = np.asarray(getattr(self, name), dtype=np.float64)
             lr = math.log(min(max(rows, self.rows[0]), self.rows[-1]))
             flat = t.reshape(len(self.rows), -1)
-            at = np.array([math.exp(np.interp(lr, np.log(self.rows), np.log(flat[:, j]))) for j in range(flat.shape[1])])
+            at = np.array([math.exp(np.interp(lr, np.log(self.rows),
+                                              np.log(flat[:, j]))) for j in range(flat.shape[1])])
             hit = self._memo[key] = at.reshape(t.shape[1:]) if t.ndim > 1 else at
         return hit
 
@@ -354,8 +355,9 @@ class MeasuredCosts:
     def from_dict(cls, d: dict) -> "MeasuredCosts":
         """A :meth:`to_dict` of this format; another (an older tltlib's cost model) is refused: measure afresh."""
         if not isinstance(d, dict) or d.get("format") != MEASURED_FORMAT:
-            raise ValueError(f"these costs were written in another format ({d.get('format') if isinstance(d, dict) else d!r}"
-                             f"; this tltlib reads {MEASURED_FORMAT!r}): measure them afresh (measure_costs)")
+            found = d.get("format") if isinstance(d, dict) else repr(d)
+            raise ValueError(f"these costs were written in another format ({found}; this tltlib reads "
+                             f"{MEASURED_FORMAT!r}): measure them afresh (measure_costs)")
         as_tuple = lambda v: tuple(as_tuple(x) for x in v) if isinstance(v, list) else v        # noqa: E731
         return cls(**{f.name: as_tuple(d[f.name]) for f in fields(cls) if f.init and f.name in d})
 

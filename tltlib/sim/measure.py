@@ -2,8 +2,8 @@
 measurement for the adaptive engine's tuner and for the simulator.
 
 1. :func:`measure_costs`: target forwards of rows x new tokens after short to long cached contexts, drafter forwards
-   of 1 and a tree's ``branch`` nodes per row and a catch-up over a backlog, a plain forward at unequal lengths. The tuner's
-   measurement (one pass, when a trainer or a notebook builds the adaptive controller) lifts a cell below its
+   of 1 and a tree's ``branch`` nodes per row and a catch-up over a backlog, a plain forward at unequal lengths. The
+   tuner's measurement (one pass, when a trainer or a notebook builds the adaptive controller) lifts a cell below its
    neighbour; the simulator's calibration (two passes) takes their disagreement as the noise, refused beyond
    :data:`tltlib.sim.physical.NOISE_LIMIT` ("rerun on a quiet machine"), and the costs must grow with rows, context
    and tokens (a fall within the noise is lifted, beyond it refused).
@@ -24,13 +24,12 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from .costs import MeasuredCosts, iteration_time
-from ..kernels.search import ensure as ensure_kernels
 from ..kernels.dispatch import pack_weights, packed_weights
-from .physical import at_least, check_drift, check_quiet, monotone, nondecreasing_fit, pass_noise, tolerance
+from ..kernels.search import ensure as ensure_kernels
 from ..machine import call_times
 from ..spec.strategy import SpecStrategy
-
+from .costs import MeasuredCosts, iteration_time
+from .physical import at_least, check_drift, check_quiet, monotone, nondecreasing_fit, pass_noise, tolerance
 
 CATCH_UP_WIDTH = 64
 """Backlog entries per row of the catch-up :func:`measure_costs` times (wider ones are extrapolated linearly)."""
@@ -53,7 +52,8 @@ def measure_costs(model, drafter=None, rows=None, contexts=(64, 512), tokens=(1,
     (:func:`tltlib.sim.physical.pass_noise`), refused beyond :data:`tltlib.sim.physical.NOISE_LIMIT` ("rerun on a
     quiet machine"), and a cost that falls, beyond the noise, as rows, context or tokens grow is refused too (within
     it, lifted: ``notes``). With one pass (the tuner's, measured when a trainer is built) nothing is refused: a cell
-    below its neighbour is lifted to it (the tuner's prior needs no noise bound; no ``notes``). Nothing is committed to any cache."""
+    below its neighbour is lifted to it (the tuner's prior needs no noise bound; no ``notes``). Nothing is committed to
+    any cache."""
     if passes not in (1, 2):
         raise ValueError(f"passes must be 1 (the tuner's measurement) or 2 (a calibration: the noise), got {passes}")
     ensure_kernels(model, drafter)                    # the kernels a rollout runs with, chosen before any timing

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .costs import GB, Hardware, ModelShape, Roofline, iteration_time
 from ..model.decoder import ModelConfig
 from ..spec.strategy import SpecStrategy
+from .costs import GB, Hardware, ModelShape, Roofline, iteration_time
 
 
 # ------------------------------------------------------------------------------------------ the SD policy

@@ -102,8 +102,9 @@ class NgramDrafter:
     def update(self, seqs: Sequence[int], tokens: torch.Tensor, counts: torch.Tensor) -> None:
         """Bring sequences ``seqs`` (and, with ``siblings``, their whole groups) up to date from the engine's
         output buffer ``tokens [N, max_new]`` with ``counts [N]`` tokens written per sequence."""
-        groups = sorted({int(s) // self.num_generations for s in seqs}) if self.config.siblings else None
-        members = ([g * self.num_generations + j for g in groups for j in range(self.num_generations)] if groups is not None
+        size = self.num_generations
+        groups = sorted({int(s) // size for s in seqs}) if self.config.siblings else None
+        members = ([g * size + j for g in groups for j in range(size)] if groups is not None
                    else sorted({int(s) for s in seqs}))
         grow_texts(self.text, self.prompt_len, members, tokens, counts)
         for s in members:

@@ -38,13 +38,13 @@ import time
 
 import torch
 
-from ..model.cudagraph import Replay
 from ..kv.dense import KVCache
+from ..model.cudagraph import Replay
 from ..model.decoder import rope_cos_sin
 from ..model.sampling import SamplingConfig, inverse_cdf, probs_from_logits, token_logprobs, uniforms
-from .trees import DraftTree, chain_tree, select_nodes
 from .records import Emitted, SpecTrace
 from .strategy import SpecStrategy
+from .trees import DraftTree, chain_tree, select_nodes
 from .verify import drop_children, residual, verify_chain, verify_chain_greedy, verify_chain_point, verify_tree
 
 BACKLOG_BYTES = 256 << 20

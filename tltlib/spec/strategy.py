@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 KINDS = ("off", "chain", "tree", "ngram", "suffix", "hybrid")
 
 
@@ -26,8 +25,8 @@ class SpecStrategy:
     probable nodes (SGLang's ``steps_topk_verifyTokens``); ``ngram`` proposes ``depth`` tokens copied from earlier
     text of the sequence or of its GRPO siblings (:mod:`tltlib.spec.ngram`; model-free, no drafter needed); ``suffix``
     proposes a tree of at most ``budget`` nodes and ``depth`` levels from what followed the row's longest recurring
-    suffix in its group and in earlier responses to its prompt (:mod:`tltlib.spec.suffix`; model-free); ``hybrid`` drafts
-    both the ``tree`` and a ``suffix`` tree of the same size and verifies, per row, the one with more expected
+    suffix in its group and in earlier responses to its prompt (:mod:`tltlib.spec.suffix`; model-free); ``hybrid``
+    drafts both the ``tree`` and a ``suffix`` tree of the same size and verifies, per row, the one with more expected
     accepted tokens (the drafter's path probabilities vs the suffix tree's empirical ones).
 
     Names round-trip: ``SpecStrategy.parse("tree-8x4-32") == SpecStrategy("tree", 8, 4, 32)``."""

@@ -2,8 +2,16 @@
 real models, dataset files (JSONL, verl-style parquet) and what a model reads (prompts through the chat template,
 with a check that the tokenizer covers the data) and scores."""
 from .chain import ChainTaskConfig, generate_problems
-from .datasets import (TASKS, generate_task, load_problems, problems_for, read_responses, save_problems,
-                       split_problems, task_config)
+from .datasets import (
+                       TASKS,
+                       generate_task,
+                       load_problems,
+                       problems_for,
+                       read_responses,
+                       save_problems,
+                       split_problems,
+                       task_config,
+)
 from .problem import Problem, extract_answer, normalize_answer, reward
 from .prompts import encode_prompts, prompt_text, score_responses
 from .tokenizer import load_tokenizer

@@ -19,7 +19,6 @@ from .chain import ChainTaskConfig, generate_problems
 from .problem import Problem, extract_answer, normalize_answer
 from .wordproblems import WordTaskConfig, generate_word_problems
 
-
 _PROMPT_KEYS = ("prompt", "question", "problem")
 _ANSWER_KEYS = ("ground_truth", "answer", "solution")
 _WORD_RE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}")   # a plain word (not a LaTeX command such as \sqrt)

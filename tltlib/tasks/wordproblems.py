@@ -3,7 +3,8 @@
 A problem is a short story about one person and one kind of item: a start count, then ``steps`` operations (buys
 some more, gives some away, buys boxes of several, shares equally and keeps a share, ...), then the question. The
 prompt is a chat message that asks for step-by-step reasoning ending in ``#### N`` (GSM8K's answer line), so
-:func:`tltlib.tasks.prompts.prompt_text` applies the tokenizer's chat template and :func:`tltlib.tasks.problem.reward` scores it
+:func:`tltlib.tasks.prompts.prompt_text` applies the tokenizer's chat template and :func:`tltlib.tasks.problem.reward`
+scores it
 with the same verifier as the chain task and GSM8K::
 
     Mia has 14 marbles. She buys 3 bags with 6 marbles in each. Then she gives 9 marbles to her brother.
