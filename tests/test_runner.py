@@ -108,6 +108,30 @@ def test_library_errors_are_one_line_and_debug_shows_the_traceback(tmp_path):
     assert out.returncode == 1 and "Traceback" in out.stderr
 
 
+def test_the_main_job_prints_one_line_per_notebook_and_logs_the_rest(tmp_path):
+    """``run``: a header naming the log, one line per notebook (its time, its output folder, its headline), a
+    footer; what the cells and the kernel print goes to runs/<params>/run.log, nothing to stderr."""
+    from tltlib.lab.notebook import headline
+    suite = _suite(tmp_path / "nbs")
+    nb = nbformat.read(suite / "01_demo.ipynb", as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell('print("a cell printed this")\n'
+                                              'write_metrics({"rollout/p99_over_p50": 7.25}, OUT_DIR)'))
+    nbformat.write(nb, suite / "01_demo.ipynb")
+    env = {**os.environ, "TLTLIB_NO_VENV": "1"}
+    out = subprocess.run([sys.executable, "-m", "tltlib", "run", "--params", str(_params(tmp_path, LABEL=4)),
+                          "--notebooks", str(suite), "--out", str(tmp_path / "runs")], cwd=ROOT, env=env,
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    log = tmp_path / "runs" / "demo" / "run.log"
+    lines = out.stdout.splitlines()
+    assert len(lines) == 3 and lines[0] == f"running 1 notebook(s) with {_params(tmp_path, LABEL=4)}; full log: {log}"
+    assert lines[1].split()[0] == "01_demo" and f"{tmp_path / 'runs' / 'demo' / '01_demo'}/" in lines[1]
+    assert lines[1].endswith("p99 response 7.2x the median") and lines[2].startswith("1 notebook in ")
+    assert "a cell printed this" in log.read_text() and "Executing Cell" in log.read_text()
+    assert headline("02_x", {"spec/chi2_pvalue": 0.5}) == "SD vs plain samples: chi-square p = 0.50"
+    assert headline("01_x", {}) == "" and headline("99_x", {"a": 1}) == ""
+
+
 def test_every_command_reexecutes_inside_the_venv():
     base = getattr(sys, "_base_executable", None)
     if not base or Path(base).parent == Path(sys.executable).parent or not (ROOT / ".venv").is_dir():

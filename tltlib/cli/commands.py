@@ -8,19 +8,56 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from .bootstrap import ROOT, notebook_env
 
 
 def cmd_run_notebooks(args) -> int:
+    """Run the notebooks: one line per notebook (its time, where its outputs went, its headline number), the
+    kernels' and papermill's output in the run's log (``--verbose``: on the terminal, with papermill's cell bar)."""
     from ..lab.notebook import run_notebooks
     notebook_env()
+    t0 = time.perf_counter()
     done = run_notebooks(args.params, out_root=args.out, only=args.only, progress=not args.quiet,
-                         notebooks=args.notebooks)
-    for path in done:
-        print(f"executed {path}")
+                         notebooks=args.notebooks, log=not args.verbose, on_event=_NotebookLines(args.params))
+    print(f"{len(done)} notebook{'s' * (len(done) != 1)} in {_duration(time.perf_counter() - t0)}", flush=True)
     return 0
+
+
+class _NotebookLines:
+    """``python -m tltlib run``'s screen: the log's path, then one line per notebook (rewritten in place while it
+    runs when the screen is a terminal)."""
+
+    def __init__(self, params: str):
+        self.params, self.tty, self.width = params, sys.stdout.isatty(), 0
+
+    def __call__(self, kind: str, **info) -> None:
+        if kind == "begin":
+            self.width = max(len(nb.stem) for nb in info["notebooks"])
+            where = f"; full log: {_shown(info['log'])}" if info["log"] else ""
+            print(f"running {len(info['notebooks'])} notebook(s) with {self.params}{where}", flush=True)
+        elif kind == "start" and self.tty:
+            print(f"  {info['notebook'].stem:<{self.width}}  running ...", end="", flush=True)
+        elif kind == "failed":
+            line = f"  {info['notebook'].stem:<{self.width}}  {_duration(info['seconds']):>10}  failed"
+            print(("\r" if self.tty else "") + line + "\033[K" * self.tty, flush=True)
+        elif kind == "done":
+            from ..lab.notebook import headline
+            line = (f"  {info['notebook'].stem:<{self.width}}  {_duration(info['seconds']):>10}  "
+                    f"{_shown(info['folder'])}/  {headline(info['notebook'], info['metrics'])}").rstrip()
+            print(("\r" if self.tty else "") + line + "\033[K" * self.tty, flush=True)
+
+
+def _duration(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {seconds % 60:02.0f} s" if seconds >= 60 else f"{seconds:.0f} s"
+
+
+def _shown(path) -> str:
+    """``path`` relative to the project when it is inside it."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def cmd_test(args) -> int:

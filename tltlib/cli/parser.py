@@ -65,7 +65,9 @@ def _notebook_commands(sub) -> None:
         r.add_argument("--only", nargs="+", metavar="PREFIX", help="notebook name prefixes to run, e.g. 01 03")
         r.add_argument("--out", default="runs", help="folder for executed notebooks, figures, metrics.json")
         r.add_argument("--notebooks", help="folder of NN_*.ipynb notebooks to run (default: the suite's notebooks/)")
-        r.add_argument("--quiet", action="store_true")
+        r.add_argument("--quiet", action="store_true", help="no cell bar with --verbose")
+        r.add_argument("--verbose", action="store_true", help="the kernels' and papermill's output on the terminal "
+                       "(with papermill's bar of executed cells) instead of runs/<params>/run.log")
 
 
 def _train_reasoner_command(sub) -> None:

@@ -13,16 +13,20 @@ Departures: none (tooling).
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import shutil
+import sys
+import time
 from pathlib import Path
 
 from ..fileio import atomic_file, atomic_folder, atomic_write_text, check_writable, read_json
 from .params import ROOT, plan_run, resolve
 
-__all__ = ["resolve", "write_metrics", "read_metrics", "save_figure", "run_notebooks"]
+__all__ = ["resolve", "write_metrics", "read_metrics", "save_figure", "run_notebooks", "headline"]
 
 
 def _jsonable(x):
@@ -92,42 +96,113 @@ def _cell_error(e, nb: Path, kept: Path) -> NotebookError:
 
 def run_notebooks(params: str | os.PathLike = "params/cpu-tiny.yaml", out_root: str | os.PathLike = "runs",
                   only: list[str] | None = None, progress: bool = True,
-                  notebooks: str | os.PathLike | None = None) -> list[Path]:
+                  notebooks: str | os.PathLike | None = None, log: bool = False, on_event=None) -> list[Path]:
     """Execute the notebooks in order with papermill; return the executed copies.
 
     Every notebook's parameters are checked first (:func:`tltlib.lab.params.plan_run`), for all notebooks, so a typo
     fails before anything runs. Each notebook gets the parameters its ``parameters`` cell declares plus
     ``OUT_DIR``; outputs are swapped in atomically (see the module docstring). ``notebooks``: another folder of
-    ``NN_*.ipynb`` notebooks than the suite's."""
-    import papermill as pm
-    from papermill.exceptions import PapermillExecutionError
+    ``NN_*.ipynb`` notebooks than the suite's. ``progress``: papermill's bar of executed cells.
 
+    ``log``: everything papermill and the kernels print (the cells' output, warnings, the kernel's start-up) goes to
+    ``runs/<params name>/run.log`` instead of the terminal, appended to per run. ``on_event(kind, **info)`` is told
+    ``"begin"`` (``notebooks``: their paths, ``log``: the log's path or None), ``"start"`` (``notebook``),
+    ``"done"`` (``notebook``, ``seconds``, ``folder``: its outputs, ``metrics``: its metrics.json or {}) or
+    ``"failed"`` (``notebook``, ``seconds``; the error follows)."""
     from .params import params_path
     plan = plan_run(params, notebook_paths(folder=notebooks), notebook_paths(only, notebooks))
     run_dir = check_writable(resolve(out_root) / params_path(params).stem, "run folder (--out)")
+    log_path = run_dir / "run.log" if log else None
+    event = on_event or (lambda kind, **info: None)
+    event("begin", notebooks=[nb for nb, _ in plan], log=log_path)
     done = []
     for nb, values in plan:
-        final, failed = run_dir / nb.stem, run_dir / f"{nb.stem}.failed"
-        figures_dir = values.get("FIGURES_DIR", "")
+        event("start", notebook=nb)
+        t0 = time.perf_counter()
         try:
-            with atomic_folder(final, failed_to=failed) as tmp:
-                inject = {**values, "OUT_DIR": str(tmp)}
-                if figures_dir:
-                    inject["FIGURES_DIR"] = ""            # copied by the runner once the notebook has succeeded
-                try:
-                    pm.execute_notebook(str(nb), str(tmp / nb.name), parameters=inject, kernel_name="python3",
-                                        language="python", cwd=str(ROOT), progress_bar=progress, log_output=False)
-                except PapermillExecutionError as e:
-                    raise _cell_error(e, nb, failed / nb.name) from None
-        except (KeyboardInterrupt, SystemExit):
-            if failed.is_dir():
-                (failed / "INTERRUPTED").write_text("the run was interrupted while this notebook executed\n")
+            with _output_to(log_path, f"{nb.name} with {params_path(params)}"):
+                final = _run_one(nb, values, run_dir, progress and not log, log_output=log)
+        except BaseException:
+            event("failed", notebook=nb, seconds=time.perf_counter() - t0)
             raise
-        if failed.exists():
-            shutil.rmtree(failed)                     # a successful run supersedes an older failure
-        if figures_dir:                               # each figure replaced atomically, after the run succeeded
-            for png in final.glob("*.png"):
-                with atomic_file(resolve(figures_dir) / png.name) as tmp_png:
-                    shutil.copy2(png, tmp_png)
         done.append(final / nb.name)
+        metrics = read_json(final / "metrics.json", "") if (final / "metrics.json").is_file() else {}
+        event("done", notebook=nb, seconds=time.perf_counter() - t0, folder=final, metrics=metrics)
     return done
+
+
+def _run_one(nb: Path, values: dict, run_dir: Path, progress: bool, log_output: bool) -> Path:
+    """Execute notebook ``nb`` with ``values`` into ``run_dir/<name>/`` (swapped in when it has finished; its
+    figures then copied to FIGURES_DIR); returns the folder."""
+    import papermill as pm
+    from papermill.exceptions import PapermillExecutionError
+    final, failed = run_dir / nb.stem, run_dir / f"{nb.stem}.failed"
+    figures_dir = values.get("FIGURES_DIR", "")
+    try:
+        with atomic_folder(final, failed_to=failed) as tmp:
+            inject = {**values, "OUT_DIR": str(tmp)}
+            if figures_dir:
+                inject["FIGURES_DIR"] = ""            # copied by the runner once the notebook has succeeded
+            try:
+                pm.execute_notebook(str(nb), str(tmp / nb.name), parameters=inject, kernel_name="python3",
+                                    language="python", cwd=str(ROOT), progress_bar=progress, log_output=log_output)
+            except PapermillExecutionError as e:
+                raise _cell_error(e, nb, failed / nb.name) from None
+    except (KeyboardInterrupt, SystemExit):
+        if failed.is_dir():
+            (failed / "INTERRUPTED").write_text("the run was interrupted while this notebook executed\n")
+        raise
+    if failed.exists():
+        shutil.rmtree(failed)                         # a successful run supersedes an older failure
+    if figures_dir:                                   # each figure replaced atomically, after the run succeeded
+        for png in final.glob("*.png"):
+            with atomic_file(resolve(figures_dir) / png.name) as tmp_png:
+                shutil.copy2(png, tmp_png)
+    return final
+
+
+@contextlib.contextmanager
+def _output_to(path: Path | None, title: str):
+    """Send this process's output and its children's (the kernels inherit the file descriptors) to ``path``,
+    appended, with papermill's log at INFO (the cells' output) — or leave everything where it was (None)."""
+    if path is None:
+        yield
+        return
+    sys.stdout.flush(), sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    handler = logging.StreamHandler(sys.stderr)
+    logger = logging.getLogger("papermill")
+    level = logger.level
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} {title}\n")
+        f.flush()
+        os.dup2(f.fileno(), 1), os.dup2(f.fileno(), 2)
+        logger.addHandler(handler), logger.setLevel(logging.INFO)
+        try:
+            yield
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            logger.removeHandler(handler), logger.setLevel(level)
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+            os.close(saved[0]), os.close(saved[1])
+
+
+HEADLINES = {
+    "01": ("rollout/p99_over_p50", "p99 response {:.1f}x the median"),
+    "02": ("spec/chi2_pvalue", "SD vs plain samples: chi-square p = {:.2f}"),
+    "03": ("spec/accept_len_mean", "drafter: {:.2f} tokens per SD step"),
+    "04": ("adaptive/speedup_vs_no_sd", "adaptive rollout {:.2f}x no SD"),
+    "05": ("e2e/step_speedup", "GRPO step {:.2f}x with TLT"),
+    "06": ("sched/harvested", "{:.0%} of the idle worker-time trained the drafter"),
+    "07": ("sim/case_study_speedup", "simulated case study {:.2f}x"),
+}
+"""The number each notebook's line in ``python -m tltlib run`` shows: (its metrics.json key, format)."""
+
+
+def headline(notebook: str | os.PathLike, metrics: dict) -> str:
+    """The headline number of notebook ``notebook`` (a path or a name ``NN_...``) from its ``metrics``; "" where the
+    notebook has none or did not write it."""
+    key, fmt = HEADLINES.get(Path(notebook).name[:2], (None, ""))
+    value = metrics.get(key) if key else None
+    return fmt.format(value) if isinstance(value, (int, float)) else ""
