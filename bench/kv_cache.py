@@ -116,7 +116,7 @@ def main() -> None:
               if engines and not args.once else {})
     memory = {kind: _memory(engines[kind], prompts, args, device, out if args.once else None) for kind in engines}
     if args.once:
-        timing = {kind: (memory[kind]["seconds"], [memory[kind]["seconds"]]) for kind in engines}
+        timing = {kind: (memory[kind]["memory_run_s"], [memory[kind]["memory_run_s"]]) for kind in engines}
     results, rows = [], []
     first = next(iter(out.values()), None)
     for kind in args.kv.items:
@@ -280,7 +280,7 @@ def _memory(engine, prompts, args, device, keep: dict | None = None) -> dict:
     peak = sum(c.memory()["peak_bytes"] for c in caches)
     top = max(held, default=1)
     out = {"kv_peak_bytes": int(peak), "held_peak_bytes": int(top), "kv_over_held": peak / max(top, 1),
-           "iterations": len(held), "seconds": seconds}
+           "iterations": len(held), "memory_run_s": seconds}
     if engine.config.kv.kind == "paged":            # the memory check's estimate, given this rollout's own lengths
         from tltlib.rl.memory import MeasuredLengths, kv_estimate
         per_token = sum(c.bytes_per_page // c.page_size for c in caches)

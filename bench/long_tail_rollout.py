@@ -1,5 +1,5 @@
 """A GRPO-sized rollout with a long tail, under every SD policy: no SD, always-SD with each fixed strategy,
-threshold + fixed strategy, and adaptive (threshold + BEG-MAB), with the learned EAGLE drafter and with the
+threshold + fixed strategy, and adaptive (threshold + the tuner), with the learned EAGLE drafter and with the
 model-free n-gram drafter. Total rollout time, ratios, and token identity at temperature 0.
 
 Workload: ``--prompts`` held-out chain problems x ``--num-generations`` samples at ``--temperature`` on the tiny
@@ -20,7 +20,7 @@ strategy) in every batch-size bucket of the tuner, summed: the most any per-buck
     python -m tltlib bench long_tail_rollout --prompts 16    # the paper's Fig. 14 case study size: 128 requests
     python -m tltlib bench long_tail_rollout --device cuda --dtype bfloat16
 
-An ``off`` arm (default) lets BEG-MAB play plain steps where no SD strategy pays; it is not run as a fixed policy
+An ``off`` arm (default) lets the tuner play plain steps where no SD strategy pays; it is not run as a fixed policy
 (that is "no SD"). ``--no-always`` skips the always-SD policies, which on a real model on a CPU spend most of the
 run's time at batch sizes where SD loses.
 """
@@ -190,14 +190,17 @@ def _policies(args, threshold: int) -> tuple[list[Policy], list]:
         thr = args.fixed_threshold
         policies.append(Policy(f"<= {thr} rows: {a.name}", fam, "fixed",
                                lambda a=a, thr=thr: (lambda step, active: a if active <= thr else SpecStrategy())))
-    policies += [Policy(f"adaptive (<= {threshold} rows, BEG-MAB over {len(arms)} arms)", "learned", "adaptive", None),
+    from tltlib.rollout.adaptive import TunerConfig
+    rule = {"epsilon-greedy": "BEG-MAB", "thompson": "Thompson"}.get(TunerConfig().rule, TunerConfig().rule)
+    policies += [Policy(f"adaptive (<= {threshold} rows, {rule} over {len(arms)} arms)", "learned", "adaptive", None),
                  Policy(f"adaptive model-free (<= {threshold} rows, {len(ngram_arms)} arms)", "ngram", "adaptive",
                         None)]
     return policies, fixed_arms
 
 
 def _controllers(policies: list[Policy], args, threshold: int, costs, drafter) -> dict:
-    """A BEG-MAB controller per adaptive policy: over ``--arms`` with the drafter, or ``--ngram-arms`` without."""
+    """A tuner (the default rule) per adaptive policy: over ``--arms`` with the drafter, or ``--ngram-arms``
+    without."""
     from tltlib.rollout.adaptive import AdaptiveConfig, AdaptiveController, TunerConfig
 
     def make(family):

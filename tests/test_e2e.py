@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tltlib.lab.e2e import amdahl_bound, compare, frozen_copy, long_run, summarize, trl_phases
+from tltlib.lab.e2e import amdahl_bound, compare, frozen_copy, long_run, summarize, trl_peer, trl_phases
 
 
 def _run(seed, rollout, update, drafter, rewards, acc):
@@ -62,6 +62,25 @@ def test_trl_phases_from_a_bench_file(tmp_path):
     assert trl_phases(f, "defaults") is None
     with pytest.raises(ValueError, match="TRL run 'fast': choose tuned, defaults"):
         trl_phases(f, "fast")
+
+
+def test_trl_peer_keeps_the_bench_workload_beside_its_baseline(tmp_path):
+    """TRL's phases come with the workload they were measured on and the bench's own baseline of that workload (a
+    notebook of another workload must not put them beside its runs); older files name the group size 'group'."""
+    f = tmp_path / "r.json"
+    base = {"rollout": 6.0, "reward": 0.01, "logprob": 0.0, "update": 4.0, "drafter": 0.0, "step": 10.0,
+            "spread": {"step": [9.0, 11.0]}}
+    trl = {"step_s": [100.0, 80.0], "generate_s": [60.0, 40.0]}
+    f.write_text(json.dumps({"settings": {"prompts": 16, "group": 8, "max_new": 720},
+                             "summary": {"baseline": base}, "trl_tuned": trl}))
+    peer = trl_peer(f)
+    assert peer["workload"] == (16, 8, 720) and peer["phases"]["TRL tuned"] == {"rollout": 50.0, "update": 40.0}
+    assert peer["phases"]["tltlib baseline"] == {k: v for k, v in base.items() if k != "spread"}
+    f.write_text(json.dumps({"settings": {"prompts": 6, "num_generations": 8, "max_new": 720},
+                             "summary": {"baseline": base}, "trl_tuned": trl}))
+    assert trl_peer(f)["workload"] == (6, 8, 720)
+    f.write_text(json.dumps({"settings": {}, "summary": {}, "trl": None}))
+    assert trl_peer(f) is None
 
 
 def test_a_tiny_comparison_runs_both_policies_and_probes_the_drafters():

@@ -96,7 +96,8 @@ def test_the_readme_gpu_sequence_runs_as_written_on_the_cpu(tmp_path):
                 done.stderr[-2000:]
     assert is_drafter_folder(tmp_path / "drafter")
     runs = tmp_path / "runs" / "gpu-example"
-    assert sorted(p.name for p in runs.iterdir()) == sorted(EXPECTED)          # every notebook, none failed
+    assert sorted(p.name for p in runs.iterdir() if p.is_dir()) == sorted(EXPECTED)   # every notebook, none failed
+    assert (runs / "run.log").is_file()                     # the notebooks' own output, kept beside them
     for name, keys in EXPECTED.items():                # what the smoke tier checks of each notebook
         metrics = read_metrics(runs / name)
         assert all(k in metrics for k in keys), (name, [k for k in keys if k not in metrics])

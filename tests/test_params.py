@@ -196,3 +196,11 @@ def test_task_configs_give_the_chain_task_a_longer_held_out_and_name_a_bad_setti
     assert task_configs("words", {"max_steps": 4}, "x") == (words, words)
     with pytest.raises(ValueError, match="TASK_CONFIG: 'max_step' is not a WordTaskConfig setting"):
         task_configs("words", {"max_step": 4}, "TASK_CONFIG")
+
+
+def test_only_takes_prefixes_separated_by_spaces_or_commas_and_refuses_an_unknown_one():
+    assert notebook_paths(["05,06"]) == notebook_paths(["05", "06"]) == [p for p in ALL if p.stem[:2] in ("05", "06")]
+    with pytest.raises(ValueError, match=r"no notebook matches \['09'\]"):
+        notebook_paths(["01,09"])
+    with pytest.raises(ValueError, match="an empty prefix would match all"):
+        notebook_paths(["05,"])

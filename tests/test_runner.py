@@ -2,6 +2,7 @@
 cleaned up, library errors printed as one line, every command re-executed inside .venv."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -61,12 +62,15 @@ def test_failed_run_keeps_the_previous_outputs_and_the_partial_notebook(tmp_path
     (done,) = _run(tmp_path, LABEL=1, FIGURES_DIR=figures)
     out = done.parent
     assert read_metrics(out) == {"label": 1} and (figures / "fig_1.png").is_file()
+    source = json.loads((figures / "01_demo.json").read_text())       # the committed figures name their run
+    assert source["metrics"] == {"label": 1} and source["run"]["notebook"] == "01_demo.ipynb"
+    assert source["run"]["params"].endswith("demo.yaml") and "threads" in source["run"]["machine"]
     with pytest.raises(NotebookError, match="01_demo.ipynb failed in cell \\[\\d\\]: ValueError: the data is wrong: "
                                             "fix the data\n  partly executed notebook: .*01_demo.failed/01_demo.ipynb"):
         _run(tmp_path, LABEL=2, FAIL=True, FIGURES_DIR=figures)
     assert read_metrics(out) == {"label": 1}                       # the last good run, whole
     assert sorted(p.name for p in out.iterdir()) == ["01_demo.ipynb", "fig_1.png", "metrics.json"]
-    assert sorted(p.name for p in figures.iterdir()) == ["fig_1.png"]      # no figure of the failed run
+    assert sorted(p.name for p in figures.iterdir()) == ["01_demo.json", "fig_1.png"]   # none of the failed run
     failed = out.with_name("01_demo.failed")
     assert (failed / "01_demo.ipynb").is_file() and (failed / "fig_2.png").is_file()
     assert "the data is wrong" in (failed / "01_demo.ipynb").read_text()
@@ -74,7 +78,8 @@ def test_failed_run_keeps_the_previous_outputs_and_the_partial_notebook(tmp_path
     _run(tmp_path, LABEL=3, FIGURES_DIR=figures)                   # success replaces the outputs as a whole
     assert read_metrics(out) == {"label": 3} and not failed.exists()
     assert sorted(p.name for p in out.iterdir()) == ["01_demo.ipynb", "fig_3.png", "metrics.json"]
-    assert sorted(p.name for p in figures.iterdir()) == ["fig_1.png", "fig_3.png"]
+    assert sorted(p.name for p in figures.iterdir()) == ["01_demo.json", "fig_1.png", "fig_3.png"]
+    assert json.loads((figures / "01_demo.json").read_text())["metrics"] == {"label": 3}
 
 
 def test_sigterm_leaves_no_temporary_folder_and_keeps_the_partial_notebook(tmp_path):

@@ -184,6 +184,25 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from ..lab.report import broken_links, render_docs
+    changed = render_docs(check=args.check)
+    shown = ", ".join(_shown(p) for p in changed)
+    broken = broken_links()
+    for link in broken:
+        print(f"broken link: {link}", file=sys.stderr)
+    if args.check:
+        if changed:
+            print(f"out of date: {shown}; run python -m tltlib report to render them from their result files",
+                  file=sys.stderr)
+        if changed or broken:
+            return 1
+        print("every rendered table equals its result file, and every link resolves")
+        return 0
+    print(f"rendered {shown}" if changed else "nothing to render: every table equals its result file")
+    return 1 if broken else 0
+
+
 def cmd_bench(args) -> int:
     import runpy
     script = ROOT / "bench" / f"{args.name}.py"

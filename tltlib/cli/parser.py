@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_commands(sub)
     _train_grpo_command(sub)
     _simulate_command(sub)
+    _report_command(sub)
     b = sub.add_parser("bench", help="run bench/NAME.py (e.g. decode)")
     b.add_argument("name")
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -140,6 +141,13 @@ def _model_commands(sub) -> None:
     ig.add_argument("--overwrite", action="store_true", help="replace an earlier import in OUT")
 
 
+
+
+def _report_command(sub) -> None:
+    rp = sub.add_parser("report", help="render the results tables of README.md and docs/ from bench/results and the "
+                        "canonical run's figures/*.json")
+    rp.add_argument("--check", action="store_true", help="change nothing; exit 1 naming every doc whose tables differ "
+                    "from their result files")
 
 
 def _simulate_command(sub) -> None:

@@ -200,6 +200,22 @@ def trl_phases(results_json, run: str = "tuned") -> dict | None:
     return {"rollout": gen, "reward": max(scored - gen, 0.0), "update": max(step - scored, 0.0)}
 
 
+def trl_peer(results_json, run: str = "tuned") -> dict | None:
+    """TRL beside tltlib on the workload the bench ran them on, from a bench/e2e_grpo result file: ``{"workload":
+    (prompts, completions per prompt, max new tokens), "phases": {"tltlib baseline": its median phases, "TRL
+    <run>": :func:`trl_phases`}}``; None when the file has no such TRL run. A notebook draws these apart from its own
+    runs when its workload differs (two workloads on one axis would compare nothing)."""
+    trl = trl_phases(results_json, run)
+    if trl is None:
+        return None
+    d = read_json(results_json, "run python -m tltlib bench e2e_grpo again")
+    s = d["settings"]
+    workload = (int(s["prompts"]), int(s.get("num_generations", s.get("group"))), int(s["max_new"]))
+    base = {k: float(v) for k, v in d["summary"]["baseline"].items() if k in ("rollout", "reward", "logprob",
+                                                                              "update", "drafter", "step")}
+    return {"workload": workload, "phases": {"tltlib baseline": base, f"TRL {run}": trl}}
+
+
 def compare_workers(model, tokenizer, drafter, train, grpo, tlt, scheduler, steps: int, probe=(),
                     probe_strategy: str = "chain-8", world=None, log=print,
                     trainer_kwargs: dict | None = None) -> dict | None:

@@ -72,14 +72,16 @@ class NotebookError(RuntimeError):
 
 def notebook_paths(only: list[str] | None = None, folder: str | os.PathLike | None = None) -> list[Path]:
     """The ordered notebooks ``NN_*.ipynb`` of ``folder`` (default ``notebooks/``), optionally filtered by name
-    prefixes (each prefix must match)."""
+    prefixes (each prefix must match; ``["05,06"]`` is ``["05", "06"]``)."""
     folder = resolve(folder) if folder else ROOT / "notebooks"
     paths = sorted(folder.glob("[0-9][0-9]_*.ipynb"))
     if not paths:
         raise FileNotFoundError(f"no NN_*.ipynb notebooks in {str(folder)!r}")
     if only is not None:
-        if not only or not all(o.strip() for o in only):
-            raise ValueError("--only needs notebook prefixes, e.g. --only 01 03 (an empty prefix would match all)")
+        only = [o.strip() for part in only for o in part.split(",")]
+        if not only or not all(only):
+            raise ValueError("--only needs notebook prefixes, e.g. --only 01 03 or --only 01,03 (an empty prefix would "
+                             "match all)")
         chosen = [p for p in paths if any(p.stem.startswith(o) for o in only)]
         unmatched = [o for o in only if not any(p.stem.startswith(o) for p in paths)]
         if unmatched:
@@ -127,6 +129,9 @@ def run_notebooks(params: str | os.PathLike = "params/cpu-tiny.yaml", out_root: 
             raise
         done.append(final / nb.name)
         metrics = read_json(final / "metrics.json", "") if (final / "metrics.json").is_file() else {}
+        if values.get("FIGURES_DIR"):                  # the committed figures name the run they come from
+            _write_provenance(resolve(values["FIGURES_DIR"]) / f"{nb.stem}.json", nb, params_path(params), metrics,
+                              time.perf_counter() - t0)
         event("done", notebook=nb, seconds=time.perf_counter() - t0, folder=final, metrics=metrics)
     return done
 
@@ -159,6 +164,18 @@ def _run_one(nb: Path, values: dict, run_dir: Path, progress: bool, log_output: 
             with atomic_file(resolve(figures_dir) / png.name) as tmp_png:
                 shutil.copy2(png, tmp_png)
     return final
+
+
+def _write_provenance(path: Path, nb: Path, params: Path, metrics: dict, seconds: float) -> None:
+    """Beside a notebook's committed figures: which run drew them (the notebook, its parameter file, when, on what
+    machine, how long it took) and the metrics it wrote, so a number quoted from a figure has its source."""
+    from ..machine import machine_info
+    m = machine_info("cpu")
+    shown = str(params.relative_to(ROOT)) if params.is_relative_to(ROOT) else str(params)
+    run = {"notebook": nb.name, "params": shown, "command": f"python -m tltlib run --params {shown}",
+           "finished": time.strftime("%Y-%m-%d"),
+           "seconds": round(seconds, 1), "machine": f"{m['cpu']} ({m['threads']} threads), torch {m['torch']}"}
+    atomic_write_text(path, json.dumps({"run": run, "metrics": _jsonable(metrics)}, indent=1, sort_keys=True) + "\n")
 
 
 @contextlib.contextmanager

