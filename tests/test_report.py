@@ -81,10 +81,10 @@ def test_bad_markers_are_refused_with_their_line(tmp_path):
 
 def test_a_missing_or_broken_results_file_names_the_fix(tmp_path):
     r = _results(tmp_path)
-    with pytest.raises(ReportError, match="no such results file; rerun the bench that writes it"):
+    with pytest.raises(ReportError, match="nothing.json: no such results file; run its bench"):
         r.json("nothing")
     (r.folder / "broken.json").write_text("{not json")
-    with pytest.raises(ReportError, match="is not valid JSON .* rerun its bench"):
+    with pytest.raises(ReportError, match="is not valid JSON .* run its bench again"):
         r.json("broken")
 
 
@@ -133,3 +133,42 @@ def test_report_check_command_exits_nonzero_on_a_stale_doc(monkeypatch, capsys):
     monkeypatch.setattr(report, "broken_links", lambda: [])
     assert main(["report", "--check"]) == 1
     assert "out of date: docs/results.md; run python -m tltlib report" in capsys.readouterr().err
+
+
+def test_a_renderer_that_finds_no_key_names_the_doc_line_and_renderer(tmp_path):
+    r = _results(tmp_path, demo={"columns": 3})
+    with pytest.raises(ReportError, match=r"results.md, line 2: renderer 'count' found no 'rows' in its result files"):
+        render_text("x\n<!-- report: count -->\n<!-- /report -->\n", r, {"count": _count})
+
+
+def test_canonical_runs_are_read_under_the_results_root(tmp_path):
+    r = Results(tmp_path / "bench" / "results", tmp_path / "docs" / "results.md", tmp_path)
+    with pytest.raises(ReportError, match="no canonical-run metrics; run python -m tltlib run"):
+        r.canonical("01_profile_long_tail")
+    (tmp_path / "figures").mkdir()
+    (tmp_path / "figures" / "01_profile_long_tail.json").write_text(json.dumps(
+        {"run": {"notebook": "01_profile_long_tail.ipynb", "seconds": 25.0}, "metrics": {"rollout/len_p50": 7}}))
+    assert r.canonical("01_profile_long_tail") == {"rollout/len_p50": 7}
+    assert [run["seconds"] for run in r.canonical_runs()] == [25.0]
+
+
+def test_a_missing_file_names_the_command_that_writes_it(tmp_path):
+    r = _results(tmp_path)
+    with pytest.raises(ReportError, match="run python -m tltlib bench e2e_grpo"):
+        r.json("e2e_grpo-cpu-float32-w2")
+    with pytest.raises(ReportError, match="run python -m tltlib simulate --validate"):
+        r.json("simulate-validate-cpu")
+
+
+def test_a_failing_test_suite_is_not_quoted(tmp_path):
+    green = {"machine": {"cpu": "X", "threads": 2, "torch": "t"}, "markers": "not gpu", "returncode": 0,
+             "seconds": 60.0, "counts": {"passed": 3}, "summary": "3 passed"}
+    r = _results(tmp_path, **{"tests-x": green})
+    assert "| 3 | 0 | 0 | 1 min 0 s |" in report.all_renderers()["test_suite"](r)
+    r = _results(tmp_path / "red", **{"tests-x": {**green, "returncode": 1, "counts": {"passed": 2, "failed": 1}}})
+    with pytest.raises(ReportError, match="records a failing suite"):
+        report.all_renderers()["test_suite"](r)
+
+
+def test_a_ratio_beside_its_goal_keeps_its_side():
+    assert fmt.x_vs(1.0999, 1.1) == "1.0999x" and fmt.x_vs(1.2, 1.1) == "1.20x"

@@ -22,7 +22,7 @@ def sd_speed(r) -> str:
     names = list(next(iter(hot.values()))["strategies"])
     deepest = max((s for s in names if s.startswith("chain-")), key=lambda s: int(s.split("-")[1]))
     rows = []
-    for b in (1, 4, 16, 64, 128, 256, 512):
+    for b in sorted(hot):
         st = hot[b]["strategies"]
         best = max(st[s]["speedup"] for s in names)
         rows.append([b, n(hot[b]["plain_tok_s"])] + [bold(x(st[s]["speedup"]), st[s]["speedup"] == best) for s in names]

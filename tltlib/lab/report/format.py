@@ -20,6 +20,14 @@ def x(v: float, digits: int = 2) -> str:
     return f"{v:.{digits}f}x"
 
 
+def x_vs(v: float, goal: float, digits: int = 2) -> str:
+    """A ratio beside its goal, with enough digits that the rounding does not put it on the goal's other side:
+    ``x_vs(1.0999, 1.1)`` is ``1.0999x``, not ``1.10x``."""
+    while digits < 6 and (round(v, digits) >= goal) != (v >= goal):
+        digits += 1
+    return x(v, digits)
+
+
 def n(v: float, digits: int = 0) -> str:
     """A number with thousands separators: ``8,637``."""
     return f"{v:,.{digits}f}"

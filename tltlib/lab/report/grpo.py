@@ -9,7 +9,6 @@ import statistics
 from collections.abc import Callable, Sequence
 
 from .format import bold, md_table, n, pct, x
-from .results import canonical
 
 
 def _phase(s: dict, key: str) -> str:
@@ -120,8 +119,8 @@ def spot_trainer(stem: str) -> Callable:
                         [[f"{pct(s['schedule_baseline']['idle_frac'])} / {pct(sch['idle_frac'])}",
                           pct(sch["harvested_total"]), pct(sch["overhead_share"], 2),
                           f"{sch['preempt_micro_steps_max']:.2f}", f"{sch['micro_steps']:.0f}",
-                          " / ".join(f"{s['accept_last'][k]:.2f}" for k in ("spot", "frozen", "one_process_online")
-                                     if s["accept_last"].get(k) is not None)]])
+                          " / ".join("—" if s["accept_last"].get(k) is None else f"{s['accept_last'][k]:.2f}"
+                                     for k in ("spot", "frozen", "one_process_online"))]])
     return render
 
 
@@ -139,7 +138,7 @@ def canonical_grpo(folder: str = "figures") -> Callable:
     """Notebook 05's canonical run (figures and metrics in ``folder``): step and rollout speedups, the bound, the
     drafter's share, the reward bands' overlap and the held-out accuracy."""
     def render(r) -> str:
-        m = canonical("05_grpo_with_tlt", folder)
+        m = r.canonical("05_grpo_with_tlt", folder)
         return md_table(["step speedup", "rollout speedup", "Amdahl bound", "drafter share", "reward bands overlap",
                          "held-out accuracy: before / baseline / TLT",
                          "accepted length at the last step: online / frozen"],
@@ -154,7 +153,7 @@ def canonical_grpo(folder: str = "figures") -> Callable:
 def canonical_spot(folder: str = "figures") -> Callable:
     """Notebook 06's canonical run (figures and metrics in ``folder``): the spot trainer on 2 workers."""
     def render(r) -> str:
-        m = canonical("06_idle_time_drafter_training", folder)
+        m = r.canonical("06_idle_time_drafter_training", folder)
         return md_table(["workers", "idle share", "harvested", "overhead on the critical path",
                          "preemption, worst (micro-steps)", "accepted length: spot-trained / frozen"],
                         [[f"{m['sched/workers']:.0f}", pct(m["sched/idle_frac"]), pct(m["sched/harvested"]),

@@ -35,8 +35,18 @@ def render_text(text: str, results: Results, renderers: dict | None = None) -> s
                               f"{', '.join(sorted(renderers))}")
 
     def block(m: re.Match) -> str:
-        body = renderers[m.group("name")](results).rstrip("\n")
-        return f"<!-- report: {m.group('name')} -->\n{body}\n<!-- /report -->"
+        name = m.group("name")
+        try:
+            body = renderers[name](results).rstrip("\n")
+        except ReportError as e:
+            raise ReportError(f"{results.doc.name}, line {text.count(chr(10), 0, m.start()) + 1}, renderer {name!r}: "
+                              f"{e}") from None
+        except (KeyError, IndexError, TypeError, StopIteration) as e:    # a file without what the renderer reads
+            what = repr(e.args[0]) if isinstance(e, KeyError) and e.args else str(e) or type(e).__name__
+            raise ReportError(f"{results.doc.name}, line {text.count(chr(10), 0, m.start()) + 1}: renderer {name!r} "
+                              f"found no {what} in its result files: a file from an older bench, or a renderer that "
+                              "reads the wrong key (tltlib/lab/report/)") from None
+        return f"<!-- report: {name} -->\n{body}\n<!-- /report -->"
     return BLOCK.sub(block, text)
 
 
@@ -101,7 +111,7 @@ def render_docs(root: Path = ROOT, docs=DOCS, check: bool = False, renderers: di
     for name in docs:
         path = root / name
         text = path.read_text()
-        new = render_text(text, Results(results_dir, path), renderers)
+        new = render_text(text, Results(results_dir, path, root), renderers)
         if new != text:
             out[path] = new
     if not check:

@@ -8,13 +8,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .format import bold, md_table, median, n, pct, x
-from .results import canonical
 
 
 def long_tail(folder: str) -> Callable:
     """Notebook 01's response lengths, from the canonical run whose figures are in ``folder``."""
     def render(r) -> str:
-        m = canonical("01_profile_long_tail", folder)
+        m = r.canonical("01_profile_long_tail", folder)
         return md_table(["median", "p99", "max", "p99 / median", "max / median", "truncated at the cap",
                          "time with <= 25% / <= 10% of rows running", "row-slots left empty", "accuracy"],
                         [[n(m["rollout/len_p50"]), n(m["rollout/len_p99"]), n(m["rollout/len_max"]),
@@ -49,10 +48,11 @@ def kv_cache(stem: str) -> Callable:
     memory check's estimate, the same tokens."""
     def render(r) -> str:
         d = r.json(stem)
-        rows = []
+        rows, refused = [], []
         for v in d["results"]:
             if "refused" in v:
-                rows.append([v["kv"], "refused", None, None, None, None, None, v["refused"].split(" but ")[0]])
+                rows.append([v["kv"], "refused (below)", None, None, None, None, None, None])
+                refused.append(f"The {v['kv']} cache refused the rollout before it started: {v['refused']}")
                 continue
             est = v.get("estimate_over_peak")
             rows.append([v["kv"], f"{median(v['runs']):.2f}", n(v["tok_s"]), f"{v['kv_peak_bytes'] / 2 ** 20:.1f}",
@@ -63,7 +63,7 @@ def kv_cache(stem: str) -> Callable:
             (f"responses mean {d['response_lengths']['mean']:.0f}, max {d['response_lengths']['max']:.0f} tokens; "
              f"process peak RSS {d['max_rss_bytes'] / 2 ** 30:.2f} GiB.")
         return md_table(["KV cache", "rollout s", "tok/s", "peak KV MiB", "held MiB", "peak / held", "estimate / peak",
-                         "same tokens"], rows) + "\n\n" + caption
+                         "same tokens"], rows) + "\n\n" + caption + "".join(f"\n\n{t}" for t in refused)
     return render
 
 
@@ -85,8 +85,9 @@ RENDERERS: dict[str, Callable] = {
     "smollm2_long_tail": long_tail("figures/smollm2"),
     "rollout_512": rollout_policies("long_tail_rollout-cpu-float32", "BEG-MAB"),
     "rollout_128": rollout_policies("long_tail_rollout-cpu-float32-16x8"),
-    "rollout_128_random": rollout_policies("long_tail_rollout-cpu-float32-16x8-tiny-random"),
-    "rollout_128_stale": rollout_policies("long_tail_rollout-cpu-float32-16x8-tiny-reasoner-drafter-short"),
+    "rollout_128_random": rollout_policies("long_tail_rollout-cpu-float32-16x8-same-lengths-tiny-random"),
+    "rollout_128_stale": rollout_policies(
+        "long_tail_rollout-cpu-float32-16x8-same-lengths-tiny-reasoner-drafter-short"),
     "rollout_128_same": rollout_policies("long_tail_rollout-cpu-float32-16x8-same-lengths"),
     "smollm2_rollout": rollout_policies(SMOLLM2_ROLLOUT),
     "smollm2_rollout_4x8": rollout_policies("long_tail_rollout-cpu-float32-4x8-smollm2-135m-words", "BEG-MAB"),

