@@ -88,7 +88,7 @@ def _trl_peer(args, problems, device) -> dict:
     """Every TRL run of ``--trl-runs`` in turn, each from the checkpoint on disk: ``{run name: result}``."""
     import importlib.util
     if importlib.util.find_spec("trl") is None:
-        print("TRL peer skipped: trl is not installed (install it: python -m tltlib setup --extras peers)", flush=True)
+        print("TRL peer skipped: trl is not installed (install it: python -m tltlib setup)", flush=True)
         return {}
     from tltlib.tasks.tokenizer import load_tokenizer
     tok = load_tokenizer(resolve(args.model))

@@ -98,6 +98,8 @@ METRICS: dict[str, str] = {
     "time/logprob_s": "RL step phase: reference / old-policy log-probabilities (s)",
     "time/update_s": "RL step phase: policy update (s)",
     "time/drafter_s": "RL step phase: drafter training (s)",
+    "time/weight_sync_s": "seconds copying the policy's weights from the trainer's model into the rollout's (the TRL "
+                          "rollout: once per optimizer step)",
     "time/step_s": "RL step wall time (s)",
     "eval/accuracy": "held-out accuracy (greedy decoding)",
     "eval/accuracy_before": "held-out accuracy of the initial policy (greedy decoding)",

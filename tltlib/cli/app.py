@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.cmd == "setup":
-        bootstrap.setup(force=True, extras=tuple(args.extras))
+        bootstrap.setup(force=True)
         return 0
     if args.cmd == "setup-vllm":
         bootstrap.setup_vllm()

