@@ -15,7 +15,8 @@ One call of the rollout (:meth:`TLTRollout.__call__`, the prompts of this proces
    tensor by tensor; or built from TRL's model), the drafter, the controller, the callback (:mod:`.trl_state`) and, on
    a resumed run, the state from TRL's checkpoint;
 2. the policy's weights copied from ``trainer.model`` when TRL's ``global_step`` moved (``time/weight_sync_s``);
-3. the prompts templated as TRL templates them, ``num_generations`` samples of each (the adaptive engine);
+3. the prompts templated as TRL templates them, ``num_generations`` samples of each (the adaptive engine), ended
+   by the tokens TRL counts as EOS;
 4. training mode: the drafter trains on the pairs (``time/drafter_s``); its version moves;
 5. the metrics under tltlib's names (``rollout/*``, ``spec/*``, ``drafter/*``, ``time/*``) into TRL's logs.
 
@@ -98,8 +99,11 @@ class TLTRollout:
         check_trainer(trainer)
         args = trainer.args
         self.sampling = sampling_of(args)
+        self.eos_ids = tuple(trainer.eos_token_ids)      # TRL's: the tokenizer's EOS and the generation config's
         hf = unwrapped(trainer.model)
         device = trainer.accelerator.device
+        if device.type == "cpu":
+            device = torch.device("cpu")              # accelerate's multi-CPU names it cpu:<rank>
         dtype = next(hf.parameters()).dtype
         self.model, self.tokenizer = self._policy(hf, device, dtype, trainer.state.global_step > 0,
                                                   trainer.processing_class)
@@ -190,7 +194,7 @@ class TLTRollout:
         engine = self.engines.get(G)
         if engine is None:
             engine = self.engines[G] = RolloutEngine(self.model, RolloutConfig(
-                self.sampling, num_generations=G, kv=self.kv), drafter=self.drafter)
+                self.sampling, num_generations=G, kv=self.kv), drafter=self.drafter, eos_ids=self.eos_ids)
         pairs = self.buffer if train else None
         if pairs is not None:
             pairs.rl_step = step
