@@ -1,5 +1,6 @@
 """One style for the whole project, kept by ruff as pyproject.toml configures it: lines of at most 120 characters,
-imports sorted, pyflakes' errors (an unused import, an undefined name) — in tltlib, bench, tests and the notebooks."""
+imports sorted, pyflakes' errors (an unused import, an undefined name) — in tltlib, bench, examples, tests and the
+notebooks."""
 from __future__ import annotations
 
 import shutil
@@ -22,8 +23,8 @@ def _ruff() -> list[str]:
 
 
 def test_the_project_keeps_its_style():
-    out = subprocess.run([*_ruff(), "check", "--no-cache", "tltlib", "bench", "tests", "notebooks"], cwd=ROOT,
-                         capture_output=True, text=True)
+    out = subprocess.run([*_ruff(), "check", "--no-cache", "tltlib", "bench", "examples", "tests", "notebooks"],
+                         cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, f"ruff check (fix with: ruff check --fix, then by hand):\n{out.stdout[-4000:]}"
 
 

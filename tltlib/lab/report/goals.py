@@ -214,6 +214,39 @@ def paged_kv(r):
         _yes(max(held) <= 1.15 and min(speed) >= 0.97)
 
 
+TRL_TLT = (("tiny reasoner", "trl_tlt-cpu-float32"),)
+"""``bench trl_tlt``'s files: TRL's GRPOTrainer with its own generation, tltlib's rollout with SD off, and TLT."""
+
+
+def trl_generation(r):
+    c = r.json(TRL_TLT[0][1])["summary"]["comparison"]["trl"]
+    return (f"{x_vs(c['generation_speedup'], 3.0)} (the rollout alone {x(c['rollout_speedup'])})",
+            _yes(c["generation_speedup"] >= 3.0))
+
+
+def trl_bound(r):
+    parts, met = [], []
+    for model, stem in TRL_TLT:
+        c = r.json(stem)["summary"]["comparison"]["trl"]
+        parts.append(f"{model}: step {x(c['step_speedup'])} = {pct(c['of_bound'])} of {x(c['amdahl_bound'])}")
+        met.append(f"{model} {_yes(c['of_bound'] >= 0.9)}")
+    return "; ".join(parts), ", ".join(met)
+
+
+def trl_learning(r):
+    parts, met = [], []
+    for model, stem in TRL_TLT:
+        s = r.json(stem)["summary"]
+        for base, label in (("trl", "TRL's generation"), ("tlt-off", "SD off")):
+            c = s["comparison"][base]
+            p = c["held_out_welch_p"]
+            parts.append(f"{model} vs {label}: bands overlap at {pct(c['reward_curves_overlap_frac'])} of the steps, "
+                         f"held-out p = {'n/a' if p is None else f'{p:.2f}'}")
+            same = c["reward_curves_overlap_frac"] >= 0.8 and (p is None or p >= 0.05)
+            met.append(f"{model} vs {label} {_yes(same)}")
+    return "; ".join(parts), ", ".join(met)
+
+
 GOALS = (
     ("SD ≥ 2.5x over plain decoding at batch 1 (tiny reasoner, CPU)", sd_batch1),
     ("plain decoding ≥ 1.2x transformers `generate` at every batch (tiny reasoner, CPU)", plain_vs_transformers),
@@ -243,6 +276,11 @@ GOALS = (
     ("simulator: every prediction within 15% of runs measured here, 5 of 5 runs in a row", simulator),
     ("projection at the paper's settings within 10% of Table 3", projection),
     ("paged KV cache: peak ≤ 1.15x the tokens held, speed ≥ 0.97x dense (CPU)", paged_kv),
+    ("TRL + TLT (rollout_func): the generation phase ≥ 3x TRL tuned's own generation (tiny reasoner, CPU)",
+     trl_generation),
+    ("TRL + TLT: the step ≥ 90% of its Amdahl bound against TRL tuned", trl_bound),
+    ("TRL + TLT learns as TRL does: reward bands overlap at ≥ 80% of the steps, held-out accuracy p ≥ 0.05",
+     trl_learning),
 )
 
 

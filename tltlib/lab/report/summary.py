@@ -16,7 +16,7 @@ from .rollout import SMOLLM2_ROLLOUT
 from .runs import test_suites
 from .simulator import LATEST_VALIDATION, XEON_VALIDATE_RUNS
 
-RESULTS, MODELS = "docs/results.md", "docs/real-models.md"
+RESULTS, MODELS, TRL_DOC = "docs/results.md", "docs/real-models.md", "docs/trl.md"
 
 
 def _ci(g: dict, key: str) -> str:
@@ -181,10 +181,24 @@ def sampling(r):
             "per decode iteration")
 
 
+def trl_tlt(r):
+    d = r.json("trl_tlt-cpu-float32")
+    s, c = d["summary"], d["summary"]["comparison"]["trl"]
+    two = [st for st in (d.get("two_processes") or {}).get("sched", []) if st]
+    share = statistics.mean(st["sched/harvested"] for st in two) if two else None
+    harvested = f"; as two processes the spot trainer harvested {pct(share)} of the idle time" if two else ""
+    return (f"TLT through `rollout_func`: generation **{x(c['generation_speedup'])}** TRL tuned's own, step "
+            f"{x(c['step_speedup'])} = {pct(c['of_bound'])} of its Amdahl bound; held-out accuracy "
+            f"{statistics.mean(s['trl']['held_out']):.3f} (TRL) vs {statistics.mean(s['tlt']['held_out']):.3f} (TLT)"
+            + harvested)
+
+
 ROWS = (
     ("GRPO step, tiny reasoner, 16 prompts x 8, CPU", grpo, RESULTS, "grpo-end-to-end"),
     ("the same workload in TRL 1.16's `GRPOTrainer`, CPU", trl, RESULTS, "trl-as-the-peer"),
     ("the same learning", learning, RESULTS, "the-same-learning"),
+    ("TRL's `GRPOTrainer` with TLT as its rollout, tiny reasoner, CPU", trl_tlt, TRL_DOC,
+     "measured-trl-three-ways-on-one-workload"),
     ("SD at batch 1, tiny reasoner, CPU", sd, RESULTS, "speculative-decoding-speed"),
     ("adaptive engine, long-tailed rollout, CPU", adaptive, RESULTS, "long-tail-rollout-and-the-adaptive-engine"),
     ("drafter the policy leaves behind, one process", drift, RESULTS, "drafter-drift"),
