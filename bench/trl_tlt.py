@@ -7,6 +7,9 @@ on this device sets it (``bench/_trl_peer.py``'s ``tuned``: no bf16 autocast on 
 gradient checkpointing, micro-batches of up to ``--trl-rows`` rows, one generation per optimizer step); the TRL arm
 generates with transformers' continuous batching (its fastest generation here), the tltlib arms with the engine.
 
+Each run (arm and seed) runs in a child process of its own, so one run's memory is gone before the next
+(``--one-process``: all in this one; SmolLM2's runs filled a 24 GiB VM that way).
+
 Per arm, seed and RL step: TRL's step time, its generation phase (TRL's ``generate`` or the whole ``rollout_func``
 call: the rollout, the weight sync and, with TLT, the drafter's training), the rollout alone, the reward; per seed
 the held-out accuracy of the final policy (greedy, the same evaluator for every arm). Reported: median phases and
@@ -18,7 +21,7 @@ and the share of the idle process-time its spot trainer harvested.
     python -m tltlib bench trl_tlt                                      # the tiny reasoner, 16 x 8, 720 tokens
     python -m tltlib bench trl_tlt --model ~/.cache/tltlib/models/smollm2-135m-words-sft \\
         --drafter data/smollm2-135m-drafter --task words --prompts 8 --num-generations 4 --max-new 384 \\
-        --temperature 0.7 --lr 1e-5 --steps 4 --seeds 2 --tag -smollm2
+        --temperature 0.7 --lr 1e-5 --steps 4 --seeds 2 --held-out 32 --two-processes 2 --tag=-smollm2
 """
 from __future__ import annotations
 
@@ -85,7 +88,14 @@ def parse_args(argv=None):
     ap.add_argument("--two-processes", type=nonnegative_int, default=3,
                     help="steps of the TLT arm as two processes (0 = skip)")
     ap.add_argument("--tag", default="", help="suffix of the result files (e.g. -smollm2)")
-    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)   # inside the two-process run: its JSON
+    ap.add_argument("--summarize", metavar="JSON", default="",
+                    help="only summarize the runs of an earlier result file again (and rewrite its tables)")
+    ap.add_argument("--one-process", action="store_true",
+                    help="run every arm and seed in this process (default: each in a child process of its own, "
+                         "so one run's memory is gone before the next: SmolLM2's runs filled 24 GiB in one process)")
+    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)   # in a child process: where its JSON goes
+    ap.add_argument("--worker-arm", default="tlt", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-seed", type=int, default=0, help=argparse.SUPPRESS)
     add_output_flags(ap)
     return parse_bench_args(ap, argv)
 
@@ -155,6 +165,7 @@ def run_arm(args, arm: str, seed: int, train, held, processes: int = 1) -> dict:
            "drafter_s": [h.get("time/drafter_s", 0.0) for h in steps],
            "weight_sync_s": [h.get("time/weight_sync_s", 0.0) for h in steps],
            "reward": [h.get("reward") for h in steps], "accept_len": [h.get("spec/accept_len_mean") for h in steps],
+           "sd_share": [h.get("spec/time_frac") for h in steps],
            "sched": [{k: v for k, v in h.items() if k.startswith("sched/")} for h in steps],
            "len_mean": [h.get("completions/mean_length") for h in steps], "held_out": acc}
     del trainer, rollout
@@ -195,30 +206,42 @@ def held_out_accuracy(hf_model, tokenizer, problems, max_new: int) -> float:
 
 
 # --------------------------------------------------------------------------------------------- two processes
-def two_processes(args) -> dict:
-    """The TLT arm as two processes (accelerate's launcher, gloo on a CPU) for ``--two-processes`` steps: each
-    process rolls out half the prompts; its ``sched/*`` metrics per step."""
+def workload_flags(args, steps: int) -> list[str]:
+    """The flags that give a child process this run's workload (``steps`` RL steps)."""
+    return ["--model", str(args.model), "--drafter", str(args.drafter), "--task", args.task,
+            "--task-max-steps", str(args.task_max_steps), "--steps", str(steps), "--prompts", str(args.prompts),
+            "--num-generations", str(args.num_generations), "--max-new", str(args.max_new),
+            "--temperature", str(args.temperature), "--lr", str(args.lr), "--trl-rows", str(args.trl_rows),
+            "--held-out", str(args.held_out)]
+
+
+def in_child(args, arm: str, seed: int, launcher: list[str], steps: int, env: dict | None = None) -> dict:
+    """One run of ``arm`` and ``seed`` in a process of its own (started by ``launcher``), its result read back."""
     with tempfile.TemporaryDirectory() as tmp:
         dest = Path(tmp) / "worker.json"
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-               __file__, "--worker", str(dest), "--model", str(args.model), "--drafter", str(args.drafter),
-               "--task", args.task, "--task-max-steps", str(args.task_max_steps), "--steps", str(args.two_processes),
-               "--prompts", str(args.prompts), "--num-generations", str(args.num_generations),
-               "--max-new", str(args.max_new), "--temperature", str(args.temperature), "--lr", str(args.lr),
-               "--trl-rows", str(args.trl_rows)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}       # one core per process
-        print(f"two processes: {args.two_processes} steps of the TLT arm ...", flush=True)
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        cmd = [*launcher, __file__, "--worker", str(dest), "--worker-arm", arm, "--worker-seed", str(seed),
+               *workload_flags(args, steps)]
+        done = subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"the two-process run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+            raise RuntimeError(f"the run of {arm}, seed {seed} failed ({done.returncode}):\n{done.stderr[-3000:]}")
         return json.loads(dest.read_text())
 
 
+def two_processes(args) -> dict:
+    """The TLT arm as two processes (accelerate's launcher, gloo on a CPU) for ``--two-processes`` steps: each
+    process rolls out half the prompts; its ``sched/*`` metrics per step (no held-out evaluation)."""
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
+    print(f"two processes: {args.two_processes} steps of the TLT arm ...", flush=True)
+    return in_child(args, "tlt", 0, launcher, args.two_processes, {"OMP_NUM_THREADS": "1"})   # a core each
+
+
 def worker(args) -> None:
-    """Inside the two-process run: the TLT arm on this process's share; rank 0 writes the result."""
-    train, _ = data(args)
-    out = run_arm(args, "tlt", 0, train, [], processes=2)
+    """In a child process: one arm and seed (the two-process run: on this process's share, without the held-out
+    evaluation); rank 0 writes the result."""
+    train, held = data(args)
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    out = run_arm(args, args.worker_arm, args.worker_seed, train, held if processes == 1 else [], processes)
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args.worker).write_text(json.dumps(out))
 
@@ -238,9 +261,11 @@ def summarize(runs: dict) -> dict:
     from tltlib.lab.e2e import amdahl_bound
     out = {}
     for arm, rs in runs.items():
-        pooled = {k: [x for r in rs for x in r[k]] for k in ("step_s", "generate_s", "rollout_s", "drafter_s",
-                                                              "weight_sync_s", "accept_len")}
+        # the first step of each run is its warm-up (a tltlib arm's set-up: the model, the tuner's cost model)
+        pooled = {k: [x for r in rs for x in r[k][1:]] for k in ("step_s", "generate_s", "rollout_s", "drafter_s",
+                                                                  "weight_sync_s", "accept_len")}
         out[arm] = {k.removesuffix("_s"): med(v) for k, v in pooled.items()}
+        out[arm]["first_step_extra"] = med([r["generate_s"][0] - med(r["generate_s"][1:]) for r in rs])
         out[arm]["reward_by_step"] = [[r["reward"][k] for r in rs] for k in range(len(rs[0]["reward"]))]
         out[arm]["held_out"] = [r["held_out"] for r in rs]
     cmp = {}
@@ -268,7 +293,8 @@ def summarize(runs: dict) -> dict:
 def tables(s: dict, runs: dict, two: dict | None, args) -> str:
     head = (f"TRL's GRPOTrainer on {args.model}, {args.prompts} prompts x {args.num_generations} completions per "
             f"step, up to {args.max_new} tokens, T={args.temperature}, lr {args.lr}, {args.steps} steps x "
-            f"{args.seeds} seeds (median seconds per step over all steps and seeds; the arms interleaved per seed)")
+            f"{args.seeds} seeds (median seconds per step over steps 2-{args.steps} of every seed, the first being "
+            "each run's warm-up; the arms interleaved per seed)")
     arms = [a for a in ARMS if a in s]
     rows = [[LABELS[a], s[a]["generate"], s[a]["rollout"], s[a]["drafter"], s[a]["weight_sync"], s[a]["step"],
              s[a]["accept_len"] if s[a]["accept_len"] is not None else "—",
@@ -305,10 +331,23 @@ def _band(values) -> str:
     return f"{np.mean(v):.3f} +- {np.std(v):.3f}" if v else "—"
 
 
+def resummarize(path: Path) -> None:
+    """Summarize an earlier result file's runs again with this script's :func:`summarize` and rewrite it."""
+    from tltlib.fileio import read_json
+    d = read_json(path, "give a bench/results/trl_tlt-*.json file")
+    args = argparse.Namespace(**d["settings"])
+    args.arms = argparse.Namespace(items=tuple(d["runs"]))
+    d["summary"] = summarize(d["runs"])
+    write_results(path.stem, d, tables(d["summary"], d["runs"], d.get("two_processes"), args), path.parent)
+
+
 def main() -> None:
     args = parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.summarize:
+        resummarize(Path(args.summarize))
         return
     import torch
 
@@ -318,7 +357,8 @@ def main() -> None:
     runs = {a: [] for a in args.arms.items}
     for seed in range(args.seeds):
         for arm in args.arms.items:
-            r = run_arm(args, arm, seed, train, held)
+            r = run_arm(args, arm, seed, train, held) if args.one_process else \
+                in_child(args, arm, seed, [sys.executable], args.steps)
             runs[arm].append(r)
             print(f"seed {seed} {arm}: steps {', '.join(f'{x:.1f}' for x in r['step_s'])} s; generation "
                   f"{', '.join(f'{x:.1f}' for x in r['generate_s'])} s; held-out {r['held_out']:.3f}", flush=True)

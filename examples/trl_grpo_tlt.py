@@ -1,7 +1,7 @@
 """GRPO with TRL, its rollouts served by TLT: a TRL script with one extra argument, ``rollout_func``.
 
     python examples/trl_grpo_tlt.py                                   # the tiny reasoner, 4 steps, on this machine
-    accelerate launch --num_processes 2 examples/trl_grpo_tlt.py      # two processes (gloo on a CPU, GPUs: nccl)
+    accelerate launch --multi_gpu --num_processes 2 examples/trl_grpo_tlt.py   # two processes (CPU: gloo; GPUs: nccl)
     python examples/trl_grpo_tlt.py --generation trl                  # the same run with TRL's own generation
 
 Everything but the ``rollout_func=`` line is plain TRL: a dataset with a ``prompt`` column (and the ``answer`` the
@@ -48,7 +48,7 @@ def main(argv=None) -> None:
         output_dir=a.output_dir, max_steps=a.max_steps, seed=a.seed,
         num_generations=a.num_generations, per_device_train_batch_size=a.prompts_per_step * a.num_generations,
         max_completion_length=a.max_completion_length, temperature=1.0, learning_rate=1e-5,
-        bf16=False,                       # a CPU without bf16 arithmetic: fp32 (on a GPU, leave TRL's default)
+        bf16=torch.cuda.is_available(),   # TRL's default on a GPU; fp32 on a CPU (the rollout computes in it too)
         use_cpu=not torch.cuda.is_available(),   # on a CPU: accelerate's multi-CPU (gloo) under several processes
         logging_steps=1, report_to=[], save_steps=2)
     rollout = None

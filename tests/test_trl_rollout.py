@@ -18,9 +18,10 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from tltlib.fileio import resolve  # noqa: E402
 from tltlib.integrations import TRL_SUPPORTED, check_trl_version, tlt_rollout_func  # noqa: E402
-from tltlib.integrations.trl_checks import check_tokenizer, group_starts, sampling_of  # noqa: E402
+from tltlib.integrations.trl_checks import check_tokenizer, groups, sampling_of  # noqa: E402
 from tltlib.integrations.trl_weights import first_difference, hf_tensors  # noqa: E402
 from tltlib.model import load  # noqa: E402
+from tltlib.model.drafter import load_drafter  # noqa: E402
 from tltlib.model.logprobs import SequenceBatch, response_logprobs  # noqa: E402
 from tltlib.rl import TLTConfig, accuracy_reward  # noqa: E402
 from tltlib.tasks import generate_task, load_tokenizer  # noqa: E402
@@ -34,14 +35,16 @@ def dataset(n: int = 64) -> Dataset:
 
 
 def trainer_with(rollout, out, max_steps: int = 2, rows: int = 8, G: int = 4, **kw) -> GRPOTrainer:
+    kw = {"temperature": 1.0, **kw}
     args = GRPOConfig(output_dir=str(out), max_steps=max_steps, num_generations=G, per_device_train_batch_size=rows,
-                      max_completion_length=96, temperature=1.0, learning_rate=1e-4, bf16=False, use_cpu=True,
+                      max_completion_length=96, learning_rate=1e-4, bf16=False, use_cpu=True,
                       logging_steps=1, report_to=[], save_strategy="steps", save_steps=1, seed=0, **kw)
     return GRPOTrainer(model=TINY, reward_funcs=[accuracy_reward], args=args, train_dataset=dataset(),
                        rollout_func=rollout)
 
 
-def test_two_trl_steps_return_tltlib_samples_with_exact_logprobs_and_train_the_drafter(tmp_path):
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 20)])
+def test_two_trl_steps_return_tltlib_samples_with_exact_logprobs_and_train_the_drafter(tmp_path, temperature, top_k):
     rollout = tlt_rollout_func(TINY, DRAFTER, tlt=TLTConfig(drafter_steps=2))
     seen = []
 
@@ -51,33 +54,35 @@ def test_two_trl_steps_return_tltlib_samples_with_exact_logprobs_and_train_the_d
         assert first_difference(model, hf_tensors(trainer.model)) is None      # synced with TRL's policy
         n = len(prompts)
         assert len(out["prompt_ids"]) == len(out["completion_ids"]) == len(out["logprobs"]) == n
-        assert out["prompt_ids"] == [list(r) for r in trainer.processing_class(text=prompts)["input_ids"]]
+        assert out["prompt_ids"] == [list(r) for r in trainer._tokenize_prompts(prompts)[0]]   # as TRL tokenizes
         batch = SequenceBatch.build(out["prompt_ids"], out["completion_ids"], range(n), 0, "cpu")
         with torch.no_grad():
             ours = response_logprobs(model, batch, rollout.sampling)            # tltlib's training forward
-            logits = trainer.model(batch.tokens).logits.float()                 # TRL's model (T = 1)
-        theirs = torch.log_softmax(logits, -1)
+            logits = trainer.model(batch.tokens).logits.float()                 # TRL's model
+        theirs = torch.log_softmax(logits / temperature, -1)
         for i, (ids, lp) in enumerate(zip(out["completion_ids"], out["logprobs"])):
             assert len(lp) == len(ids) >= 1
             assert ids[-1] in trainer.eos_token_ids or len(ids) == trainer.args.max_completion_length
             got = torch.tensor(lp)
             torch.testing.assert_close(got, ours[i, : len(ids)].float(), atol=1e-4, rtol=0)
-            p0 = int(batch.prompt_lens[i])
-            ref = theirs[i, p0 - 1: p0 - 1 + len(ids)].gather(-1, torch.tensor(ids)[:, None])[:, 0]
-            torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+            if top_k == 0:                       # TRL's log-probs are temperature-only: equal without truncation
+                p0 = int(batch.prompt_lens[i])
+                ref = theirs[i, p0 - 1: p0 - 1 + len(ids)].gather(-1, torch.tensor(ids)[:, None])[:, 0]
+                torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
         seen.append((trainer.state.global_step, rollout.drafter.version))
         return out
 
-    trainer = trainer_with(spy, tmp_path)
+    trainer = trainer_with(spy, tmp_path, temperature=temperature, top_k=top_k)
     start = load(TINY, DRAFTER).drafter.state_dict()           # the drafter the rollout starts from
     trainer.train()
     assert seen == [(0, 1), (1, 2)]                        # a rollout per step; the drafter trained after each
     moved = [k for k, v in rollout.drafter.state_dict().items() if k in start and not torch.equal(v, start[k])]
     assert moved, "the online drafter did not train"
-    logged = {k for entry in trainer.state.log_history for k in entry}
+    logged = {k: v for entry in trainer.state.log_history for k, v in entry.items()}
     for k in ("spec/accept_len_mean", "spec/time_frac", "drafter/loss", "drafter/version", "time/rollout_s",
               "time/weight_sync_s", "rollout/len_mean"):
         assert k in logged, k
+    assert any(e.get("spec/steps", 0) > 0 for e in trainer.state.log_history), "no SD step ran"
     assert not any(k.startswith("spec/accept_ge_") for k in logged)
     saved = tmp_path / "checkpoint-2" / "tlt_rollout" / "rank-0"
     assert (saved / "drafter" / "drafter.safetensors").is_file() and (saved / "state.pt").is_file()
@@ -90,6 +95,11 @@ def test_resume_restores_the_drafter_from_trls_checkpoint_and_refuses_one_withou
     again = tlt_rollout_func(TINY, DRAFTER, tlt=TLTConfig(drafter_steps=2))
     trainer_with(again, tmp_path, max_steps=2).train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
     assert again.drafter.version == 2                      # 1 restored + 1 trained (a fresh drafter would be at 1)
+    frozen = tlt_rollout_func(TINY, DRAFTER, tlt=TLTConfig(online_drafter=False))   # restores, never trains
+    trainer_with(frozen, tmp_path, max_steps=2).train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    saved = load_drafter(tmp_path / "checkpoint-1" / "tlt_rollout" / "rank-0" / "drafter", frozen.model)
+    assert all(torch.equal(v, saved.state_dict()[k]) for k, v in frozen.drafter.state_dict().items())
+    assert frozen.drafter.version == 1
     shutil.rmtree(tmp_path / "checkpoint-1" / "tlt_rollout")
     third = tlt_rollout_func(TINY, DRAFTER)
     with pytest.raises(FileNotFoundError, match="holds no TLT rollout state"):
@@ -117,7 +127,7 @@ def test_a_trl_model_of_another_architecture_is_refused_naming_the_field(tmp_pat
         first_call(rollout, trainer_with(rollout, tmp_path))
 
 
-def test_peft_vllm_and_continuous_batching_are_refused_with_the_reason(tmp_path):
+def test_peft_vllm_sharding_and_continuous_batching_are_refused_with_the_reason(tmp_path):
     for setting, match in (("use_vllm", "two generation engines"),
                            ("use_transformers_continuous_batching", "replaces")):
         rollout = tlt_rollout_func(TINY)
@@ -125,6 +135,11 @@ def test_peft_vllm_and_continuous_batching_are_refused_with_the_reason(tmp_path)
         setattr(trainer.args, setting, True)
         with pytest.raises(ValueError, match=match):
             first_call(rollout, trainer)
+    rollout = tlt_rollout_func(TINY)
+    trainer = trainer_with(rollout, tmp_path)
+    trainer.is_fsdp_enabled = True
+    with pytest.raises(ValueError, match="sharded"):
+        first_call(rollout, trainer)
     rollout = tlt_rollout_func(TINY)
     trainer = trainer_with(rollout, tmp_path)
     trainer.model.peft_config = {"default": None}
@@ -154,13 +169,50 @@ def test_another_tokenizer_is_refused_naming_the_difference():
         check_tokenizer(other, ours, TINY)
 
 
-def test_a_process_slice_that_is_not_whole_groups_is_refused():
-    args = SimpleNamespace(per_device_train_batch_size=6, steps_per_generation=1)
-    assert group_starts(["a"] * 4 + ["b"] * 4, 4, args) == [0, 4]
-    with pytest.raises(ValueError, match="num_generations=4 does not divide"):
-        group_starts(["a"] * 4 + ["b"] * 2, 4, args)
-    with pytest.raises(ValueError, match="RepeatSampler order"):
-        group_starts(["a", "a", "b", "b"], 4, args)
+def test_a_process_slice_of_whole_or_evenly_split_groups_is_served_and_an_uneven_one_refused():
+    rows = "per_device_train_batch_size x steps_per_generation"
+    assert groups(["a"] * 4 + ["b"] * 4, 4, rows) == ([0, 4], 4)
+    assert groups(["a"] * 8, 4, rows) == ([0, 4], 4)                   # a prompt drawn twice in a row: two groups
+    assert groups(["a"] * 2 + ["b"] * 2, 4, rows) == ([0, 2], 2)       # every group split evenly over 2 processes
+    with pytest.raises(ValueError, match="unevenly.*per_device_train_batch_size x steps_per_generation"):
+        groups(["a"] * 4 + ["b"] * 2, 4, rows)
+    with pytest.raises(ValueError, match="unevenly"):
+        groups(["a", "a", "a", "b"], 4, rows)
+
+
+def test_eval_mode_samples_num_generations_eval_and_a_trl_pad_id_is_no_mismatch(tmp_path):
+    rollout = tlt_rollout_func(TINY, tlt=TLTConfig(speculative="off", online_drafter=False))
+    trainer = trainer_with(rollout, tmp_path, num_generations_eval=2)
+    trainer.model.config.pad_token_id = 1                  # TRL sets its model's pad id from the tokenizer
+    trainer.model.eval()
+    prompts = [p for p in dataset(3)["prompt"] for _ in range(2)]
+    out = rollout(prompts, trainer)
+    assert len(out["completion_ids"]) == 6 and out["prompt_ids"][0] == out["prompt_ids"][1] != out["prompt_ids"][2]
+
+
+def test_resuming_from_another_checkpoint_than_trls_is_refused(tmp_path):
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from tltlib.integrations.trl_state import resumed_from
+    model = AutoModelForCausalLM.from_pretrained(TINY)
+    trainer = SimpleNamespace(model=model, state=SimpleNamespace(global_step=3),
+                              args=SimpleNamespace(output_dir=str(tmp_path)))
+    folder = tmp_path / "checkpoint-3"
+    folder.mkdir()
+    weights = {k: v.clone().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(weights, str(folder / "model.safetensors"))
+    assert resumed_from(trainer, None) == folder
+    weights["model.norm.weight"] += 1
+    save_file(weights, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match="TRL did not resume from .*model.norm.weight"):
+        resumed_from(trainer, None)
+    with pytest.raises(FileNotFoundError, match="not a checkpoint"):
+        resumed_from(trainer, tmp_path / "elsewhere")
+    trainer.state.global_step = 0
+    assert resumed_from(trainer, None) is None
+    with pytest.raises(ValueError, match="TRL did not resume"):
+        resumed_from(trainer, folder)
 
 
 def test_sampling_settings_it_cannot_honour_are_refused_not_ignored():
@@ -168,7 +220,8 @@ def test_sampling_settings_it_cannot_honour_are_refused_not_ignored():
                 generation_kwargs=None)
     s = sampling_of(SimpleNamespace(**base))
     assert (s.temperature, s.top_p, s.top_k, s.max_new_tokens) == (0.7, 0.9, 20, 64)
-    for key, value in (("min_p", 0.05), ("repetition_penalty", 1.1), ("generation_kwargs", {"num_beams": 2})):
+    for key, value in (("min_p", 0.05), ("repetition_penalty", 1.1), ("generation_kwargs", {"num_beams": 2}),
+                       ("temperature", 0.0)):
         with pytest.raises(ValueError, match=key):
             sampling_of(SimpleNamespace(**{**base, key: value}))
 

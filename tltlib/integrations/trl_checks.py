@@ -35,7 +35,7 @@ def check_trl_version(installed: str | None = None) -> str:
     return installed
 
 
-def sampling_of(args, mode: str = "train") -> SamplingConfig:
+def sampling_of(args) -> SamplingConfig:
     """The sampling distribution TRL's ``GRPOConfig`` asks for, as the engine samples it; refuses what it cannot
     honour (``min_p``, a repetition penalty, ``generation_kwargs``, no ``max_completion_length``)."""
     refused = []
@@ -51,6 +51,10 @@ def sampling_of(args, mode: str = "train") -> SamplingConfig:
                          "distribution than the config names): remove them from GRPOConfig")
     if not args.max_completion_length:
         raise ValueError("GRPOConfig.max_completion_length is not set: the TRL rollout needs a length budget")
+    if not args.temperature > 0:
+        raise ValueError(f"GRPOConfig.temperature is {args.temperature}: GRPO needs sampled groups (at 0 every "
+                         "completion of a prompt is the same, and TRL's loss divides by the temperature); give a "
+                         "temperature > 0")
     return SamplingConfig(temperature=float(args.temperature), top_k=int(args.top_k or 0),
                           top_p=float(args.top_p if args.top_p is not None else 1.0),
                           max_new_tokens=int(args.max_completion_length))
@@ -73,8 +77,18 @@ def check_trainer(trainer) -> None:
     if getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None):
         raise ValueError("the TLT rollout_func generates single-turn completions; TRL's tools / environment_factory "
                          "run a multi-turn loop through TRL's own generation: drop them or the rollout_func")
+    if getattr(trainer, "is_fsdp_enabled", False) or _zero3(trainer):
+        raise ValueError("TRL's model is sharded (FSDP or DeepSpeed ZeRO-3): the TLT rollout copies the whole policy "
+                         "into its own model on every process and does not gather shards; use data parallelism "
+                         "(DDP) or ZeRO-1/2, where every process holds the full weights")
     if getattr(trainer, "_is_vlm", False):
         raise ValueError("TRL's model is a vision-language model: the TLT rollout decodes text-only decoders")
+
+
+def _zero3(trainer) -> bool:
+    plugin = getattr(getattr(trainer, "accelerator", None), "state", None)
+    plugin = getattr(plugin, "deepspeed_plugin", None)
+    return plugin is not None and getattr(plugin, "zero_stage", 0) == 3
 
 
 def check_tokenizer(trl_tokenizer, ours, source: str) -> None:
@@ -98,20 +112,28 @@ def check_tokenizer(trl_tokenizer, ours, source: str) -> None:
                          "(processing_class=AutoTokenizer.from_pretrained(model_folder))")
 
 
-def group_starts(prompts: list, num_generations: int, args) -> list[int]:
-    """The index of each GRPO group's first prompt in this process's slice; refused unless the slice is whole groups
-    of ``num_generations`` equal prompts, one after another (TRL's RepeatSampler order)."""
-    n = len(prompts)
-    if n % num_generations:
-        rows = "per_device_train_batch_size x steps_per_generation"
-        raise ValueError(f"this process received {n} prompts, which num_generations={num_generations} does not "
-                         f"divide: the TLT rollout samples whole GRPO groups in each process; make {rows} "
-                         f"({args.per_device_train_batch_size} x {args.steps_per_generation}) a multiple of "
-                         f"num_generations")
-    starts = list(range(0, n, num_generations))
-    for s in starts:
-        if any(prompts[s + j] != prompts[s] for j in range(1, num_generations)):
-            raise ValueError(f"prompts {s}..{s + num_generations - 1} of this process are not one prompt repeated "
-                             f"num_generations={num_generations} times: the TLT rollout expects TRL's RepeatSampler "
-                             "order (a custom sampler or dataloader is not supported)")
-    return starts
+def groups(prompts: list, num_generations: int, batch_rows: str) -> tuple[list[int], int]:
+    """(the index of each group's first prompt in this process's slice, completions per group here). TRL's
+    RepeatSampler puts a prompt's ``num_generations`` rows one after another, and with several processes a group may
+    be split between them: the slice must be runs of equal prompts, all of one length that divides
+    ``num_generations`` (whole groups, or every group split evenly); refused otherwise, naming ``batch_rows`` (the
+    setting that sizes the slice)."""
+    runs, start = [], 0
+    for i in range(1, len(prompts) + 1):
+        if i == len(prompts) or prompts[i] != prompts[start]:
+            runs.append((start, i - start))
+            start = i
+    sizes = {n for _, n in runs}
+    if all(n % num_generations == 0 for n in sizes):
+        g = num_generations                      # whole groups (a prompt drawn twice in a row: two groups)
+    elif len(sizes) == 1 and num_generations % next(iter(sizes)) == 0:
+        g = next(iter(sizes))                    # every group split evenly between processes
+    else:
+        g = 0
+    if g:
+        return [s + k for s, n in runs for k in range(0, n, g)], g
+    raise ValueError(f"this process received {len(prompts)} prompts in runs of {sorted(sizes)} equal prompts, which "
+                     f"split the GRPO groups of num_generations={num_generations} unevenly: the TLT rollout samples "
+                     f"each process's rows of a group together; make {batch_rows} a multiple of num_generations, or "
+                     "a divisor of it that every process gets whole (TRL's RepeatSampler order; a custom sampler is "
+                     "not supported)")

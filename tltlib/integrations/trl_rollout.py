@@ -1,9 +1,10 @@
 """TLT inside TRL's ``GRPOTrainer``: the adaptive rollout engine and the online drafter behind TRL's ``rollout_func``.
 
 ``GRPOTrainer(..., rollout_func=tlt_rollout_func(model_folder, drafter_folder))``: TRL keeps its dataset, rewards,
-loss, optimizer, logging, checkpoints and its accelerate / DeepSpeed scaling; each generation batch is sampled by
-tltlib's engine (plain decoding while many rows run, speculative decoding in the long tail, chosen by the tuner),
-with TRL's temperature, top-p, top-k and max completion length, and returned with the exact sampling log-probs. The
+loss, optimizer, logging, checkpoints and its data-parallel scaling with accelerate (FSDP and ZeRO-3 refused: their
+weights are sharded); each generation batch is sampled by tltlib's engine (plain decoding while many rows run,
+speculative decoding in the long tail, chosen by the tuner), with TRL's temperature, top-p, top-k and max completion
+length, and returned with the exact sampling log-probs. The
 rollout's (hidden, token) pairs train the drafter right after the rollout (one process) or, with several processes,
 on each process whose share has finished while the others still generate (the spot trainer over the process group
 accelerate started; the drafters are merged when the last share ends).
@@ -49,7 +50,7 @@ from ..rollout.config import RolloutConfig
 from ..rollout.engine import RolloutEngine
 from ..tasks.tokenizer import load_tokenizer
 from . import trl_state
-from .trl_checks import check_tokenizer, check_trainer, check_trl_version, group_starts, sampling_of
+from .trl_checks import check_tokenizer, check_trainer, check_trl_version, groups, sampling_of
 from .trl_weights import check_architecture, config_of, copy_weights, first_difference, hf_tensors, unwrapped
 
 
@@ -91,7 +92,7 @@ class TLTRollout:
         self.trainer = None
         self.synced_step: int | None = None
         self.engines: dict[int, RolloutEngine] = {}
-        self.pending: tuple | None = None        # (window, clock) of the last rollout, for sched/* at the step's end
+        self.pending: list = []                  # (window, clock) of each rollout since the last optimizer step
 
     # ------------------------------------------------------------------------------------------------ binding
     def bind(self, trainer) -> None:
@@ -104,7 +105,8 @@ class TLTRollout:
         device = trainer.accelerator.device
         if device.type == "cpu":
             device = torch.device("cpu")              # accelerate's multi-CPU names it cpu:<rank>
-        dtype = next(hf.parameters()).dtype
+        dtype = (torch.bfloat16 if args.bf16 else torch.float16 if args.fp16      # TRL's autocast, else its weights'
+                 else next(hf.parameters()).dtype)
         self.model, self.tokenizer = self._policy(hf, device, dtype, trainer.state.global_step > 0,
                                                   trainer.processing_class)
         if self.model_path is not None:
@@ -120,9 +122,9 @@ class TLTRollout:
         self.generator = torch.Generator(device=device).manual_seed(args.seed + 7919 * self.world.rank)
         self.trainer = trainer
         trainer.add_callback(trl_state.callback(self))
-        if trainer.state.global_step > 0:
-            trl_state.load(self, self.resume_from or trl_state.checkpoint_folder(args.output_dir,
-                                                                                  trainer.state.global_step))
+        folder = trl_state.resumed_from(trainer, self.resume_from)
+        if folder is not None:
+            trl_state.load(self, folder)
 
     def _policy(self, hf, device, dtype, resumed: bool, trl_tokenizer):
         """(the rollout's model, its tokenizer): the folder's model checked against TRL's, or a copy of TRL's."""
@@ -150,24 +152,26 @@ class TLTRollout:
             raise ValueError("this TLT rollout_func is bound to another GRPOTrainer: make one per trainer")
         train = trainer.model.training
         G = trainer.num_generations if train else trainer.num_generations_eval
-        starts = group_starts(prompts, G, trainer.args)
+        starts, g = groups(prompts, G, "per_device_train_batch_size x steps_per_generation" if train
+                           else "per_device_eval_batch_size")
         clock = StepClock()
         with clock.phase("weight_sync"):
             self.sync(trainer)
         ids = self.encode([prompts[s] for s in starts], trainer)
         with clock.phase("rollout"):
-            res = self.rollout(ids, G, train, trainer.state.global_step, clock)
+            res = self.rollout(ids, g, train, trainer.state.global_step, clock)
             window = self.spot.idle_window(trainer.state.global_step, clock) if train else None
         drafter_stats = {}
         if train:
             with clock.phase("drafter"):
                 drafter_stats = online.train_drafter(self.spot, self.tlt, window, clock)
-            self.pending = (window, clock) if self.world.distributed else None
+            if self.world.distributed:
+                self.pending.append((window, clock))
         self.log(trainer, "train" if train else "eval", {**res.stats, **drafter_stats, **self._drafter_metrics(),
                                                           **{k: v for k, v in clock.metrics().items()
                                                              if k != "time/step_s"}})
         n = res.num_sequences
-        return {"prompt_ids": [list(ids[i // G]) for i in range(n)],
+        return {"prompt_ids": [list(ids[i // g]) for i in range(n)],
                 "completion_ids": [res.response_ids(i) for i in range(n)],
                 "logprobs": [res.logprobs[i, : int(res.lengths[i])].tolist() for i in range(n)]}
 
@@ -225,8 +229,6 @@ class TLTRollout:
     def log_schedule(self) -> None:
         """With several processes, after TRL's optimizer step: the ``sched/*`` metrics of the last rollout (idle
         share, harvested share, preemption, sync) from every process's idle window, into TRL's logs."""
-        if self.pending is None or self.trainer is None:
-            return
-        window, clock = self.pending
-        self.pending = None
-        self.log(self.trainer, "train", self.spot.metrics(window, clock))
+        for window, clock in self.pending:
+            self.log(self.trainer, "train", self.spot.metrics(window, clock))
+        self.pending = []

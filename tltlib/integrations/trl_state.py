@@ -17,6 +17,8 @@ import torch
 
 from ..fileio import atomic_file, atomic_folder
 from ..model.drafter import load_drafter, save_drafter
+from ..model.weights import read_weights
+from .trl_weights import hf_tensors
 
 FOLDER = "tlt_rollout"
 """The TRL rollout's folder inside a TRL checkpoint (``checkpoint-N/``)."""
@@ -25,6 +27,32 @@ FOLDER = "tlt_rollout"
 def checkpoint_folder(output_dir: str | os.PathLike, global_step: int) -> Path:
     """TRL's (transformers') checkpoint folder of ``global_step`` in ``output_dir``."""
     return Path(output_dir) / f"checkpoint-{global_step}"
+
+
+def resumed_from(trainer, resume_from) -> Path | None:
+    """The TRL checkpoint folder this run resumed from (None: a fresh run): ``resume_from`` when given, else TRL's
+    ``output_dir/checkpoint-<global_step>``; refused unless TRL's model holds that folder's weights (a checkpoint
+    of the same step from another run, or one TRL did not resume from, would restore another run's drafter), and
+    ``resume_from`` on a run TRL did not resume."""
+    step = trainer.state.global_step
+    if step == 0:
+        if resume_from is not None:
+            raise ValueError(f"tlt_rollout_func(resume_from={str(resume_from)!r}) was given but TRL did not resume "
+                             "(global_step 0): pass the same folder to trainer.train(resume_from_checkpoint=...)")
+        return None
+    folder = Path(resume_from) if resume_from is not None else checkpoint_folder(trainer.args.output_dir, step)
+    fix = ("pass tlt_rollout_func(resume_from=<the folder given to trainer.train(resume_from_checkpoint=...)>)")
+    try:
+        saved = read_weights(folder)
+    except (FileNotFoundError, ValueError) as e:
+        raise FileNotFoundError(f"TRL resumed at step {step}, but {str(folder)!r} is not a checkpoint with the "
+                                f"policy's weights ({e}); {fix}") from None
+    ours = hf_tensors(trainer.model)
+    for name, t in saved.items():
+        if name in ours and not torch.equal(t.to(ours[name].device, ours[name].dtype), ours[name]):
+            raise ValueError(f"TRL did not resume from {str(folder)!r} (its {name} is not TRL's model's): the TLT "
+                             f"rollout would restore another run's drafter; {fix}")
+    return folder
 
 
 def save(rollout, folder: str | os.PathLike) -> Path:
@@ -78,8 +106,10 @@ def callback(rollout):
     class TLTRolloutCallback(TrainerCallback):
         def on_save(self, args, state, control, **kwargs):
             save(rollout, checkpoint_folder(args.output_dir, state.global_step))
+            return control
 
         def on_step_end(self, args, state, control, **kwargs):
             rollout.log_schedule()
+            return control
 
     return TLTRolloutCallback()

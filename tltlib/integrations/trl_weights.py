@@ -34,10 +34,18 @@ def config_of(hf_model) -> ModelConfig:
     return ModelConfig.from_hf(unwrapped(hf_model).config.to_dict(), source="TRL's model (trainer.model.config)")
 
 
+TOKEN_FIELDS = ("bos_token_id", "eos_token_ids", "pad_token_id")
+"""Not compared: TRL sets its model's pad id from the tokenizer, and the EOS ids TRL counts are the rollout's
+(:mod:`.trl_rollout`)."""
+
+
 def check_architecture(ours: ModelConfig, hf_model) -> None:
-    """Refuse a TRL model whose architecture differs from the rollout's model, naming the first field."""
+    """Refuse a TRL model whose architecture differs from the rollout's model, naming the first field (the token
+    ids of :data:`TOKEN_FIELDS` aside)."""
     theirs = config_of(hf_model)
     for name in ours.__dataclass_fields__:
+        if name in TOKEN_FIELDS:
+            continue
         a, b = getattr(ours, name), getattr(theirs, name)
         if a != b:
             raise ValueError(f"TRL's model does not match the tltlib model of the rollout: its {name} is {b!r}, the "

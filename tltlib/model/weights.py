@@ -198,6 +198,12 @@ def read_safetensors(files: list[Path], device="cpu") -> dict[str, torch.Tensor]
     return out
 
 
+def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a model folder's safetensors (one file or shards), by transformers name, unchecked (the
+    strict loader is :func:`load_model`)."""
+    return read_safetensors(_weight_files(Path(path)))
+
+
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> Transformer:
     """Load a LlamaForCausalLM / Qwen2ForCausalLM model (single or sharded safetensors) from a local folder.

@@ -33,11 +33,12 @@ def phases(stem: str) -> Callable:
         s = r.json(stem)["summary"]
         trl = s.get("trl")
         rows = [[label, _s(s[k]["generate"]), _s(s[k]["rollout"]), _s(s[k]["drafter"] or None),
-                 _ms(s[k]["weight_sync"]), _s(s[k]["step"]), _s(s[k]["accept_len"]),
+                 _ms(s[k]["weight_sync"]), _s(s[k]["step"]), _s(s[k]["accept_len"]), _s(s[k].get("first_step_extra")),
                  x(trl["generate"] / s[k]["generate"]) if trl else "—", x(trl["step"] / s[k]["step"]) if trl else "—"]
                 for k, label in ARMS if k in s]
         return md_table(["arm", "generation phase (s)", "rollout", "drafter training", "weight sync", "step",
-                         "accept length", "generation vs TRL's", "step vs TRL's"], rows)
+                         "accept length", "first step's generation: extra", "generation vs TRL's", "step vs TRL's"],
+                        rows)
     return render
 
 
