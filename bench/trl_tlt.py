@@ -21,7 +21,7 @@ and the share of the idle process-time its spot trainer harvested.
     python -m tltlib bench trl_tlt                                      # the tiny reasoner, 16 x 8, 720 tokens
     python -m tltlib bench trl_tlt --model ~/.cache/tltlib/models/smollm2-135m-words-sft \\
         --drafter data/smollm2-135m-drafter --task words --prompts 8 --num-generations 4 --max-new 384 \\
-        --temperature 0.7 --lr 1e-5 --steps 4 --seeds 2 --held-out 32 --two-processes 2 --tag=-smollm2
+        --temperature 0.7 --lr 1e-5 --steps 3 --seeds 2 --held-out 24 --trl-rows 8 --two-processes 0 --tag=-smollm2
 """
 from __future__ import annotations
 

@@ -214,7 +214,7 @@ def paged_kv(r):
         _yes(max(held) <= 1.15 and min(speed) >= 0.97)
 
 
-TRL_TLT = (("tiny reasoner", "trl_tlt-cpu-float32"),)
+TRL_TLT = (("tiny reasoner", "trl_tlt-cpu-float32"), ("SmolLM2", "trl_tlt-cpu-float32-smollm2"))
 """``bench trl_tlt``'s files: TRL's GRPOTrainer with its own generation, tltlib's rollout with SD off, and TLT."""
 
 
