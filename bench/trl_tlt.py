@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -256,9 +255,8 @@ def summarize(runs: dict) -> dict:
     """Per arm: median step, generation phase, rollout, drafter and sync over all steps and seeds; reward curves;
     held-out accuracy. Comparisons of TLT against TRL's own generation and against SD off."""
     import numpy as np
-    from scipy.stats import ttest_ind
 
-    from tltlib.lab.e2e import amdahl_bound
+    from tltlib.lab.e2e import amdahl_bound, same_learning
     out = {}
     for arm, rs in runs.items():
         # the first step of each run is its warm-up (a tltlib arm's set-up: the model, the tuner's cost model)
@@ -275,13 +273,7 @@ def summarize(runs: dict) -> dict:
         b, t = out[base], out["tlt"]
         share, speed = b["generate"] / b["step"], b["generate"] / t["generate"]
         bound = amdahl_bound(share, speed)
-        overlap = [abs(np.mean(x) - np.mean(y)) <= np.std(x) + np.std(y)
-                   for x, y in zip(b["reward_by_step"], t["reward_by_step"])]
-        p = None
-        if len(b["held_out"]) > 1 and np.std(b["held_out"] + t["held_out"]) > 0:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                p = float(ttest_ind(b["held_out"], t["held_out"], equal_var=False).pvalue)
+        overlap, p = same_learning(b, t)
         cmp[base] = {"generation_share": share, "generation_speedup": speed,
                      "rollout_speedup": b["rollout"] / t["rollout"], "step_speedup": b["step"] / t["step"],
                      "amdahl_bound": bound, "of_bound": (b["step"] / t["step"]) / bound,

@@ -130,13 +130,7 @@ def summarize(runs: dict, trl_step_s: float | None = None) -> dict:
     b, t = out["baseline"], out["tlt"]
     share, speed = b["rollout"] / b["step"], b["rollout"] / t["rollout"]
     bound = amdahl_bound(share, speed)
-    overlap = [abs(np.mean(x) - np.mean(y)) <= np.std(x) + np.std(y)
-               for x, y in zip(b["reward_by_step"], t["reward_by_step"])]
-    p = None
-    if len(b["held_out"]) > 1 and np.std(b["held_out"] + t["held_out"]) > 0:
-        with warnings.catch_warnings():       # one policy's seeds may tie exactly (2 seeds, 48 problems): scipy
-            warnings.simplefilter("ignore", RuntimeWarning)   # warns of precision loss, the p-value stays valid
-            p = float(ttest_ind(b["held_out"], t["held_out"], equal_var=False).pvalue)
+    overlap, p = same_learning(b, t)
     out["comparison"] = {"rollout_share_baseline": share, "rollout_speedup": speed,
                          "step_speedup": b["step"] / t["step"], "amdahl_bound": bound,
                          "of_bound": (b["step"] / t["step"]) / bound,
@@ -146,6 +140,19 @@ def summarize(runs: dict, trl_step_s: float | None = None) -> dict:
         out["comparison"]["trl_step_s"] = trl_step_s
         out["comparison"]["baseline_vs_trl_step"] = trl_step_s / b["step"]
     return out
+
+
+def same_learning(b: dict, t: dict) -> tuple[list[bool], float | None]:
+    """Whether two policies learned alike: per RL step, whether their reward bands (mean +- std over seeds) overlap
+    (``reward_by_step``), and Welch's p of their held-out accuracies (``held_out``; None without a spread)."""
+    overlap = [abs(np.mean(x) - np.mean(y)) <= np.std(x) + np.std(y)
+               for x, y in zip(b["reward_by_step"], t["reward_by_step"])]
+    p = None
+    if len(b["held_out"]) > 1 and np.std(b["held_out"] + t["held_out"]) > 0:
+        with warnings.catch_warnings():       # one policy's seeds may tie exactly (2 seeds, 48 problems): scipy
+            warnings.simplefilter("ignore", RuntimeWarning)   # warns of precision loss, the p-value stays valid
+            p = float(ttest_ind(b["held_out"], t["held_out"], equal_var=False).pvalue)
+    return overlap, p
 
 
 def amdahl_bound(rollout_share: float, rollout_speedup: float) -> float:
