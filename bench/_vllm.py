@@ -20,6 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+from tltlib.errors import Refused
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "bench" / "vllm_worker.py"
 TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
@@ -100,12 +102,12 @@ class VLLMPeer:
                 tail = self._tail()
                 self.close()
                 why = "timed out" if line == "" else f"exited with status {self.proc.returncode}"
-                raise RuntimeError(f"vLLM worker {why} during {what}; its log ends:\n{tail}")
+                raise Refused(f"vLLM worker {why} during {what}; its log ends:\n{tail}")
             if line.startswith("{"):
                 msg = json.loads(line)
                 if "error" in msg:
                     self.close()
-                    raise RuntimeError(f"vLLM failed during {what}: {msg['error']}\n{msg.get('trace', '')}")
+                    raise Refused(f"vLLM failed during {what}: {msg['error']}\n{msg.get('trace', '')}")
                 return msg
 
     def _tail(self) -> str:

@@ -33,6 +33,7 @@ from _common import (  # noqa: E402
     positive_int,
     write_results,
 )
+from tltlib.errors import BadInput  # noqa: E402
 
 DECODE_ROWS = (1, 16, 64)
 
@@ -60,10 +61,10 @@ def check_quiet(noisy: list[tuple[str, float]], size: int) -> None:
     noisy to choose (``noisy``: ``(key, spread)``, worst first, as :meth:`KernelTable.noisy` gives them)."""
     from tltlib.kernels import table as kt
     if len(noisy) > BUSY_SHARE * size:
-        raise ValueError(f"the timings' spread is too high to choose at {len(noisy)} of {size} cells (worst "
-                         f"{noisy[0][1]:.0%} at {noisy[0][0]}; the limit is {kt.MAX_SPREAD:.0%} per cell, in at most "
-                         f"{BUSY_SHARE:.0%} of the cells): another process is using the CPU; rerun on a quiet machine "
-                         "(nothing was written)")
+        raise BadInput(f"the timings' spread is too high to choose at {len(noisy)} of {size} cells (worst "
+                       f"{noisy[0][1]:.0%} at {noisy[0][0]}; the limit is {kt.MAX_SPREAD:.0%} per cell, in at most "
+                       f"{BUSY_SHARE:.0%} of the cells): another process is using the CPU; rerun on a quiet machine "
+                       "(nothing was written)")
 
 
 def main() -> None:
@@ -72,7 +73,7 @@ def main() -> None:
     from tltlib.kernels import table as kt
 
     if not kt.enabled():
-        raise ValueError(f"{kt.ENV}=0 turns this machine's kernel table off; unset it (or set it to 1) to measure it")
+        raise BadInput(f"{kt.ENV}=0 turns this machine's kernel table off; unset it (or set it to 1) to measure it")
     args.device, args.dtype = "cpu", "float32"
     model, _, drafter = load_models(args, drafter=bool(args.drafter))
     config = ks.SearchConfig(rounds=args.rounds, context=args.context)

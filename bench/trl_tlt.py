@@ -56,6 +56,7 @@ from _common import (  # noqa: E402
     write_results,
 )
 from _trl_peer import TRL_TUNED_ROWS, _trl_timers, trl_settings  # noqa: E402
+from tltlib.errors import Refused
 
 ARMS = ("trl", "tlt-off", "tlt")
 LABELS = {"trl": "TRL tuned (its own generation)", "tlt-off": "TRL + tltlib rollout, SD off",
@@ -222,7 +223,7 @@ def in_child(args, arm: str, seed: int, launcher: list[str], steps: int, env: di
                *workload_flags(args, steps)]
         done = subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"the run of {arm}, seed {seed} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+            raise Refused(f"the run of {arm}, seed {seed} failed ({done.returncode}):\n{done.stderr[-3000:]}")
         return json.loads(dest.read_text())
 
 

@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from .errors import AlreadyThere, BadInput, NoPermission, NotAFolder
+
 ROOT = Path(__file__).resolve().parent.parent
 """The project root (notebooks, params, data, runs live under it)."""
 
@@ -37,9 +39,9 @@ def read_json(path: str | os.PathLike, fix: str = "fix or replace the file"):
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); {fix}") from None
+        raise BadInput(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); {fix}") from None
     except UnicodeDecodeError:
-        raise ValueError(f"{path} is not a UTF-8 text file; {fix}") from None
+        raise BadInput(f"{path} is not a UTF-8 text file; {fix}") from None
 
 
 @contextlib.contextmanager
@@ -133,18 +135,18 @@ def check_writable(path: str | os.PathLike, what: str = "output") -> Path:
     parent = path.parent
     blocker = next((a for a in (path, *path.parents) if a.exists() and not a.is_dir()), None)
     if blocker is not None and blocker != path:
-        raise NotADirectoryError(f"cannot write the {what} {str(path)!r}: {str(blocker)!r} is a file, not a folder; "
-                                 "choose another path")
+        raise NotAFolder(f"cannot write the {what} {str(path)!r}: {str(blocker)!r} is a file, not a folder; "
+                         "choose another path")
     try:
         parent.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=f".{path.name}.probe-", dir=parent)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise PermissionError(f"cannot write the {what} {str(path)!r}: {e.strerror or e} in {str(parent)!r}; "
-                              "choose a folder you can write to") from None
+        raise NoPermission(f"cannot write the {what} {str(path)!r}: {e.strerror or e} in {str(parent)!r}; "
+                           "choose a folder you can write to") from None
     if path.exists() and not path.is_dir():
-        raise FileExistsError(f"the {what} {str(path)!r} exists and is a file, not a folder; choose another path")
+        raise AlreadyThere(f"the {what} {str(path)!r} exists and is a file, not a folder; choose another path")
     return path
 
 
@@ -159,11 +161,11 @@ def check_output_folder(path: str | os.PathLike, overwrite: bool, is_ours: Calla
     check_writable(path, what)
     if path.is_dir() and any(path.iterdir()):
         if not is_ours(path):
-            raise FileExistsError(f"{str(path)!r} exists and does not hold a {what}; refusing to replace it: choose a "
-                                  "new or empty folder")
+            raise AlreadyThere(f"{str(path)!r} exists and does not hold a {what}; refusing to replace it: choose a "
+                               "new or empty folder")
         if not overwrite:
             hint = hint or "pass --overwrite (overwrite=True) to replace it"
-            raise FileExistsError(f"{str(path)!r} already holds a {what}; {hint}, or choose another folder")
+            raise AlreadyThere(f"{str(path)!r} already holds a {what}; {hint}, or choose another folder")
     return path
 
 
@@ -182,10 +184,10 @@ def atomic_folder(path: str | os.PathLike, keep_existing: bool | Callable[[Path]
     """
     path = Path(path).resolve()
     if path.exists() and not path.is_dir():
-        raise FileExistsError(f"{str(path)!r} is a file; a folder is written there: choose another path")
+        raise AlreadyThere(f"{str(path)!r} is a file; a folder is written there: choose another path")
     if Path.cwd().resolve().is_relative_to(path):
-        raise ValueError(f"refusing to replace {str(path)!r}: it holds the working directory; write to a folder of "
-                         "its own")
+        raise BadInput(f"refusing to replace {str(path)!r}: it holds the working directory; write to a folder of "
+                       "its own")
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.tmp-", dir=path.parent))

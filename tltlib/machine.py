@@ -19,6 +19,8 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from .errors import BadInput
+
 _CPUINFO = Path("/proc/cpuinfo")
 
 
@@ -87,7 +89,7 @@ class Machine:
     def from_dict(cls, d: dict) -> "Machine":
         names = {f.name for f in fields(cls)}
         if not isinstance(d, dict) or set(d) != names:
-            raise ValueError(f"a machine record needs exactly the keys {sorted(names)}, got {d!r}")
+            raise BadInput(f"a machine record needs exactly the keys {sorted(names)}, got {d!r}")
         return cls(**d)
 
     @property

@@ -16,12 +16,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .errors import BadInput
+
 
 def length_stats(lengths: Sequence[int] | np.ndarray) -> dict[str, float]:
     """``rollout/len_*`` statistics of response lengths (tokens, EOS included)."""
     x = np.asarray(lengths, dtype=np.float64)
     if x.size == 0:
-        raise ValueError("length_stats needs at least one response length")
+        raise BadInput("length_stats needs at least one response length")
     p50 = float(np.percentile(x, 50))
     out = {"rollout/len_mean": float(x.mean()), "rollout/len_p50": p50,
            "rollout/len_p90": float(np.percentile(x, 90)), "rollout/len_p99": float(np.percentile(x, 99)),
@@ -57,7 +59,7 @@ def time_by_bucket(iter_time: Sequence[float], active: Sequence[int], bounds: Se
     Returns: ``[K]`` seconds."""
     b = np.asarray(bounds)
     if b.size == 0 or np.any(np.diff(b) <= 0):
-        raise ValueError(f"bucket bounds must be non-empty and strictly increasing, got {list(bounds)}")
+        raise BadInput(f"bucket bounds must be non-empty and strictly increasing, got {list(bounds)}")
     t = np.asarray(iter_time, dtype=np.float64)
     idx = np.searchsorted(b, np.asarray(active), side="right") - 1
     keep = idx >= 0                                    # iterations below the first bound belong to no bucket
@@ -73,7 +75,7 @@ def per_bucket_oracle(bucket_times: dict[str, Sequence[float]]) -> tuple[float, 
     noise), so ``best fixed total / oracle total`` is the most an adaptive tuner could gain over the best fixed
     policy."""
     if not bucket_times:
-        raise ValueError("per_bucket_oracle needs at least one policy's bucket times")
+        raise BadInput("per_bucket_oracle needs at least one policy's bucket times")
     names = list(bucket_times)
     tab = np.array([np.asarray(bucket_times[n], dtype=np.float64) for n in names])
     best = tab.argmin(0)
@@ -96,11 +98,11 @@ def paired_ratio(base: Sequence[float], other: Sequence[float], level: float = 0
     Returns: ``(median, low, high)``; ``low == high == median`` for one round."""
     b, o = np.asarray(base, dtype=np.float64), np.asarray(other, dtype=np.float64)
     if b.shape != o.shape or b.ndim != 1 or b.size == 0:
-        raise ValueError(f"paired_ratio needs two equally long, non-empty lists of times, got {b.shape} and {o.shape}")
+        raise BadInput(f"paired_ratio needs two equally long, non-empty lists of times, got {b.shape} and {o.shape}")
     if not 0 < level < 1:
-        raise ValueError(f"level must lie in (0, 1), got {level}")
+        raise BadInput(f"level must lie in (0, 1), got {level}")
     if np.any(b <= 0) or np.any(o <= 0):
-        raise ValueError("paired_ratio needs positive times")
+        raise BadInput("paired_ratio needs positive times")
     r = b / o
     med = float(np.median(r))
     if r.size == 1:
@@ -119,9 +121,9 @@ def split_idle_fraction(lengths: Sequence[int] | np.ndarray, workers: int) -> fl
     verl's data-parallel dispatch does."""
     x = np.asarray(lengths, dtype=np.float64)
     if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
+        raise BadInput(f"workers must be >= 1, got {workers}")
     if x.size < workers:
-        raise ValueError(f"cannot split {x.size} responses over {workers} workers; use fewer workers")
+        raise BadInput(f"cannot split {x.size} responses over {workers} workers; use fewer workers")
     busy = np.array([part.max() for part in np.array_split(x, workers)])
     return float(1.0 - busy.mean() / busy.max())
 

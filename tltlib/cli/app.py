@@ -12,23 +12,18 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from pathlib import Path
+import traceback
 
+from ..errors import TLTError
 from . import bootstrap, commands
-from .bootstrap import ROOT
 from .parser import build_parser
 
 
 def _raised_by_us(exc: BaseException) -> bool:
-    """True when the innermost frame of ``exc`` is in tltlib or bench/: an error the library raised on purpose,
-    whose message says the cause and the fix (anything raised deeper is a bug and keeps its traceback)."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is None:
-        return False
-    f = Path(tb.tb_frame.f_code.co_filename).resolve()
-    return f.is_relative_to(ROOT / "tltlib") or f.is_relative_to(ROOT / "bench")
+    """True when ``exc`` is the project's own error type (:class:`tltlib.errors.TLTError`): an error raised on purpose,
+    whose message says the cause and the fix. Anything else raised anywhere (a ``KeyError``, a division by zero) is a
+    bug and keeps its traceback."""
+    return isinstance(exc, TLTError)
 
 
 def _terminate(signum, frame):
@@ -67,8 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:                            # noqa: BLE001 - sorted into ours (one line) and bugs
-        if args.debug or not _raised_by_us(e):
+        if args.debug:
             raise
+        if not _raised_by_us(e):
+            traceback.print_exc()
+            print(f"error: the {type(e).__name__} above is a bug in tltlib, not a problem with your input: please "
+                  "report it with this traceback and the command line", file=sys.stderr)
+            return 1
         print(f"error: {e}\n(run with --debug for the traceback)", file=sys.stderr)
         return 1
     finally:

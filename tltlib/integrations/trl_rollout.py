@@ -36,6 +36,7 @@ from collections import defaultdict
 
 import torch
 
+from ..errors import BadInput, NotFound
 from ..fileio import resolve
 from ..kv.paged import KVConfig
 from ..model.decoder import Transformer
@@ -86,7 +87,7 @@ class TLTRollout:
         self.drafter_path = resolve(drafter) if drafter is not None else None
         for what, path in (("model", self.model_path), ("drafter", self.drafter_path)):
             if path is not None and not path.is_dir():
-                raise FileNotFoundError(f"tlt_rollout_func({what}=...): no folder {str(path)!r}")
+                raise NotFound(f"tlt_rollout_func({what}=...): no folder {str(path)!r}")
         self.tlt, self.sched, self.kv = tlt or TLTConfig(), scheduler or SchedulerConfig(), kv or KVConfig()
         self.resume_from, self.progress = resume_from, progress
         self.trainer = None
@@ -137,9 +138,9 @@ class TLTRollout:
         check_architecture(model.config, hf)
         diff = None if resumed else first_difference(model, hf_tensors(hf))
         if diff is not None:
-            raise ValueError(f"TRL's model is not the model in {str(self.model_path)!r}: {diff}; load the TRL "
-                             "trainer's model from the same folder (GRPOTrainer(model=folder)), or pass "
-                             "tlt_rollout_func(model=None) to decode with TRL's own weights")
+            raise BadInput(f"TRL's model is not the model in {str(self.model_path)!r}: {diff}; load the TRL "
+                           "trainer's model from the same folder (GRPOTrainer(model=folder)), or pass "
+                           "tlt_rollout_func(model=None) to decode with TRL's own weights")
         return model.eval().requires_grad_(False), load_tokenizer(self.model_path)
 
     # ----------------------------------------------------------------------------------------------- the call
@@ -149,7 +150,7 @@ class TLTRollout:
         if self.trainer is None:
             self.bind(trainer)
         elif trainer is not self.trainer:
-            raise ValueError("this TLT rollout_func is bound to another GRPOTrainer: make one per trainer")
+            raise BadInput("this TLT rollout_func is bound to another GRPOTrainer: make one per trainer")
         train = trainer.model.training
         G = trainer.num_generations if train else trainer.num_generations_eval
         starts, g = groups(prompts, G, "per_device_train_batch_size x steps_per_generation" if train

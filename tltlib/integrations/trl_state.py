@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import BadInput, NotFound
 from ..fileio import atomic_file, atomic_folder
 from ..model.drafter import load_drafter, save_drafter
 from ..model.weights import read_weights
@@ -37,21 +38,21 @@ def resumed_from(trainer, resume_from) -> Path | None:
     step = trainer.state.global_step
     if step == 0:
         if resume_from is not None:
-            raise ValueError(f"tlt_rollout_func(resume_from={str(resume_from)!r}) was given but TRL did not resume "
-                             "(global_step 0): pass the same folder to trainer.train(resume_from_checkpoint=...)")
+            raise BadInput(f"tlt_rollout_func(resume_from={str(resume_from)!r}) was given but TRL did not resume "
+                           "(global_step 0): pass the same folder to trainer.train(resume_from_checkpoint=...)")
         return None
     folder = Path(resume_from) if resume_from is not None else checkpoint_folder(trainer.args.output_dir, step)
     fix = ("pass tlt_rollout_func(resume_from=<the folder given to trainer.train(resume_from_checkpoint=...)>)")
     try:
         saved = read_weights(folder)
     except (FileNotFoundError, ValueError) as e:
-        raise FileNotFoundError(f"TRL resumed at step {step}, but {str(folder)!r} is not a checkpoint with the "
-                                f"policy's weights ({e}); {fix}") from None
+        raise NotFound(f"TRL resumed at step {step}, but {str(folder)!r} is not a checkpoint with the "
+                       f"policy's weights ({e}); {fix}") from None
     ours = hf_tensors(trainer.model)
     for name, t in saved.items():
         if name in ours and not torch.equal(t.to(ours[name].device, ours[name].dtype), ours[name]):
-            raise ValueError(f"TRL did not resume from {str(folder)!r} (its {name} is not TRL's model's): the TLT "
-                             f"rollout would restore another run's drafter; {fix}")
+            raise BadInput(f"TRL did not resume from {str(folder)!r} (its {name} is not TRL's model's): the TLT "
+                           f"rollout would restore another run's drafter; {fix}")
     return folder
 
 
@@ -78,14 +79,14 @@ def load(rollout, folder: str | os.PathLike) -> None:
     when the folder holds none or was written by another number of processes."""
     src = Path(folder) / FOLDER / f"rank-{rollout.world.rank}"
     if not (src / "state.pt").is_file():
-        raise FileNotFoundError(f"TRL resumed from {str(folder)!r}, which holds no TLT rollout state ({src} is "
-                                "missing): the drafter would silently restart from its initial weights; resume from a "
-                                "checkpoint written with the TLT rollout_func, or pass tlt_rollout_func(resume_from="
-                                "the folder that holds tlt_rollout/)")
+        raise NotFound(f"TRL resumed from {str(folder)!r}, which holds no TLT rollout state ({src} is "
+                       "missing): the drafter would silently restart from its initial weights; resume from a "
+                       "checkpoint written with the TLT rollout_func, or pass tlt_rollout_func(resume_from="
+                       "the folder that holds tlt_rollout/)")
     state = torch.load(src / "state.pt", map_location="cpu", weights_only=False)
     if state["world_size"] != rollout.world.size:
-        raise ValueError(f"{src} was written by {state['world_size']} processes, this run has {rollout.world.size}: "
-                         "resume with the same number of processes (accelerate launch --num_processes)")
+        raise BadInput(f"{src} was written by {state['world_size']} processes, this run has {rollout.world.size}: "
+                       "resume with the same number of processes (accelerate launch --num_processes)")
     if rollout.drafter is not None:
         saved = load_drafter(src / "drafter", rollout.model)
         rollout.drafter.load_state_dict(saved.state_dict())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import BadInput
 from ..model.decoder import ModelConfig, Transformer
 from ..model.weights import hf_name_map, split_fused
 
@@ -48,9 +49,9 @@ def check_architecture(ours: ModelConfig, hf_model) -> None:
             continue
         a, b = getattr(ours, name), getattr(theirs, name)
         if a != b:
-            raise ValueError(f"TRL's model does not match the tltlib model of the rollout: its {name} is {b!r}, the "
-                             f"tltlib model's is {a!r}; give the TRL trainer and tlt_rollout_func the same model "
-                             "(or tlt_rollout_func(model=None) to decode with TRL's own weights)")
+            raise BadInput(f"TRL's model does not match the tltlib model of the rollout: its {name} is {b!r}, the "
+                           f"tltlib model's is {a!r}; give the TRL trainer and tlt_rollout_func the same model "
+                           "(or tlt_rollout_func(model=None) to decode with TRL's own weights)")
 
 
 def hf_tensors(hf_model) -> dict[str, torch.Tensor]:
@@ -66,8 +67,8 @@ def _parts(model: Transformer, hf: dict[str, torch.Tensor]):
         pieces = split_fused(model.config, ours, p.detach())   # detach: shares the version counter
         for name, piece in zip(names, pieces):
             if name not in hf:
-                raise ValueError(f"TRL's model has no tensor {name!r} (the tltlib model needs it for {ours!r}): "
-                                 "give both the same model")
+                raise BadInput(f"TRL's model has no tensor {name!r} (the tltlib model needs it for {ours!r}): "
+                               "give both the same model")
             yield ours, piece, name, hf[name]
 
 
@@ -88,5 +89,5 @@ def copy_weights(model: Transformer, hf: dict[str, torch.Tensor]) -> None:
     """Copy TRL's weights into the rollout's model in place (each fused part into its slice)."""
     for ours, piece, name, t in _parts(model, hf):
         if tuple(piece.shape) != tuple(t.shape):
-            raise ValueError(f"TRL's {name} has shape {tuple(t.shape)}, the tltlib model's {tuple(piece.shape)}")
+            raise BadInput(f"TRL's {name} has shape {tuple(t.shape)}, the tltlib model's {tuple(piece.shape)}")
         piece.copy_(t)

@@ -28,6 +28,7 @@ from contextvars import ContextVar
 import torch
 import torch.nn.functional as F
 
+from ..errors import BadInput, Refused
 from . import table as kernel_table
 from .ragged_attention import kernel as ragged_kernel
 from .ragged_attention import ragged_attention
@@ -155,7 +156,7 @@ def attention_with(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if kind == "matmul":
         return gqa_attention(q, k, v, mask, mask_from, memo)
     if kind != "sdpa":
-        raise ValueError(f"unknown attention kernel {kind!r}; choose one of {kernel_table.ATTENTION_KERNELS}")
+        raise BadInput(f"unknown attention kernel {kind!r}; choose one of {kernel_table.ATTENTION_KERNELS}")
     if mask is not None and memo is not None:      # SDPA turns a bool mask into a float one per call: once here
         key = ("sdpa", q.dtype)
         if key not in memo:
@@ -241,9 +242,9 @@ def linear_with(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     """:func:`linear` by the named candidate (``linear``, ``mm``, ``mm-pad``, ``packed``; ``packed`` needs the
     weight's entry of :func:`pack_weights`)."""
     if kind not in _LINEAR:
-        raise ValueError(f"unknown projection kernel {kind!r}; choose one of {kernel_table.LINEAR_KERNELS}")
+        raise BadInput(f"unknown projection kernel {kind!r}; choose one of {kernel_table.LINEAR_KERNELS}")
     if kind == "packed" and (packed is None or packed[0] is not weight):
-        raise ValueError("the packed kernel needs this weight's packed copy (pack_weights(module)[id(weight)])")
+        raise BadInput("the packed kernel needs this weight's packed copy (pack_weights(module)[id(weight)])")
     return _LINEAR[kind](x, weight, bias, packed, x.numel() // x.shape[-1])
 
 
@@ -273,8 +274,8 @@ def _mm_pad(x, weight, bias, entry, rows):
 def _packed(x, weight, bias, entry, rows):
     """oneDNN on the packed copy; refused when the weight changed in place after it was packed."""
     if weight._version != entry[1]:
-        raise RuntimeError(f"a {tuple(weight.shape)} weight changed in place after it was packed for this rollout: "
-                           "update weights between rollouts, not during one (its packed copy would be stale)")
+        raise Refused(f"a {tuple(weight.shape)} weight changed in place after it was packed for this rollout: "
+                      "update weights between rollouts, not during one (its packed copy would be stale)")
     return torch.ops.mkldnn._linear_pointwise(x, entry[2], bias, "none", [], "")
 
 

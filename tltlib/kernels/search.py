@@ -30,6 +30,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..errors import BadInput
 from ..machine import llc_bytes
 from . import table as kt
 from .dispatch import attention_with, linear_with, pack_weights
@@ -57,13 +58,13 @@ class SearchConfig:
 
     def __post_init__(self):
         if self.rounds < 3:
-            raise ValueError(f"SearchConfig.rounds must be >= 3 (a median and a spread need them), got {self.rounds}")
+            raise BadInput(f"SearchConfig.rounds must be >= 3 (a median and a spread need them), got {self.rounds}")
         if self.retries < 0:
-            raise ValueError(f"SearchConfig.retries must be >= 0, got {self.retries}")
+            raise BadInput(f"SearchConfig.retries must be >= 0, got {self.retries}")
         if not self.sample_s > 0:
-            raise ValueError(f"SearchConfig.sample_s must be > 0 seconds, got {self.sample_s}")
+            raise BadInput(f"SearchConfig.sample_s must be > 0 seconds, got {self.sample_s}")
         if self.context < 8:
-            raise ValueError(f"SearchConfig.context must be >= 8 cached positions, got {self.context}")
+            raise BadInput(f"SearchConfig.context must be >= 8 cached positions, got {self.context}")
 
 
 class WallTimer:

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import BadInput
 from ..fileio import atomic_write_text, read_json
 from ..machine import Machine, this_machine
 
@@ -242,7 +243,7 @@ class KernelTable:
     def from_dict(cls, d: dict) -> "KernelTable":
         if not isinstance(d, dict) or d.get("schema") != SCHEMA:
             schema = d.get("schema") if isinstance(d, dict) else "?"
-            raise ValueError(f"written by another tltlib version (schema {schema}, this one reads {SCHEMA})")
+            raise BadInput(f"written by another tltlib version (schema {schema}, this one reads {SCHEMA})")
         return cls(Machine.from_dict(d["machine"]), {k: Timing.from_dict(v) for k, v in d["linear"].items()},
                    {k: Timing.from_dict(v) for k, v in d["attention"].items()}, d.get("settings"))
 
@@ -254,8 +255,8 @@ class Forced(KernelTable):
     def __init__(self, linear: str | None = None, attention: str | None = None):
         super().__init__(None)
         if linear not in (None, *LINEAR_KERNELS) or attention not in (None, *ATTENTION_KERNELS):
-            raise ValueError(f"Forced(linear={linear!r}, attention={attention!r}): choose among {LINEAR_KERNELS} "
-                             f"and {ATTENTION_KERNELS}")
+            raise BadInput(f"Forced(linear={linear!r}, attention={attention!r}): choose among {LINEAR_KERNELS} "
+                           f"and {ATTENTION_KERNELS}")
         self.forced_linear, self.forced_attention = linear, attention
 
     def linear_kernel(self, n: int, k: int, rows: int, packed: bool) -> str | None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import BadInput
 from ..kernels.dispatch import cached_attention
 
 
@@ -65,8 +66,8 @@ def check_fixed_span(cache, new_slots: int) -> bool:
     if span is None:
         return False
     if not cache.max_used + new_slots <= span <= cache.max_len:
-        raise ValueError(f"{type(cache).__name__}.prepare: fixed_span {span} must cover the "
-                         f"{cache.max_used + new_slots} used slots and fit max_len {cache.max_len}")
+        raise BadInput(f"{type(cache).__name__}.prepare: fixed_span {span} must cover the "
+                       f"{cache.max_used + new_slots} used slots and fit max_len {cache.max_len}")
     return True
 
 
@@ -114,7 +115,7 @@ class KVCache:
     def __init__(self, num_layers: int, max_rows: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         if max_rows < 1 or max_len < 1:
-            raise ValueError(f"KVCache needs max_rows >= 1 and max_len >= 1, got {max_rows} and {max_len}")
+            raise BadInput(f"KVCache needs max_rows >= 1 and max_len >= 1, got {max_rows} and {max_len}")
         shape = (num_layers, max_rows, num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -139,9 +140,9 @@ class KVCache:
         Attention reads the used span (``max_used + offset + num_new`` slots), or :attr:`fixed_span` slots when set.
         """
         if self.max_used + offset + num_new > self.max_len:
-            raise ValueError(f"KV cache overflow: {self.max_used} used + {offset + num_new} new > max_len "
-                             f"{self.max_len}; allocate the cache with a larger max_len (prompt + max_new_tokens + "
-                             "draft tokens)")
+            raise BadInput(f"KV cache overflow: {self.max_used} used + {offset + num_new} new > max_len "
+                           f"{self.max_len}; allocate the cache with a larger max_len (prompt + max_new_tokens + "
+                           "draft tokens)")
         fixed = check_fixed_span(self, offset + num_new)
         rows, kvh, dev = self.rows, self.k.shape[2], self.lengths.device
         lengths = self.lengths[:rows]
@@ -185,8 +186,8 @@ class KVCache:
         """``n`` empty rows after the active ones (a rollout re-admitting preempted rows prefills them through
         :meth:`view`)."""
         if self.rows + n > self.capacity:
-            raise ValueError(f"{type(self).__name__}.add_rows: {self.rows} + {n} rows exceed the {self.capacity} "
-                             "the cache was made for")
+            raise BadInput(f"{type(self).__name__}.add_rows: {self.rows} + {n} rows exceed the {self.capacity} "
+                           "the cache was made for")
         self.lengths[self.rows: self.rows + n] = 0
         self.rows += n
         self._refresh()
@@ -194,7 +195,7 @@ class KVCache:
     def check_holds(self, tokens: int, what: str = "", share: float = 1.0, name: str = "") -> None:
         """Refuse a row of ``tokens`` tokens longer than the cache (the paged cache checks its pool)."""
         if tokens > self.max_len:
-            raise ValueError(f"a row of {tokens:,} tokens{what} does not fit a KV cache of max_len {self.max_len}")
+            raise BadInput(f"a row of {tokens:,} tokens{what} does not fit a KV cache of max_len {self.max_len}")
 
     def check_prefill(self, chunks: list[list[int]], share: float = 1.0, name: str = "") -> None:
         """Nothing to check: the allocation holds every row (the paged cache checks its pool)."""
@@ -225,7 +226,7 @@ class KVCache:
     def rollback(self, n: torch.Tensor | int) -> None:
         """Remove the last ``n`` committed entries of each row (``n`` int or ``[rows]`` tensor, ``<= lengths``)."""
         if torch.any(self.lengths[: self.rows] < n):
-            raise ValueError("KVCache.rollback: cannot remove more entries than a row holds")
+            raise BadInput("KVCache.rollback: cannot remove more entries than a row holds")
         self.lengths[: self.rows] -= n
         if isinstance(n, int):
             self.max_used -= n
@@ -256,7 +257,7 @@ class KVCache:
         copied."""
         n = int(index.numel())
         if n > self.k.shape[1]:
-            raise ValueError(f"KVCache.select_rows: {n} rows requested but only {self.k.shape[1]} allocated")
+            raise BadInput(f"KVCache.select_rows: {n} rows requested but only {self.k.shape[1]} allocated")
         span = self.max_used
         if n and span:
             self.k[:, :n, :, :span] = self.k[:, index, :, :span]
@@ -283,7 +284,7 @@ class KVCache:
         """Forget everything; reuse the storage for ``rows`` rows (default: all)."""
         rows = self.k.shape[1] if rows is None else rows
         if rows > self.k.shape[1]:
-            raise ValueError(f"KVCache.reset: {rows} rows requested but only {self.k.shape[1]} allocated")
+            raise BadInput(f"KVCache.reset: {rows} rows requested but only {self.k.shape[1]} allocated")
         self.rows = rows
         self.lengths.zero_()
         self.max_used = self.min_used = 0

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import BadInput, Refused
 from ..kernels.dispatch import cached_attention
 from ..kernels.ragged_attention import kernel as ragged_kernel
 from ..kernels.ragged_attention import paged_masked_attention, paged_ragged_attention
@@ -74,10 +75,10 @@ class KVConfig:
 
     def __post_init__(self):
         if self.kind not in KINDS:
-            raise ValueError(f"KVConfig.kind must be one of {KINDS}, got {self.kind!r}")
+            raise BadInput(f"KVConfig.kind must be one of {KINDS}, got {self.kind!r}")
         if isinstance(self.memory, bool) or not self.memory > 0:
-            raise ValueError(f"KVConfig.memory must be a share of free memory in (0, 1] or bytes > 1, "
-                             f"got {self.memory!r}")
+            raise BadInput(f"KVConfig.memory must be a share of free memory in (0, 1] or bytes > 1, "
+                           f"got {self.memory!r}")
         check_page_size(self.page_size)
 
     def budget_bytes(self, device: torch.device | str) -> int:
@@ -102,9 +103,9 @@ def make_cache(config, rows: int, max_len: int, kv: KVConfig | None = None, dtyp
     if kv.kind == "dense":
         need = rows * max_len * per_token
         if need > budget:
-            raise ValueError(f"a dense KV cache of {rows} rows x {max_len} tokens needs {need:,} bytes but the KV "
-                             f"budget is {budget:,} bytes (KVConfig.memory={kv.memory}): use KVConfig(kind='paged'), "
-                             "fewer rows or a shorter max_new_tokens")
+            raise BadInput(f"a dense KV cache of {rows} rows x {max_len} tokens needs {need:,} bytes but the KV "
+                           f"budget is {budget:,} bytes (KVConfig.memory={kv.memory}): use KVConfig(kind='paged'), "
+                           "fewer rows or a shorter max_new_tokens")
         return KVCache(layers, rows, config.num_kv_heads, max_len, config.dim_head, dtype, device)
     pages = min(pages_in_budget(budget, per_token, kv.page_size), rows * pages_for(max_len, kv.page_size))
     return PagedKVCache(layers, rows, config.num_kv_heads, max_len, config.dim_head, pages, kv.page_size, dtype,
@@ -119,7 +120,7 @@ def kv_stats(caches) -> dict[str, float]:
             "rollout/kv_pool_bytes": float(sum(m["pool_bytes"] for m in parts))}
 
 
-class KVCacheFull(RuntimeError):
+class KVCacheFull(Refused):
     """The page pool cannot hold the next forward's tokens (nothing was changed): the caller waits, preempts a row,
     or gives the cache a larger budget."""
 
@@ -141,7 +142,7 @@ class PagedKVCache:
                  num_pages: int, page_size: int = 16, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
         if max_rows < 1 or max_len < 1:
-            raise ValueError(f"PagedKVCache needs max_rows >= 1 and max_len >= 1, got {max_rows} and {max_len}")
+            raise BadInput(f"PagedKVCache needs max_rows >= 1 and max_len >= 1, got {max_rows} and {max_len}")
         self.blocks = BlockTables(PagePool(num_pages, page_size))
         for _ in range(max_rows):
             self.blocks.add_row()
@@ -203,10 +204,10 @@ class PagedKVCache:
         """``n`` empty rows after the active ones, holding no page (a rollout re-admitting preempted rows prefills
         them through :meth:`view`)."""
         if self.row0:
-            raise ValueError("add_rows on a view: add rows to the cache the view was made from")
+            raise BadInput("add_rows on a view: add rows to the cache the view was made from")
         if self.rows + n > self.capacity:
-            raise ValueError(f"PagedKVCache.add_rows: {self.rows} + {n} rows exceed the {self.capacity} the cache "
-                             "was made for")                # rows past the active ones hold no pages (select_rows)
+            raise BadInput(f"PagedKVCache.add_rows: {self.rows} + {n} rows exceed the {self.capacity} the cache "
+                           "was made for")                # rows past the active ones hold no pages (select_rows)
         self.lengths[self.rows: self.rows + n] = 0
         self.rows += n
         self._refresh()
@@ -271,9 +272,9 @@ class PagedKVCache:
         """As :meth:`tltlib.kv.dense.KVCache.prepare`; takes the pages the new tokens need first (not under a fixed
         span: the graph's caller did, :meth:`make_room`)."""
         if self.max_used + offset + num_new > self.max_len:
-            raise ValueError(f"KV cache overflow: {self.max_used} used + {offset + num_new} new > max_len "
-                             f"{self.max_len}; make the cache with a larger max_len (prompt + max_new_tokens + "
-                             "draft tokens)")
+            raise BadInput(f"KV cache overflow: {self.max_used} used + {offset + num_new} new > max_len "
+                           f"{self.max_len}; make the cache with a larger max_len (prompt + max_new_tokens + "
+                           "draft tokens)")
         fixed = check_fixed_span(self, offset + num_new)
         if not fixed:
             self.make_room(offset + num_new)
@@ -373,7 +374,7 @@ class PagedKVCache:
         """Remove the last ``n`` committed entries of each row (``n`` int or ``[rows]`` tensor, ``<= lengths``);
         pages past the kept tokens go back to the pool."""
         if torch.any(self.lengths[: self.rows] < n):
-            raise ValueError("PagedKVCache.rollback: cannot remove more entries than a row holds")
+            raise BadInput("PagedKVCache.rollback: cannot remove more entries than a row holds")
         self.advance(-n)
 
     def _slots(self, rel: torch.Tensor) -> torch.Tensor:
@@ -399,11 +400,11 @@ class PagedKVCache:
         """As :meth:`tltlib.kv.dense.KVCache.select_rows`, moving block tables instead of data: a row dropped gives
         its pages back, a row repeated shares its pages with its copies (copy-on-write when one writes)."""
         if self.row0:
-            raise ValueError("select_rows on a view: select on the cache the view was made from")
+            raise BadInput("select_rows on a view: select on the cache the view was made from")
         n = int(index.numel())
         if n > self.capacity:
-            raise ValueError(f"PagedKVCache.select_rows: {n} rows requested but the cache was made for "
-                             f"{self.capacity}")
+            raise BadInput(f"PagedKVCache.select_rows: {n} rows requested but the cache was made for "
+                           f"{self.capacity}")
         picked = index.tolist()
         blocks = self.blocks
         before = self.rows
@@ -437,7 +438,7 @@ class PagedKVCache:
         """Forget everything (every page back to the pool); reuse the storage for ``rows`` rows (default: all)."""
         rows = self.capacity if rows is None else rows
         if rows > self.capacity:
-            raise ValueError(f"PagedKVCache.reset: {rows} rows requested but the cache was made for {self.capacity}")
+            raise BadInput(f"PagedKVCache.reset: {rows} rows requested but the cache was made for {self.capacity}")
         for r in range(self.capacity):
             self.blocks.release(r)
         self.table.fill_(self.scratch)
@@ -461,9 +462,9 @@ class PagedKVCache:
         always finish a rollout by running its rows one at a time, as long as one fits."""
         need = pages_for(tokens, self.page_size)
         if need > self.pool.num_pages:
-            raise ValueError(f"a row of {tokens:,} tokens{what} needs {need} pages of {name}KV cache but its budget "
-                             f"holds {self.pool.num_pages}: {self._give(need, share)}, or shorten the prompt or "
-                             "max_new_tokens")
+            raise BadInput(f"a row of {tokens:,} tokens{what} needs {need} pages of {name}KV cache but its budget "
+                           f"holds {self.pool.num_pages}: {self._give(need, share)}, or shorten the prompt or "
+                           "max_new_tokens")
 
     def _give(self, pages: int, share: float) -> str:
         """What to give the budget for ``pages`` pages when this cache holds ``share`` of it."""
@@ -484,8 +485,8 @@ class PagedKVCache:
         need = max(need, held) + 1
         if need > self.pool.num_pages:
             prompts = sum(map(len, chunks))
-            raise ValueError(f"the prefill of {prompts} prompts needs {need} pages of {name}KV cache but its budget "
-                             f"holds {self.pool.num_pages}: {self._give(need, share)}, or fewer prompts per rollout")
+            raise BadInput(f"the prefill of {prompts} prompts needs {need} pages of {name}KV cache but its budget "
+                           f"holds {self.pool.num_pages}: {self._give(need, share)}, or fewer prompts per rollout")
 
     def memory(self) -> dict[str, int]:
         """``used_bytes`` (pages held now), ``peak_bytes`` (most pages held since the last reset), ``held_bytes``

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..errors import BadInput
+
 
 def slot_index(table: torch.Tensor, page_size: int, span: int) -> torch.Tensor:
     """``[rows, span]`` int64 slot of each row's tokens ``0 .. span - 1`` from its block table (``[rows, width]``
@@ -59,13 +61,13 @@ def paged_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tenso
     rows, heads, new, _ = q.shape
     kv_heads = k_store.shape[1]
     if heads % kv_heads:
-        raise ValueError(f"{heads} query heads cannot share {kv_heads} key/value heads evenly")
+        raise BadInput(f"{heads} query heads cannot share {kv_heads} key/value heads evenly")
     if int(lengths.min()) < new:
-        raise ValueError(f"every row must hold its {new} new tokens (written before attention); a row holds "
-                         f"{int(lengths.min())}")
+        raise BadInput(f"every row must hold its {new} new tokens (written before attention); a row holds "
+                       f"{int(lengths.min())}")
     span = int(lengths.max())
     if span > table.shape[1] * page_size:
-        raise ValueError(f"a row holds {span} tokens but the block table covers {table.shape[1] * page_size}")
+        raise BadInput(f"a row holds {span} tokens but the block table covers {table.shape[1] * page_size}")
     slots = slot_index(table, page_size, span)                                    # [rows, span]
     k = k_store[slots].permute(0, 2, 1, 3)                                        # [rows, Hkv, span, d]
     v = v_store[slots].permute(0, 2, 1, 3)

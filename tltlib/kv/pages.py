@@ -24,11 +24,13 @@ import heapq
 
 import torch
 
+from ..errors import BadInput
+
 
 def check_page_size(page_size: int) -> int:
     """``page_size`` if it is a positive power of two (token slots per page), else a ``ValueError`` naming the fix."""
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1 or page_size & (page_size - 1):
-        raise ValueError(f"page_size must be a positive power of two (e.g. 16), got {page_size!r}")
+        raise BadInput(f"page_size must be a positive power of two (e.g. 16), got {page_size!r}")
     return page_size
 
 
@@ -55,7 +57,7 @@ class PagePool:
     def __init__(self, num_pages: int, page_size: int = 16, run: int = RUN):
         self.page_size = check_page_size(page_size)
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
-            raise ValueError(f"a page pool needs at least one page, got num_pages={num_pages!r}")
+            raise BadInput(f"a page pool needs at least one page, got num_pages={num_pages!r}")
         self.num_pages, self.run = num_pages, run
         self.refs = [0] * num_pages
         self._free_count = num_pages
@@ -118,14 +120,14 @@ class PagePool:
         """One more holder of each of ``pages`` (held already)."""
         for p in pages:
             if self.refs[p] < 1:
-                raise ValueError(f"page {p} is free: only a held page can be shared")
+                raise BadInput(f"page {p} is free: only a held page can be shared")
             self.refs[p] += 1
 
     def give_back(self, pages) -> None:
         """One holder fewer of each of ``pages``; a page nobody holds any more is free again."""
         for p in pages:
             if self.refs[p] < 1:
-                raise ValueError(f"page {p} is already free (given back twice)")
+                raise BadInput(f"page {p} is already free (given back twice)")
             self.refs[p] -= 1
             if self.refs[p] == 0:
                 self._free_count += 1
@@ -175,15 +177,15 @@ class BlockTables:
     def commit(self, row: int, length: int) -> None:
         """Row ``row`` now holds ``length`` committed tokens (within its reserved slots)."""
         if length > len(self.pages[row]) * self.pool.page_size:
-            raise ValueError(f"row {row}: {length} tokens committed but only "
-                             f"{len(self.pages[row]) * self.pool.page_size} slots reserved")
+            raise BadInput(f"row {row}: {length} tokens committed but only "
+                           f"{len(self.pages[row]) * self.pool.page_size} slots reserved")
         self.lengths[row] = length
 
     def truncate(self, row: int, length: int) -> None:
         """Row ``row`` keeps its first ``length`` tokens (SD's rejected tokens rolled back, or a row reset): the
         pages past them are given back."""
         if length > self.lengths[row]:
-            raise ValueError(f"row {row} holds {self.lengths[row]} tokens, cannot truncate to {length}")
+            raise BadInput(f"row {row} holds {self.lengths[row]} tokens, cannot truncate to {length}")
         keep = pages_for(length, self.pool.page_size)
         self.pool.give_back(self.pages[row][keep:])
         del self.pages[row][keep:]
@@ -252,8 +254,8 @@ class BlockTables:
         row ``row`` (reserved)."""
         size = self.pool.page_size
         if start + tokens > len(self.pages[row]) * size:
-            raise ValueError(f"row {row}: slots up to token {start + tokens} asked, "
-                             f"{len(self.pages[row]) * size} reserved")
+            raise BadInput(f"row {row}: slots up to token {start + tokens} asked, "
+                           f"{len(self.pages[row]) * size} reserved")
         t = torch.arange(start, start + tokens)
         pages = torch.tensor(self.pages[row], dtype=torch.long)
         return pages[t // size] * size + t % size
@@ -266,7 +268,7 @@ class BlockTables:
         out = torch.full((len(rows), width), -1, dtype=torch.int32)
         for i, r in enumerate(rows):
             if len(self.pages[r]) > width:
-                raise ValueError(f"row {r} holds {len(self.pages[r])} pages, more than the table's width {width}")
+                raise BadInput(f"row {r} holds {len(self.pages[r])} pages, more than the table's width {width}")
             out[i, :len(self.pages[r])] = torch.tensor(self.pages[r], dtype=torch.int32)
         return out
 
@@ -286,14 +288,14 @@ def pages_in_budget(budget_bytes: int, bytes_per_token: int, page_size: int = 16
     ``min_tokens`` (e.g. one prompt's pages), naming the smallest budget that can."""
     check_page_size(page_size)
     if bytes_per_token < 1:
-        raise ValueError(f"bytes_per_token must be >= 1, got {bytes_per_token}")
+        raise BadInput(f"bytes_per_token must be >= 1, got {bytes_per_token}")
     page_bytes = page_size * bytes_per_token
     need = max(1, pages_for(min_tokens, page_size))
     pages = int(budget_bytes // page_bytes)
     if pages < need:
-        raise ValueError(f"a KV memory budget of {budget_bytes:,} bytes holds {pages} page(s) of {page_size} "
-                         f"tokens ({page_bytes:,} bytes each), but {min_tokens:,} tokens need {need}: give it at "
-                         f"least {need * page_bytes:,} bytes")
+        raise BadInput(f"a KV memory budget of {budget_bytes:,} bytes holds {pages} page(s) of {page_size} "
+                       f"tokens ({page_bytes:,} bytes each), but {min_tokens:,} tokens need {need}: give it at "
+                       f"least {need * page_bytes:,} bytes")
     return pages
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..errors import BadInput, NotFound
 from ..model.sampling import SamplingConfig
 from ..rl.config import TLTConfig
 from ..rl.grpo import GRPOConfig
@@ -214,7 +215,7 @@ def check_rollouts(model, tokenizer, drafter, costs: MeasuredCosts, problems, nu
     own lengths and strategies; medians over the rounds. Each run, its prediction and the machine's speed before it
     (``drift``) are appended to ``runs``. Returns (checks, ``costs`` with the fitted overheads)."""
     if len(problems) % workers:
-        raise ValueError(f"{workers} workers cannot share {len(problems)} prompts evenly (whole GRPO groups)")
+        raise BadInput(f"{workers} workers cannot share {len(problems)} prompts evenly (whole GRPO groups)")
     config = RolloutConfig(SamplingConfig(temperature=temperature, max_new_tokens=max_new),
                            num_generations=num_generations)
     engine, shard_engine = (RolloutEngine(model, config, drafter=drafter) for _ in range(2))
@@ -289,19 +290,19 @@ def check_harvest(results_json) -> list[Check]:
 
     from ..fileio import read_json
     if not Path(results_json).is_file():
-        raise FileNotFoundError(f"{results_json}: no such results file; run `python -m tltlib bench e2e_grpo "
-                                "--workers 2` to write it (or skip the check: --workers-results '')")
+        raise NotFound(f"{results_json}: no such results file; run `python -m tltlib bench e2e_grpo "
+                       "--workers 2` to write it (or skip the check: --workers-results '')")
     d = read_json(results_json, "run python -m tltlib bench e2e_grpo --workers 2 to write it")
     sched = (d.get("summary") or {}).get("schedule")
     if not sched or not sched.get("idle_s_by_step"):
-        raise ValueError(f"{results_json}: no spot-trainer schedule (summary.schedule.idle_s_by_step); is it a "
-                         "bench e2e_grpo --workers results file?")
+        raise BadInput(f"{results_json}: no spot-trainer schedule (summary.schedule.idle_s_by_step); is it a "
+                       "bench e2e_grpo --workers results file?")
     idle = np.asarray(sched["idle_s_by_step"], dtype=np.float64)      # per step, summed over the waiting workers
     micro = np.nan_to_num(np.asarray(sched["micro_step_s_by_step"], dtype=np.float64))
     train = np.asarray(sched["train_s_by_step"], dtype=np.float64)
     if d["workers"] != 2:       # the file sums the waits of a step: one window per step only with 2 workers
-        raise ValueError(f"{results_json}: check_harvest reads runs of 2 workers (one idle window per step); this "
-                         f"one ran {d['workers']}")
+        raise BadInput(f"{results_json}: check_harvest reads runs of 2 workers (one idle window per step); this "
+                       f"one ran {d['workers']}")
     predicted = harvested_share(idle, micro, d["settings"].get("spot_max"))
     return [Check(f"{d['workers']} workers (bench file), share of idle time the spot trainer harvested", predicted,
                   float(train.sum() / idle.sum()), share=True)]
@@ -319,8 +320,8 @@ def check_steps(model, tokenizer, drafter, costs: MeasuredCosts, problems, args:
     (once each). Returns (checks, update tokens/s and seconds per drafter micro-step,
     medians of every step)."""
     if steps < 2:
-        raise ValueError(f"check_steps needs at least 2 steps per policy (each is predicted from the others), got "
-                         f"{steps}")
+        raise BadInput(f"check_steps needs at least 2 steps per policy (each is predicted from the others), got "
+                       f"{steps}")
     tlt_model = copy.deepcopy(model)
     trainers = {"baseline": GRPOTrainer(copy.deepcopy(model), tokenizer, problems, args),
             "tlt": GRPOTrainer(tlt_model, tokenizer, problems, args, drafter=copy.deepcopy(drafter).attach(tlt_model),

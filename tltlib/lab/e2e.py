@@ -29,6 +29,7 @@ import torch
 from scipy.stats import ttest_ind
 
 from ..drafting.warmup import measure_acceptance
+from ..errors import BadInput
 from ..fileio import read_json
 from ..model.logprobs import SequenceBatch, micro_batches, padded_tokens, response_logprobs
 from ..rl.scheduler import SchedulerConfig
@@ -194,7 +195,7 @@ def trl_phases(results_json, run: str = "tuned") -> dict | None:
     device, the fair peer) or ``defaults`` (TRL's own settings; older files hold only these, under ``trl``).
     None when the file has no such TRL run."""
     if run not in ("tuned", "defaults", "no-bf16", "no-bf16-no-ckpt"):
-        raise ValueError(f"TRL run {run!r}: choose tuned, defaults, no-bf16 or no-bf16-no-ckpt")
+        raise BadInput(f"TRL run {run!r}: choose tuned, defaults, no-bf16 or no-bf16-no-ckpt")
     key = "trl" if run == "defaults" else "trl_" + run.replace("-", "_")
     trl = read_json(results_json, "run python -m tltlib bench e2e_grpo again").get(key)
     if not trl or not trl.get("step_s") or not trl.get("generate_s"):

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from scipy.stats import chi2_contingency
 
+from ..errors import BadInput
 from ..model.sampling import SamplingConfig
 from ..rollout.engine import RolloutConfig, RolloutEngine
 from ..spec.strategy import OFF, SpecStrategy
@@ -24,7 +25,7 @@ def trace_step(target, drafter, prompt: list[int], strategy: SpecStrategy, sampl
 
     Returns (trace, the response tokens emitted before the step). Uses a one-row rollout of the real engine."""
     if not strategy.enabled:
-        raise ValueError("trace_step needs a speculative strategy (chain or tree), not 'off'")
+        raise BadInput("trace_step needs a speculative strategy (chain or tree), not 'off'")
     cfg = RolloutConfig(SamplingConfig(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                                        max_new_tokens=context_steps + strategy.depth + 2), ignore_eos=True)
     rollout = RolloutEngine(target, cfg, drafter=drafter).start(

@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..errors import BadInput, NotFound, Refused
 from ..fileio import atomic_file, atomic_folder, atomic_write_text, check_writable, read_json
 from .params import ROOT, plan_run, resolve
 
@@ -65,7 +66,7 @@ def save_figure(fig, name: str, out_dir: str | os.PathLike, figures_dir: str | o
 
 
 # --------------------------------------------------------------------------------------------------- runner
-class NotebookError(RuntimeError):
+class NotebookError(Refused):
     """A notebook failed under the runner; the message holds the failing cell's error and where the partly
     executed copy is."""
 
@@ -76,16 +77,16 @@ def notebook_paths(only: list[str] | None = None, folder: str | os.PathLike | No
     folder = resolve(folder) if folder else ROOT / "notebooks"
     paths = sorted(folder.glob("[0-9][0-9]_*.ipynb"))
     if not paths:
-        raise FileNotFoundError(f"no NN_*.ipynb notebooks in {str(folder)!r}")
+        raise NotFound(f"no NN_*.ipynb notebooks in {str(folder)!r}")
     if only is not None:
         only = [o.strip() for part in only for o in part.split(",")]
         if not only or not all(only):
-            raise ValueError("--only needs notebook prefixes, e.g. --only 01 03 or --only 01,03 (an empty prefix would "
-                             "match all)")
+            raise BadInput("--only needs notebook prefixes, e.g. --only 01 03 or --only 01,03 (an empty prefix would "
+                           "match all)")
         chosen = [p for p in paths if any(p.stem.startswith(o) for o in only)]
         unmatched = [o for o in only if not any(p.stem.startswith(o) for p in paths)]
         if unmatched:
-            raise ValueError(f"no notebook matches {unmatched}; notebooks: {[p.stem for p in paths]}")
+            raise BadInput(f"no notebook matches {unmatched}; notebooks: {[p.stem for p in paths]}")
         paths = chosen
     return paths
 

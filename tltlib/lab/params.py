@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ..errors import BadInput, NotFound
 from ..fileio import ROOT, resolve
 from ..model.importers import MODELS, cache_dir
 from ..spec.strategy import SpecStrategy
@@ -153,12 +154,12 @@ def _rewards(names) -> None:
 def _weights(value) -> None:
     if value is not None and (not isinstance(value, list) or not all(
             isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in value)):
-        raise ValueError("not null or a list of finite numbers, one per reward")
+        raise BadInput("not null or a list of finite numbers, one per reward")
 
 
 def _mapping(value) -> None:
     if not isinstance(value, dict):
-        raise ValueError("not a mapping")
+        raise BadInput("not a mapping")
 
 
 def _curriculum(value) -> None:
@@ -248,8 +249,8 @@ def params_path(params: str | os.PathLike, folder: str = "params") -> Path:
         if c.is_file():
             return c
     available = sorted(f.name for f in (ROOT / folder).glob("*.yaml"))
-    raise FileNotFoundError(f"params file {str(params)!r} not found; available in {folder}/: {available} "
-                            "(or pass a path to your own YAML file)")
+    raise NotFound(f"params file {str(params)!r} not found; available in {folder}/: {available} "
+                   "(or pass a path to your own YAML file)")
 
 
 def load_yaml(path: Path):
@@ -265,8 +266,8 @@ def load_yaml(path: Path):
         for key_node, _ in node.value:
             key = loader.construct_object(key_node, deep=deep)
             if key in seen:
-                raise ValueError(f"{path}, line {key_node.start_mark.line + 1}: {key!r} is given twice in the same "
-                                 "mapping; the second would silently replace the first: merge them")
+                raise BadInput(f"{path}, line {key_node.start_mark.line + 1}: {key!r} is given twice in the same "
+                               "mapping; the second would silently replace the first: merge them")
             seen.add(key)
         return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
 
@@ -274,7 +275,7 @@ def load_yaml(path: Path):
     try:
         return yaml.load(path.read_text(), Loader=StrictLoader)
     except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+        raise BadInput(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
 
 
 def load_params(params: str | os.PathLike) -> tuple[dict, dict[str, dict]]:
@@ -284,21 +285,21 @@ def load_params(params: str | os.PathLike) -> tuple[dict, dict[str, dict]]:
     path = params_path(params)
     data = load_yaml(path) or {}
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of PARAMETER: value, got {type(data).__name__}")
+        raise BadInput(f"{path}: expected a mapping of PARAMETER: value, got {type(data).__name__}")
     per_nb = data.pop("notebooks", None) or {}
     if not isinstance(per_nb, dict) or not all(isinstance(v, dict) for v in per_nb.values()):
-        raise ValueError(f"{path}: 'notebooks' must map a notebook prefix (e.g. \"01\") to a mapping of parameters")
+        raise BadInput(f"{path}: 'notebooks' must map a notebook prefix (e.g. \"01\") to a mapping of parameters")
     for k in per_nb:
         if not isinstance(k, str):
             hint = f'"{k:02d}"' if isinstance(k, int) and not isinstance(k, bool) else f'"{k}"'
-            raise ValueError(f"{path}: the notebook section {k!r} under 'notebooks' was read by YAML as "
-                             f"{'a number' if isinstance(k, (int, float)) else type(k).__name__}, not a name prefix; "
-                             f"quote it: {hint}:")
+            raise BadInput(f"{path}: the notebook section {k!r} under 'notebooks' was read by YAML as "
+                           f"{'a number' if isinstance(k, (int, float)) else type(k).__name__}, not a name prefix; "
+                           f"quote it: {hint}:")
     for where, d in (("top level", data), *((f"notebooks/{k}", v) for k, v in per_nb.items())):
         bad = [k for k in d if not isinstance(k, str)]
         if bad:
-            raise ValueError(f"{path}: key {bad[0]!r} ({where}) is not a parameter name; names are strings such "
-                             "as N_PROMPTS")
+            raise BadInput(f"{path}: key {bad[0]!r} ({where}) is not a parameter name; names are strings such "
+                           "as N_PROMPTS")
     return data, per_nb
 
 
@@ -310,7 +311,7 @@ def declared_parameters(notebook: Path) -> dict[str, Any]:
     cells = json.loads(notebook.read_text())["cells"]
     cell = next((c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])), None)
     if cell is None:
-        raise ValueError(f"{notebook}: no cell tagged 'parameters'")
+        raise BadInput(f"{notebook}: no cell tagged 'parameters'")
     out = {}
     for node in ast.parse("".join(cell["source"])).body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
@@ -387,7 +388,7 @@ def plan_run(params: str | os.PathLike, notebooks: list[Path], selected: list[Pa
         where = f"notebook {stems[0]}" if len(stems) == 1 else "notebooks " + ", ".join(s[:2] for s in stems)
         problems.append(f"{key} = {value} ({where}): {why}")
     if problems:
-        raise ValueError(f"{path}: " + (problems[0] if len(problems) == 1 else
+        raise BadInput(f"{path}: " + (problems[0] if len(problems) == 1 else
                                         f"{len(problems)} problems:\n  - " + "\n  - ".join(problems)))
     return [(nb, plan[nb]) for nb in selected]
 
@@ -429,8 +430,8 @@ def dataclass_from_mapping(cls, values: dict | None, source: str):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ValueError(f"{source}: {unknown[0]!r} is not a {cls.__name__} setting"
-                         f"{_spelling(unknown[0], fields) or ''}; settings: {', '.join(fields)}")
+        raise BadInput(f"{source}: {unknown[0]!r} is not a {cls.__name__} setting"
+                       f"{_spelling(unknown[0], fields) or ''}; settings: {', '.join(fields)}")
     hints = typing.get_type_hints(cls)
     out = {}
     for k, v in values.items():
@@ -457,9 +458,9 @@ def dataclass_from_mapping(cls, values: dict | None, source: str):
             names = {bool: "true/false", int: "an integer", float: "a finite number", str: "a string", tuple: "a list",
                      type(None): "null"}
             what = " or ".join(names.get(typing.get_origin(t) or t, str(t)) for t in allowed)
-            raise ValueError(f"{source}: {k} = {v!r} is not {what}{_yaml_number_hint(v)}")
+            raise BadInput(f"{source}: {k} = {v!r} is not {what}{_yaml_number_hint(v)}")
         out[k] = v
     try:
         return cls(**out)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"{source}: {e}") from None
+        raise BadInput(f"{source}: {e}") from None

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..errors import BadInput
 from ..fileio import check_output_folder
 from ..model.decoder import Transformer, preset
 from ..model.sampling import SamplingConfig
@@ -68,9 +69,9 @@ class ReasonerTrainConfig:
 
     def __post_init__(self):
         if self.steps < 1 or self.minutes <= 0 or self.tokens_per_batch < 64:
-            raise ValueError("steps must be >= 1, minutes > 0 and tokens_per_batch >= 64")
+            raise BadInput("steps must be >= 1, minutes > 0 and tokens_per_batch >= 64")
         if not 0 <= self.long_fraction <= 1:
-            raise ValueError(f"long_fraction must be in [0, 1], got {self.long_fraction}")
+            raise BadInput(f"long_fraction must be in [0, 1], got {self.long_fraction}")
 
 
 def sft_example(tokenizer, rng: random.Random, task: ChainTaskConfig, long_task: ChainTaskConfig,

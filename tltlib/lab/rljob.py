@@ -48,6 +48,7 @@ from pathlib import Path
 import yaml
 from tqdm.auto import tqdm
 
+from ..errors import BadInput, NotFound, Refused
 from ..fileio import atomic_write_text, check_output_folder, read_json, remove_stale_temporaries, resolve
 from ..model.loading import load
 from ..rl.config import TLTConfig
@@ -113,46 +114,46 @@ def read_job(params: str | os.PathLike) -> Job:
     path = params_path(params, folder="params/train")
     d = load_yaml(path)
     if not isinstance(d, dict):
-        raise ValueError(f"{path}: expected a mapping with model, grpo, tlt, ...")
+        raise BadInput(f"{path}: expected a mapping with model, grpo, tlt, ...")
     unknown = sorted(set(d) - set(TOP_LEVEL))
     if unknown:
-        raise ValueError(f"{path}: {unknown[0]!r} is not a train-grpo setting; settings: {', '.join(TOP_LEVEL)}")
+        raise BadInput(f"{path}: {unknown[0]!r} is not a train-grpo setting; settings: {', '.join(TOP_LEVEL)}")
     if "model" not in d:
-        raise ValueError(f"{path}: 'model' is missing: give the local checkpoint folder of the policy")
+        raise BadInput(f"{path}: 'model' is missing: give the local checkpoint folder of the policy")
     values = {**DEFAULTS, **d}
     for k, want in TOP_LEVEL.items():
         v = values[k]
         if isinstance(v, bool) or not isinstance(v, want):
-            raise ValueError(f"{path}: {k} = {v!r} has the wrong type; expected "
-                             f"{getattr(want, '__name__', 'a mapping or null')}")
+            raise BadInput(f"{path}: {k} = {v!r} has the wrong type; expected "
+                           f"{getattr(want, '__name__', 'a mapping or null')}")
     for k, lo in (("train_problems", 1), ("eval_problems", 0), ("eval_steps", 0)):
         if values[k] < lo:
-            raise ValueError(f"{path}: {k} must be >= {lo}, got {values[k]}")
+            raise BadInput(f"{path}: {k} must be >= {lo}, got {values[k]}")
     for k, kind in (("model", "dir"), ("drafter", "dir"), ("dataset", "file"), ("lengths", "file")):
         _check_path(path, k, values[k], kind)
     if values["lengths"]:
         MeasuredLengths.load(resolve(values["lengths"]))          # a wrong file is refused before anything loads
     for (section, old), new in RENAMED.items():
         if old in (values[section] or {}):
-            raise ValueError(f"{path}: {section}.{old} was renamed {section}.{new}: write {new}: "
-                             f"{values[section][old]}")
+            raise BadInput(f"{path}: {section}.{old} was renamed {section}.{new}: write {new}: "
+                           f"{values[section][old]}")
     grpo = dataclass_from_mapping(GRPOConfig, values["grpo"], f"{path}: grpo")
     if values["task"] not in TASKS:
-        raise ValueError(f"{path}: task {values['task']!r} is not a generated task; choose one of {', '.join(TASKS)} "
-                         "(or give a dataset file)")
+        raise BadInput(f"{path}: task {values['task']!r} is not a generated task; choose one of {', '.join(TASKS)} "
+                       "(or give a dataset file)")
     task_configs(values["task"], values["task_config"], f"{path}: task_config")
     reward_funcs_named(values["rewards"], f"{path}: rewards")
     if grpo.reward_weights is not None and len(grpo.reward_weights) != len(values["rewards"]):
-        raise ValueError(f"{path}: grpo.reward_weights has {len(grpo.reward_weights)} values for the "
-                         f"{len(values['rewards'])} rewards {values['rewards']}; give one weight per reward")
+        raise BadInput(f"{path}: grpo.reward_weights has {len(grpo.reward_weights)} values for the "
+                       f"{len(values['rewards'])} rewards {values['rewards']}; give one weight per reward")
     curriculum = None if values["curriculum"] is None else \
         dataclass_from_mapping(CurriculumConfig, values["curriculum"], f"{path}: curriculum")
     tlt = None if values["tlt"] is None else dataclass_from_mapping(TLTConfig, values["tlt"], f"{path}: tlt")
     scheduler = dataclass_from_mapping(SchedulerConfig, values["scheduler"], f"{path}: scheduler")
     if tlt is not None and not values["drafter"] and tlt.speculative != "off" and \
             not tlt.speculative.startswith("ngram"):
-        raise ValueError(f"{path}: tlt.speculative = {tlt.speculative!r} needs a learned drafter: set 'drafter' (or "
-                         "use speculative: off / ngram-D, or tlt: null for the baseline)")
+        raise BadInput(f"{path}: tlt.speculative = {tlt.speculative!r} needs a learned drafter: set 'drafter' (or "
+                       "use speculative: off / ngram-D, or tlt: null for the baseline)")
     return Job(str(path), values["model"], values["drafter"], values["dataset"], values["lengths"], values["task"],
                values["task_config"], values["rewards"], curriculum, values["train_problems"],
                values["eval_problems"], values["eval_steps"], values["device"], values["dtype"], grpo, tlt, scheduler)
@@ -167,10 +168,10 @@ def _check_path(source: Path, key: str, value: str, kind: str) -> None:
         if not p.exists() and key == "model" and "tltlib/models" in str(p):
             what += (" (tltlib's model cache: import it with python -m tltlib get-model NAME; a warm-started one "
                      "is made by python -m tltlib warm-start, see the file's first lines)")
-        raise FileNotFoundError(f"{source}: {key} {value!r} {what}")
+        raise NotFound(f"{source}: {key} {value!r} {what}")
     if kind == "file" and not p.is_file():
         what = "is a folder; give the data file" if p.is_dir() else "does not exist"
-        raise FileNotFoundError(f"{source}: {key} {value!r} {what}")
+        raise NotFound(f"{source}: {key} {value!r} {what}")
 
 
 def write_job_params(path: str | os.PathLike, model: str, drafter: str, grpo: dict, tlt: dict | None,
@@ -281,12 +282,12 @@ def _check_output(job: Job, output: Path, resume: bool, world) -> bool:
         resume = True
     if resume:
         if unfinished:
-            raise FileNotFoundError(f"nothing to resume in {str(output)!r}: the run there stopped before its first "
-                                    "checkpoint (grpo.save_steps: 0 saves only at the end); start it again without "
-                                    "--resume (its files are replaced)")
+            raise NotFound(f"nothing to resume in {str(output)!r}: the run there stopped before its first "
+                           "checkpoint (grpo.save_steps: 0 saves only at the end); start it again without "
+                           "--resume (its files are replaced)")
         if not has_checkpoint:
-            raise FileNotFoundError(f"nothing to resume in {str(output)!r}: it holds no checkpoint "
-                                    "(trainer_state.json); start the run without --resume")
+            raise NotFound(f"nothing to resume in {str(output)!r}: it holds no checkpoint "
+                           "(trainer_state.json); start the run without --resume")
         _check_same_job(job, output)
         return True
     if not restarted:
@@ -312,8 +313,8 @@ def _check_same_job(job: Job, output: Path) -> None:
     diff = [k for k in mine if not same(k)]
     if diff:
         text = ", ".join(f"{k}: {saved.get(k)!r} there, {mine[k]!r} in {job.source}" for k in diff)
-        raise ValueError(f"{str(output)!r} was written by a run on other data or files ({text}); resume with "
-                         "the parameter file that started it (--params), or start a new run elsewhere")
+        raise BadInput(f"{str(output)!r} was written by a run on other data or files ({text}); resume with "
+                       "the parameter file that started it (--params), or start a new run elsewhere")
 
 
 def _write_run_files(job: Job, output: Path, resume: bool, world) -> None:
@@ -361,8 +362,8 @@ def parse_metrics(path: Path, torn_tail_ok: bool = False) -> list[tuple[str, dic
         except json.JSONDecodeError as e:
             if torn_tail_ok and i == len(lines):
                 break
-            raise ValueError(f"{path}, line {i}: not a JSON line of metrics ({e.msg}); the log is damaged: delete "
-                             "that line (and the ones after it) or start a new run") from None
+            raise BadInput(f"{path}, line {i}: not a JSON line of metrics ({e.msg}); the log is damaged: delete "
+                           "that line (and the ones after it) or start a new run") from None
     return out
 
 
@@ -370,7 +371,7 @@ def read_metrics_log(output_dir: str | os.PathLike) -> list[dict]:
     """The per-step metrics a run appended to ``metrics.jsonl`` (a last line torn by a killed run is left out)."""
     path = Path(output_dir) / "metrics.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"no metrics.jsonl in {str(output_dir)!r}")
+        raise NotFound(f"no metrics.jsonl in {str(output_dir)!r}")
     return [m for _, m in parse_metrics(path, torn_tail_ok=True)]
 
 
@@ -410,6 +411,6 @@ def launch(params: str | os.PathLike, workers: int, output_dir: str | os.PathLik
             err.seek(0)
             lines = [x for x in err.read().splitlines() if x.strip() and not x.startswith(("W", "*"))]
             errors = [x for x in lines if x.startswith("error:") or "Error" in x]
-            raise RuntimeError(f"the {workers}-worker job failed (exit {rc}): {' '.join(cmd)}\n"
-                               + "\n".join((errors or lines)[-8:]))
+            raise Refused(f"the {workers}-worker job failed (exit {rc}): {' '.join(cmd)}\n"
+                          + "\n".join((errors or lines)[-8:]))
     return Path(output_dir)

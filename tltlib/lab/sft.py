@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..errors import BadInput
 from ..tasks.wordproblems import WordTaskConfig, generate_word_problems
 
 # torch, tqdm and the tokenizer-facing modules are imported where used: the CLI registers this module's command
@@ -44,9 +45,9 @@ class WarmStartConfig:
 
     def __post_init__(self):
         if self.steps < 1 or self.batch < 1:
-            raise ValueError(f"steps and batch must be >= 1, got {self.steps} and {self.batch}")
+            raise BadInput(f"steps and batch must be >= 1, got {self.steps} and {self.batch}")
         if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+            raise BadInput(f"lr must be > 0, got {self.lr}")
         WordTaskConfig(max_steps=self.max_problem_steps)           # raises naming the allowed range
 
 
@@ -60,7 +61,7 @@ def warm_start(model, tokenizer, cfg: WarmStartConfig | None = None, progress: b
     from .reasoner import sft_batch, sft_step
     cfg = cfg or WarmStartConfig()
     if tokenizer.eos_token_id is None:
-        raise ValueError("the tokenizer has no end-of-sequence token: the warm start must teach the model to stop")
+        raise BadInput("the tokenizer has no end-of-sequence token: the warm start must teach the model to stop")
     problems = generate_word_problems(WordTaskConfig(max_steps=cfg.max_problem_steps), cfg.steps * cfg.batch,
                                       seed=cfg.seed)
     prompts = encode_prompts(problems, tokenizer)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import BadInput
 from ..kv.dense import KVCache
 
 
@@ -51,9 +52,9 @@ class GraphConfig:
 
     def __post_init__(self):
         if self.max_rows < 1:
-            raise ValueError(f"GraphConfig.max_rows must be >= 1, got {self.max_rows}")
+            raise BadInput(f"GraphConfig.max_rows must be >= 1, got {self.max_rows}")
         if self.min_span < 1:
-            raise ValueError(f"GraphConfig.min_span must be >= 1, got {self.min_span}")
+            raise BadInput(f"GraphConfig.min_span must be >= 1, got {self.min_span}")
 
 
 def row_bucket(rows: int, allocated: int, max_rows: int) -> int | None:
@@ -67,7 +68,7 @@ def row_bucket(rows: int, allocated: int, max_rows: int) -> int | None:
 def span_bucket(span: int, max_len: int, min_span: int) -> int:
     """Attention span for ``span`` used slots: ``min_span * 2**k >= span``, capped at ``max_len``."""
     if span > max_len:
-        raise ValueError(f"span {span} exceeds the cache length {max_len}")
+        raise BadInput(f"span {span} exceeds the cache length {max_len}")
     b = min_span
     while b < span:
         b *= 2
@@ -90,12 +91,12 @@ class GraphPool:
         self.config = config or GraphConfig()
         allocated = {c.capacity for c in self.caches}
         if len(allocated) != 1:
-            raise ValueError(f"GraphPool: the caches hold different row counts {sorted(allocated)}")
+            raise BadInput(f"GraphPool: the caches hold different row counts {sorted(allocated)}")
         self.allocated = allocated.pop()
         dev = self.caches[0].lengths.device
         self.capture = dev.type == "cuda" if capture is None else capture
         if self.capture and dev.type != "cuda":
-            raise ValueError("GraphPool(capture=True) needs caches on a CUDA device")
+            raise BadInput("GraphPool(capture=True) needs caches on a CUDA device")
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._entries: dict[tuple, tuple] = {}        # key -> (graph or None: eager, static inputs, static outputs)
         self.stats = {"captures": 0, "replays": 0, "eager": 0, "capture_s": 0.0}

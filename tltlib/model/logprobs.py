@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint as gradient_checkpoint
 
+from ..errors import BadInput
 from ..kernels.dispatch import linear
 from .sampling import SamplingConfig, probs_from_logits
 
@@ -52,7 +53,7 @@ def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Indices of sequences grouped by length so that rows x longest <= ``max_tokens`` (a sequence longer than the
     budget gets a micro-batch of its own). Groups are consecutive runs of the length-sorted order."""
     if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        raise BadInput(f"max_tokens must be >= 1, got {max_tokens}")
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     groups: list[list[int]] = []
     for i in order:                                  # ascending: the newest member is the longest

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import BadInput
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -30,13 +32,13 @@ class SamplingConfig:
 
     def __post_init__(self):
         if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise BadInput(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+            raise BadInput(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+            raise BadInput(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
         if self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+            raise BadInput(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
 
     @property
     def greedy(self) -> bool:
@@ -85,8 +87,8 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     is never drawn, also at ``u = 0`` and when rounding lifts ``u * total`` to the total (it is clamped just below
     it)."""
     if u.dtype != torch.float64:
-        raise ValueError(f"inverse_cdf needs float64 uniforms (tltlib.model.sampling.uniforms), got {u.dtype}: float32 "
-                         "ones round every token's probability to a multiple of 2^-24")
+        raise BadInput(f"inverse_cdf needs float64 uniforms (tltlib.model.sampling.uniforms), got {u.dtype}: float32 "
+                       "ones round every token's probability to a multiple of 2^-24")
     cum = probs.double().cumsum(-1)
     total = cum[:, -1:]
     x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))

@@ -16,6 +16,7 @@ Departures from transformers' loader:
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import BadInput, NotFound
 from ..fileio import atomic_folder, read_json
 from .decoder import ModelConfig, Transformer, rope_inv_freq
 
@@ -112,16 +114,16 @@ def check_tensors(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[i
             layer_hint = (f" The weights hold {held[-1] + 1} layers but config.json's num_hidden_layers is "
                           f"{num_layers}: use the config.json that came with these weights.")
     if unused:
-        raise ValueError(f"{source}: the weights hold {len(unused)} tensors the config does not use "
-                         f"({_sample(unused)}); they would be silently dropped.{layer_hint or hint}")
+        raise BadInput(f"{source}: the weights hold {len(unused)} tensors the config does not use "
+                       f"({_sample(unused)}); they would be silently dropped.{layer_hint or hint}")
     if missing:
-        raise ValueError(f"{source}: the weights lack {len(missing)} tensors the config needs "
-                         f"({_sample(missing)}).{layer_hint or hint}")
+        raise BadInput(f"{source}: the weights lack {len(missing)} tensors the config needs "
+                       f"({_sample(missing)}).{layer_hint or hint}")
     bad = [f"{n} is {list(found[n])}, expected {list(s)}" for n, s in sorted(expected.items()) if found[n] != s]
     if bad:
         shown = "; ".join(bad[:3])
-        raise ValueError(f"{source}: {len(bad)} tensors do not have the shape the config implies ({shown}); "
-                         f"is {config_name} from the same model as the weights?")
+        raise BadInput(f"{source}: {len(bad)} tensors do not have the shape the config implies ({shown}); "
+                       f"is {config_name} from the same model as the weights?")
 
 
 def check_finite(tensors: dict[str, torch.Tensor], source: str) -> None:
@@ -129,9 +131,9 @@ def check_finite(tensors: dict[str, torch.Tensor], source: str) -> None:
     for name, t in tensors.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             bad = (~torch.isfinite(t)).sum().item()
-            raise ValueError(f"{source}: tensor {name} holds {bad} non-finite values (NaN or inf) out of "
-                             f"{t.numel()}; the file is corrupt or the training diverged: use an earlier or "
-                             "re-downloaded model")
+            raise BadInput(f"{source}: tensor {name} holds {bad} non-finite values (NaN or inf) out of "
+                           f"{t.numel()}; the file is corrupt or the training diverged: use an earlier or "
+                           "re-downloaded model")
 
 
 def check_floating(tensors: dict[str, torch.Tensor], source: str) -> None:
@@ -140,45 +142,57 @@ def check_floating(tensors: dict[str, torch.Tensor], source: str) -> None:
     ints = sorted((n, t.dtype) for n, t in tensors.items() if not t.is_floating_point())
     if ints:
         name, dtype = ints[0]
-        raise ValueError(f"{source}: {len(ints)} weight tensors are not floating point ({name} is "
-                         f"{str(dtype).removeprefix('torch.')}): the model is quantised; tltlib loads float32, "
-                         "bfloat16 or float16 weights: dequantise it with transformers and save it again")
+        raise BadInput(f"{source}: {len(ints)} weight tensors are not floating point ({name} is "
+                       f"{str(dtype).removeprefix('torch.')}): the model is quantised; tltlib loads float32, "
+                       "bfloat16 or float16 weights: dequantise it with transformers and save it again")
 
 
 # ------------------------------------------------------------------------------------------------- reading
+def fingerprint(module: torch.nn.Module) -> str:
+    """A short digest of ``module``'s state (every tensor's name, shape, dtype and bytes, in name order): equal for
+    the same weights on any device, different when one element differs. What the alarms compare after a weight sync
+    or a drafter merge, and what a tuner prior file records of its drafter."""
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
 def load_config(path: str | os.PathLike) -> ModelConfig:
     """Read ``config.json`` of a local model folder (clear errors for a missing, broken or unsupported one)."""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"model folder {str(path)!r} does not exist: pass a local folder holding "
-                                "config.json and *.safetensors (as written by transformers' save_pretrained)")
+        raise NotFound(f"model folder {str(path)!r} does not exist: pass a local folder holding "
+                       "config.json and *.safetensors (as written by transformers' save_pretrained)")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
-        raise FileNotFoundError(f"{cfg_file} is missing: the model folder needs transformers' config.json")
+        raise NotFound(f"{cfg_file} is missing: the model folder needs transformers' config.json")
     d = read_json(cfg_file, "fix or replace it with the model's original config.json")
     if not isinstance(d, dict):
-        raise ValueError(f"{cfg_file}: expected a JSON object, got {type(d).__name__}")
+        raise BadInput(f"{cfg_file}: expected a JSON object, got {type(d).__name__}")
     return ModelConfig.from_hf(d, source=str(cfg_file))
 
 
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file() and (path / "model.safetensors").is_file():
-        raise ValueError(f"{path} holds both model.safetensors and model.safetensors.index.json (shards), which "
-                         "may be different weights; remove the stale one")
+        raise BadInput(f"{path} holds both model.safetensors and model.safetensors.index.json (shards), which "
+                       "may be different weights; remove the stale one")
     if index.is_file():
         d = read_json(index, "re-save the model with save_pretrained")
         if not isinstance(d, dict) or not isinstance(d.get("weight_map"), dict):
-            raise ValueError(f"{index}: no 'weight_map' object; re-save the model with save_pretrained")
+            raise BadInput(f"{index}: no 'weight_map' object; re-save the model with save_pretrained")
         files = [path / f for f in sorted(set(d["weight_map"].values()))]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
-            raise FileNotFoundError(f"{index} lists shards that are not in the folder: {absent}; copy them too")
+            raise NotFound(f"{index} lists shards that are not in the folder: {absent}; copy them too")
         return files
     if (path / "model.safetensors").is_file():
         return [path / "model.safetensors"]
-    raise FileNotFoundError(f"{path} has no model.safetensors or model.safetensors.index.json: re-save the "
-                            "model with save_pretrained(..., safe_serialization=True)")
+    raise NotFound(f"{path} has no model.safetensors or model.safetensors.index.json: re-save the "
+                   "model with save_pretrained(..., safe_serialization=True)")
 
 
 def read_safetensors(files: list[Path], device="cpu") -> dict[str, torch.Tensor]:
@@ -190,11 +204,11 @@ def read_safetensors(files: list[Path], device="cpu") -> dict[str, torch.Tensor]
             with safe_open(str(f), framework="pt", device=str(device)) as fh:
                 for n in fh.keys():
                     if n in out:
-                        raise ValueError(f"{f}: tensor {n} is also in another shard; the model folder is inconsistent")
+                        raise BadInput(f"{f}: tensor {n} is also in another shard; the model folder is inconsistent")
                     out[n] = fh.get_tensor(n)
         except (SafetensorError, OSError) as e:
-            raise ValueError(f"{f} is not a readable safetensors file ({e}); the file is truncated or corrupt: "
-                             "copy or save it again") from None
+            raise BadInput(f"{f} is not a readable safetensors file ({e}); the file is truncated or corrupt: "
+                           "copy or save it again") from None
     return out
 
 
@@ -218,9 +232,9 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
         head, emb = tensors.pop("lm_head.weight"), tensors.get("model.embed_tokens.weight")
         if emb is None or head.shape != emb.shape or not torch.equal(head, emb):
-            raise ValueError(f"{path}: config.json ties the LM head to the embedding (tie_word_embeddings: true) "
-                             "but the weights hold a different lm_head.weight; set tie_word_embeddings to false "
-                             "if the head is trained separately")
+            raise BadInput(f"{path}: config.json ties the LM head to the embedding (tie_word_embeddings: true) "
+                           "but the weights hold a different lm_head.weight; set tie_word_embeddings to false "
+                           "if the head is trained separately")
     check_tensors({n: tuple(t.shape) for n, t in tensors.items()}, expected_shapes(cfg), str(path), cfg.num_layers)
     check_floating(tensors, str(path))
     check_finite(tensors, str(path))
@@ -261,9 +275,9 @@ def pick_device(name: str = "auto") -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} but CUDA is not available here; use 'cpu' or 'auto'")
+        raise BadInput(f"device {name!r} but CUDA is not available here; use 'cpu' or 'auto'")
     if name != "cpu" and not name.startswith("cuda"):
-        raise ValueError(f"unknown device {name!r}; use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        raise BadInput(f"unknown device {name!r}; use 'auto', 'cpu', 'cuda' or 'cuda:N'")
     return name
 
 
@@ -272,5 +286,5 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}")
+        raise BadInput(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}")
     return getattr(torch, name)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import BadInput, NotFound
 from ..fileio import read_json
 from ..model.decoder import preset
 from ..sim.costs import hardware
@@ -38,7 +39,7 @@ def fit_acceptance(accept_length: float, depth: int) -> float:
     """The per-level acceptance ``a`` with which a chain of ``depth`` drafts accepts ``accept_length`` tokens per SD
     step (bonus token included: 1 + a + a^2 + ... + a^depth)."""
     if not 1 < accept_length < depth + 1:
-        raise ValueError(f"an accept length must lie in (1, depth + 1) = (1, {depth + 1}); got {accept_length}")
+        raise BadInput(f"an accept length must lie in (1, depth + 1) = (1, {depth + 1}); got {accept_length}")
     chain, lo, hi = SpecStrategy.parse(f"chain-{depth}"), 0.0, 1.0
     for _ in range(60):
         mid = (lo + hi) / 2
@@ -53,7 +54,7 @@ def paper_policy(accept_length: float = 6.53, depth: int = 10, branch: int = 8, 
     starting at ``buckets[i]``; each accepts as a chain of its depth at the acceptance :func:`fit_acceptance` finds
     for ``accept_length`` at ``depth``."""
     if len(buckets) != len(verify):
-        raise ValueError(f"give one verify budget per bucket: {len(buckets)} buckets, {len(verify)} budgets")
+        raise BadInput(f"give one verify budget per bucket: {len(buckets)} buckets, {len(verify)} budgets")
     a = fit_acceptance(accept_length, depth)
     names = [f"tree-{min(depth, v)}x{branch}-{v}" for v in verify]
     accept = {n: expected_tokens(SpecStrategy.parse(f"chain-{SpecStrategy.parse(n).depth}"), a) for n in names}
@@ -72,14 +73,14 @@ def lengths_from_bench(path: str | Path, cap: int = 32768) -> LengthDistribution
     median and 99th-percentile lengths, scaled from the bench's ``max_new`` to ``cap``."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such results file; run `python -m tltlib bench e2e_grpo` to write it")
+        raise NotFound(f"{path}: no such results file; run `python -m tltlib bench e2e_grpo` to write it")
     d = read_json(path, "run `python -m tltlib bench e2e_grpo` again to rewrite it")
     steps = [s for run in d.get("runs", {}).get("baseline", []) for s in run.get("steps", [])]
     p50 = [s["rollout/len_p50"] for s in steps if "rollout/len_p50" in s]
     p99 = [s["rollout/len_p99"] for s in steps if "rollout/len_p99" in s]
     if not p50 or not p99:
-        raise ValueError(f"{path}: no baseline rollout lengths (rollout/len_p50, rollout/len_p99) in its runs; is it "
-                         "a bench e2e_grpo results file?")
+        raise BadInput(f"{path}: no baseline rollout lengths (rollout/len_p50, rollout/len_p99) in its runs; is it "
+                       "a bench e2e_grpo results file?")
     scale = cap / d["settings"]["max_new"]
     return LengthDistribution(median=float(np.median(p50)) * scale, p99=float(np.median(p99)) * scale, cap=cap)
 
@@ -108,8 +109,8 @@ class ProjectionConfig:
 
     def __post_init__(self):
         if self.seeds < 1 or not self.nodes or min(self.nodes) < 1:
-            raise ValueError(f"ProjectionConfig: seeds >= 1 and node counts >= 1; got seeds {self.seeds}, nodes "
-                             f"{self.nodes}")
+            raise BadInput(f"ProjectionConfig: seeds >= 1 and node counts >= 1; got seeds {self.seeds}, nodes "
+                           f"{self.nodes}")
 
 
 def project(cfg: ProjectionConfig = ProjectionConfig()) -> list[dict]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import BadInput, NotFound
 from ..fileio import read_json
 from ..model.decoder import preset
 from ..sim.costs import ModelShape, Roofline, hardware, iteration_time
@@ -40,8 +41,8 @@ def results(folder: str | Path, name: str) -> dict:
     path = Path(folder) / name
     if not path.is_file():
         how = BENCH_COMMANDS.get(name, "the bench that writes it")
-        raise FileNotFoundError(f"{path}: no such results file; run `{how}` (or point RESULTS_DIR at a folder "
-                                "that has it)")
+        raise NotFound(f"{path}: no such results file; run `{how}` (or point RESULTS_DIR at a folder "
+                       "that has it)")
     return read_json(path, f"run `{BENCH_COMMANDS.get(name, 'the bench')}` again")
 
 
@@ -73,8 +74,8 @@ def measured_sd(folder: str | Path, name: str, temperature: float = 0.9) -> dict
         for strategy, v in r["strategies"].items():
             out.setdefault(strategy, {})[int(r["batch"])] = float(v["speedup"])
     if not out:
-        raise ValueError(f"{name}: no results at temperature {temperature}; it has "
-                         f"{sorted({r['temperature'] for r in d['results']})}")
+        raise BadInput(f"{name}: no results at temperature {temperature}; it has "
+                       f"{sorted({r['temperature'] for r in d['results']})}")
     return out
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..errors import BadInput, NotFound
 from ..fileio import atomic_folder, read_json
 from ..model.weights import check_finite, check_floating, read_safetensors
 
@@ -114,19 +115,19 @@ def load(path: str | os.PathLike, expected: dict, device, world) -> tuple[Traine
     path = Path(path)
     state_file = path / "trainer_state.json"
     if not state_file.is_file():
-        raise FileNotFoundError(f"{str(path)!r} is not a tltlib GRPO checkpoint (no trainer_state.json); pass "
-                                "the folder written by a run (--output-dir)")
+        raise NotFound(f"{str(path)!r} is not a tltlib GRPO checkpoint (no trainer_state.json); pass "
+                       "the folder written by a run (--output-dir)")
     meta = read_json(state_file, "the checkpoint is damaged: resume from an earlier one")
     if meta.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{state_file}: format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
+        raise BadInput(f"{state_file}: format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
     mine, theirs = _flatten(expected), _flatten(meta["fingerprint"])
     if "scheduler.pairs" in theirs:                   # written before the key was renamed
         theirs["scheduler.train_on"] = theirs.pop("scheduler.pairs")
     diff = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
     if diff:
-        raise ValueError(f"{path} was written by a run with another model or configuration (differs in "
-                         f"{', '.join(diff[:6])}); resume with the same model and settings, or start anew "
-                         "with another output folder")
+        raise BadInput(f"{path} was written by a run with another model or configuration (differs in "
+                       f"{', '.join(diff[:6])}); resume with the same model and settings, or start anew "
+                       "with another output folder")
     state = TrainerState(meta, read_policy(path, device), _read_state(path / "state.pt"))
     worker = _read_state(path / f"rank{world.rank}.pt") if world.size > 1 else None
     return state, worker
@@ -137,7 +138,7 @@ def read_policy(path: Path, device) -> dict[str, torch.Tensor]:
     the file named (before any rollout runs on them)."""
     f = path / "policy.safetensors"
     if not f.is_file():
-        raise FileNotFoundError(f"{f} is missing: the checkpoint is incomplete; resume from another one or start anew")
+        raise NotFound(f"{f} is missing: the checkpoint is incomplete; resume from another one or start anew")
     tensors = read_safetensors([f], device)
     check_floating(tensors, str(f))
     check_finite(tensors, str(f))
@@ -149,11 +150,11 @@ def _read_state(f: Path) -> dict:
     try:
         return torch.load(f, map_location="cpu", weights_only=False)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{f} is missing: the checkpoint is incomplete; resume from another one or start "
-                                "anew") from None
+        raise NotFound(f"{f} is missing: the checkpoint is incomplete; resume from another one or start "
+                       "anew") from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise ValueError(f"{f} is not readable ({' '.join(str(e).split())[:160]}): the checkpoint is damaged; "
-                         "resume from another one or start anew") from None
+        raise BadInput(f"{f} is not readable ({' '.join(str(e).split())[:160]}): the checkpoint is damaged; "
+                       "resume from another one or start anew") from None
 
 
 def load_weights(path: str | os.PathLike, model, drafter=None) -> dict:
@@ -161,13 +162,13 @@ def load_weights(path: str | os.PathLike, model, drafter=None) -> dict:
     ``drafter``) without a trainer, e.g. to probe a finished run; returns its ``trainer_state.json``."""
     path = Path(path)
     if not (path / "trainer_state.json").is_file():
-        raise FileNotFoundError(f"{str(path)!r} is not a tltlib GRPO checkpoint (no trainer_state.json)")
+        raise NotFound(f"{str(path)!r} is not a tltlib GRPO checkpoint (no trainer_state.json)")
     meta = read_json(path / "trainer_state.json", "the checkpoint is damaged")
     model.load_state_dict(read_policy(path, model.embed.weight.device))
     if drafter is not None:
         tensors = _read_state(path / "state.pt")
         if "drafter" not in tensors:
-            raise ValueError(f"{path} holds no drafter (the run had none): load the policy only")
+            raise BadInput(f"{path} holds no drafter (the run had none): load the policy only")
         drafter.load_state_dict(tensors["drafter"])
         drafter.version = meta.get("drafter_version") or 0
     return meta

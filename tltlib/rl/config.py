@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import BadInput
 from ..rollout.adaptive import DEFAULT_ARMS, AdaptiveConfig
 from ..spec.strategy import SpecStrategy
 
@@ -44,11 +45,11 @@ class TLTConfig:
         if self.speculative not in ("adaptive", "off"):
             SpecStrategy.parse(self.speculative)     # raises with the syntax
         if self.drafter_steps < 0:
-            raise ValueError(f"drafter_steps is the drafter-training budget per RL step and must be >= 0, got "
-                             f"{self.drafter_steps}")
+            raise BadInput(f"drafter_steps is the drafter-training budget per RL step and must be >= 0, got "
+                           f"{self.drafter_steps}")
         AdaptiveConfig(on_drafter_change=self.on_drafter_change)     # raises naming the allowed values
         if not 0 < self.buffer_decay <= 1 or self.buffer_tokens < 2:
-            raise ValueError(f"buffer_decay must be in (0, 1] and buffer_tokens >= 2 pairs, got {self.buffer_decay}, "
-                             f"{self.buffer_tokens}")
+            raise BadInput(f"buffer_decay must be in (0, 1] and buffer_tokens >= 2 pairs, got {self.buffer_decay}, "
+                           f"{self.buffer_tokens}")
         if self.threshold < 0 or self.drafter_batch < 1 or not self.drafter_lr > 0:
-            raise ValueError("threshold must be >= 0, drafter_batch >= 1 and drafter_lr > 0")
+            raise BadInput("threshold must be >= 0, drafter_batch >= 1 and drafter_lr > 0")

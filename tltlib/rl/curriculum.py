@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import BadInput
+
 
 @dataclass(frozen=True)
 class CurriculumConfig:
@@ -38,13 +40,13 @@ class CurriculumConfig:
         levels = tuple(self.levels)
         object.__setattr__(self, "levels", levels)
         if not levels or any(isinstance(v, bool) or not isinstance(v, int) for v in levels):
-            raise ValueError(f"curriculum levels must be a non-empty list of integers, got {list(levels)}")
+            raise BadInput(f"curriculum levels must be a non-empty list of integers, got {list(levels)}")
         if len(set(levels)) != len(levels):
-            raise ValueError(f"curriculum levels must be distinct, got {list(levels)}")
+            raise BadInput(f"curriculum levels must be distinct, got {list(levels)}")
         if self.steps_per_level < 1:
-            raise ValueError(f"steps_per_level must be >= 1, got {self.steps_per_level}")
+            raise BadInput(f"steps_per_level must be >= 1, got {self.steps_per_level}")
         if not self.key:
-            raise ValueError("the curriculum's key (the metadata field holding the level) must not be empty")
+            raise BadInput("the curriculum's key (the metadata field holding the level) must not be empty")
 
 
 def problem_level(problem, key: str = "steps"):
@@ -68,13 +70,13 @@ def level_pools(problems, cfg: CurriculumConfig, need: int = 1, source: str = "t
     for want, pool in zip(cfg.levels, pools):
         if not len(pool):
             have = ", ".join(map(str, present)) if present else f"none (no problem has a {cfg.key!r} field)"
-            raise ValueError(f"{source}: no problem of curriculum level {cfg.key} = {want}; the levels there are "
-                             f"{have}. Remove {want} from curriculum.levels or add problems of that level")
+            raise BadInput(f"{source}: no problem of curriculum level {cfg.key} = {want}; the levels there are "
+                           f"{have}. Remove {want} from curriculum.levels or add problems of that level")
     for k, (want, pool) in enumerate(zip(cfg.levels, pools)):
         drawn = sum(len(p) for p in pools[:k + 1]) if cfg.cumulative else len(pool)
         if drawn < need:
-            raise ValueError(f"{source}: curriculum stage {k} (level {want}) draws from {drawn} problems but an RL "
-                             f"step needs {need} prompts; add problems of that level or use fewer prompts per step")
+            raise BadInput(f"{source}: curriculum stage {k} (level {want}) draws from {drawn} problems but an RL "
+                           f"step needs {need} prompts; add problems of that level or use fewer prompts per step")
     return pools
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import BadInput, WrongType
 from ..tasks.problem import reward
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
@@ -98,41 +99,41 @@ class GRPOConfig:
 
     def __post_init__(self):
         if self.num_generations < 2:
-            raise ValueError(f"num_generations must be >= 2 (GRPO's advantage compares each completion with the "
-                             f"others of its group), got {self.num_generations}")
+            raise BadInput(f"num_generations must be >= 2 (GRPO's advantage compares each completion with the "
+                           f"others of its group), got {self.num_generations}")
         if self.generation_batch_size < 1 or self.generation_batch_size % self.num_generations:
-            raise ValueError(f"generation_batch_size ({self.generation_batch_size}) must be a positive multiple of "
-                             f"num_generations ({self.num_generations}): every prompt gets a whole group")
+            raise BadInput(f"generation_batch_size ({self.generation_batch_size}) must be a positive multiple of "
+                           f"num_generations ({self.num_generations}): every prompt gets a whole group")
         if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"unknown loss_type {self.loss_type!r}; choose one of {', '.join(LOSS_TYPES)}")
+            raise BadInput(f"unknown loss_type {self.loss_type!r}; choose one of {', '.join(LOSS_TYPES)}")
         if self.scale_rewards not in SCALE_REWARDS:
-            raise ValueError(f"unknown scale_rewards {self.scale_rewards!r}; choose one of "
-                             f"{', '.join(SCALE_REWARDS)}")
+            raise BadInput(f"unknown scale_rewards {self.scale_rewards!r}; choose one of "
+                           f"{', '.join(SCALE_REWARDS)}")
         for name in ("max_completion_length", "num_iterations", "max_steps", "micro_batch_tokens", "logprob_chunk"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise BadInput(f"{name} must be >= 1, got {getattr(self, name)}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise BadInput(f"temperature must be >= 0, got {self.temperature}")
         if self.temperature == 0:
-            raise ValueError("temperature 0 samples every completion of a group greedily: they are identical, every "
-                             "advantage is 0, the loss and gradient are 0 and RL learns nothing; use a sampling "
-                             "temperature such as 1.0 (greedy held-out accuracy is measured by evaluate)")
+            raise BadInput("temperature 0 samples every completion of a group greedily: they are identical, every "
+                           "advantage is 0, the loss and gradient are 0 and RL learns nothing; use a sampling "
+                           "temperature such as 1.0 (greedy held-out accuracy is measured by evaluate)")
         if self.seed < 0:
-            raise ValueError(f"seed must be >= 0 (numpy and torch generators take non-negative seeds), got {self.seed}")
+            raise BadInput(f"seed must be >= 0 (numpy and torch generators take non-negative seeds), got {self.seed}")
         if not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(f"need 0 < top_p <= 1 and top_k >= 0, got top_p={self.top_p}, top_k={self.top_k}")
+            raise BadInput(f"need 0 < top_p <= 1 and top_k >= 0, got top_p={self.top_p}, top_k={self.top_k}")
         if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+            raise BadInput(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.max_grad_norm < 0 or self.beta < 0 or self.weight_decay < 0 or self.save_steps < 0:
-            raise ValueError("max_grad_norm, beta, weight_decay and save_steps must be >= 0")
+            raise BadInput("max_grad_norm, beta, weight_decay and save_steps must be >= 0")
         finite = lambda w: isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)  # noqa: E731
         if self.reward_weights is not None and not all(finite(w) for w in self.reward_weights):
-            raise ValueError(f"reward_weights must be finite numbers, one per reward function, got "
-                             f"{list(self.reward_weights)}")
+            raise BadInput(f"reward_weights must be finite numbers, one per reward function, got "
+                           f"{list(self.reward_weights)}")
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
-            raise ValueError(f"adam_beta1 and adam_beta2 must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
+            raise BadInput(f"adam_beta1 and adam_beta2 must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
         if not 0 < self.epsilon < 1 or (self.epsilon_high is not None and not self.epsilon_high > 0):
-            raise ValueError(f"need 0 < epsilon < 1 and epsilon_high > 0, got {self.epsilon}, {self.epsilon_high}")
+            raise BadInput(f"need 0 < epsilon < 1 and epsilon_high > 0, got {self.epsilon}, {self.epsilon_high}")
 
     @property
     def prompts_per_step(self) -> int:
@@ -147,7 +148,7 @@ class GRPOConfig:
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
     """``rewards [N]`` (N = groups x G, a group's completions consecutive) -> advantages ``[N]``."""
     if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(f"unknown scale_rewards {scale_rewards!r}; choose one of {', '.join(SCALE_REWARDS)}")
+        raise BadInput(f"unknown scale_rewards {scale_rewards!r}; choose one of {', '.join(SCALE_REWARDS)}")
     grouped = rewards.view(-1, num_generations)
     adv = (grouped - grouped.mean(1, keepdim=True)).reshape(-1)
     if scale_rewards == "group":
@@ -189,7 +190,7 @@ def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, 
         return (per_token * m).sum() / max(batch_tokens, 1)
     if loss_type == "dr_grpo":
         return (per_token * m).sum() / (batch_completions * max_completion_length)
-    raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {', '.join(LOSS_TYPES)}")
+    raise BadInput(f"unknown loss_type {loss_type!r}; choose one of {', '.join(LOSS_TYPES)}")
 
 
 # --------------------------------------------------------------------------------------------------- rewards
@@ -206,7 +207,7 @@ def _completion_text(c, i: int) -> str:
         return c
     if isinstance(c, (list, tuple)) and c and isinstance(c[-1], dict) and isinstance(c[-1].get("content"), str):
         return c[-1]["content"]
-    raise TypeError(f"completion {i} is {type(c).__name__} {str(c)[:60]!r}: a reward function takes completions as "
+    raise WrongType(f"completion {i} is {type(c).__name__} {str(c)[:60]!r}: a reward function takes completions as "
                     "text or as chat messages [{'role': 'assistant', 'content': ...}] (TRL's two forms)")
 
 
@@ -225,12 +226,12 @@ REWARD_FUNCS = {"accuracy": accuracy_reward, "format": format_reward}
 def reward_funcs_named(names: Sequence[str], source: str = "rewards") -> list[Callable]:
     """The reward functions of :data:`REWARD_FUNCS` named in ``names`` (refused: unknown, repeated, none)."""
     if isinstance(names, str) or not names:
-        raise ValueError(f"{source}: give a list of reward functions, e.g. [accuracy, format]")
+        raise BadInput(f"{source}: give a list of reward functions, e.g. [accuracy, format]")
     unknown = [n for n in names if n not in REWARD_FUNCS]
     if unknown:
-        raise ValueError(f"{source}: unknown reward function {unknown[0]!r}; choose from {', '.join(REWARD_FUNCS)}")
+        raise BadInput(f"{source}: unknown reward function {unknown[0]!r}; choose from {', '.join(REWARD_FUNCS)}")
     if len(set(names)) != len(names):
-        raise ValueError(f"{source}: a reward function is named twice in {list(names)}")
+        raise BadInput(f"{source}: a reward function is named twice in {list(names)}")
     return [REWARD_FUNCS[n] for n in names]
 
 
@@ -245,25 +246,25 @@ def compute_rewards(funcs: Sequence[Callable], prompts: list, completions: list,
     prompt concerned."""
     n = len(completions)
     if weights is not None and len(weights) != len(funcs):
-        raise ValueError(f"reward_weights has {len(weights)} values for {len(funcs)} reward functions")
+        raise BadInput(f"reward_weights has {len(weights)} values for {len(funcs)} reward functions")
     table = torch.full((n, len(funcs)), float("nan"))
     for j, fn in enumerate(funcs):
         name = reward_name(fn)
         try:
             out = fn(prompts=prompts, completions=completions, **columns)
         except Exception as e:                        # noqa: BLE001 - re-raised with the function named
-            raise ValueError(f"reward function {name} raised {type(e).__name__}: {e} (batch of {n} completions; "
-                             f"first prompt {str(prompts[0])[:80]!r})") from e
+            raise BadInput(f"reward function {name} raised {type(e).__name__}: {e} (batch of {n} completions; "
+                           f"first prompt {str(prompts[0])[:80]!r})") from e
         if not isinstance(out, (list, tuple)) or len(out) != n:
             got = len(out) if isinstance(out, (list, tuple)) else type(out).__name__
-            raise ValueError(f"reward function {name} returned {got} values for {n} completions; it must return "
-                             "one float (or None) per completion, like TRL's reward functions")
+            raise BadInput(f"reward function {name} returned {got} values for {n} completions; it must return "
+                           "one float (or None) per completion, like TRL's reward functions")
         for i, v in enumerate(out):
             if v is None:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(f"reward function {name} returned {v!r} for completion {i} (prompt "
-                                 f"{str(prompts[i])[:80]!r}); rewards must be finite numbers or None")
+                raise BadInput(f"reward function {name} returned {v!r} for completion {i} (prompt "
+                               f"{str(prompts[i])[:80]!r}); rewards must be finite numbers or None")
             table[i, j] = float(v)
     w = torch.tensor(weights if weights is not None else [1.0] * len(funcs))
     return table, (table * w).nansum(1)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from ..errors import BadInput, NoRoom
 from ..fileio import atomic_write_text, read_json
 from ..kv.pages import kv_bytes_per_token, pages_for
 from ..machine import available_bytes
@@ -78,10 +79,10 @@ class MeasuredLengths:
 
     def __post_init__(self):
         if not self.lengths:
-            raise ValueError("MeasuredLengths needs at least one length")
+            raise BadInput("MeasuredLengths needs at least one length")
         if self.max_new_tokens < 1 or min(self.lengths) < 0 or max(self.lengths) > self.max_new_tokens:
-            raise ValueError(f"MeasuredLengths: lengths must lie in [0, max_new_tokens={self.max_new_tokens}], got "
-                             f"{min(self.lengths)}..{max(self.lengths)}")
+            raise BadInput(f"MeasuredLengths: lengths must lie in [0, max_new_tokens={self.max_new_tokens}], got "
+                           f"{min(self.lengths)}..{max(self.lengths)}")
 
     def save(self, path) -> None:
         """Write ``{"lengths": [...], "max_new_tokens": N}`` to ``path`` (JSON, through a temporary file)."""
@@ -94,8 +95,8 @@ class MeasuredLengths:
         data = read_json(path, "write it with tltlib.rl.memory.MeasuredLengths.save (notebook 01 does)")
         if not isinstance(data, dict) or not isinstance(data.get("lengths"), list) or \
                 not isinstance(data.get("max_new_tokens"), int):
-            raise ValueError(f"{path}: a measured-lengths file holds {{'lengths': [ints], 'max_new_tokens': int}} "
-                             "(tltlib.rl.memory.MeasuredLengths.save writes one; notebook 01 does)")
+            raise BadInput(f"{path}: a measured-lengths file holds {{'lengths': [ints], 'max_new_tokens': int}} "
+                           "(tltlib.rl.memory.MeasuredLengths.save writes one; notebook 01 does)")
         return cls(tuple(int(x) for x in data["lengths"]), data["max_new_tokens"], str(path))
 
 
@@ -223,10 +224,10 @@ def check_fits(parts: dict[str, int], available: int, where: str = "this GRPO ru
              "pair buffer": "lower tlt.buffer_tokens", "reference": "beta 0 (no reference policy)",
              LONGEST_ROW: "lower max_completion_length or the prompts' length",
              "drafter training": "tlt.online_drafter false"}
-    raise MemoryError(f"{where} needs about {need / gib:.1f} GiB beyond the loaded weights but {available / gib:.1f} "
-                      f"GiB are available (it may use {HEADROOM:.0%}): "
-                      + "; ".join(f"{k} {v / gib:.1f} GiB ({fixes.get(k, '')})" for k, v in top)
-                      + ". Change the configuration before the rollout starts")
+    raise NoRoom(f"{where} needs about {need / gib:.1f} GiB beyond the loaded weights but {available / gib:.1f} "
+                 f"GiB are available (it may use {HEADROOM:.0%}): "
+                 + "; ".join(f"{k} {v / gib:.1f} GiB ({fixes.get(k, '')})" for k, v in top)
+                 + ". Change the configuration before the rollout starts")
 
 
 POOL_SLACK = 1.25

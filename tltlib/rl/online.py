@@ -12,6 +12,7 @@ import time
 
 from ..drafting.pairs import PairBuffer, PairBufferConfig
 from ..drafting.train import DrafterTrainConfig, DrafterTrainer
+from ..errors import BadInput
 from ..rollout.adaptive import AdaptiveConfig, AdaptiveController, TunerConfig, default_threshold
 from ..sim.measure import measure_costs
 from .config import TLTConfig
@@ -41,7 +42,7 @@ def adaptive_controller(model, drafter, tlt: TLTConfig, max_rows: int, seed: int
     threshold = tlt.threshold or default_threshold(model.device)
     arms = tuple(a for a in tlt.arms if drafter is not None or str(a).startswith(("ngram", "off")))
     if not arms:
-        raise ValueError("speculative='adaptive' without a drafter needs n-gram arms (e.g. ngram-4)")
+        raise BadInput("speculative='adaptive' without a drafter needs n-gram arms (e.g. ngram-4)")
     costs = measure_costs(model, drafter, max_batch=max(1, min(threshold, max_rows)))
     return AdaptiveController(AdaptiveConfig(threshold=threshold, tuner=TunerConfig(arms=arms, seed=seed),
                                              on_drafter_change=tlt.on_drafter_change), costs, drafter)

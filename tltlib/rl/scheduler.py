@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..errors import BadInput
+
 TRAIN_ON = ("own", "all")
 GRACE_S = 0.005
 """How long a worker whose rollout just ended listens for the others' arrivals before it starts training."""
@@ -63,14 +65,14 @@ class SchedulerConfig:
 
     def __post_init__(self):
         if self.train_on not in TRAIN_ON:
-            raise ValueError(f"scheduler.train_on must be one of {TRAIN_ON}, got {self.train_on!r}")
+            raise BadInput(f"scheduler.train_on must be one of {TRAIN_ON}, got {self.train_on!r}")
         if self.spot_trainer and self.max_micro_steps < 1:
-            raise ValueError(f"the spot trainer is on but its budget max_micro_steps is {self.max_micro_steps}: give "
-                             "it >= 1 micro-step per idle window, or set spot_trainer: false")
+            raise BadInput(f"the spot trainer is on but its budget max_micro_steps is {self.max_micro_steps}: give "
+                           "it >= 1 micro-step per idle window, or set spot_trainer: false")
         if self.micro_step_pairs < 0:
-            raise ValueError(f"micro_step_pairs must be >= 0 (0 = no bound), got {self.micro_step_pairs}")
+            raise BadInput(f"micro_step_pairs must be >= 0 (0 = no bound), got {self.micro_step_pairs}")
         if not self.hang_timeout_s > 0:
-            raise ValueError(f"hang_timeout_s must be > 0 seconds, got {self.hang_timeout_s}")
+            raise BadInput(f"hang_timeout_s must be > 0 seconds, got {self.hang_timeout_s}")
 
 
 @dataclass

@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import BadInput, NotFinite
 from ..kv.paged import KVConfig
 from ..model.drafter import check_separate
 from ..model.logprobs import micro_batches, padded_tokens, response_logprobs
@@ -147,23 +148,23 @@ class GRPOTrainer:
     def _check(self, drafter, scheduler) -> None:
         args, tlt = self.args, self.tlt
         if not self.problems:
-            raise ValueError("no training problems")
+            raise BadInput("no training problems")
         if len(self.problems) < args.prompts_per_step:
-            raise ValueError(f"{len(self.problems)} training problems but a step needs {args.prompts_per_step} "
-                             f"(generation_batch_size {args.generation_batch_size} / num_generations "
-                             f"{args.num_generations}); give more problems or a smaller batch")
+            raise BadInput(f"{len(self.problems)} training problems but a step needs {args.prompts_per_step} "
+                           f"(generation_batch_size {args.generation_batch_size} / num_generations "
+                           f"{args.num_generations}); give more problems or a smaller batch")
         if not self.reward_funcs:
-            raise ValueError("give at least one reward function")
+            raise BadInput("give at least one reward function")
         if args.reward_weights is not None and len(args.reward_weights) != len(self.reward_funcs):
-            raise ValueError(f"reward_weights has {len(args.reward_weights)} values for {len(self.reward_funcs)} "
-                             "reward functions")
+            raise BadInput(f"reward_weights has {len(args.reward_weights)} values for {len(self.reward_funcs)} "
+                           "reward functions")
         spec = tlt.speculative
         if spec not in ("adaptive", "off") and SpecStrategy.parse(spec).uses_drafter and drafter is None:
-            raise ValueError(f"speculative={spec!r} needs a learned drafter: pass drafter=... (or use ngram-D)")
+            raise BadInput(f"speculative={spec!r} needs a learned drafter: pass drafter=... (or use ngram-D)")
         if scheduler is not None and scheduler.spot_trainer and self.world.size == 1 and tlt.online_drafter \
                 and tlt.drafter_steps < 1:
-            raise ValueError("the spot trainer is on with one worker, where it trains tlt.drafter_steps micro-steps "
-                             "after the update, but drafter_steps is 0: give drafter_steps >= 1 or spot_trainer: false")
+            raise BadInput("the spot trainer is on with one worker, where it trains tlt.drafter_steps micro-steps "
+                           "after the update, but drafter_steps is 0: give drafter_steps >= 1 or spot_trainer: false")
         if drafter is not None:
             check_separate(drafter, self.model)
 
@@ -283,7 +284,7 @@ class GRPOTrainer:
                                                   args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
             if not math.isfinite(float(norm)):
                 self.optimizer.zero_grad(set_to_none=True)
-                raise FloatingPointError(
+                raise NotFinite(
                     f"RL step {self.step_count + 1}: the policy's gradient norm is {float(norm)} (loss "
                     f"{local.loss:.4g}): the update diverged and was not applied; lower learning_rate (now "
                     f"{args.learning_rate:g}) or set max_grad_norm, and resume from the last checkpoint")

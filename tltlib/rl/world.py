@@ -31,6 +31,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..errors import BadInput, Refused, TimedOut
+
 MARGIN_S = 10.0
 """Collectives time out this long after the named arrival timeout (a failing rank exits after at most this)."""
 
@@ -45,7 +47,7 @@ def torchrun_command(workers: int, args: list[str], max_restarts: int = 0, pytho
     (``--standalone``: a local rendezvous; for several nodes call torchrun yourself with ``--nnodes`` and
     ``--rdzv-endpoint``)."""
     if workers < 1 or max_restarts < 0:
-        raise ValueError(f"workers must be >= 1 and max_restarts >= 0, got {workers} and {max_restarts}")
+        raise BadInput(f"workers must be >= 1 and max_restarts >= 0, got {workers} and {max_restarts}")
     return [python or sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
             f"--max-restarts={max_restarts}", "-m", "tltlib", *args]
 
@@ -53,14 +55,14 @@ def torchrun_command(workers: int, args: list[str], max_restarts: int = 0, pytho
 def shard(num_prompts: int, world: int, rank: int) -> slice:
     """The contiguous prompts (whole GRPO groups) of ``rank``; refuses a world that cannot split them evenly."""
     if world > num_prompts:
-        raise ValueError(f"{world} workers but only {num_prompts} prompts per step: every worker needs at least one "
-                         "prompt (a whole GRPO group); use fewer workers (--nproc-per-node) or raise "
-                         "generation_batch_size")
+        raise BadInput(f"{world} workers but only {num_prompts} prompts per step: every worker needs at least one "
+                       "prompt (a whole GRPO group); use fewer workers (--nproc-per-node) or raise "
+                       "generation_batch_size")
     if num_prompts % world:
         ok = [w for w in range(1, num_prompts + 1) if num_prompts % w == 0]
-        raise ValueError(f"world size {world} does not divide the {num_prompts} prompts (GRPO groups) of a step: "
-                         f"each worker rolls out whole groups, equally many; use {ok} workers, or change "
-                         "generation_batch_size / num_generations")
+        raise BadInput(f"world size {world} does not divide the {num_prompts} prompts (GRPO groups) of a step: "
+                       f"each worker rolls out whole groups, equally many; use {ok} workers, or change "
+                       "generation_batch_size / num_generations")
     k = num_prompts // world
     return slice(rank * k, (rank + 1) * k)
 
@@ -148,8 +150,8 @@ class DistributedWorld(World):
 
     def __init__(self, device: str = "auto", timeout_s: float = 1800.0):
         if not launched_by_torchrun():
-            raise RuntimeError("not launched by torchrun: start the job with torchrun --nproc-per-node W ... (or "
-                               "python -m tltlib train-grpo --workers W)")
+            raise Refused("not launched by torchrun: start the job with torchrun --nproc-per-node W ... (or "
+                          "python -m tltlib train-grpo --workers W)")
         self.rank, self.size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
@@ -257,8 +259,8 @@ class DistributedWorld(World):
         digests = self.gather_objects(digest)
         bad = [r for r, d in enumerate(digests) if d != digests[0]]
         if bad:
-            raise ValueError(f"rank(s) {bad} were started with another {what} than rank 0 (hash {digests[bad[0]]} vs "
-                             f"{digests[0]}): every worker must get the same parameter file, model and data")
+            raise BadInput(f"rank(s) {bad} were started with another {what} than rank 0 (hash {digests[bad[0]]} vs "
+                           f"{digests[0]}): every worker must get the same parameter file, model and data")
 
 
 class DistributedArrival(Arrival):
@@ -284,10 +286,10 @@ class DistributedArrival(Arrival):
 
     def check(self, what: str) -> None:
         if time.time() - self.t0 > self.w.timeout_s and not self.done():
-            raise TimeoutError(f"rank {self.w.rank}: rank(s) {self.missing()} have not {what} {self.w.timeout_s:.0f} "
-                               "s after this one (hung or dead?); the job stops (torchrun restarts it from the last "
-                               "checkpoint with --max-restarts); raise scheduler.hang_timeout_s if their work is "
-                               "that long")
+            raise TimedOut(f"rank {self.w.rank}: rank(s) {self.missing()} have not {what} {self.w.timeout_s:.0f} "
+                           "s after this one (hung or dead?); the job stops (torchrun restarts it from the last "
+                           "checkpoint with --max-restarts); raise scheduler.hang_timeout_s if their work is "
+                           "that long")
 
     def wait(self, what: str) -> torch.Tensor:
         while not self.done():

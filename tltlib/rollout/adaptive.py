@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..errors import BadInput
 from ..fileio import atomic_write_text, read_json
 from ..machine import machine_info
 from ..sim.costs import MeasuredCosts, iteration_time, plain_rate, predicted_speedup, switch_cost
@@ -149,17 +150,17 @@ class AdaptiveConfig:
 
     def __post_init__(self):
         if self.threshold < 0:
-            raise ValueError(f"threshold must be >= 0 running rows (0 = SD never on), got {self.threshold}")
+            raise BadInput(f"threshold must be >= 0 running rows (0 = SD never on), got {self.threshold}")
         if not self.accept_prior or not all(0.0 <= a <= 1.0 for a in self.accept_prior):
-            raise ValueError(f"accept_prior must hold rates in [0, 1], got {self.accept_prior}")
+            raise BadInput(f"accept_prior must hold rates in [0, 1], got {self.accept_prior}")
         if not self.switch_horizon >= 0:
-            raise ValueError(f"switch_horizon must be >= 0 SD steps (0 = switching to SD is charged nothing), got "
-                             f"{self.switch_horizon}")
+            raise BadInput(f"switch_horizon must be >= 0 SD steps (0 = switching to SD is charged nothing), got "
+                           f"{self.switch_horizon}")
         if not 0.0 <= self.ngram_accept_prior <= 1.0:
-            raise ValueError(f"ngram_accept_prior must be in [0, 1], got {self.ngram_accept_prior}")
+            raise BadInput(f"ngram_accept_prior must be in [0, 1], got {self.ngram_accept_prior}")
         if self.on_drafter_change not in ("discount", "reset", "keep"):
-            raise ValueError(f"on_drafter_change must be 'discount', 'reset' or 'keep', got "
-                             f"{self.on_drafter_change!r}")
+            raise BadInput(f"on_drafter_change must be 'discount', 'reset' or 'keep', got "
+                           f"{self.on_drafter_change!r}")
 
 
 def _family(arm: SpecStrategy) -> str:
@@ -184,9 +185,9 @@ class AdaptiveController(StrategySource):
         self.config = config or AdaptiveConfig()
         learned = sorted({a.name for arms in self.config.tuner.arms_per_bucket() for a in arms if a.uses_drafter})
         if learned and costs is not None and not getattr(costs, "draft_s", True):
-            raise ValueError(f"the tuner's arms {learned} draft with the learned drafter but the cost model has no "
-                             "drafter timings: measure it with the drafter (measure_costs(model, drafter)), or keep "
-                             "only off and model-free arms (ngram-D, suffix-D-N)")
+            raise BadInput(f"the tuner's arms {learned} draft with the learned drafter but the cost model has no "
+                           "drafter timings: measure it with the drafter (measure_costs(model, drafter)), or keep "
+                           "only off and model-free arms (ngram-D, suffix-D-N)")
         self.costs = costs
         self.drafter = drafter
         self.tuner = Bandit(self.config.tuner, prior=self._prior if costs is not None else None)
@@ -328,8 +329,8 @@ def save_prior(path, controller: AdaptiveController, target, drafter=None) -> No
     """Write the controller's cost model and measured acceptance (JSON, atomically), with the model's shape and the
     machine they were measured on, so the next run on the same model and machine starts from them."""
     if controller.costs is None:
-        raise ValueError("this controller has no cost model to save; build it with costs=measure_costs(...) "
-                         "(tltlib.sim.measure)")
+        raise BadInput("this controller has no cost model to save; build it with costs=measure_costs(...) "
+                       "(tltlib.sim.measure)")
     d = {"format": PRIOR_FORMAT, "fingerprint": _fingerprint(target, drafter, str(target.embed.weight.device)),
          "costs": controller.costs.to_dict(), "accept": {f: a.state_dict() for f, a in controller.accept.items()}}
     atomic_write_text(path, json.dumps(d, indent=1) + "\n")
@@ -341,13 +342,13 @@ def load_prior(path, target, drafter=None) -> tuple[MeasuredCosts, dict]:
     ``AdaptiveController(config, costs)`` and ``controller.accept[f].load_state_dict(states[f])``."""
     d = read_json(path, "write it again with tltlib.rollout.adaptive.save_prior")
     if not isinstance(d, dict) or d.get("format") != PRIOR_FORMAT:
-        raise ValueError(f"{path} is not a tuner prior file (format {PRIOR_FORMAT!r}); write one with save_prior")
+        raise BadInput(f"{path} is not a tuner prior file (format {PRIOR_FORMAT!r}); write one with save_prior")
     here = _fingerprint(target, drafter, str(target.embed.weight.device))
     for part in ("model", "drafter", "machine"):
         if d["fingerprint"].get(part) != here[part]:
-            raise ValueError(f"{path} was measured for another {part} ({d['fingerprint'].get(part)}; this run: "
-                             f"{here[part]}): its costs would mislead the tuner. Measure afresh (measure_costs) "
-                             "and save_prior for this setting")
+            raise BadInput(f"{path} was measured for another {part} ({d['fingerprint'].get(part)}; this run: "
+                           f"{here[part]}): its costs would mislead the tuner. Measure afresh (measure_costs) "
+                           "and save_prior for this setting")
     return MeasuredCosts.from_dict(d["costs"]), d["accept"]
 
 

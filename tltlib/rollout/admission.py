@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import Refused
 from ..model.logprobs import pad_right
 from ..spec.strategy import OFF, SpecStrategy
 
@@ -74,8 +75,8 @@ def fit(rollout, st: SpecStrategy) -> SpecStrategy:
     preempt(rollout, OFF)
     st = OFF
     if pages_short(rollout, st):
-        raise RuntimeError("admission by memory: one running row cannot hold its next token although the rollout "
-                           "checked that its longest row fits the KV budget; this is a bug, please report it")
+        raise Refused("admission by memory: one running row cannot hold its next token although the rollout "
+                      "checked that its longest row fits the KV budget; this is a bug, please report it")
     return st
 
 
@@ -121,8 +122,8 @@ def readmit(rollout) -> None:
             longest = max(longest, n)
         if not batch:
             if not rollout.active:
-                raise RuntimeError("admission by memory: no waiting row fits an empty KV pool although the rollout "
-                                   "checked that its longest row does; this is a bug, please report it")
+                raise Refused("admission by memory: no waiting row fits an empty KV pool although the rollout "
+                              "checked that its longest row does; this is a bug, please report it")
             return
         del rollout.waiting[: len(batch)]
         _recompute(rollout, batch)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import BadInput
 from ..spec.strategy import OFF, SpecStrategy
 
 DEFAULT_ARMS = ("chain-4", "chain-8", "chain-16", "tree-6x4-24", "ngram-4")
@@ -97,20 +98,20 @@ class TunerConfig:
         arms = tuple(_arm(a) for a in self.arms)
         object.__setattr__(self, "arms", arms)
         if not arms:
-            raise ValueError("TunerConfig.arms is empty: give at least one strategy, e.g. arms=('chain-4',)")
+            raise BadInput("TunerConfig.arms is empty: give at least one strategy, e.g. arms=('chain-4',)")
         if self.rule not in RULES:
-            raise ValueError(f"rule must be one of {RULES}, got {self.rule!r}")
+            raise BadInput(f"rule must be one of {RULES}, got {self.rule!r}")
         if self.rule == "epsilon-greedy":
             object.__setattr__(self, "epsilon", 0.1 if self.epsilon is None else self.epsilon)
             object.__setattr__(self, "min_samples", 3 if self.min_samples is None else self.min_samples)
         elif self.epsilon is not None or self.min_samples is not None:
-            raise ValueError("epsilon and min_samples are settings of rule='epsilon-greedy' (the paper's BEG-MAB); "
-                             "the 'thompson' rule explores by its beliefs: drop them, or set rule='epsilon-greedy'")
+            raise BadInput("epsilon and min_samples are settings of rule='epsilon-greedy' (the paper's BEG-MAB); "
+                           "the 'thompson' rule explores by its beliefs: drop them, or set rule='epsilon-greedy'")
         eps, mins = (self.epsilon, self.min_samples) if self.rule == "epsilon-greedy" else (0.0, 1)
         if not self.buckets or self.buckets[0] != 1:
-            raise ValueError(f"buckets must start at batch size 1, got {self.buckets}; e.g. buckets=(1, 2, 5, 21)")
+            raise BadInput(f"buckets must start at batch size 1, got {self.buckets}; e.g. buckets=(1, 2, 5, 21)")
         if any(b >= c for b, c in zip(self.buckets, self.buckets[1:])):
-            raise ValueError(f"buckets (lower bounds) must be strictly increasing, got {self.buckets}")
+            raise BadInput(f"buckets (lower bounds) must be strictly increasing, got {self.buckets}")
         checks = ((0.0 <= eps <= 1.0, f"epsilon must be in [0, 1], got {eps}"),
                   (self.window >= 1, f"window must be >= 1, got {self.window}"),
                   (1 <= mins <= self.window, f"min_samples must be in [1, window={self.window}], got {mins}"),
@@ -120,11 +121,11 @@ class TunerConfig:
                   (0.0 <= self.discount <= 1.0, f"discount must be in [0, 1], got {self.discount}"))
         for ok, msg in checks:
             if not ok:
-                raise ValueError(msg)
+                raise BadInput(msg)
         if self.bucket_arms is not None:
             if len(self.bucket_arms) != len(self.buckets):
-                raise ValueError(f"bucket_arms has {len(self.bucket_arms)} entries for {len(self.buckets)} buckets; "
-                                 "give one tuple of arms per bucket")
+                raise BadInput(f"bucket_arms has {len(self.bucket_arms)} entries for {len(self.buckets)} buckets; "
+                               "give one tuple of arms per bucket")
             object.__setattr__(self, "bucket_arms", tuple(tuple(_arm(a) for a in b) for b in self.bucket_arms))
 
     def arms_per_bucket(self) -> list[tuple[SpecStrategy, ...]]:
@@ -166,7 +167,7 @@ class Bandit:
         b = self._bucket_of.get(batch)
         if b is None:
             if batch < 1:
-                raise ValueError(f"batch size must be >= 1, got {batch}")
+                raise BadInput(f"batch size must be >= 1, got {batch}")
             b = self._bucket_of[batch] = int(np.searchsorted(self.config.buckets, batch, side="right")) - 1
         return b
 
@@ -352,8 +353,8 @@ class Bandit:
     def load_state_dict(self, d: dict) -> None:
         names = [[a.name for a in arms] for arms in self.bucket_arms]
         if "rewards" not in d or [sorted(w) for w in d["rewards"]] != [sorted(n) for n in names]:
-            raise ValueError("the saved tuner has other buckets or arms than this one (or was saved by an older "
-                             "tltlib); use the same TunerConfig, or start the tuner afresh")
+            raise BadInput("the saved tuner has other buckets or arms than this one (or was saved by an older "
+                           "tltlib); use the same TunerConfig, or start the tuner afresh")
         for store, key in ((self.rewards, "rewards"), (self.weights, "weights")):
             for per, saved in zip(store, d[key]):
                 for a, q in per.items():

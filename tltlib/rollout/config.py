@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..errors import BadInput
 from ..kv.paged import KVConfig
 from ..model.cudagraph import GraphConfig
 from ..model.sampling import SamplingConfig
@@ -42,10 +43,10 @@ class RolloutConfig:
 
     def __post_init__(self):
         if self.num_generations < 1:
-            raise ValueError(f"num_generations must be >= 1, got {self.num_generations}")
+            raise BadInput(f"num_generations must be >= 1, got {self.num_generations}")
         if not 0 <= self.compact_fraction < 1:
-            raise ValueError(f"compact_fraction must be in [0, 1), got {self.compact_fraction}")
+            raise BadInput(f"compact_fraction must be in [0, 1), got {self.compact_fraction}")
         if self.prefill_rows < 1:
-            raise ValueError(f"prefill_rows must be >= 1, got {self.prefill_rows}")
+            raise BadInput(f"prefill_rows must be >= 1, got {self.prefill_rows}")
         if self.draft_margin < 1:
-            raise ValueError(f"draft_margin must be >= 1, got {self.draft_margin}")
+            raise BadInput(f"draft_margin must be >= 1, got {self.draft_margin}")

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import BadInput
 from ..kernels.dispatch import packed_weights
 from ..kv.paged import kv_stats
 from ..model.logprobs import pad_right
@@ -82,7 +83,7 @@ class RolloutEngine:
         self.config = config or RolloutConfig()
         eos = tuple(eos_ids) if eos_ids is not None else tuple(model.config.eos_token_ids)
         if not eos:
-            raise ValueError("no end-of-sequence id: the model config has no eos_token_id; pass eos_ids=[...]")
+            raise BadInput("no end-of-sequence id: the model config has no eos_token_id; pass eos_ids=[...]")
         self.eos_ids = eos
         self.pad_id = pad_id if pad_id is not None else (model.config.pad_token_id or 0)
         if drafter is not None and not drafter.is_attached_to(model):
@@ -101,15 +102,15 @@ class RolloutEngine:
         """Clear errors for prompts this model cannot run (empty, too long, ids outside the vocabulary)."""
         ctx, vocab = self.model.config.max_position_embeddings, self.model.config.vocab_size
         if len(prompts) == 0:
-            raise ValueError("no prompts: pass at least one tokenized prompt")
+            raise BadInput("no prompts: pass at least one tokenized prompt")
         for i, p in enumerate(prompts):
             if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty: it needs at least one token (e.g. BOS)")
+                raise BadInput(f"prompt {i} is empty: it needs at least one token (e.g. BOS)")
             if len(p) >= ctx:
-                raise ValueError(f"prompt {i} has {len(p)} tokens but the model's context is {ctx} "
-                                 "(max_position_embeddings): shorten or drop the prompt")
+                raise BadInput(f"prompt {i} has {len(p)} tokens but the model's context is {ctx} "
+                               "(max_position_embeddings): shorten or drop the prompt")
             if min(p) < 0 or max(p) >= vocab:
-                raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): was it encoded with this "
+                raise BadInput(f"prompt {i} has token ids outside [0, {vocab}): was it encoded with this "
                                  "model's tokenizer?")
 
     def start(self, prompts: Sequence[Sequence[int]], generator: torch.Generator | None = None,
@@ -143,13 +144,13 @@ def _forced_lengths(lengths, budget: torch.Tensor) -> torch.Tensor:
     """``lengths`` as a budget per row, refused unless there is one per row, each in 1..the row's budget."""
     n = torch.as_tensor(lengths).reshape(-1).long()
     if n.numel() != budget.numel():
-        raise ValueError(f"lengths has {n.numel()} entries for {budget.numel()} responses (prompts x num_generations); "
-                         "give one length per response")
+        raise BadInput(f"lengths has {n.numel()} entries for {budget.numel()} responses (prompts x num_generations); "
+                       "give one length per response")
     bad = ((n < 1) | (n > budget.cpu())).nonzero()
     if bad.numel():
         i = int(bad[0, 0])
-        raise ValueError(f"lengths[{i}] = {int(n[i])} is outside 1..{int(budget[i])} (max_new_tokens and the "
-                         "context leave no more): lengths must be ones this rollout could produce")
+        raise BadInput(f"lengths[{i}] = {int(n[i])} is outside 1..{int(budget[i])} (max_new_tokens and the "
+                       "context leave no more): lengths must be ones this rollout could produce")
     return n.to(budget.device)
 
 
@@ -349,12 +350,12 @@ class Rollout:
 
     def _check(self, st: SpecStrategy) -> None:
         if st.uses_drafter and self.engine.drafter is None:
-            raise ValueError(f"strategy {st.name} needs a learned drafter: pass drafter=... to RolloutEngine, "
-                             "or use an ngram-DEPTH strategy (model-free)")
+            raise BadInput(f"strategy {st.name} needs a learned drafter: pass drafter=... to RolloutEngine, "
+                           "or use an ngram-DEPTH strategy (model-free)")
         margin = self.engine.config.draft_margin
         if st.enabled and st.verify_tokens + 1 > margin:
-            raise ValueError(f"strategy {st.name} verifies {st.verify_tokens} tokens but the cache leaves "
-                             f"room for {margin - 1}; raise RolloutConfig.draft_margin")
+            raise BadInput(f"strategy {st.name} verifies {st.verify_tokens} tokens but the cache leaves "
+                           f"room for {margin - 1}; raise RolloutConfig.draft_margin")
 
     def _compact_if_due(self) -> None:
         """Drop finished rows from the caches once enough have finished (later forwards run on fewer rows)."""

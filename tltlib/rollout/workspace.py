@@ -11,6 +11,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
+from ..errors import Refused
 from ..kernels.dispatch import WeightPacks
 from ..kernels.ragged_attention import kernel as ragged_kernel
 from ..kernels.search import ensure as ensure_kernels
@@ -62,7 +63,7 @@ class Kept:
         """The packed weights a rollout runs with (re-packed when the weights changed), or None."""
         e = self.engine
         if self.packs.module is not e.model:
-            raise RuntimeError("RolloutEngine.model was replaced after the engine was made: make a new engine")
+            raise Refused("RolloutEngine.model was replaced after the engine was made: make a new engine")
         return self.packs.current() if e.config.packed_weights and e.model.device.type == "cpu" else None
 
     def workspace(self, owner, rows: int, max_len: int) -> Workspace:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from ..errors import BadInput
 from ..model.decoder import ModelConfig
 from ..spec.acceptance import expected_tokens
 from ..spec.strategy import OFF, SpecStrategy
@@ -81,14 +82,14 @@ class Hardware:
     def __post_init__(self):
         for k in ("mem_bw", "peak_flops", "memory", "link_bw", "net_bw"):
             if not getattr(self, k) > 0:
-                raise ValueError(f"Hardware {self.name!r}: {k} must be > 0, got {getattr(self, k)}")
+                raise BadInput(f"Hardware {self.name!r}: {k} must be > 0, got {getattr(self, k)}")
         for k in ("bw_eff", "flops_eff", "train_eff", "mem_util"):
             if not 0 < getattr(self, k) <= 1:
-                raise ValueError(f"Hardware {self.name!r}: {k} is a share of the peak, in (0, 1]; got "
-                                 f"{getattr(self, k)}")
+                raise BadInput(f"Hardware {self.name!r}: {k} is a share of the peak, in (0, 1]; got "
+                               f"{getattr(self, k)}")
         if self.devices_per_node < 1 or min(self.iteration_s, self.collective_s, self.draft_level_s) < 0:
-            raise ValueError(f"Hardware {self.name!r}: devices_per_node >= 1; iteration_s, collective_s and "
-                             "draft_level_s >= 0")
+            raise BadInput(f"Hardware {self.name!r}: devices_per_node >= 1; iteration_s, collective_s and "
+                           "draft_level_s >= 0")
 
 
 HARDWARE: dict[str, Hardware] = {
@@ -107,7 +108,7 @@ def hardware(name: str | Hardware) -> Hardware:
     if isinstance(name, Hardware):
         return name
     if name not in HARDWARE:
-        raise ValueError(f"unknown hardware preset {name!r}; choose one of {', '.join(HARDWARE)} or pass a Hardware")
+        raise BadInput(f"unknown hardware preset {name!r}; choose one of {', '.join(HARDWARE)} or pass a Hardware")
     return HARDWARE[name]
 
 
@@ -144,8 +145,8 @@ class ModelShape:
     def check_tp(self, tp: int) -> None:
         c = self.config
         if tp < 1 or c.num_heads % tp:
-            raise ValueError(f"tensor parallelism {tp} does not divide the model's {c.num_heads} attention heads; "
-                             f"use one of {[d for d in range(1, c.num_heads + 1) if c.num_heads % d == 0]}")
+            raise BadInput(f"tensor parallelism {tp} does not divide the model's {c.num_heads} attention heads; "
+                           f"use one of {[d for d in range(1, c.num_heads + 1) if c.num_heads % d == 0]}")
 
 
 # ---------------------------------------------------------------------------------------------- the costs
@@ -264,15 +265,15 @@ class MeasuredCosts:
         grow, a negative overhead or set-up, an SD step cheaper than its forwards."""
         t = np.asarray(self.target_s, dtype=np.float64)
         if t.shape != (len(self.rows), len(self.contexts), len(self.tokens)) or not (t > 0).all():
-            raise ValueError(f"MeasuredCosts: target_s must be positive seconds of shape rows x contexts x tokens "
-                             f"({len(self.rows)}, {len(self.contexts)}, {len(self.tokens)}), got {t.shape}")
+            raise BadInput(f"MeasuredCosts: target_s must be positive seconds of shape rows x contexts x tokens "
+                           f"({len(self.rows)}, {len(self.contexts)}, {len(self.tokens)}), got {t.shape}")
         monotone(t, [("rows", self.rows), ("context", self.contexts), ("tokens", self.tokens)], "a target forward", 0)
         if self.draft_s:
             monotone(self.draft_s, [("rows", self.rows), ("context", self.contexts), ("width", self.widths)],
                      "a draft level", 0)
         for name in ("catch_up_s", "ragged_s"):
             if getattr(self, name) and len(getattr(self, name)) != len(self.rows):
-                raise ValueError(f"MeasuredCosts: {name} needs one value per measured row count ({len(self.rows)})")
+                raise BadInput(f"MeasuredCosts: {name} needs one value per measured row count ({len(self.rows)})")
         bad = [f"overhead {1e3 * x:.3g} ms at {r:g} rows" for r, x in self.overhead if x < 0]
         bad += [f"an SD step {x:.2f}x its forwards at {r:g} rows" for r, x in self.sd_scale if x < 1]
         bad += [f"set-up {1e3 * self.setup_s_per_row:.3g} ms per response"] if self.setup_s_per_row < 0 else []
@@ -310,7 +311,7 @@ class MeasuredCosts:
     def draft_level(self, rows: int, context: float | None, width: int) -> float:
         """Seconds of one drafter forward of ``width`` nodes per row (a draft level)."""
         if not self.draft_s:
-            raise ValueError("these measured costs have no drafter timings: measure them with a drafter")
+            raise BadInput("these measured costs have no drafter timings: measure them with a drafter")
         return self._lookup("draft_s", self.widths, rows, context, width)
 
     def catch_up(self, rows: int, context: float | None, width: float) -> float:
@@ -356,8 +357,8 @@ class MeasuredCosts:
         """A :meth:`to_dict` of this format; another (an older tltlib's cost model) is refused: measure afresh."""
         if not isinstance(d, dict) or d.get("format") != MEASURED_FORMAT:
             found = d.get("format") if isinstance(d, dict) else repr(d)
-            raise ValueError(f"these costs were written in another format ({found}; this tltlib reads "
-                             f"{MEASURED_FORMAT!r}): measure them afresh (measure_costs)")
+            raise BadInput(f"these costs were written in another format ({found}; this tltlib reads "
+                           f"{MEASURED_FORMAT!r}): measure them afresh (measure_costs)")
         as_tuple = lambda v: tuple(as_tuple(x) for x in v) if isinstance(v, list) else v        # noqa: E731
         return cls(**{f.name: as_tuple(d[f.name]) for f in fields(cls) if f.init and f.name in d})
 

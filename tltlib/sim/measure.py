@@ -24,6 +24,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from ..errors import BadInput
 from ..kernels.dispatch import pack_weights, packed_weights
 from ..kernels.search import ensure as ensure_kernels
 from ..machine import call_times
@@ -55,7 +56,7 @@ def measure_costs(model, drafter=None, rows=None, contexts=(64, 512), tokens=(1,
     below its neighbour is lifted to it (the tuner's prior needs no noise bound; no ``notes``). Nothing is committed to
     any cache."""
     if passes not in (1, 2):
-        raise ValueError(f"passes must be 1 (the tuner's measurement) or 2 (a calibration: the noise), got {passes}")
+        raise BadInput(f"passes must be 1 (the tuner's measurement) or 2 (a calibration: the noise), got {passes}")
     ensure_kernels(model, drafter)                    # the kernels a rollout runs with, chosen before any timing
     rows = tuple(rows) if rows is not None else _powers_of_four(max_batch)
     positions = model.config.max_position_embeddings
@@ -199,7 +200,7 @@ def fit_overheads(costs: MeasuredCosts, rollouts, drift: float = 0.0) -> Measure
             setup.append((seconds - float(timeline["time"][-1])) / responses)
             per_response.append(seconds / responses)
     if not plain and not sd:
-        raise ValueError("no decode iterations to fit the overhead to: the calibration rollout was empty")
+        raise BadInput("no decode iterations to fit the overhead to: the calibration rollout was empty")
     tol, notes = tolerance(max(costs.noise, drift)), []
     overhead, sd_scale, setup_s = costs.overhead, costs.sd_scale, costs.setup_s_per_row
     if plain:

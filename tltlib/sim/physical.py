@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import BadInput
+
 QUIET = "rerun on a quiet machine (no other process using the CPU while it measures)"
 MIN_TOLERANCE = 0.03
 """The smallest share by which a measured value may cross its physical bound and be moved onto it (timer and
@@ -27,7 +29,7 @@ about 40 s apart); with another process on both cores for one minute of the meas
 a multi-threaded forward then waits a scheduler quantum at its barriers)."""
 
 
-class CalibrationError(ValueError):
+class CalibrationError(BadInput):
     """A calibration that cannot be physical or was measured on a machine too busy to tell; the message names what
     is violated and says to rerun on a quiet machine."""
 
@@ -37,7 +39,7 @@ def pass_noise(first, second) -> float:
     (arrays of the same shape, seconds)."""
     a, b = np.asarray(first, dtype=np.float64), np.asarray(second, dtype=np.float64)
     if a.shape != b.shape or not a.size or not ((a > 0) & (b > 0)).all():
-        raise ValueError(f"pass_noise needs two passes of positive seconds of one shape, got {a.shape} and {b.shape}")
+        raise BadInput(f"pass_noise needs two passes of positive seconds of one shape, got {a.shape} and {b.shape}")
     return float(np.percentile(np.abs(a / b - 1), 90))
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import BadInput
 from ..model.decoder import ModelConfig
 from ..spec.strategy import SpecStrategy
 from .costs import GB, Hardware, ModelShape, Roofline, iteration_time
@@ -59,11 +60,11 @@ class SDPolicy:
             for name, _ in _as_mix(played):
                 SpecStrategy.parse(name)
                 if name != "off" and name not in names:
-                    raise ValueError(f"SDPolicy: strategy {name!r} has no accept length; give accept=(({name!r}, "
-                                     "tokens per SD step), ...)")
+                    raise BadInput(f"SDPolicy: strategy {name!r} has no accept length; give accept=(({name!r}, "
+                                   "tokens per SD step), ...)")
         for name, a in self.accept:
             if not 1 <= a <= SpecStrategy.parse(name).depth + 1:
-                raise ValueError(f"SDPolicy: accept length of {name} must be in [1, depth + 1], got {a}")
+                raise BadInput(f"SDPolicy: accept length of {name} must be in [1, depth + 1], got {a}")
 
     def mix(self, rows: int) -> list[tuple[SpecStrategy, float, float]]:
         """(strategy, tokens per row per iteration, share of iterations) at ``rows`` running rows."""
@@ -107,7 +108,7 @@ def simulate_rollout(costs, lengths: Sequence[int], prompt_len: int, policy: SDP
     :class:`MeasuredCosts`; see the module docstring)."""
     lengths = np.sort(np.asarray(lengths, dtype=np.float64))
     if lengths.size == 0:
-        raise ValueError("a rollout needs at least one response length")
+        raise BadInput("a rollout needs at least one response length")
     n = lengths.size
     t = n * costs.setup_s_per_row + costs.forward(n, 0, prompt_len)     # set-up, the prefill of all prompts at once
     gen, done, out = 0.0, 0, RolloutSim(0.0)
@@ -141,17 +142,17 @@ class LengthDistribution:
 
     def __post_init__(self):
         if not self.samples and not (self.median > 0 and self.p99 >= self.median):
-            raise ValueError("a length distribution needs measured samples, or a median > 0 and a p99 >= it; got "
-                             f"{len(self.samples)} samples, median {self.median}, p99 {self.p99}")
+            raise BadInput("a length distribution needs measured samples, or a median > 0 and a p99 >= it; got "
+                           f"{len(self.samples)} samples, median {self.median}, p99 {self.p99}")
         if self.cap < 1 or not self.scale > 0:
-            raise ValueError(f"cap must be >= 1 and scale > 0, got {self.cap}, {self.scale}")
+            raise BadInput(f"cap must be >= 1 and scale > 0, got {self.cap}, {self.scale}")
 
     @classmethod
     def fit(cls, samples: Sequence[int], cap: int, scale: float = 1.0) -> "LengthDistribution":
         """The log-normal through the samples' median and p99, scaled (e.g. to a longer cap) and cut at ``cap``."""
         x = np.asarray(samples, dtype=np.float64)
         if x.size == 0:
-            raise ValueError("cannot fit a length distribution to no samples: give measured response lengths")
+            raise BadInput("cannot fit a length distribution to no samples: give measured response lengths")
         return cls(median=float(np.median(x)) * scale, p99=float(np.percentile(x, 99)) * scale, cap=cap)
 
     def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -164,7 +165,7 @@ class LengthDistribution:
 
 
 # ------------------------------------------------------------------------------------------------- a step
-class DoesNotFit(ValueError):
+class DoesNotFit(BadInput):
     """A configuration whose weights, training states and KV cache do not fit in a device's memory (the message
     says how much it needs)."""
 
@@ -209,10 +210,10 @@ class StepConfig:
     def __post_init__(self):
         ModelShape(self.model).check_tp(self.tp)
         if self.nodes < 1 or self.devices % self.tp:
-            raise ValueError(f"{self.devices} devices cannot form groups of tp={self.tp}")
+            raise BadInput(f"{self.devices} devices cannot form groups of tp={self.tp}")
         if self.prompts % self.workers:
-            raise ValueError(f"{self.workers} rollout workers cannot share {self.prompts} prompts (whole GRPO groups) "
-                             "evenly; change prompts, nodes or tp")
+            raise BadInput(f"{self.workers} rollout workers cannot share {self.prompts} prompts (whole GRPO groups) "
+                           "evenly; change prompts, nodes or tp")
 
 
 @dataclass
@@ -281,8 +282,8 @@ def simulate_step(cfg: StepConfig, policy: SDPolicy = OFF, name: str = "baseline
         lengths = [cfg.lengths.draw(rows, rng) for _ in range(cfg.workers)]
     lengths = [np.asarray(x, dtype=np.float64) for x in lengths]
     if len(lengths) != cfg.workers or any(x.size != rows for x in lengths):
-        raise ValueError(f"lengths: give {cfg.workers} worker(s) x {rows} response lengths, got "
-                         f"{[x.size for x in lengths]}")
+        raise BadInput(f"lengths: give {cfg.workers} worker(s) x {rows} response lengths, got "
+                       f"{[x.size for x in lengths]}")
     costs = cfg.costs or Roofline(shape, hw, cfg.tp)
     sims = [simulate_rollout(costs, x, cfg.prompt_len, policy) for x in lengths]
     parts = memory_needed(cfg, max(s.peak_kv_tokens for s in sims))

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..errors import BadInput
+
 
 @dataclass(frozen=True)
 class NgramConfig:
@@ -39,9 +41,9 @@ class NgramConfig:
 
     def __post_init__(self):
         if not 1 <= self.min_n <= self.max_n:
-            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={self.min_n}, max_n={self.max_n}")
+            raise BadInput(f"need 1 <= min_n <= max_n, got min_n={self.min_n}, max_n={self.max_n}")
         if self.occurrences < 1:
-            raise ValueError(f"occurrences must be >= 1, got {self.occurrences}")
+            raise BadInput(f"occurrences must be >= 1, got {self.occurrences}")
 
 
 def grow_texts(text: list[list[int]], prompt_len: list[int], members: Sequence[int], tokens: torch.Tensor,

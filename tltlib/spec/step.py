@@ -38,6 +38,7 @@ import time
 
 import torch
 
+from ..errors import BadInput
 from ..kv.dense import KVCache
 from ..model.cudagraph import Replay
 from ..model.decoder import rope_cos_sin
@@ -76,7 +77,7 @@ class SpecDecoder:
             per_entry = max(1, rows) * target.config.hidden_size * w.element_size()
             flush_at = max(32, min(max_len, BACKLOG_BYTES // per_entry))
         if flush_at < 2:
-            raise ValueError(f"flush_at must be >= 2 (a flush keeps each row's last backlog entry), got {flush_at}")
+            raise BadInput(f"flush_at must be >= 2 (a flush keeps each row's last backlog entry), got {flush_at}")
         self.target, self.drafter, self.sampling = target, drafter, sampling
         self.catchup_s = 0.0                      # the last catch-up's seconds, if it followed plain iterations
         self._after_sd = False                    # whether the last recorded iteration was an SD step
@@ -218,10 +219,10 @@ class SpecDecoder:
         size of the drafter's, and its expected accepted drafts ``[B]``)."""
         t0 = time.perf_counter()
         if strategy.kind in ("ngram", "suffix", "hybrid") and propose is None:
-            raise ValueError(f"a {strategy.kind} step needs propose=...: run it through RolloutEngine.generate")
+            raise BadInput(f"a {strategy.kind} step needs propose=...: run it through RolloutEngine.generate")
         if self.keep_trace and strategy.kind in ("ngram", "suffix", "hybrid"):
-            raise ValueError(f"a trace shows the learned drafter's chain or tree step; {strategy.name} has no "
-                             "drafter probabilities for every node: trace a chain-D or tree-DxK-N step")
+            raise BadInput(f"a trace shows the learned drafter's chain or tree step; {strategy.name} has no "
+                           "drafter probabilities for every node: trace a chain-D or tree-DxK-N step")
         if strategy.kind == "ngram":
             return self._verify_point(root, tcache, generator, propose(strategy), commit_mask, t0)
         tree, drafts, qs, scores = self._draft(strategy, root, generator, propose)
@@ -260,8 +261,8 @@ class SpecDecoder:
         if strategy.kind == "suffix":
             return propose(strategy), None, None, None
         if self.drafter is None:
-            raise ValueError(f"strategy {strategy.name} needs a learned drafter; pass drafter=... or use ngram-D or "
-                             "suffix-D-N")
+            raise BadInput(f"strategy {strategy.name} needs a learned drafter; pass drafter=... or use ngram-D or "
+                           "suffix-D-N")
         q_logits, feat = self._catch_up()
         if strategy.kind == "chain":
             drafts, qs = self._draft_chain(strategy.depth, q_logits, feat, generator)
@@ -450,8 +451,8 @@ def _pick_trees(eagle: DraftTree, scores: torch.Tensor, suffix: DraftTree, expec
     suffix tree's empirical ones, ``expected [B]``). Both are functions of earlier text, so the choice keeps
     target-only verification exact."""
     if suffix.tokens.shape != eagle.tokens.shape:
-        raise ValueError(f"hybrid trees differ in size: drafter {tuple(eagle.tokens.shape)}, suffix "
-                         f"{tuple(suffix.tokens.shape)}")
+        raise BadInput(f"hybrid trees differ in size: drafter {tuple(eagle.tokens.shape)}, suffix "
+                       f"{tuple(suffix.tokens.shape)}")
     mine = scores[:, 1:].exp().sum(1)
     use = (expected > mine)[:, None]
     pick = (lambda a, b: torch.where(use, a, b))

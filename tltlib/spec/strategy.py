@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import BadInput, WrongType
+
 KINDS = ("off", "chain", "tree", "ngram", "suffix", "hybrid")
 
 
@@ -48,19 +50,19 @@ class SpecStrategy:
     def __post_init__(self):
         object.__setattr__(self, "_hash", hash((self.kind, self.depth, self.branch, self.budget)))
         if self.kind not in KINDS:
-            raise ValueError(f"unknown speculative strategy kind {self.kind!r}; choose one of {KINDS}")
+            raise BadInput(f"unknown speculative strategy kind {self.kind!r}; choose one of {KINDS}")
         if self.depth < 1:
-            raise ValueError(f"draft depth must be >= 1, got {self.depth}")
+            raise BadInput(f"draft depth must be >= 1, got {self.depth}")
         if self.branch < 1:
-            raise ValueError(f"a tree's branch must be >= 1, got {self.branch}")
+            raise BadInput(f"a tree's branch must be >= 1, got {self.branch}")
         if self.kind in ("tree", "hybrid") and self.budget and self.budget < self.depth:
-            raise ValueError(f"verify budget ({self.budget}) must be >= the draft depth ({self.depth}) so the "
-                             "deepest path fits; raise the budget or lower the depth")
+            raise BadInput(f"verify budget ({self.budget}) must be >= the draft depth ({self.depth}) so the "
+                           "deepest path fits; raise the budget or lower the depth")
         if self.kind == "suffix" and self.budget < max(self.depth, 1):
-            raise ValueError(f"a suffix draft needs a budget of at least its depth ({self.depth}) draft nodes, got "
-                             f"{self.budget}; write suffix-DEPTH-BUDGET, e.g. suffix-8-16")
+            raise BadInput(f"a suffix draft needs a budget of at least its depth ({self.depth}) draft nodes, got "
+                           f"{self.budget}; write suffix-DEPTH-BUDGET, e.g. suffix-8-16")
         if self.kind in ("chain", "ngram", "suffix") and self.branch != 1:
-            raise ValueError(f"a {self.kind} draft has branch == 1; use kind='tree' for branching")
+            raise BadInput(f"a {self.kind} draft has branch == 1; use kind='tree' for branching")
 
     @classmethod
     def parse(cls, name: str) -> "SpecStrategy":
@@ -83,9 +85,9 @@ class SpecStrategy:
         except ValueError as e:
             if "invalid literal" not in str(e):
                 raise
-        raise ValueError(f"cannot read speculative strategy {name!r}: write off, chain-DEPTH, ngram-DEPTH, "
-                         "tree-DEPTHxTOPK-BUDGET, suffix-DEPTH-BUDGET or hybrid-DEPTHxTOPK-BUDGET (e.g. chain-4, "
-                         "ngram-8, tree-8x4-32, suffix-8-16, hybrid-6x4-24)")
+        raise BadInput(f"cannot read speculative strategy {name!r}: write off, chain-DEPTH, ngram-DEPTH, "
+                       "tree-DEPTHxTOPK-BUDGET, suffix-DEPTH-BUDGET or hybrid-DEPTHxTOPK-BUDGET (e.g. chain-4, "
+                       "ngram-8, tree-8x4-32, suffix-8-16, hybrid-6x4-24)")
 
     @property
     def uses_drafter(self) -> bool:
@@ -185,5 +187,5 @@ def strategy_source(strategy) -> StrategySource:
         return strategy
     if callable(strategy):
         return StrategyFunction(strategy)
-    raise TypeError(f"strategy must be a SpecStrategy, a strategy name, a function (iteration, active) -> "
+    raise WrongType(f"strategy must be a SpecStrategy, a strategy name, a function (iteration, active) -> "
                     f"SpecStrategy or an object with choose(iteration, active); got {type(strategy).__name__}")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..errors import BadInput
 from .ngram import grow_texts
 from .trees import DraftTree
 
@@ -49,10 +50,10 @@ class SuffixConfig:
 
     def __post_init__(self):
         if not 1 <= self.min_match <= self.max_match:
-            raise ValueError(f"need 1 <= min_match <= max_match, got {self.min_match}, {self.max_match}")
+            raise BadInput(f"need 1 <= min_match <= max_match, got {self.min_match}, {self.max_match}")
         if self.occurrences < 1 or self.history < 0 or self.history_tokens < 0:
-            raise ValueError(f"occurrences must be >= 1, history and history_tokens >= 0, got {self.occurrences}, "
-                             f"{self.history}, {self.history_tokens}")
+            raise BadInput(f"occurrences must be >= 1, history and history_tokens >= 0, got {self.occurrences}, "
+                           f"{self.history}, {self.history_tokens}")
 
 
 class SuffixHistory:

@@ -27,6 +27,7 @@ import random
 import re
 from dataclasses import dataclass
 
+from ..errors import BadInput
 from .problem import Problem
 from .tokenizer import LABELS
 
@@ -43,10 +44,10 @@ class ChainTaskConfig:
     """P(n steps) ∝ n^-exponent; smaller means a heavier tail (0 gives uniform)."""
     def __post_init__(self):
         if not 1 <= self.min_steps <= self.max_steps <= len(LABELS):
-            raise ValueError(f"need 1 <= min_steps <= max_steps <= {len(LABELS)}, got {self.min_steps}, "
-                             f"{self.max_steps}")
+            raise BadInput(f"need 1 <= min_steps <= max_steps <= {len(LABELS)}, got {self.min_steps}, "
+                           f"{self.max_steps}")
         if self.zipf_exponent < 0:
-            raise ValueError(f"zipf_exponent must be >= 0, got {self.zipf_exponent}")
+            raise BadInput(f"zipf_exponent must be >= 0, got {self.zipf_exponent}")
 
     def step_weights(self) -> list[float]:
         """Unnormalised probabilities of min_steps..max_steps."""
@@ -58,7 +59,7 @@ def make_problem(cfg: ChainTaskConfig, rng: random.Random, steps: int | None = N
     n = steps if steps is not None else rng.choices(range(cfg.min_steps, cfg.max_steps + 1),
                                                     weights=cfg.step_weights())[0]
     if not 1 <= n <= len(LABELS):
-        raise ValueError(f"steps must be in 1..{len(LABELS)}, got {n}")
+        raise BadInput(f"steps must be in 1..{len(LABELS)}, got {n}")
     prompt = f"{rng.randrange(100):02d} {rng.randrange(100):02d} {LABELS[n - 1]}?"
     return Problem(prompt, solve(prompt).rsplit("#", 1)[1], {"steps": n, "source": "chain"})
 
@@ -81,7 +82,7 @@ def solve(prompt: str) -> str:
     """The reference response (without ``<eos>``) of a chain prompt, e.g. ``"a:47+18=55 #55"``."""
     m = _PROMPT_RE.match(prompt)
     if not m:
-        raise ValueError(f"not a chain-task prompt: {prompt!r} (expected like '47 18 c?')")
+        raise BadInput(f"not a chain-task prompt: {prompt!r} (expected like '47 18 c?')")
     x, z, last = int(m.group(1)), int(m.group(2)), LABELS.index(m.group(3))
     parts = []
     for i in range(last + 1):

@@ -14,6 +14,7 @@ import os
 import re
 from pathlib import Path
 
+from ..errors import BadInput, NotFound
 from ..fileio import atomic_file, resolve
 from .chain import ChainTaskConfig, generate_problems
 from .problem import Problem, extract_answer, normalize_answer
@@ -27,18 +28,18 @@ _WORD_RE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}")   # a plain word (not a La
 def _row_to_problem(row: dict, where: str) -> Problem:
     prompt = next((row[k] for k in _PROMPT_KEYS if row.get(k) is not None), None)
     if prompt is None:
-        raise ValueError(f"{where}: no prompt field (expected one of {', '.join(_PROMPT_KEYS)})")
+        raise BadInput(f"{where}: no prompt field (expected one of {', '.join(_PROMPT_KEYS)})")
     if hasattr(prompt, "tolist"):                               # parquet gives numpy arrays of dicts
         prompt = prompt.tolist()
     if isinstance(prompt, list):
         if not prompt or not all(isinstance(m, dict) and "content" in m for m in prompt):
-            raise ValueError(f"{where}: field 'prompt' is a list but not chat messages "
-                             "[{'role': ..., 'content': ...}, ...]")
+            raise BadInput(f"{where}: field 'prompt' is a list but not chat messages "
+                           "[{'role': ..., 'content': ...}, ...]")
         if not all(isinstance(m["content"], str) for m in prompt) or not any(m["content"].strip() for m in prompt):
-            raise ValueError(f"{where}: the chat messages' 'content' must be strings, not all empty")
+            raise BadInput(f"{where}: the chat messages' 'content' must be strings, not all empty")
         prompt = tuple({"role": m.get("role", "user"), "content": m["content"]} for m in prompt)
     elif not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError(f"{where}: field 'prompt' must be a non-empty string or a list of chat messages")
+        raise BadInput(f"{where}: field 'prompt' must be a non-empty string or a list of chat messages")
     rm = row.get("reward_model") or {}
     truth = rm.get("ground_truth") if isinstance(rm, dict) else None
     key = "reward_model.ground_truth"
@@ -46,15 +47,15 @@ def _row_to_problem(row: dict, where: str) -> Problem:
         key = next((k for k in _ANSWER_KEYS if row.get(k) is not None), None)
         truth = row.get(key) if key else None
     if truth is None:
-        raise ValueError(f"{where}: no ground truth (expected reward_model.ground_truth or one of "
-                         f"{', '.join(_ANSWER_KEYS)})")
+        raise BadInput(f"{where}: no ground truth (expected reward_model.ground_truth or one of "
+                       f"{', '.join(_ANSWER_KEYS)})")
     truth = str(truth)
     if key in ("answer", "solution") and ("####" in truth or "\\boxed" in truth):
         truth = extract_answer(truth)                          # GSM8K "... #### 72", MATH "... \boxed{3}"
     elif key in ("answer", "solution") and len(_WORD_RE.findall(truth)) >= 2:
         raise NotAnAnswer(f"{key!r}: {truth[:60]!r}")          # prose, not a final answer: no reward could match
     if not truth:
-        raise ValueError(f"{where}: field {key!r} holds an empty ground truth")
+        raise BadInput(f"{where}: field {key!r} holds an empty ground truth")
     meta = {k: v for k, v in row.items() if k in ("data_source", "ability", "extra_info", "steps", "level", "source")}
     response = row.get("response", row.get("completion"))
     if isinstance(response, str) and response.strip():
@@ -62,7 +63,7 @@ def _row_to_problem(row: dict, where: str) -> Problem:
     return Problem(prompt, normalize_answer(truth), meta)
 
 
-class NotAnAnswer(ValueError):
+class NotAnAnswer(BadInput):
     """A row's ground truth is free text without a final answer in it."""
 
 
@@ -76,38 +77,38 @@ def load_problems(path: str | os.PathLike, limit: int | None = None) -> list[Pro
     with every such row named."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"dataset {str(path)!r} does not exist: pass a local .jsonl or .parquet file")
+        raise NotFound(f"dataset {str(path)!r} does not exist: pass a local .jsonl or .parquet file")
     if limit is not None and limit < 1:
-        raise ValueError(f"limit must be >= 1 (or None for every row), got {limit}")
+        raise BadInput(f"limit must be >= 1 (or None for every row), got {limit}")
     if path.suffix == ".parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
         try:
             rows = pq.read_table(path).to_pylist()
         except (pa.ArrowException, OSError) as e:
-            raise ValueError(f"{path} is not a readable parquet file ({str(e).splitlines()[0][:160]}); the file is "
-                             "truncated or not parquet: write it again (e.g. pandas.DataFrame.to_parquet)") from None
+            raise BadInput(f"{path} is not a readable parquet file ({str(e).splitlines()[0][:160]}); the file is "
+                           "truncated or not parquet: write it again (e.g. pandas.DataFrame.to_parquet)") from None
         numbered = [(i + 1, r) for i, r in enumerate(rows)]
     elif path.suffix in (".jsonl", ".json"):
         numbered = []
         try:
             lines = path.read_text(encoding="utf-8").splitlines()
         except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save the file as UTF-8") from None
+            raise BadInput(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save the file as UTF-8") from None
         for i, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}, row {i}: not valid JSON ({e.msg}); each line must be one object")
+                raise BadInput(f"{path}, row {i}: not valid JSON ({e.msg}); each line must be one object")
             if not isinstance(row, dict):
-                raise ValueError(f"{path}, row {i}: expected a JSON object, got {type(row).__name__}")
+                raise BadInput(f"{path}, row {i}: expected a JSON object, got {type(row).__name__}")
             numbered.append((i, row))
     else:
-        raise ValueError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl or .parquet")
+        raise BadInput(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl or .parquet")
     if not numbered:
-        raise ValueError(f"dataset {path} is empty: it needs at least one row with a prompt and a ground truth")
+        raise BadInput(f"dataset {path} is empty: it needs at least one row with a prompt and a ground truth")
     out, prose = [], []
     for i, row in numbered[:limit]:
         try:
@@ -116,10 +117,10 @@ def load_problems(path: str | os.PathLike, limit: int | None = None) -> list[Pro
             prose.append((i, str(e)))
     if prose:
         rows = ", ".join(str(i) for i, _ in prose[:8]) + (", ..." if len(prose) > 8 else "")
-        raise ValueError(f"{path}: the ground truth of {len(prose)} of {len(numbered[:limit])} rows is text, not a "
-                         f"final answer (rows {rows}; row {prose[0][0]}: {prose[0][1]}): rewards compare a "
-                         "response's final answer ('#### 93', '\\boxed{93}') with it, so they would all be 0; give "
-                         "the answer alone ('93'), GSM8K's '<solution> #### 93' or '\\boxed{93}'")
+        raise BadInput(f"{path}: the ground truth of {len(prose)} of {len(numbered[:limit])} rows is text, not a "
+                       f"final answer (rows {rows}; row {prose[0][0]}: {prose[0][1]}): rewards compare a "
+                       "response's final answer ('#### 93', '\\boxed{93}') with it, so they would all be 0; give "
+                       "the answer alone ('93'), GSM8K's '<solution> #### 93' or '\\boxed{93}'")
     for p in out:
         p.meta["dataset"] = str(path)               # named by errors about the data (e.g. check_coverage)
     return out
@@ -137,7 +138,7 @@ def task_config(task):
         return WordTaskConfig()
     if isinstance(task, (ChainTaskConfig, WordTaskConfig)):
         return task
-    raise ValueError(f"unknown task {task!r}; choose one of {TASKS} (or pass a dataset file)")
+    raise BadInput(f"unknown task {task!r}; choose one of {TASKS} (or pass a dataset file)")
 
 
 def generate_task(task, count: int, seed: int) -> list[Problem]:
@@ -172,9 +173,9 @@ def split_problems(dataset: str | os.PathLike, train: int, held_out: int, seed: 
     rows = load_problems(resolve(dataset))
     n_train = min(train, len(rows) - held_out)
     if n_train < 1:
-        raise ValueError(f"{dataset}: {len(rows)} rows cannot hold {held_out} held-out problems and at least one "
-                         f"training problem apart; lower eval_problems (at most {len(rows) - 1}) or use a larger "
-                         "dataset")
+        raise BadInput(f"{dataset}: {len(rows)} rows cannot hold {held_out} held-out problems and at least one "
+                       f"training problem apart; lower eval_problems (at most {len(rows) - 1}) or use a larger "
+                       "dataset")
     return ([rows[i % n_train] for i in range(train)], rows[n_train:n_train + held_out])
 
 
@@ -189,7 +190,7 @@ def save_problems(problems: list[Problem], path: str | os.PathLike) -> Path:
     """Write problems as JSONL (``prompt`` / ``answer`` / ``meta``) or verl-style parquet, atomically."""
     path = Path(path)
     if path.suffix not in (".jsonl", ".parquet"):
-        raise ValueError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl or .parquet")
+        raise BadInput(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl or .parquet")
     with atomic_file(path) as tmp:
         if path.suffix == ".jsonl":
             with open(tmp, "w", encoding="utf-8") as fh:
@@ -210,8 +211,8 @@ def read_responses(path, vocab_size: int | None = None) -> list[tuple[list[int],
     sampling run killed mid-write) is refused too: delete that line. ``.jsonl.gz``: read through gzip."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"responses file {str(path)!r} does not exist; write one with "
-                                "python -m tltlib sample-responses")
+        raise NotFound(f"responses file {str(path)!r} does not exist; write one with "
+                       "python -m tltlib sample-responses")
     out = []
     if path.suffix == ".gz":
         import gzip
@@ -225,15 +226,15 @@ def read_responses(path, vocab_size: int | None = None) -> list[tuple[list[int],
             row = json.loads(line)
             p, r = row["prompt_ids"], row["response_ids"]
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise ValueError(f"{path}, row {i}: expected {{\"prompt_ids\": [...], \"response_ids\": [...]}} "
-                             "(a line cut short by a killed run: delete it)") from None
+            raise BadInput(f"{path}, row {i}: expected {{\"prompt_ids\": [...], \"response_ids\": [...]}} "
+                           "(a line cut short by a killed run: delete it)") from None
         ids = p + r
         if not p or not r or not all(isinstance(t, int) and t >= 0 for t in ids):
-            raise ValueError(f"{path}, row {i}: prompt_ids and response_ids must be non-empty lists of token ids")
+            raise BadInput(f"{path}, row {i}: prompt_ids and response_ids must be non-empty lists of token ids")
         if vocab_size is not None and max(ids) >= vocab_size:
-            raise ValueError(f"{path}, row {i}: token id {max(ids)} is outside this model's vocabulary of "
-                             f"{vocab_size}: the file was sampled from another model")
+            raise BadInput(f"{path}, row {i}: token id {max(ids)} is outside this model's vocabulary of "
+                           f"{vocab_size}: the file was sampled from another model")
         out.append((p, r))
     if not out:
-        raise ValueError(f"{path} holds no responses")
+        raise BadInput(f"{path} holds no responses")
     return out

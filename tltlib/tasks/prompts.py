@@ -6,6 +6,7 @@ Departures: none.
 """
 from __future__ import annotations
 
+from ..errors import BadInput
 from .problem import Problem, reward
 
 
@@ -20,10 +21,10 @@ def prompt_text(problem: Problem, tokenizer=None) -> str:
     if tokenizer is None:
         return "\n".join(m["content"] for m in messages)
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the prompts are chat messages but this model's tokenizer has no chat template: give a "
-                         "model whose tokenizer_config.json has a 'chat_template' (an instruct model), or plain-text "
-                         "prompts (a dataset whose 'prompt' is a string; the word task with WordTaskConfig(chat="
-                         "False))")
+        raise BadInput("the prompts are chat messages but this model's tokenizer has no chat template: give a "
+                       "model whose tokenizer_config.json has a 'chat_template' (an instruct model), or plain-text "
+                       "prompts (a dataset whose 'prompt' is a string; the word task with WordTaskConfig(chat="
+                       "False))")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
@@ -58,19 +59,19 @@ def check_coverage(texts: list[str], ids: list[list[int]], answers: list[str], t
     if n_unk > max_unknown * total:
         bad = [t for t, row in zip(texts, ids) if unk in row]
         chars = sorted(set().union(*(_unknown_chars(t, tokenizer) for t in bad)))
-        raise ValueError(f"{source}: {n_unk} of {total} prompt tokens ({n_unk / total:.1%}, in {len(bad)} of "
-                         f"{len(texts)} prompts) are unknown to the tokenizer, which has no token for "
-                         f"{', '.join(map(repr, chars))}; the model cannot read this data. Use a model whose "
-                         "tokenizer covers it (a real model), or this model's own task (DATASET empty)")
+        raise BadInput(f"{source}: {n_unk} of {total} prompt tokens ({n_unk / total:.1%}, in {len(bad)} of "
+                       f"{len(texts)} prompts) are unknown to the tokenizer, which has no token for "
+                       f"{', '.join(map(repr, chars))}; the model cannot read this data. Use a model whose "
+                       "tokenizer covers it (a real model), or this model's own task (DATASET empty)")
     cant = sorted(set().union(*(_unknown_chars(a, tokenizer) for a in set(answers))))
     if cant:
-        raise ValueError(f"{source}: the ground-truth answers hold characters the tokenizer cannot produce "
-                         f"({', '.join(map(repr, cant))}), so those answers could never be matched and their "
-                         "reward would be 0 whatever the model does; use a model whose tokenizer covers them")
+        raise BadInput(f"{source}: the ground-truth answers hold characters the tokenizer cannot produce "
+                       f"({', '.join(map(repr, cant))}), so those answers could never be matched and their "
+                       "reward would be 0 whatever the model does; use a model whose tokenizer covers them")
 
 
 def score_responses(texts: list[str], problems: list[Problem], num_generations: int = 1) -> list[float]:
     """Reward of each response; response ``i`` answers ``problems[i // num_generations]``."""
     if len(texts) != len(problems) * num_generations:
-        raise ValueError(f"{len(texts)} responses for {len(problems)} problems x group size {num_generations}")
+        raise BadInput(f"{len(texts)} responses for {len(problems)} problems x group size {num_generations}")
     return [reward(t, problems[i // num_generations].answer) for i, t in enumerate(texts)]

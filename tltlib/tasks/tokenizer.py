@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..errors import BadInput, NotFound
+
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 LABELS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 CHARS = "0123456789+-*=#?: " + LABELS
@@ -40,11 +42,11 @@ def load_tokenizer(path: str | os.PathLike):
 
     path = Path(path)
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
-        raise FileNotFoundError(f"no tokenizer in {str(path)!r}: the folder needs tokenizer.json / "
-                                "tokenizer_config.json (save it with tokenizer.save_pretrained(folder))")
+        raise NotFound(f"no tokenizer in {str(path)!r}: the folder needs tokenizer.json / "
+                       "tokenizer_config.json (save it with tokenizer.save_pretrained(folder))")
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:                           # noqa: BLE001 - tokenizers/transformers raise many kinds
-        raise ValueError(f"the tokenizer in {str(path)!r} cannot be loaded ({type(e).__name__}: "
-                         f"{' '.join(str(e).split())[:300]}); copy tokenizer.json / tokenizer_config.json from the "
-                         "original model again") from None
+        raise BadInput(f"the tokenizer in {str(path)!r} cannot be loaded ({type(e).__name__}: "
+                       f"{' '.join(str(e).split())[:300]}); copy tokenizer.json / tokenizer_config.json from the "
+                       "original model again") from None

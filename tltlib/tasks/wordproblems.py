@@ -25,6 +25,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from ..errors import BadInput
 from .problem import Problem
 
 NAMES = (("Mia", "She", "her"), ("Tom", "He", "his"), ("Ava", "She", "her"), ("Leo", "He", "his"),
@@ -50,9 +51,9 @@ class WordTaskConfig:
 
     def __post_init__(self):
         if not 1 <= self.min_steps <= self.max_steps <= 20:
-            raise ValueError(f"need 1 <= min_steps <= max_steps <= 20, got {self.min_steps}, {self.max_steps}")
+            raise BadInput(f"need 1 <= min_steps <= max_steps <= 20, got {self.min_steps}, {self.max_steps}")
         if self.zipf_exponent < 0:
-            raise ValueError(f"zipf_exponent must be >= 0, got {self.zipf_exponent}")
+            raise BadInput(f"zipf_exponent must be >= 0, got {self.zipf_exponent}")
 
 
 def _operation(rng: random.Random, count: int, he: str, his: str, item: str) -> tuple[str, int, str]:

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...errors import BadInput
 from ...fileio import ROOT, read_json
 
 NOTEBOOKS = ("01_profile_long_tail", "02_speculative_decoding_explained", "03_train_drafter", "04_adaptive_rollout",
@@ -18,7 +19,7 @@ NOTEBOOKS = ("01_profile_long_tail", "02_speculative_decoding_explained", "03_tr
 """The notebooks of the main job, in order (their canonical-run files are ``figures/<notebook>.json``)."""
 
 
-class ReportError(ValueError):
+class ReportError(BadInput):
     """A doc's block or a result file the report cannot render; the message names the doc or file and the fix."""
 
 
