@@ -242,10 +242,12 @@ def test_a_run_stopped_before_its_first_checkpoint_can_be_started_again(one_step
     assert [m["rl/step"] for m in read_metrics_log(out)] == [1] and (out / "trainer_state.json").is_file()
 
 
-def test_a_save_killed_between_its_renames_is_recovered_at_resume(one_step, tmp_path):
+@pytest.mark.parametrize("writer", ["dead", "alive again"])
+def test_a_save_killed_between_its_renames_is_recovered_at_resume(one_step, tmp_path, writer):
+    """Whether the writer's PID lives does not matter: a restarted container reuses PIDs (PID 1 first)."""
     params, out = _copy(one_step, tmp_path)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True).stdout.strip()
+    dead = "1" if writer == "alive again" else subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
     out.rename(tmp_path / f".out.{dead}.tmp-old")                           # the old checkpoint, moved aside
     (tmp_path / f".out.{dead}.tmp-k2j4").mkdir()                            # the new one, half written
     _resume(params, out)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -186,11 +187,11 @@ def test_atomic_folder_replaces_as_a_whole_and_cleans_up_after_dead_writers(tmp_
     assert (dest / "a.txt").read_text() == "2" and (tmp_path / "out.failed" / "a.txt").read_text() == "3"
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
-    stale = tmp_path / f".out.{dead}.tmp-abc"
-    stale.mkdir()
-    alive = tmp_path / f".out.{os.getpid()}.tmp-xyz"
-    alive.mkdir()
-    assert remove_stale_temporaries(dest) == [stale] and alive.is_dir()
+    with atomic_folder(dest) as writing:                             # a live writer's folder is kept
+        stale = tmp_path / f".out.{dead}.tmp-abc"
+        stale.mkdir()
+        assert remove_stale_temporaries(dest) == [stale] and writing.is_dir()
+        (writing / "a.txt").write_text("4")
     with pytest.raises(FileExistsError, match="already holds a thing"):
         check_output_folder(dest, False, lambda p: True, "thing")
 
@@ -213,3 +214,23 @@ def test_a_folder_replacement_killed_between_renames_is_put_back_never_deleted(t
     with atomic_folder(dest, keep_existing=True) as t:               # the next writer recovers it first
         (t / "b.txt").write_text("new")
     assert (dest / "a.txt").read_text() == "v1" and (dest / "b.txt").read_text() == "new"
+
+
+def test_recovery_reads_the_disk_not_whether_the_writers_pid_lives(tmp_path):
+    """A restarted container reuses PIDs (PID 1 first): the complete copies of a writer whose PID lives again are
+    put back and its half-written folder removed, and a new writer with that very PID is not blocked by them."""
+    dest = tmp_path / "ckpt"
+    for pid in (1, os.getpid()):
+        for kind, text in (("old", "v1"), ("new", "v2"), ("k2j4", "partial")):
+            d = tmp_path / f".ckpt.{pid}.tmp-{kind}"
+            d.mkdir()
+            (d / "a.txt").write_text(text)
+        remove_stale_temporaries(dest)
+        assert (dest / "a.txt").read_text() == "v2" and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+        shutil.rmtree(dest)
+    (tmp_path / f".ckpt.{os.getpid()}.tmp-new").mkdir()              # killed after its first rename: dest is gone
+    (tmp_path / f".ckpt.{os.getpid()}.tmp-new" / "a.txt").write_text("v2")
+    with atomic_folder(dest, keep_existing=True) as t:
+        (t / "b.txt").write_text("v3")
+    assert [(dest / f).read_text() for f in ("a.txt", "b.txt")] == ["v2", "v3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

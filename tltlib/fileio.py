@@ -2,15 +2,18 @@
 sees a half-written model, drafter, dataset, run folder or metrics file, and a broken file is reported by its path.
 
 Every writer of a folder goes through :func:`atomic_folder`: the content is written into a hidden temporary folder
-beside the destination (``.NAME.PID.tmp-XXXX``) and renamed over it only when complete. Temporary folders left by a
-process that was killed (SIGKILL, power loss) are recognised by their dead PID and removed by the next writer of the
-same destination.
+beside the destination (``.NAME.PID.tmp-XXXX``) and renamed over it only when complete. What a killed writer left
+(SIGKILL, power loss) is handled by the next writer of the same destination from what is on disk, never from whether
+a PID lives (a restarted container reuses PIDs): a complete copy of a replacement killed between its renames is put
+back, and a temporary folder is removed once no process holds its writer's lock (``flock``, released by the kernel
+when the writer ends).
 
 Departures: none (tooling).
 """
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -77,56 +80,109 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _dead_writer(d: Path, name: str) -> bool:
-    """``d`` is a ``.NAME.PID.tmp-*`` folder of a process that is gone."""
+@contextlib.contextmanager
+def _locked(folder: Path, wait: bool = True):
+    """Hold an exclusive lock (``flock``) on ``folder``; yields whether it is held. The kernel releases it when the
+    holder ends, whatever PID a later process gets. Without ``wait``, yields False when another holds it; on a
+    filesystem without locks, yields None (and holds nothing)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        yield None
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held = True
+        except BlockingIOError:
+            held = False
+        except OSError:                                   # no locks here (some network filesystems)
+            held = None
+        yield held
+    finally:
+        os.close(fd)
+
+
+def _ours(d: Path, name: str) -> bool:
+    """``d`` is a ``.NAME.PID.*tmp-*`` folder written for the destination ``name`` (not for ``NAME.x``)."""
     pid = d.name[len(name) + 2:].split(".", 1)[0]
-    return d.is_dir() and pid.isdigit() and not _pid_alive(int(pid))
+    return d.is_dir() and pid.isdigit()
 
 
-def recover_interrupted(path: str | os.PathLike) -> Path | None:
-    """Put back a folder whose replacement was killed between its renames: ``path`` is gone but a dead writer's
-    complete copy lies beside it, the new one (``.NAME.PID.tmp-new``) or else the old one (``.tmp-old``). Returns
-    the path restored, or None when there was nothing to restore."""
-    path = Path(path)
-    if path.exists() or not path.parent.is_dir():
+def _writer_gone(d: Path, name: str) -> bool:
+    """No process is writing the temporary folder ``d``: its writer holds a lock on it until it ends (a PID says
+    nothing: a restarted container reuses them, PID 1 first). Without locks on this filesystem: its PID is gone."""
+    with _locked(d, wait=False) as held:
+        if held is None:
+            return not _pid_alive(int(d.name[len(name) + 2:].split(".", 1)[0]))
+        return held
+
+
+def _complete_copies(path: Path, kind: str) -> list[Path]:
+    """The complete copies (``kind``: ``new`` or ``old``) a replacement of ``path`` left beside it."""
+    return [d for d in sorted(path.parent.glob(f".{path.name}.*.tmp-{kind}")) if _ours(d, path.name)]
+
+
+def _recover(path: Path) -> Path | None:
+    """:func:`recover_interrupted` under the lock of ``path``'s folder."""
+    if path.exists():
         return None
     for kind in ("new", "old"):
-        for d in sorted(path.parent.glob(f".{path.name}.*.tmp-{kind}")):
-            if _dead_writer(d, path.name):
-                d.rename(path)
-                return path
+        for d in _complete_copies(path, kind):
+            d.rename(path)
+            return path
     return None
 
 
+def recover_interrupted(path: str | os.PathLike) -> Path | None:
+    """Put back a folder whose replacement was killed between its renames: ``path`` is gone but a complete copy
+    lies beside it, the new one (``.NAME.PID.*.tmp-new``) or else the old one (``.tmp-old``). What is on disk
+    decides, not whether the PID lives: a replacement renames under a lock of the folder, so a copy seen here is
+    never one a live writer is moving. Returns the path restored, or None when there was nothing to restore."""
+    path = Path(path)
+    if path.exists() or not path.parent.is_dir():
+        return None
+    with _locked(path.parent):
+        return _recover(path)
+
+
 def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
-    """Remove ``.NAME.PID.tmp-*`` folders beside ``path`` whose writer process is gone (after
-    :func:`recover_interrupted` has put back a complete copy when ``path`` itself is gone); returns what was
-    removed."""
+    """Put back a complete copy when ``path`` itself is gone (:func:`recover_interrupted`), then remove what other
+    writers of ``path`` left beside it: complete copies that were not needed, and ``.NAME.PID.tmp-*`` folders no
+    live process is writing (the writer holds a lock on its folder); returns what was removed."""
     path = Path(path)
     removed = []
-    recover_interrupted(path)
     if not path.parent.is_dir():
         return removed
-    for d in path.parent.glob(f".{path.name}.*.tmp-*"):
-        if _dead_writer(d, path.name):
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
+    with _locked(path.parent):
+        _recover(path)
+        for d in path.parent.glob(f".{path.name}.*.tmp-*"):
+            if not _ours(d, path.name):
+                continue
+            copy = d.name.endswith((".tmp-new", ".tmp-old"))
+            if (copy and path.exists()) or (not copy and _writer_gone(d, path.name)):
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(d)
     return removed
 
 
 def _replace_folder(src: Path, dest: Path) -> None:
-    """Move the complete folder ``src`` to ``dest``, replacing what is there. Each move is a rename, and at every
-    moment one complete copy exists under a name :func:`recover_interrupted` knows: ``src`` is first renamed
-    ``.NAME.PID.tmp-new`` (complete), the old ``dest`` ``.NAME.PID.tmp-old``, then the new one takes ``dest``."""
-    done = dest.with_name(f".{dest.name}.{os.getpid()}.tmp-new")
-    src.rename(done)
-    if dest.exists():
-        old = dest.with_name(f".{dest.name}.{os.getpid()}.tmp-old")
-        dest.rename(old)
-        done.rename(dest)
-        shutil.rmtree(old)
-    else:
-        done.rename(dest)
+    """Move the complete folder ``src`` (``.NAME.PID.tmp-XXXX``) to ``dest``, replacing what is there, under the lock
+    of their folder. Each move is a rename, and at every moment one complete copy exists under a name
+    :func:`recover_interrupted` knows: ``src`` is first renamed ``.NAME.PID.XXXX.tmp-new`` (complete), the old
+    ``dest`` ``.NAME.PID.XXXX.tmp-old``, then the new one takes ``dest``. The names are this write's own, so a
+    copy left by an earlier writer with the same PID never blocks the rename."""
+    token = src.name.rsplit(".tmp-", 1)[-1]
+    done = dest.with_name(f".{dest.name}.{os.getpid()}.{token}.tmp-new")
+    with _locked(dest.parent):
+        src.rename(done)
+        if dest.exists():
+            old = dest.with_name(f".{dest.name}.{os.getpid()}.{token}.tmp-old")
+            dest.rename(old)
+            done.rename(dest)
+            shutil.rmtree(old)
+        else:
+            done.rename(dest)
 
 
 def check_writable(path: str | os.PathLike, what: str = "output") -> Path:
@@ -190,7 +246,7 @@ def atomic_folder(path: str | os.PathLike, keep_existing: bool | Callable[[Path]
                        "its own")
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.tmp-", dir=path.parent))
+    tmp, lock = _start_temporary(path)
     try:
         yield tmp
         if keep_existing and path.is_dir():
@@ -209,3 +265,18 @@ def atomic_folder(path: str | os.PathLike, keep_existing: bool | Callable[[Path]
         else:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        os.close(lock)
+
+
+def _start_temporary(path: Path) -> tuple[Path, int]:
+    """A new temporary folder beside ``path`` (``.NAME.PID.tmp-XXXX``), locked by this writer before another writer
+    can see it (:func:`_writer_gone`); returns it and the descriptor holding the lock (closing it releases it)."""
+    with _locked(path.parent):
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.tmp-", dir=path.parent))
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass                                          # no locks on this filesystem: the PID in its name tells
+    return tmp, fd
