@@ -236,13 +236,11 @@ def cmd_sample_responses(args) -> int:
 def cmd_warm_start(args) -> int:
     """``python -m tltlib warm-start``: load ``--model`` (float32, CPU or the GPU), train, write ``--out``."""
     from ..fileio import resolve
-    from ..lab.sft import WarmStartConfig, warm_start, write_warm_start
+    from ..lab.sft import WarmStartConfig, check_warm_start_out, warm_start, write_warm_start
     from ..model.loading import load
     given = {k: getattr(args, k) for k in ("steps", "batch", "lr", "max_problem_steps", "seed")}
     cfg = WarmStartConfig(**{k: v for k, v in given.items() if v is not None})
-    out = resolve(args.out)
-    if out.exists() and not args.overwrite:
-        raise BadInput(f"{out} exists; pass --overwrite to replace it, or choose another --out")
+    out = check_warm_start_out(resolve(args.out), args.overwrite)       # before the model loads and trains
     model, tok, _ = load(args.model, None, dtype="float32")
     log = warm_start(model, tok, cfg, progress=not args.quiet)
     write_warm_start(model, resolve(args.model), out, cfg, log)

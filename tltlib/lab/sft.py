@@ -17,11 +17,13 @@ a few lines, so the warm start needs no dataset download and no second training 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import BadInput
+from ..errors import BadInput, NotFinite
+from ..fileio import check_output_folder
 from ..tasks.wordproblems import WordTaskConfig, generate_word_problems
 
 # torch, tqdm and the tokenizer-facing modules are imported where used: the CLI registers this module's command
@@ -46,8 +48,8 @@ class WarmStartConfig:
     def __post_init__(self):
         if self.steps < 1 or self.batch < 1:
             raise BadInput(f"steps and batch must be >= 1, got {self.steps} and {self.batch}")
-        if not self.lr > 0:
-            raise BadInput(f"lr must be > 0, got {self.lr}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise BadInput(f"lr must be a finite number > 0 (--lr; the default is 3e-05), got {self.lr}")
         WordTaskConfig(max_steps=self.max_problem_steps)           # raises naming the allowed range
 
 
@@ -78,13 +80,32 @@ def warm_start(model, tokenizer, cfg: WarmStartConfig | None = None, progress: b
         loss = sft_step(model, opt, x, y)
         log["step"].append(step)
         log["loss"].append(loss.item())
+        _check_finite(model, log, cfg)
     model.eval()
     log["seconds"] = time.perf_counter() - t0
     return log
 
 
+def _check_finite(model, log: dict, cfg: WarmStartConfig) -> None:
+    """Stop at the first step whose loss or weights are NaN or infinite (a learning rate too high): such a model
+    would be written and load as garbage."""
+    import torch
+    bad = [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad or not math.isfinite(log["loss"][-1]):
+        what = f"{len(bad)} weight tensor(s) ({bad[0]}, ...)" if bad else f"the loss ({log['loss'][-1]})"
+        raise NotFinite(f"the warm start made {what} NaN or infinite at step {len(log['loss'])} of {cfg.steps} "
+                        f"(lr {cfg.lr}); nothing was written: lower the learning rate (--lr; the default is 3e-05)")
+
+
 WEIGHT_FILES = ("config.json", "model.safetensors", "tltlib-import.json", "tltlib-warm-start.json")
 """Files of a model folder the warm start does not carry over (it writes new weights and its own card)."""
+
+
+def check_warm_start_out(out: str | Path, overwrite: bool) -> Path:
+    """Before loading anything: ``out`` can be written, and ``overwrite`` replaces only a folder this command wrote
+    (its card ``tltlib-warm-start.json``), never, say, the source model or another folder given by mistake."""
+    return check_output_folder(out, overwrite, lambda p: (p / "tltlib-warm-start.json").is_file(),
+                               "warm-started model")
 
 
 def write_warm_start(model, source: str | Path, out: str | Path, cfg: WarmStartConfig, log: dict) -> Path:
