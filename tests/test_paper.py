@@ -101,3 +101,16 @@ def test_bad_projection_settings_are_refused():
         project(ProjectionConfig(hardware="tpu", nodes=(1,), seeds=1))
     with pytest.raises(ValueError, match="seeds >= 1"):
         ProjectionConfig(seeds=0)
+
+
+@pytest.mark.parametrize("settings,match", [(None, "settings.max_new .* must be a number > 0, got none"),
+                                            ({"max_new": 0}, "settings.max_new .* must be a number > 0, got 0"),
+                                            ({"max_new": "720"}, "settings.max_new .* got '720'")])
+def test_a_bench_file_without_a_usable_max_new_is_named(tmp_path, settings, match):
+    """Was KeyError: 'settings' and ZeroDivisionError: the lengths are scaled from the bench's max_new."""
+    path = _bench_file(tmp_path, [{"rollout/len_p50": 40, "rollout/len_p99": 500}])
+    d = json.loads(path.read_text())
+    d.pop("settings") if settings is None else d.update(settings=settings)
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=f"{path.name}: {match}"):
+        lengths_from_bench(path)

@@ -171,3 +171,24 @@ def test_a_mixed_bucket_costs_and_emits_the_share_weighted_mean():
     each = [iteration_time(costs, 4, 10 + 150, SpecStrategy.parse(n)) for n in ("off", "chain-4")]
     prefill = costs.forward(4, 0, 10)
     assert sim.time_s == pytest.approx(prefill + k * sum(each) / 2, rel=1e-9)
+
+
+def test_the_command_projects_the_workload_given_and_refuses_bad_flags_first(tmp_path, capsys):
+    """``simulate --project`` simulates --prompts / --num-generations / --max-new when given (it ignored them), and
+    a flag that cannot be simulated is refused before anything loads or is measured, naming the flag."""
+    import json
+
+    from tltlib.cli import main
+    assert main(["simulate", "--project", "--prompts", "32", "--num-generations", "4", "--max-new", "100",
+                 "--out", str(tmp_path)]) == 0
+    assert "32 prompts x 4, at most 100 tokens (not the paper's settings" in capsys.readouterr().out
+    d = json.loads((tmp_path / "simulate-project-h100.json").read_text())
+    assert d["lengths"]["cap"] == 100 and d["settings"]["prompts"] == 32
+    assert d["projection"]["qwen2.5-7b"][0]["rows_per_worker"] == 32 * 4 // 2     # 1 node of TP 4: 2 workers
+    for argv, message in ((["--validate", "--prompts", "0"], "--prompts must be >= 1, got 0"),
+                          (["--validate", "--max-new", "-1"], "--max-new must be >= 1"),
+                          (["--project", "--num-generations", "1"], "--num-generations must be >= 2"),
+                          (["--project", "--steps", "3"], "--steps goes with --validate")):
+        assert main(["simulate", *argv, "--model", str(tmp_path / "absent"), "--out", str(tmp_path)]) == 1
+        err = capsys.readouterr().err
+        assert err.count("error:") == 1 and message in err, err

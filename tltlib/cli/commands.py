@@ -165,6 +165,7 @@ def cmd_simulate(args) -> int:
     if args.validate == args.project:
         raise BadInput("say what to simulate: --validate (check the simulator against runs measured here) or "
                        "--project (the paper's settings, beside its Table 3)")
+    vars(args).update(_simulate_workload(args))             # before anything loads or is measured
     if args.project:
         return _simulate_project(args)
     model, tok, drafter = load(args.model, args.drafter, device="cpu")
@@ -249,6 +250,28 @@ def cmd_warm_start(args) -> int:
     return 0
 
 
+SIMULATE_DEFAULTS = {"validate": {"prompts": 16, "num_generations": 8, "max_new": 720, "steps": 6},
+                     "project": {"prompts": 64, "num_generations": 8, "max_new": 32768}}
+"""``simulate``'s workload flags where not given: the runs measured here (--validate), the paper's (--project)."""
+
+
+def _simulate_workload(args) -> dict:
+    """``simulate``'s --prompts, --num-generations, --max-new (and --validate's --steps), the mode's defaults where
+    not given, each checked before anything loads or is measured."""
+    mode = "project" if args.project else "validate"
+    if args.project and args.steps is not None:
+        raise BadInput("--steps goes with --validate (GRPO steps measured here); --project simulates steps at the "
+                       "paper's settings: drop --steps")
+    workload = {}
+    for key, default in SIMULATE_DEFAULTS[mode].items():
+        value = default if getattr(args, key) is None else getattr(args, key)
+        least = 2 if key == "num_generations" else 1          # GRPO compares a completion with its group's others
+        if value < least:
+            raise BadInput(f"--{key.replace('_', '-')} must be >= {least}, got {value}")
+        workload[key] = value
+    return workload
+
+
 def _simulate_project(args) -> int:
     """The simulator at the paper's Table 3 settings: a table beside the paper's, and its JSON."""
     import json
@@ -256,13 +279,15 @@ def _simulate_project(args) -> int:
     from ..fileio import atomic_write_text, resolve
     from ..paper.numbers import SETTINGS
     from ..paper.projection import ProjectionConfig, lengths_from_bench, project, table3
-    lengths = lengths_from_bench(resolve(args.lengths_from))
+    lengths = lengths_from_bench(resolve(args.lengths_from), cap=args.max_new)
     rows = {m: project(ProjectionConfig(model=m, tp=s["tp"], nodes=s["nodes"], hardware=args.hardware,
+                                        prompts=args.prompts, num_generations=args.num_generations,
                                         lengths=lengths)) for m, s in SETTINGS.items()}
-    text = (f"Simulated end-to-end speedup of TLT over the baseline at the paper's settings (64 prompts x 8, 32K max, "
-            f"{args.hardware}, 8 per node; response lengths: a log-normal of median {lengths.median:.0f} and p99 "
-            f"{lengths.p99:.0f} tokens, from {args.lengths_from} scaled to 32K) beside the paper's Table 3 "
-            "(`python -m tltlib simulate --project`):\n\n" + table3(rows))
+    workload, cap = _workload_words(args)
+    text = (f"Simulated end-to-end speedup of TLT over the baseline at {workload}{args.hardware}, 8 per node; "
+            f"response lengths: a log-normal of median {lengths.median:.0f} and p99 {lengths.p99:.0f} tokens, from "
+            f"{args.lengths_from} scaled to {cap}) beside the paper's Table 3 (`python -m tltlib simulate "
+            "--project`):\n\n" + table3(rows))
     print(text)
     out = resolve(args.out)
     payload = {"settings": {k: v for k, v in vars(args).items() if k != "func"},
@@ -270,3 +295,12 @@ def _simulate_project(args) -> int:
     atomic_write_text(out / f"simulate-project-{args.hardware}.json", json.dumps(payload, indent=1) + "\n")
     atomic_write_text(out / f"simulate-project-{args.hardware}.md", text)
     return 0
+
+
+def _workload_words(args) -> tuple[str, str]:
+    """How the projection's text names its workload and its cap: the paper's settings in its words, else the flags
+    given."""
+    if (args.prompts, args.num_generations, args.max_new) == tuple(SIMULATE_DEFAULTS["project"].values()):
+        return "the paper's settings (64 prompts x 8, 32K max, ", "32K"
+    return (f"{args.prompts} prompts x {args.num_generations}, at most {args.max_new} tokens (not the paper's "
+            "settings; ", str(args.max_new))

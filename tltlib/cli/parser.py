@@ -162,11 +162,12 @@ def _simulate_command(sub) -> None:
                          "scaled to 32K")
     sm.add_argument("--model", default="data/tiny-reasoner")
     sm.add_argument("--drafter", default="data/tiny-reasoner-drafter")
-    sm.add_argument("--prompts", type=int, default=16, help="prompts per rollout and step (default %(default)s)")
-    add_num_generations(sm)
-    sm.add_argument("--max-new", type=int, default=720, help="longest completion (default %(default)s)")
-    sm.add_argument("--steps", type=int, default=6,
-                    help="GRPO steps per policy after a warm-up step (default %(default)s)")
+    sm.add_argument("--prompts", type=int, help="prompts per rollout and step (default: 16 with --validate, the "
+                    "paper's 64 with --project)")
+    add_num_generations(sm, None, "completions per prompt: the GRPO group size (default 8, the paper's)")
+    sm.add_argument("--max-new", type=int, help="longest completion (default: 720 with --validate, the paper's "
+                    "32768 with --project, to which --lengths-from is scaled)")
+    sm.add_argument("--steps", type=int, help="--validate: GRPO steps per policy after a warm-up step (default 6)")
     sm.add_argument("--workers-results", default="bench/results/e2e_grpo-cpu-float32-w2.json",
                     help="--validate: a bench e2e_grpo --workers 2 results file for the harvested-share check "
                          "(empty: skip it)")

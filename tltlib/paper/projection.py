@@ -74,15 +74,40 @@ def lengths_from_bench(path: str | Path, cap: int = 32768) -> LengthDistribution
     path = Path(path)
     if not path.is_file():
         raise NotFound(f"{path}: no such results file; run `python -m tltlib bench e2e_grpo` to write it")
-    d = read_json(path, "run `python -m tltlib bench e2e_grpo` again to rewrite it")
-    steps = [s for run in d.get("runs", {}).get("baseline", []) for s in run.get("steps", [])]
-    p50 = [s["rollout/len_p50"] for s in steps if "rollout/len_p50" in s]
-    p99 = [s["rollout/len_p99"] for s in steps if "rollout/len_p99" in s]
+    fix = "run `python -m tltlib bench e2e_grpo` again to rewrite it"
+    d = read_json(path, fix)
+    d = d if isinstance(d, dict) else {}
+    steps = _baseline_steps(d)
+    p50 = [s["rollout/len_p50"] for s in steps if _positive(s.get("rollout/len_p50"))]
+    p99 = [s["rollout/len_p99"] for s in steps if _positive(s.get("rollout/len_p99"))]
     if not p50 or not p99:
-        raise BadInput(f"{path}: no baseline rollout lengths (rollout/len_p50, rollout/len_p99) in its runs; is it "
-                       "a bench e2e_grpo results file?")
-    scale = cap / d["settings"]["max_new"]
+        raise BadInput(f"{path}: no baseline rollout lengths (runs.baseline[].steps[] with rollout/len_p50 and "
+                       "rollout/len_p99 > 0); is it a bench e2e_grpo results file? Pass one as --lengths-from")
+    max_new = d.get("settings", {}).get("max_new") if isinstance(d.get("settings"), dict) else None
+    if not _positive(max_new):
+        raise BadInput(f"{path}: settings.max_new (the bench's longest completion, which its lengths are scaled "
+                       f"from) must be a number > 0, got {'none' if max_new is None else repr(max_new)}; {fix}")
+    if np.median(p99) < np.median(p50):
+        raise BadInput(f"{path}: its baseline's rollout/len_p99 ({np.median(p99)}) lies below its rollout/len_p50 "
+                       f"({np.median(p50)}); {fix}")
+    scale = cap / max_new
     return LengthDistribution(median=float(np.median(p50)) * scale, p99=float(np.median(p99)) * scale, cap=cap)
+
+
+def _baseline_steps(d: dict) -> list[dict]:
+    """The steps of a ``bench e2e_grpo`` results file's baseline runs (``runs.baseline[].steps[]``); what is not
+    shaped so is left out."""
+    runs = d.get("runs")
+    baseline = runs.get("baseline") if isinstance(runs, dict) else None
+    if not isinstance(baseline, list):
+        return []
+    steps = [run.get("steps") for run in baseline if isinstance(run, dict)]
+    return [s for run in steps if isinstance(run, list) for s in run if isinstance(s, dict)]
+
+
+def _positive(x) -> bool:
+    """A finite number > 0 (not a bool) read from a JSON file."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
 # ------------------------------------------------------------------------------------------- the projection
