@@ -119,7 +119,7 @@ def test_format_reward_scores_the_answer_line_whatever_the_number_and_refuses_wh
     (dict(epsilon=0.0), "need 0 < epsilon < 1"),
     (dict(num_iterations=0), "num_iterations must be >= 1"),
     (dict(temperature=0.0), "temperature 0 samples every completion of a group greedily"),
-    (dict(seed=-1), "seed must be >= 0"),
+    (dict(seed=-1), "seed must lie in \\[0, 2\\*\\*63 - 1\\]"),
 ])
 def test_config_errors(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -74,6 +74,7 @@ def test_a_key_in_the_wrong_notebook_section_is_refused(tmp_path):
     ("notebooks:\n  \"04\": {ARMS: [chain-4, chian-8]}\n", "ARMS = .*cannot read speculative strategy 'chian-8'"),
     ("notebooks:\n  \"04\": {FIXED: tree-4}\n", "FIXED = 'tree-4' .*cannot read speculative strategy"),
     ("OUT_DIR: /tmp/x\n", "OUT_DIR is set by the runner"),
+    ("SEED: 18446744073709551616\n", "SEED = 18446744073709551616 .*out of range"),
 ])
 def test_wrong_values_are_refused_naming_key_notebook_and_expectation(tmp_path, text, match):
     with pytest.raises(ValueError, match=match):

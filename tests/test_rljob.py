@@ -66,7 +66,9 @@ def test_shipped_files_parse(tmp_path):
     ("drafter: data/tiny-reasoner-drafter\n", ValueError, "'model' is missing"),
     ("model: data/tiny-reasoner\ngrpo:\n  max_completion_length: 48\n  max_completion_length: 5\n", ValueError,
      "line 4: 'max_completion_length' is given twice in the same mapping"),
-    ("model: data/tiny-reasoner\ngrpo: {seed: -1}\n", ValueError, "seed must be >= 0"),
+    ("model: data/tiny-reasoner\ngrpo: {seed: -1}\n", ValueError, "seed must lie in \\[0, 2\\*\\*63 - 1\\]"),
+    ("model: data/tiny-reasoner\ngrpo: {seed: 18446744073709551616}\n", ValueError,
+     "job.yaml: grpo: seed must lie in \\[0, 2\\*\\*63 - 1\\] .*got 18446744073709551616; choose a smaller seed"),
     ("model: data/tiny-reasoner\ngrpo: {temperature: 0}\n", ValueError, "temperature 0 .* RL learns nothing"),
     ("model: data/tiny-reasoner\nscheduler: {pairs: all}\n", ValueError, "scheduler.pairs was renamed "
                                                                         "scheduler.train_on: write train_on: all"),

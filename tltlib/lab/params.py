@@ -183,7 +183,7 @@ SCHEMA: dict[str, Param] = {
     "CURRICULUM": Param("any", check=_message(_curriculum), expected="null or a curriculum mapping (levels, ...)"),
     "DEVICE": _DEVICE,
     "DTYPE": Param("str", choices=("float32", "bfloat16", "float16")),
-    "SEED": Param("int", lo=0),
+    "SEED": Param("int", lo=0, hi=2 ** 63 - 1),            # torch's generators take 64-bit seeds
     "OUT_DIR": Param("path"),
     "FIGURES_DIR": Param("path", exists="out", empty_ok=True),
     "DRAFTER_OUT": Param("path", exists="out", empty_ok=True),

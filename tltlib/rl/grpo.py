@@ -41,6 +41,8 @@ from ..tasks.problem import reward
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
+MAX_SEED = 2 ** 63 - 1
+"""The largest seed: torch's generators take 64-bit seeds, and a worker's or split's seed adds an offset."""
 
 
 @dataclass(frozen=True)
@@ -118,8 +120,10 @@ class GRPOConfig:
             raise BadInput("temperature 0 samples every completion of a group greedily: they are identical, every "
                            "advantage is 0, the loss and gradient are 0 and RL learns nothing; use a sampling "
                            "temperature such as 1.0 (greedy held-out accuracy is measured by evaluate)")
-        if self.seed < 0:
-            raise BadInput(f"seed must be >= 0 (numpy and torch generators take non-negative seeds), got {self.seed}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise BadInput(f"seed must lie in [0, 2**63 - 1] (torch's generators take 64-bit seeds, and each worker's "
+                           f"and split's seed is this plus an offset), got {self.seed}; choose a smaller seed such "
+                           "as 42")
         if not 0 < self.top_p <= 1 or self.top_k < 0:
             raise BadInput(f"need 0 < top_p <= 1 and top_k >= 0, got top_p={self.top_p}, top_k={self.top_k}")
         if not self.learning_rate > 0:
