@@ -1,7 +1,7 @@
 """The metric vocabulary: every statistic tltlib returns is keyed by one of :data:`METRICS` (namespaced
 ``rollout/``, ``spec/``, ``drafter/``, ``sched/``, ``rl/``, ``update/``, ``time/``, ``eval/``, ``e2e/``,
-``adaptive/``); notebooks write them to ``metrics.json``, ``train-grpo`` to ``metrics.jsonl``, and tests read them
-back (:func:`is_metric`). The statistics themselves are computed in :mod:`tltlib.stats` (rollouts) and by the
+``adaptive/``, ``alarm/``); notebooks write them to ``metrics.json``, ``train-grpo`` to ``metrics.jsonl``, and tests
+read them back (:func:`is_metric`). The statistics themselves are computed in :mod:`tltlib.stats` (rollouts) and by the
 components that own them.
 
 Departures: none (a vocabulary).
@@ -90,6 +90,21 @@ METRICS: dict[str, str] = {
                        "a trained one (once per RL step in which it trained: after the one-process micro-steps, or "
                        "when the workers' drafters are merged), whatever the number of workers or micro-steps",
     "drafter/buffer_pairs": "(hidden, token) pairs held in the drafter's buffer",
+    "drafter/micro_steps": "drafter micro-steps this worker ran in the RL step (after the rollout, or the spot "
+                           "trainer's in the idle window): the online drafter's compute",
+    "drafter/trained": "1 when the drafter the rollout drafts with was replaced by a trained one in this RL step",
+    "drafter/accept_vs_best": "accept length of the step's learned-drafter SD steps over its best since the drafter "
+                              "last trained, row-weighted over strategies (nan: nothing to compare; "
+                              "drafter_train: on_drift trains under 1 - drift_margin)",
+    "alarm/accept_floor": "1 in the step the accept-length alarm fired: the learned drafter's SD steps accepted "
+                          "fewer tokens per row than the floor over the last patience SD steps",
+    "alarm/sd_slower": "1 in the step the speed alarm fired: consecutive SD steps ran slower than plain decoding at "
+                       "their rows (under slower_ratio)",
+    "alarm/drafter_stale": "1 in the step the stale-drafter alarm fired: the policy changed but the drafter's version "
+                           "did not although the online drafter was due to train",
+    "alarm/drafter_mismatch": "1 in the step the mismatch alarm fired: after a sync or merge the drafter the engine "
+                              "drafts with does not hold the trained weights (fingerprints differ)",
+    "alarm/floor": "the accept-length floor the accept_floor alarm compares with (tokens per row per SD step)",
     "update/tokens": "tokens through the policy's forward and backward (all iterations)",
     "update/padding_frac": "share of the update's forward tokens that were padding",
     "update/tokens_per_s": "update tokens per second",

@@ -102,6 +102,7 @@ class Drafter(nn.Module):
             self.register_buffer("draft_ids", torch.arange(cfg.draft_vocab_size))
         self._target: list[Transformer] = []              # a list, so the target is not registered as a submodule
         self.version = 0          # the weights the rollout drafts with, replaced by trained ones: metrics.METRICS
+        self.source: str | None = None    # the folder it was loaded from (its card: the alarms' accept floor)
         if init_std:
             for name, p in self.named_parameters():
                 if p.dim() > 1:
@@ -303,6 +304,7 @@ def load_drafter(path: str | os.PathLike, target: Transformer) -> Drafter:
             drafter.set_draft_vocab(drafter.draft_ids)
         except ValueError as e:
             raise BadInput(f"{w_file}: {e}; re-save or retrain the drafter") from None
+    drafter.source = str(path)
     w = target.embed.weight
     return drafter.to(device=w.device, dtype=w.dtype).attach(target)
 

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 from ..errors import BadInput
 from ..rollout.adaptive import DEFAULT_ARMS, AdaptiveConfig
+from ..rollout.alarms import AlarmConfig
 from ..spec.strategy import SpecStrategy
+from .drift import DriftGate
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,23 @@ class TLTConfig:
     """Pairs the drafter's buffer holds."""
     buffer_decay: float = 0.5
     """Sampling weight of pairs from a step ``a`` RL steps ago: ``decay ** a``."""
+    drafter_train: str = "always"
+    """When the online drafter trains after a rollout: ``"always"`` (every RL step), or ``"on_drift"``: when the
+    accept length of the step's learned-drafter SD steps has fallen by ``drift_margin`` from its best since the
+    drafter last trained (:mod:`tltlib.rl.drift`); the spot trainer's idle windows train whenever there are some."""
+    drift_margin: float = 0.1
+    """``on_drift``: the relative fall of the accept length (from its best) that makes the drafter train."""
+    alarms: bool = True
+    """Warn (:class:`~tltlib.rollout.alarms.AlarmWarning`, and ``alarm/*`` metrics) when SD or the online drafter
+    fails silently: accept length under a floor, SD slower than plain, drafter stale or not the trained one
+    (:mod:`tltlib.rollout.alarms`)."""
+    accept_floor: float = 0.0
+    """The accept length (tokens per row per SD step, bonus included) under which the learned drafter's SD steps
+    raise the ``accept_floor`` alarm; 0: from the drafter's card (a share of what it accepted when trained), none
+    without a card."""
+    alarm_patience: int = 5
+    """SD steps the accept-length and speed alarms judge over (they fire at the earliest this many SD steps after
+    the fault)."""
 
     def __post_init__(self):
         if self.speculative not in ("adaptive", "off"):
@@ -53,3 +72,5 @@ class TLTConfig:
                            f"{self.buffer_tokens}")
         if self.threshold < 0 or self.drafter_batch < 1 or not self.drafter_lr > 0:
             raise BadInput("threshold must be >= 0, drafter_batch >= 1 and drafter_lr > 0")
+        DriftGate(self.drafter_train, self.drift_margin)          # raises naming the allowed values
+        AlarmConfig(accept_floor=self.accept_floor or None, patience=self.alarm_patience)     # the same

@@ -13,7 +13,9 @@ import time
 from ..drafting.pairs import PairBuffer, PairBufferConfig
 from ..drafting.train import DrafterTrainConfig, DrafterTrainer
 from ..errors import BadInput
+from ..model.weights import fingerprint
 from ..rollout.adaptive import AdaptiveConfig, AdaptiveController, TunerConfig, default_threshold
+from ..rollout.alarms import AlarmConfig, Alarms, WatchedSource, card_acceptance, card_floor
 from ..sim.measure import measure_costs
 from .config import TLTConfig
 from .scheduler import SchedulerConfig, SpotTrainer, SpotWindow
@@ -48,31 +50,61 @@ def adaptive_controller(model, drafter, tlt: TLTConfig, max_rows: int, seed: int
                                              on_drafter_change=tlt.on_drafter_change), costs, drafter)
 
 
-def strategy(tlt: TLTConfig, controller):
-    """What a rollout is given: the controller, a fixed strategy name, or None (plain decoding)."""
-    if controller is not None:
-        return controller
-    return None if tlt.speculative == "off" else tlt.speculative
+def strategy(tlt: TLTConfig, controller, alarms: Alarms | None = None):
+    """What a rollout is given: the controller, a fixed strategy name, or None (plain decoding); with ``alarms``,
+    the first two wrapped so that every decode iteration feeds them (:class:`~tltlib.rollout.alarms.WatchedSource`;
+    keep it across rollouts: it remembers plain decoding's recent speed)."""
+    source = controller if controller is not None else None if tlt.speculative == "off" else tlt.speculative
+    return WatchedSource(source, alarms) if alarms is not None and source is not None else source
 
 
-def train_drafter(spot: SpotTrainer, tlt: TLTConfig, window: SpotWindow | None = None, clock=None) -> dict:
+def alarms_for(tlt: TLTConfig, drafter) -> Alarms | None:
+    """The run's alarms (None with ``tlt.alarms`` off or SD off): the accept floor from ``tlt.accept_floor``, else
+    from the card of the folder the drafter was loaded from (none without one)."""
+    if not tlt.alarms or tlt.speculative == "off":
+        return None
+    config = AlarmConfig(accept_floor=tlt.accept_floor or None, patience=tlt.alarm_patience)
+    card = card_acceptance(getattr(drafter, "source", None))
+    where = "the drafter's card: " + ", ".join(f"{k} {v:.2f}" for k, v in card.items())
+    return Alarms(config, card_floor(card, config.floor_share), where)
+
+
+def watch_drafter(alarms: Alarms | None, held, drafter, version, policy_moved: bool, due: bool, world=None) -> None:
+    """After a step's drafter training (or a weight sync): the ``drafter_stale`` and ``drafter_mismatch`` alarms.
+    ``held``: the drafters the rollout's engines draft with; ``drafter``: the one trained, whose version was
+    ``version`` before; ``due``: it was due to train. Fingerprints are taken when its version moved (several
+    workers: at every step, gathered, as every worker must then hold the same merged drafter)."""
+    if alarms is None or drafter is None:
+        return
+    moved = drafter.version != version
+    alarms.after_update(policy_moved, moved, due, drafter.version)
+    workers = world.gather_objects(fingerprint(drafter)) if world is not None and world.distributed else None
+    if moved or workers:
+        for h in held:
+            alarms.check_drafter(h, drafter, workers)
+
+
+def train_drafter(spot: SpotTrainer, tlt: TLTConfig, window: SpotWindow | None = None, clock=None,
+                  train: bool = True) -> dict:
     """The online drafter's training after a rollout: none when the spot trainer trained it in the idle window (its
-    ``drafter/*`` statistics are returned); else ``tlt.drafter_steps`` micro-steps on the buffer, merged over the
-    workers; the drafter's version moves by one when it trained."""
-    if spot.active:
-        return window.stats if window is not None else {}
+    ``drafter/*`` statistics are returned); else ``tlt.drafter_steps`` micro-steps on the buffer (none when
+    ``train`` is False: ``drafter_train: on_drift`` found no drift), merged over the workers; the drafter's version
+    moves by one when it trained. ``drafter/micro_steps``: the micro-steps this worker ran in the step."""
     trainer, buffer, world = spot.drafter_trainer, spot.buffer, spot.world
+    if spot.active:
+        stats = window.stats if window is not None else {}
+        return {**stats, "drafter/micro_steps": float(window.steps)} if window is not None and trainer else stats
     t = time.time()
     drafter = trainer.drafter if trainer is not None else None
     version = getattr(drafter, "version", 0)
+    steps = tlt.drafter_steps if trainer is not None and train and buffer.sequences() else 0
     stats: dict = {}
-    if trainer is not None and buffer.sequences():
-        for _ in range(tlt.drafter_steps):
-            stats = trainer.micro_step(buffer.sample(tlt.drafter_batch))
+    for _ in range(steps):
+        stats = trainer.micro_step(buffer.sample(tlt.drafter_batch))
     if world.size > 1 and trainer is not None:
-        spot.sync(tlt.drafter_steps if buffer.sequences() else 0, version)
+        spot.sync(steps, version)
     elif stats:
         drafter.version = version + 1          # one new drafter for the next rollout (drafter/version)
     if clock is not None:
         clock.span("drafter", t)
-    return stats
+    return {**stats, "drafter/micro_steps": float(steps)} if trainer is not None else stats

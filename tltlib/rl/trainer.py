@@ -62,6 +62,7 @@ from .batch import Completions, LossStats, UpdateBatch
 from .clock import StepClock
 from .config import TLTConfig
 from .curriculum import CurriculumConfig, level_pools, stage, stage_pool
+from .drift import DriftGate
 from .grpo import (
     GRPOConfig,
     accuracy_reward,
@@ -134,6 +135,9 @@ class GRPOTrainer:
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None  # pi_ref
         self.spot = SpotTrainer(self.world, self.sched, self.drafter_trainer, self.buffer, self.tlt.drafter_batch)
         self.controller = adaptive_controller(model, drafter, self.tlt, args.generation_batch_size, args.seed)
+        self.alarms = online.alarms_for(self.tlt, drafter)     # SD's and the drafter's silent failures (alarm/*)
+        self.drift = DriftGate(self.tlt.drafter_train, self.tlt.drift_margin)     # when the online drafter trains
+        self._source = online.strategy(self.tlt, self.controller, self.alarms)
         rank_seed = args.seed + 7919 * self.world.rank    # rank 0 samples as one process does
         self.generator = torch.Generator(device=self.device).manual_seed(rank_seed)
         if self.buffer is not None:
@@ -183,8 +187,8 @@ class GRPOTrainer:
 
     @property
     def strategy(self):
-        """What the rollout is given: the controller, a fixed strategy name, or None."""
-        return online.strategy(self.tlt, self.controller)
+        """What the rollout is given: the controller, a fixed strategy name, or None (watched by the alarms)."""
+        return self._source
 
     # ------------------------------------------------------------------------------------------- the RL step
     def step(self) -> dict:
@@ -202,9 +206,11 @@ class GRPOTrainer:
             losses = self.update(batch, ref_lp, old_lp, clock)
         losses = losses.summed(self.world)     # over the whole batch
         with clock.phase("drafter"):
-            drafter_stats = self.train_drafter(window, clock)
+            drafter_stats = self.train_drafter(window, clock, res)
         self.step_count += 1
         m = self.metrics(res, batch, losses, drafter_stats, clock)
+        if self.alarms is not None:
+            m.update(self.alarms.metrics())
         if self.curriculum is not None:           # the level opened last (cumulative stages draw from all before)
             m["rl/curriculum_level"] = float(self.curriculum.levels[stage(self.step_count - 1, self.curriculum)])
         if self.world.distributed:
@@ -312,10 +318,25 @@ class GRPOTrainer:
         stats.loss += float(loss.detach()) / args.num_iterations
         stats.clip_frac += float((clipped & mask).sum()) / max(tokens, 1) / args.num_iterations
 
-    def train_drafter(self, window: SpotWindow | None = None, clock: StepClock | None = None) -> dict:
+    def train_drafter(self, window: SpotWindow | None = None, clock: StepClock | None = None,
+                      res: RolloutResult | None = None) -> dict:
         """The online drafter's training of this step: none when the spot trainer trained it in the idle window
-        (its ``drafter/*`` statistics are returned); else ``drafter_steps`` micro-steps, merged over the workers."""
-        return online.train_drafter(self.spot, self.tlt, window, clock)
+        (its ``drafter/*`` statistics are returned); else ``drafter_steps`` micro-steps, merged over the workers,
+        unless ``drafter_train: on_drift`` finds the acceptance of the rollout ``res`` still near its best
+        (:class:`~tltlib.rl.drift.DriftGate`). Then the stale and mismatch alarms look at the drafter."""
+        trains = self.drafter_trainer is not None
+        train = self.drift.decide(res.timeline) if trains and res is not None else True
+        version = getattr(self.drafter, "version", None)
+        stats = online.train_drafter(self.spot, self.tlt, window, clock, train)
+        if not trains:
+            return stats
+        moved = self.drafter.version != version
+        if moved:
+            self.drift.trained()
+        due = window.steps > 0 if self.spot.active and window is not None else train and bool(self.buffer.sequences())
+        online.watch_drafter(self.alarms, [self.engine.drafter], self.drafter, version, self.args.learning_rate > 0,
+                             due, self.world)
+        return {**stats, "drafter/trained": float(moved), **self.drift.metrics()}
 
     def metrics(self, res: RolloutResult, batch: UpdateBatch, losses: LossStats, drafter_stats: dict,
                 clock: StepClock) -> dict:
@@ -407,7 +428,7 @@ class GRPOTrainer:
         meta = {"step": self.step_count, "fingerprint": self.fingerprint(), "numpy_rng": self.rng.bit_generator.state,
                 "history": self.history,
                 "controller": self.controller.state_dict() if self.controller is not None else None,
-                "drafter_version": getattr(self.drafter, "version", None),
+                "drafter_version": getattr(self.drafter, "version", None), "drafter_drift": self.drift.state_dict(),
                 "drafter_steps_done": trains.steps_done if trains else None}
         tensors = {"optimizer": self.optimizer.state_dict(), "generator": self.generator.get_state()}
         parts = {"reference": self.reference, "drafter": self.drafter,
@@ -439,6 +460,7 @@ class GRPOTrainer:
             self.buffer.load_state_dict(tensors["buffer"])
         if self.controller is not None:
             self.controller.load_state_dict(meta["controller"])
+        self.drift.load_state_dict(meta.get("drafter_drift"))
         self.rng.bit_generator.state = meta["numpy_rng"]
         self.step_count, self.history = meta["step"], list(meta["history"])
         if worker is not None:

@@ -163,6 +163,19 @@ class AdaptiveConfig:
                            f"{self.on_drafter_change!r}")
 
 
+def iteration_speedup(costs, active: int, tokens: int, seconds: float, rows: int | None = None,
+                      context: float | None = None) -> float | None:
+    """The tuner's reward of a decode iteration that ran ``active`` rows for ``seconds``, the ``rows`` of them that
+    keep running (default: all) emitting ``tokens``: the batch's tokens per second had every row yielded as many as
+    they did on average, over plain decoding's at ``active`` rows and ``context`` under ``costs`` (None: the rate
+    itself); None when the iteration is no evidence (no time, or every row ended in it)."""
+    rows = active if rows is None else rows
+    if seconds <= 0 or rows < 1:
+        return None
+    rate = tokens / rows * active / seconds
+    return rate / plain_rate(costs, active, context) if costs is not None else rate
+
+
 def _family(arm: SpecStrategy) -> str:
     return "ngram" if arm.kind in ("ngram", "suffix") else "learned"
 
@@ -305,9 +318,8 @@ class AdaptiveController(StrategySource):
         if strategy.kind in ("chain", "ngram") and accepted is not None:      # chains measure depth by depth
             self.accept[_family(strategy)].update(accepted)
             self._bucket_acceptance(_family(strategy), self.tuner.bucket(active)).update(accepted)
-        per_row = tokens / rows
-        rate = per_row * active / seconds                 # tokens/s of the batch if every row yielded per_row
-        reward = rate / plain_rate(self.costs, active, context) if self.costs is not None else rate
+        reward = iteration_speedup(self.costs, active, tokens, seconds, rows, context)
+        rate = iteration_speedup(None, active, tokens, seconds, rows)
         self.tuner.update(active, strategy, reward)
         for k, v in (("active", active), ("arm", strategy.name), ("reward", reward), ("tokens_per_s", rate)):
             self.log[k].append(v)

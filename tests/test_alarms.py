@@ -1,0 +1,291 @@
+"""The alarms of SD's and the online drafter's silent failures, each caused on purpose (a random drafter, a drafter
+trained for another policy, SD forced where plain decoding is faster, a drafter training skipped, an engine holding
+another copy of the drafter) and seen to fire within 5 SD steps, once; none on the shipped tiny drafter. And
+``drafter_train: on_drift``: the drafter trains when its acceptance falls from its best, and not otherwise."""
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from tltlib.metrics import is_metric
+from tltlib.model.decoder import Transformer
+from tltlib.model.drafter import Drafter, DrafterConfig
+from tltlib.model.loading import load
+from tltlib.model.sampling import SamplingConfig
+from tltlib.rl import online
+from tltlib.rl.config import TLTConfig
+from tltlib.rl.drift import DriftGate, accept_by_strategy, accept_vs_best
+from tltlib.rl.grpo import GRPOConfig
+from tltlib.rl.trainer import GRPOTrainer
+from tltlib.rollout.alarms import (
+    AlarmConfig,
+    Alarms,
+    AlarmWarning,
+    WatchedSource,
+    card_acceptance,
+    card_floor,
+)
+from tltlib.rollout.config import RolloutConfig
+from tltlib.rollout.engine import RolloutEngine
+from tltlib.spec.strategy import SpecStrategy
+from tltlib.tasks.chain import ChainTaskConfig, generate_problems
+from tltlib.tasks.prompts import encode_prompts
+
+CHAIN = SpecStrategy.parse("chain-4")
+PROBLEMS = generate_problems(ChainTaskConfig(min_steps=3, max_steps=6), 40, seed=3)
+ARGS = GRPOConfig(num_generations=4, generation_batch_size=16, max_completion_length=72, temperature=0.9,
+                  learning_rate=1e-3, max_steps=3, seed=5, micro_batch_tokens=400)
+TLT = TLTConfig(speculative="chain-4", drafter_steps=2, drafter_batch=2, drafter_lr=1e-3)
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return load("data/tiny-reasoner", "data/tiny-reasoner-drafter")
+
+
+def _hist(accepted_per_row: list[int], depth: int = 4) -> np.ndarray:
+    return np.bincount(accepted_per_row, minlength=depth + 1)
+
+
+def _fired(alarms: Alarms) -> dict:
+    return {k: v for k, v in alarms.fired_at.items() if v}
+
+
+# ------------------------------------------------------------------------------------------- pure alarms
+def test_the_floor_fires_once_at_the_patience_th_low_step_and_rearms_after_recovering():
+    alarms = Alarms(AlarmConfig(accept_floor=2.0, patience=5, min_rows=16), floor_source="test")
+    for _ in range(10):                                    # a good drafter: 4 drafts of 4 accepted
+        alarms.sd_step(CHAIN, _hist([4] * 8))
+    assert not _fired(alarms)
+    with pytest.warns(AlarmWarning, match="accept_floor.*under the floor 2.00"):
+        for _ in range(10):                                # it breaks: nothing accepted
+            alarms.sd_step(CHAIN, _hist([0] * 8))
+    # the last 5 steps' mean falls under 2 at the 4th bad step: (1 x 5 + 4 x 1) / 5 = 1.8
+    assert alarms.fired_at["accept_floor"] == [14]
+    assert alarms.metrics()["alarm/accept_floor"] == 1.0 and alarms.metrics()["alarm/accept_floor"] == 0.0
+    for _ in range(10):
+        alarms.sd_step(CHAIN, _hist([4] * 8))
+    with pytest.warns(AlarmWarning):
+        for _ in range(5):
+            alarms.sd_step(CHAIN, _hist([0] * 8))
+    assert len(alarms.fired_at["accept_floor"]) == 2
+
+
+def test_the_floor_judges_only_the_learned_drafter_and_waits_for_enough_rows():
+    alarms = Alarms(AlarmConfig(accept_floor=2.0, patience=5, min_rows=16))
+    ngram = SpecStrategy.parse("ngram-4")
+    for _ in range(20):
+        alarms.sd_step(ngram, _hist([0, 0]))              # a model-free drafter accepting nothing: its nature
+    assert not _fired(alarms)
+    with pytest.warns(AlarmWarning):
+        for k in range(16):                                # one row per step: 16 steps make 16 row-steps
+            alarms.sd_step(CHAIN, _hist([0]))
+            assert bool(alarms.fired_at["accept_floor"]) == (k == 15)
+
+
+def test_the_floor_comes_from_the_card():
+    acc = card_acceptance("data/tiny-reasoner-drafter")
+    assert acc["chain-4"] == pytest.approx(4.85, abs=0.01) and card_floor(acc, 0.3) == pytest.approx(2.15, abs=0.01)
+    assert card_acceptance("data") == {} and card_acceptance(None) == {} and card_floor({}, 0.3) is None
+    alarms = online.alarms_for(TLTConfig(), type("D", (), {"source": "data/tiny-reasoner-drafter"})())
+    assert alarms.floor == pytest.approx(2.15, abs=0.01) and "chain-4 4.85" in alarms.floor_source
+    assert online.alarms_for(TLTConfig(accept_floor=3.0), None).floor == 3.0
+    assert online.alarms_for(TLTConfig(alarms=False), None) is None
+    with pytest.raises(ValueError, match="accept_floor.*>= 1"):
+        TLTConfig(accept_floor=0.5)
+
+
+def test_sd_slower_needs_patience_consecutive_slow_sd_steps():
+    alarms = Alarms(AlarmConfig(patience=5, slower_ratio=0.75))
+    for _ in range(4):
+        alarms.sd_step(CHAIN, speedup=0.5)
+    alarms.plain_step()                                   # the tuner turned SD off: the run of SD steps ends
+    for _ in range(4):
+        alarms.sd_step(CHAIN, speedup=0.5)
+    with pytest.warns(AlarmWarning, match="sd_slower.*0.66x plain"):
+        alarms.sd_step(CHAIN, speedup=2.0)                # geometric mean 0.66 < 0.75
+    assert alarms.fired_at["sd_slower"] == [9]
+    noisy = Alarms(AlarmConfig(patience=5))
+    for s in [0.6, 1.3, 0.7, 1.2, 0.9] * 4:                # around 1: no alarm
+        noisy.sd_step(CHAIN, speedup=s)
+    assert not _fired(noisy)
+
+
+def test_stale_and_mismatch_fire_on_their_faults_only():
+    alarms = Alarms()
+    alarms.after_update(policy_moved=True, drafter_moved=True, due=True)
+    alarms.after_update(policy_moved=True, drafter_moved=False, due=False)     # on_drift skipped on purpose
+    assert not _fired(alarms)
+    with pytest.warns(AlarmWarning, match="drafter_stale"):
+        alarms.after_update(policy_moved=True, drafter_moved=False, due=True, version=3)
+    alarms.after_update(policy_moved=True, drafter_moved=False, due=True)       # once, not at every step
+    assert len(alarms.fired_at["drafter_stale"]) == 1
+    a = Drafter(DrafterConfig.from_target(load_cfg()), init_std=0.02)
+    alarms.check_drafter(a, a)
+    alarms.check_drafter(copy.deepcopy(a), a)
+    assert not alarms.fired_at["drafter_mismatch"]
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        b.fc.weight.add_(1e-3)
+    with pytest.warns(AlarmWarning, match="drafter_mismatch.*not the one just trained"):
+        alarms.check_drafter(b, a)
+    with pytest.warns(AlarmWarning, match="workers' merged drafters differ"):
+        fresh = Alarms()
+        fresh.check_drafter(a, a, workers=["x", "y"])
+
+
+def load_cfg():
+    from tltlib.model.decoder import preset
+    return preset("tiny-cpu")
+
+
+# -------------------------------------------------------------------------------------- caused in rollouts
+def _rollout(model, drafter, alarms, strategy=CHAIN, costs=None, n=4, G=4):
+    eng = RolloutEngine(model, RolloutConfig(SamplingConfig(temperature=0.9, max_new_tokens=96), num_generations=G),
+                        drafter=drafter)
+    tok = load_tokenizer_of(model)
+    source = WatchedSource(strategy, alarms, costs=costs)
+    res = eng.generate(encode_prompts(PROBLEMS[:n], tok), torch.Generator().manual_seed(0), strategy=source)
+    return res
+
+
+_TOK = {}
+
+
+def load_tokenizer_of(model):
+    from tltlib.tasks.tokenizer import load_tokenizer
+    return _TOK.setdefault("tok", load_tokenizer("data/tiny-reasoner"))
+
+
+def _card_alarms():
+    acc = card_acceptance("data/tiny-reasoner-drafter")
+    return Alarms(AlarmConfig(), card_floor(acc, AlarmConfig().floor_share), "card")
+
+
+def test_a_random_drafter_fires_the_floor_within_5_sd_steps(shipped):
+    model, _, drafter = shipped
+    rnd = Drafter(drafter.config, init_std=0.02).attach(model)
+    alarms = _card_alarms()
+    with pytest.warns(AlarmWarning, match="accept_floor"):
+        _rollout(model, rnd, alarms)
+    assert alarms.fired_at["accept_floor"][0] <= 5
+
+
+def test_a_drafter_trained_for_another_policy_fires_the_floor_within_5_sd_steps(shipped):
+    model, _, drafter = shipped
+    torch.manual_seed(0)
+    # another policy of the same shape (random weights, std 0.3: peaked, unlike a near-uniform fresh model, whose
+    # every proposal a drafter on its head would pass)
+    other = Transformer(model.config, init_std=0.3).eval()
+    d = copy.deepcopy(drafter).attach(other)
+    alarms = _card_alarms()
+    with pytest.warns(AlarmWarning, match="accept_floor"):
+        _rollout(other, d, alarms)
+    assert alarms.fired_at["accept_floor"][0] <= 5
+
+
+def test_sd_forced_where_plain_is_faster_fires_sd_slower_within_5_sd_steps(shipped):
+    from tltlib.sim.costs import ModelShape, Roofline, hardware
+    model, _, drafter = shipped
+    h100 = Roofline(ModelShape(model.config, 4), hardware("h100"))   # plain decoding as fast as on an H100
+    alarms = Alarms(AlarmConfig())
+    with pytest.warns(AlarmWarning, match="sd_slower"):
+        _rollout(model, drafter, alarms, costs=h100)
+    assert alarms.fired_at["sd_slower"] == [5]
+
+
+def test_the_shipped_drafter_raises_no_alarm(shipped):
+    model, _, drafter = shipped
+    alarms = _card_alarms()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AlarmWarning)
+        for strategy in ("chain-4", "tree-6x4-24", "chain-8"):
+            _rollout(model, drafter, alarms, strategy=strategy, n=8)
+    assert alarms.sd_steps > 20 and not _fired(alarms)
+
+
+# ---------------------------------------------------------------------------------------- caused in GRPO
+def _trainer(shipped, tlt=TLT):
+    model, tok, d = shipped
+    model, d = copy.deepcopy(model), copy.deepcopy(d)
+    d.attach(model)
+    return GRPOTrainer(model, tok, PROBLEMS, ARGS, drafter=d, tlt=tlt)
+
+
+def test_grpo_steps_with_the_shipped_drafter_raise_no_alarm(shipped):
+    tr = _trainer(shipped)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AlarmWarning)
+        ms = [tr.step() for _ in range(2)]
+    for m in ms:
+        assert all(is_metric(k) for k in m), [k for k in m if not is_metric(k)]
+        assert m["alarm/accept_floor"] == m["alarm/drafter_stale"] == m["alarm/drafter_mismatch"] == 0.0
+        assert m["drafter/micro_steps"] == 2 and m["drafter/trained"] == 1.0
+    assert ms[0]["alarm/floor"] == pytest.approx(2.15, abs=0.01) and tr.alarms.sd_steps > 0
+
+
+def test_a_skipped_drafter_training_fires_stale_at_that_step(shipped, monkeypatch):
+    tr = _trainer(shipped)
+    tr.step()
+    monkeypatch.setattr(online, "train_drafter", lambda *a, **k: {})    # the sync skipped on purpose
+    with pytest.warns(AlarmWarning, match="drafter_stale"):
+        m = tr.step()
+    assert m["alarm/drafter_stale"] == 1.0 and m["drafter/trained"] == 0.0
+
+
+def test_an_engine_holding_another_copy_of_the_drafter_fires_mismatch_at_the_first_sync(shipped):
+    tr = _trainer(shipped)
+    tr.engine.drafter = copy.deepcopy(tr.drafter).attach(tr.model)   # the trained weights never reach it
+    with pytest.warns(AlarmWarning, match="drafter_mismatch"):
+        m = tr.step()
+    assert m["alarm/drafter_mismatch"] == 1.0
+
+
+# ------------------------------------------------------------------------------------------------ on_drift
+def _timeline(steps: list[tuple[str, int, int]]) -> dict:
+    """(strategy, active rows, accepted drafts) per decode iteration."""
+    return {"strategy": np.array([s for s, _, _ in steps]), "active": np.array([a for _, a, _ in steps]),
+            "accepted": np.array([x for _, _, x in steps])}
+
+
+def test_accept_by_strategy_counts_learned_sd_steps_per_strategy():
+    tl = _timeline([("off", 16, 0), ("chain-4", 8, 24), ("chain-4", 8, 8), ("ngram-4", 8, 0), ("tree-6x4-24", 4, 16)])
+    got = accept_by_strategy(tl, min_rows=1)
+    assert got == {"chain-4": (3.0, 16), "tree-6x4-24": (5.0, 4)}
+    assert accept_by_strategy(tl, min_rows=8) == {"chain-4": (3.0, 16)}
+    assert accept_vs_best(got, {"chain-4": 4.0}) == pytest.approx(0.75)
+    assert math.isnan(accept_vs_best(got, {}))
+
+
+def test_on_drift_trains_when_the_acceptance_falls_by_the_margin_and_not_before():
+    gate = DriftGate("on_drift", margin=0.1)
+    good, slight, fallen = ([("chain-4", 16, 16 * k)] for k in (3, 2.8, 2.5))   # accept length 4, 3.8, 3.5
+    assert not gate.decide(_timeline(good))            # the first measurement sets the best
+    assert not gate.decide(_timeline(slight)) and gate.ratio == pytest.approx(0.95)
+    assert gate.decide(_timeline(fallen)) and gate.ratio == pytest.approx(0.875)
+    gate.trained()
+    assert not gate.decide(_timeline(fallen))          # after training the best starts again
+    assert gate.decide(_timeline([("off", 16, 0)]))    # nothing measured: train (it cannot tell)
+    assert DriftGate("always").decide(_timeline(good))
+    with pytest.raises(ValueError, match="drafter_train must be one of"):
+        TLTConfig(drafter_train="sometimes")
+
+
+def test_on_drift_in_grpo_skips_the_drafter_until_its_acceptance_falls(shipped):
+    tr = _trainer(shipped, replace(TLT, drafter_train="on_drift"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AlarmWarning)       # a skip on purpose is not a stale drafter
+        m1 = tr.step()
+    assert m1["drafter/trained"] == 0.0 and m1["drafter/micro_steps"] == 0 and tr.drafter.version == 0
+    tr.drift.best = {k: 2 * v for k, v in tr.drift.best.items()}    # as if it had accepted twice as much before
+    m2 = tr.step()
+    assert m2["drafter/trained"] == 1.0 and m2["drafter/micro_steps"] == 2 and m2["drafter/accept_vs_best"] < 0.9
+    assert tr.drafter.version == 1 and tr.drift.best == {}
+    state = tr.checkpoint_state().meta["drafter_drift"]
+    assert state == {"best": {}}
