@@ -62,6 +62,17 @@ def test_shipped_files_parse(tmp_path):
     ("model: data/tiny-reasoner\ntlt: {buffer_decay: -1}\n", ValueError, "buffer_decay must be in \\(0, 1\\]"),
     ("model: data/tiny-reasoner\ngrpo: {learning_rate: 1e-4}\n", ValueError, "YAML reads 1e-4 as text: write 1.0e-4"),
     ("model: data/tiny-reasoner\ntlt: {speculative: chain-4}\n", ValueError, "needs a learned drafter"),
+    ("model: data/tiny-reasoner\ntlt: {speculative: adaptive}\n", ValueError, "arms need a learned drafter"),
+    ("model: data/tiny-reasoner\ntlt: {speculative: hybrid-6x4-0}\n", ValueError, "tlt.speculative = "
+     "'hybrid-6x4-0' verifies 84 draft tokens per step \\(budget 0: every drafted node\\), more than the rollout's "
+     "cache leaves room for \\(71\\): give a budget of at most 71 \\(e.g. hybrid-6x4-32\\)"),
+    ("model: data/tiny-reasoner\ntlt: {speculative: tree-10x8-90}\n", ValueError, "tree-10x8-90' verifies 90"),
+    ("model: data/tiny-reasoner\ntlt: {arms: ['off', chain-4, tree-10x8-90]}\n", ValueError,
+     "tlt.arms\\[2\\] = 'tree-10x8-90' verifies 90"),
+    ("model: data/tiny-reasoner\ntlt: {arms: ['off', chian-4]}\n", ValueError,
+     "tlt.arms\\[1\\]: cannot read speculative strategy 'chian-4'"),
+    ("model: data/tiny-reasoner\ntlt: {arms: [off, chain-4]}\n", ValueError,
+     "tlt.arms\\[0\\] = False: YAML reads an unquoted off .* write 'off'"),
     ("model: /nope\n", FileNotFoundError, "model '/nope' does not exist"),
     ("drafter: data/tiny-reasoner-drafter\n", ValueError, "'model' is missing"),
     ("model: data/tiny-reasoner\ngrpo:\n  max_completion_length: 48\n  max_completion_length: 5\n", ValueError,
@@ -93,6 +104,13 @@ def test_bad_files_are_refused_before_anything_loads(tmp_path, text, error, matc
     f.write_text(text)
     with pytest.raises(error, match=match):
         read_job(f)
+
+
+@pytest.mark.parametrize("speculative", ["suffix-6-12", "ngram-4", "off"])
+def test_a_model_free_strategy_needs_no_drafter(tmp_path, speculative):
+    f = tmp_path / "job.yaml"
+    f.write_text(f"model: data/tiny-reasoner\ntlt: {{speculative: '{speculative}'}}\n")
+    assert read_job(f).tlt.speculative == speculative
 
 
 def test_a_word_task_job_with_a_curriculum_and_two_rewards_reads_and_a_missing_level_is_named(tmp_path):

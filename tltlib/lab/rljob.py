@@ -58,6 +58,8 @@ from ..rl.memory import MeasuredLengths
 from ..rl.scheduler import SchedulerConfig
 from ..rl.trainer import GRPOTrainer
 from ..rl.world import DistributedWorld, launched_by_torchrun, torchrun_command
+from ..rollout.config import RolloutConfig
+from ..spec.strategy import SpecStrategy
 from ..tasks.datasets import TASKS, split_problems
 from .params import dataclass_from_mapping, load_yaml, params_path, task_configs
 
@@ -150,13 +152,55 @@ def read_job(params: str | os.PathLike) -> Job:
         dataclass_from_mapping(CurriculumConfig, values["curriculum"], f"{path}: curriculum")
     tlt = None if values["tlt"] is None else dataclass_from_mapping(TLTConfig, values["tlt"], f"{path}: tlt")
     scheduler = dataclass_from_mapping(SchedulerConfig, values["scheduler"], f"{path}: scheduler")
-    if tlt is not None and not values["drafter"] and tlt.speculative != "off" and \
-            not tlt.speculative.startswith("ngram"):
-        raise BadInput(f"{path}: tlt.speculative = {tlt.speculative!r} needs a learned drafter: set 'drafter' (or "
-                       "use speculative: off / ngram-D, or tlt: null for the baseline)")
+    _check_strategies(path, tlt, values["drafter"])
     return Job(str(path), values["model"], values["drafter"], values["dataset"], values["lengths"], values["task"],
                values["task_config"], values["rewards"], curriculum, values["train_problems"],
                values["eval_problems"], values["eval_steps"], values["device"], values["dtype"], grpo, tlt, scheduler)
+
+
+def _check_strategies(path: Path, tlt: TLTConfig | None, drafter: str) -> None:
+    """Before loading: every strategy the job can run (``tlt.speculative``, or each of ``tlt.arms`` under
+    ``adaptive``) can be read, fits in the room the rollout's cache leaves a step, and has the drafter it needs
+    (``suffix`` and ``ngram`` are model-free)."""
+    if tlt is None or tlt.speculative == "off":
+        return
+    if tlt.speculative == "adaptive":
+        for i, arm in enumerate(tlt.arms):
+            _strategy(arm, f"{path}: tlt.arms[{i}]")
+        needs = "the adaptive tuner's arms need"
+    else:
+        needs = None if not _strategy(tlt.speculative, f"{path}: tlt.speculative").uses_drafter else "needs"
+    if needs and not drafter:
+        raise BadInput(f"{path}: tlt.speculative = {tlt.speculative!r}: {needs} a learned drafter: set 'drafter' "
+                       "(or use a model-free speculative: ngram-D or suffix-D-N, off, or tlt: null for the "
+                       "baseline)")
+
+
+def _strategy(name, where: str) -> SpecStrategy:
+    """The strategy ``name`` of the job's ``where``, refused naming it when unreadable or larger than the room the
+    rollout's cache leaves for one step's draft (``RolloutConfig.draft_margin``, which no job setting changes)."""
+    if isinstance(name, bool):
+        raise BadInput(f"{where} = {name!r}: YAML reads an unquoted off (or on, yes, no) as {name}; write 'off'")
+    try:
+        st = SpecStrategy.parse(name)
+    except BadInput as e:
+        raise BadInput(f"{where}: {e}") from None
+    room = RolloutConfig.draft_margin - 1
+    if st.verify_tokens > room:
+        every = " (budget 0: every drafted node)" if st.kind in ("tree", "hybrid") and not st.budget else ""
+        raise BadInput(f"{where} = {name!r} verifies {st.verify_tokens} draft tokens per step{every}, more than "
+                       f"the rollout's cache leaves room for ({room}): {_smaller(st, room)}")
+    return st
+
+
+def _smaller(st: SpecStrategy, room: int) -> str:
+    """How to make ``st`` verify at most ``room`` draft tokens, with an example."""
+    if st.kind in ("chain", "ngram"):
+        return f"draft at most {room} tokens (e.g. {st.kind}-{min(room, 8)})"
+    depth = min(st.depth, 8)
+    if st.kind == "suffix":
+        return f"give a budget of at most {room} (e.g. suffix-{depth}-{min(room, 16)})"
+    return f"give a budget of at most {room} (e.g. {st.kind}-{depth}x{st.branch}-{min(room, 32)})"
 
 
 def _check_path(source: Path, key: str, value: str, kind: str) -> None:
