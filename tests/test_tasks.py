@@ -211,6 +211,23 @@ def test_ground_truths_that_are_prose_are_refused_naming_the_rows(tmp_path):
     assert [p.answer for p in load_problems(path)] == ["17", "x^2 + 1"]      # a formula is an answer
 
 
+@pytest.mark.parametrize("row", [{"question": "q", "answer": "93 apples"}, {"question": "q", "answer": "Answer: 93"},
+                                 {"prompt": "q", "ground_truth": "93 apples"},
+                                 {"prompt": "q", "reward_model": {"ground_truth": "Answer: 93"}}])
+def test_a_word_beside_the_answer_is_refused_as_the_reward_reads_it(tmp_path, row):
+    """One word beside the number slipped past the prose check (two words or more) and trained on reward 0: the
+    reward reads '#### 93 apples' as 93. Every key is checked as the reward reads it."""
+    from tltlib.tasks.problem import reward
+    truth = row.get("answer") or row.get("ground_truth") or row["reward_model"]["ground_truth"]
+    assert reward(f"#### {truth}", truth) == 0.0                          # what training would have seen
+    path = tmp_path / "d.jsonl"
+    path.write_text(f"{json.dumps(row)}\n{json.dumps({'prompt': 'p', 'answer': 'Paris'})}\n")   # a word alone is fine
+    key = "reward_model.ground_truth" if "reward_model" in row else "answer" if "answer" in row else "ground_truth"
+    with pytest.raises(ValueError, match=f"ground truth of 1 of 2 rows is text, not a final answer \\(rows 1; "
+                                         f"row 1: '{key}': '{truth}'\\)"):
+        load_problems(path)
+
+
 def test_a_corrupt_parquet_file_is_one_clear_error(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -52,8 +52,8 @@ def _row_to_problem(row: dict, where: str) -> Problem:
     truth = str(truth)
     if key in ("answer", "solution") and ("####" in truth or "\\boxed" in truth):
         truth = extract_answer(truth)                          # GSM8K "... #### 72", MATH "... \boxed{3}"
-    elif key in ("answer", "solution") and len(_WORD_RE.findall(truth)) >= 2:
-        raise NotAnAnswer(f"{key!r}: {truth[:60]!r}")          # prose, not a final answer: no reward could match
+    elif truth.strip() and not _scoreable(truth):
+        raise NotAnAnswer(f"{key!r}: {truth[:60]!r}")          # no response's final answer could equal it
     if not truth:
         raise BadInput(f"{where}: field {key!r} holds an empty ground truth")
     meta = {k: v for k, v in row.items() if k in ("data_source", "ability", "extra_info", "steps", "level", "source")}
@@ -61,6 +61,17 @@ def _row_to_problem(row: dict, where: str) -> Problem:
     if isinstance(response, str) and response.strip():
         meta["response"] = response                            # a reference response (drafter training data)
     return Problem(prompt, normalize_answer(truth), meta)
+
+
+def _scoreable(truth: str) -> bool:
+    """Whether a response can earn the reward for the ground truth ``truth``: the final answer the reward reads
+    (:func:`~tltlib.tasks.problem.extract_answer`) from ``#### x`` (one token) or, for a formula without words, from
+    ``\\boxed{x}`` can equal it. A word beside other text cannot: ``93 apples``, ``Answer: 93`` and ``the result is
+    93`` read from ``#### ...`` as ``93``, ``Answer:`` and ``the``."""
+    want = normalize_answer(truth)
+    if extract_answer(f"#### {truth}") == want:
+        return True
+    return not _WORD_RE.search(truth) and extract_answer(f"\\boxed{{{truth}}}") == want
 
 
 class NotAnAnswer(BadInput):
