@@ -33,7 +33,9 @@ from _common import (  # noqa: E402
     markdown_table,
     model_suffix,
     parse_bench_args,
+    positive_float,
     positive_int,
+    resolve,
     result_name,
     write_results,
 )
@@ -52,11 +54,31 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--chunks", default="512,2048,8192,65536", type=listed(positive_int, "512,2048"),
                     help="logprob_chunk sizes (with --chunk-micro)")
     ap.add_argument("--chunk-micro", type=positive_int, default=2048)
-    ap.add_argument("--budget-gib", type=float, default=24.0, help="the memory the last table fits runs into")
+    ap.add_argument("--budget-gib", type=positive_float, default=24.0,
+                    help="the memory the last table fits runs into")
     add_num_generations(ap, 8, "completions per prompt in the last table")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     add_output_flags(ap)
-    return parse_bench_args(ap, argv)
+    args = parse_bench_args(ap, argv)
+    if not args.child:
+        _check_workload(ap, args)
+    return args
+
+
+GROUP = 4
+"""Completions per prompt in the measured update (``--rows`` of them form whole groups)."""
+
+
+def _check_workload(ap, args) -> None:
+    """Before any child process starts: ``--rows`` forms whole groups, and ``--length`` fits the model's context."""
+    from tltlib.fileio import read_json
+    if args.rows % GROUP:
+        ap.error(f"argument --rows: {args.rows} completions cannot form the update's groups of {GROUP}; give a "
+                 f"multiple of {GROUP} (e.g. 32)")
+    context = read_json(resolve(args.model) / "config.json").get("max_position_embeddings")
+    if isinstance(context, int) and args.length >= context:
+        ap.error(f"argument --length: {args.length} tokens per completion leave no room for a prompt in the "
+                 f"model's context of {context} tokens (max_position_embeddings); give a shorter --length")
 
 
 def _rss(field: str) -> int:
@@ -78,9 +100,9 @@ def child(args) -> None:
     micro, chunk = json.loads(args.child)
     model, tok, _ = load_models(args)
     base = _rss("VmRSS:")
-    g = args.rows // 4
+    g = args.rows // GROUP
     problems = generate_task("words" if getattr(tok, "chat_template", None) else "chain", g, seed=7)
-    cfg = GRPOConfig(num_generations=4, generation_batch_size=args.rows, max_completion_length=args.length,
+    cfg = GRPOConfig(num_generations=GROUP, generation_batch_size=args.rows, max_completion_length=args.length,
                      micro_batch_tokens=micro, logprob_chunk=chunk, learning_rate=1e-6)
     tr = GRPOTrainer(model, tok, problems, cfg)
     shape = tr.worker_shape()
@@ -102,18 +124,12 @@ def child(args) -> None:
 def main() -> None:
     args = parse_args()
     if args.child:
-        return child(args)
+        return _run_child(args)
     configs = [(m, 2048) for m in args.micro.items] + [(args.chunk_micro, c) for c in args.chunks.items
                                                          if c != 2048 or args.chunk_micro not in args.micro.items]
     results = []
     for micro, chunk in configs:
-        cmd = [sys.executable, __file__, "--model", args.model, "--device", args.device, "--dtype", args.dtype,
-               "--rows", str(args.rows), "--length", str(args.length), "--child", json.dumps([micro, chunk])]
-        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
-        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if line is None:
-            raise SystemExit(f"micro {micro} chunk {chunk} failed:\n{out.stderr[-2000:]}")
-        results.append(json.loads(line[7:]))
+        results.append(_measure(args, micro, chunk))
         r = results[-1]
         print(f"micro {micro:6d} chunk {chunk:6d}: peak {r['peak_gib']:.2f} GiB (estimate {r['estimate_gib']:.2f}), "
               f"{r['tokens_per_s']:.0f} tokens/s", flush=True)
@@ -123,6 +139,36 @@ def main() -> None:
                "results": results, "fits": fits}
     write_results(result_name("update_memory", args.device, args.dtype, model_suffix(args.model)), payload, table,
                   args.out)
+
+
+def _run_child(args) -> None:
+    """:func:`child`; an error raised on purpose goes to the parent as one line (``ERROR`` and JSON: its type and
+    message), which the parent raises as its own, without the child's traceback."""
+    from tltlib.errors import TLTError
+    try:
+        child(args)
+    except TLTError as e:
+        print("ERROR " + json.dumps({"type": type(e).__name__, "message": str(e)}), flush=True)
+        sys.exit(1)
+
+
+def _measure(args, micro: int, chunk: int) -> dict:
+    """One configuration measured in a fresh process (:func:`child`); its error raised here as one line."""
+    from tltlib import errors
+    cmd = [sys.executable, __file__, "--model", args.model, "--device", args.device, "--dtype", args.dtype,
+           "--rows", str(args.rows), "--length", str(args.length), "--child", json.dumps([micro, chunk])]
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
+    lines = out.stdout.splitlines()
+    line = next((ln for ln in lines if ln.startswith("RESULT ")), None)
+    if line is not None:
+        return json.loads(line[len("RESULT "):])
+    failed = next((json.loads(ln[len("ERROR "):]) for ln in lines if ln.startswith("ERROR ")), None)
+    if failed is None:                                    # a bug: the child's traceback
+        raise SystemExit(f"micro {micro} chunk {chunk} failed:\n{out.stderr[-2000:]}")
+    kind = getattr(errors, failed["type"], None)
+    kind = kind if isinstance(kind, type) and issubclass(kind, errors.TLTError) else errors.Refused
+    raise kind(f"the update at micro_batch_tokens {micro}, logprob_chunk {chunk} (--rows {args.rows}, --length "
+               f"{args.length}): {failed['message']}")
 
 
 def _fits(args) -> list[dict]:

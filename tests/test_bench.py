@@ -57,6 +57,12 @@ def assert_one_line_error(out: subprocess.CompletedProcess, *expected: str) -> N
     (["e2e_grpo", "--num-generations", "0"], ["argument --num-generations", "'0' is not a positive integer"]),
     (["drafters", "--model", "data/tiny-reasoner", "--drafters", "data/tiny-reasoner-drafter;no/such",
       "--responses", "README.md"], ["argument --drafters", "no drafter folder 'no/such'", "';'-separated list"]),
+    (["update_memory", "--model", "data/tiny-reasoner", "--budget-gib", "-5"],
+     ["argument --budget-gib", "'-5' is not a number > 0"]),
+    (["update_memory", "--model", "data/tiny-reasoner", "--rows", "2"],
+     ["argument --rows", "2 completions cannot form the update's groups of 4; give a multiple of 4"]),
+    (["update_memory", "--model", "data/tiny-reasoner", "--length", "5000"],
+     ["argument --length", "5000 tokens per completion leave no room for a prompt in the model's context of 1024"]),
 ])
 def test_a_bad_flag_is_one_line_before_anything_loads(args, expected, tmp_path):
     assert_one_line_error(bench(tmp_path, *args), *expected)
@@ -119,6 +125,15 @@ def test_a_library_error_after_the_malloc_reexec_is_still_one_line(tmp_path):
     out = bench(tmp_path, "e2e_grpo", "--replot", str(bad))
     assert_one_line_error(out, f"{bad} is not valid JSON", "e2e_grpo-*.json")
     assert len(out.stderr.strip().splitlines()) == 2               # the error and the --debug hint
+
+
+def test_an_error_in_the_update_memory_child_is_the_parents_one_line(tmp_path):
+    """The update runs in a child process: its error (a completion longer than the context leaves after the prompt)
+    is printed by the parent as one line naming the configuration, not under the child's traceback."""
+    out = bench(tmp_path, "update_memory", "--model", "data/tiny-reasoner", "--rows", "4", "--length", "1020",
+                "--micro", "512", "--chunks", "2048", "--chunk-micro", "512")
+    assert_one_line_error(out, "the update at micro_batch_tokens 512, logprob_chunk 2048 (--rows 4, --length 1020): "
+                               "lengths[0] = 1020 is outside 1..")
 
 
 def test_list_flags_keep_their_text_and_parse_their_items():
