@@ -222,6 +222,18 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume_and_a_torn_middle_one_nam
         _resume(params, out)
 
 
+def test_a_torn_line_of_the_checkpoints_own_step_is_written_back_with_a_note(one_step, tmp_path, capsys):
+    """The checkpoint holds step 1, so step 1 does not re-run: its torn line was dropped without a word and the log
+    lacked the step for good. The checkpoint's history holds the line's metrics: they are written back."""
+    params, out = _copy(one_step, tmp_path)
+    log = out / "metrics.jsonl"
+    whole = log.read_text()
+    log.write_text(whole[:40])                                           # step 1's line, torn
+    _resume(params, out)
+    assert json.loads(log.read_text()) == json.loads(whole)
+    assert "lacked the line of step 1 (a last line torn by a killed write)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("damage,match", [
     ("truncate", "policy.safetensors is not a readable safetensors file"),
     ("nan", "policy.safetensors: tensor .* holds 1 non-finite values"),

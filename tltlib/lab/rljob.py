@@ -153,6 +153,8 @@ def read_job(params: str | os.PathLike) -> Job:
     tlt = None if values["tlt"] is None else dataclass_from_mapping(TLTConfig, values["tlt"], f"{path}: tlt")
     scheduler = dataclass_from_mapping(SchedulerConfig, values["scheduler"], f"{path}: scheduler")
     _check_strategies(path, tlt, values["drafter"])
+    if tlt is not None and tlt.prior:
+        _check_path(path, "tlt.prior", tlt.prior, "file")        # its fit to the model is checked when it loads
     return Job(str(path), values["model"], values["drafter"], values["dataset"], values["lengths"], values["task"],
                values["task_config"], values["rewards"], curriculum, values["train_problems"],
                values["eval_problems"], values["eval_steps"], values["device"], values["dtype"], grpo, tlt, scheduler)
@@ -289,7 +291,7 @@ def run_job(params: str | os.PathLike, output_dir: str | os.PathLike | None = No
         _write_run_files(job, output, resume, world)
     if resume:
         trainer.load(output)
-    log.keep_until(trainer.step_count)             # steps after the checkpoint re-run
+    log.keep_until(trainer.step_count, trainer.history)      # steps after the checkpoint re-run
     target = max_steps or job.grpo.max_steps
     steps = max(target - trainer.step_count, 0)
     if steps == 0 and lead:
@@ -378,12 +380,24 @@ class MetricsLog:
     def __init__(self, path: Path, out, lead: bool):
         self.path, self.out, self.lead = path, out, lead
 
-    def keep_until(self, step: int) -> None:
-        """Drop the lines of steps after ``step`` (they re-run after a resume); a last line torn by a killed write
-        goes too (its step is after the checkpoint, which is saved after the line)."""
-        if self.lead and self.path.is_file():
-            kept = [line for line, m in parse_metrics(self.path, torn_tail_ok=True) if m.get("rl/step", 0) <= step]
-            atomic_write_text(self.path, "".join(f"{line}\n" for line in kept))
+    def keep_until(self, step: int, history: list[dict] = ()) -> None:
+        """Drop the lines of steps after ``step`` (they re-run after a resume; a last line torn by a killed write
+        goes too), and write back from the checkpoint's ``history`` (each step's metrics, as its line held them)
+        the lines of steps up to ``step`` that the log lacks (a torn last line of the checkpoint's own step), with
+        a note naming them: those steps do not re-run."""
+        if not (self.lead and self.path.is_file()):
+            return
+        kept = [(m.get("rl/step", 0), line) for line, m in parse_metrics(self.path, torn_tail_ok=True)
+                if m.get("rl/step", 0) <= step]
+        have = {s for s, _ in kept}
+        lost = [m for m in history if m.get("rl/step", 0) <= step and m.get("rl/step", 0) not in have]
+        kept = sorted(kept + [(m["rl/step"], json.dumps(m, default=float)) for m in lost], key=lambda sl: sl[0])
+        atomic_write_text(self.path, "".join(f"{line}\n" for _, line in kept))
+        if lost:
+            steps = ", ".join(str(m["rl/step"]) for m in lost)
+            print(f"note: {str(self.path)!r} lacked the line of step {steps} (a last line torn by a killed write), "
+                  "which the checkpoint holds and does not re-run: written back from the checkpoint",
+                  file=sys.stderr)
 
     def emit(self, m: dict) -> None:
         if not self.lead:
