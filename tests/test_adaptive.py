@@ -3,6 +3,7 @@ cost model (with context), the tuner's prior file, config errors, and exactness 
 itself: tests/test_bandit.py)."""
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import numpy as np
@@ -288,9 +289,15 @@ def test_prior_file_round_trip_and_refusals(tmp_path, small_pair):
     cm = measure_costs(target, drafter, rows=(1, 2), tokens=(1, 5), contexts=(8, 32), repeats=1)
     ctl = AdaptiveController(AdaptiveConfig(threshold=4), cm, drafter)
     ctl.accept["learned"].update(np.array([1, 2, 5]))
-    save_prior(tmp_path / "prior.json", ctl, target, drafter)
-    costs, accept = load_prior(tmp_path / "prior.json", target, drafter)
+    save_prior(tmp_path / "prior.json", ctl, target, drafter, recommended={"threshold": 4, "arms": ["off", "chain-4"]})
+    costs, accept, threshold, arms = load_prior(tmp_path / "prior.json", target, drafter)
     assert costs.to_dict() == cm.to_dict() and accept["learned"]["reached"][:2] == [8.0, 7.0]
+    assert (threshold, arms) == (4, ("off", "chain-4"))
+    retrained = copy.deepcopy(drafter)                       # the same shape, other weights: another drafter
+    with torch.no_grad():
+        retrained.fc.weight[0, 0] += 1e-3
+    with pytest.raises(ValueError, match="measured for another drafter"):
+        load_prior(tmp_path / "prior.json", target, retrained)
     other = Transformer(ModelConfig(vocab_size=24, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=4,
                                     num_kv_heads=2, eos_token_ids=(2,), max_position_embeddings=160))
     with pytest.raises(ValueError, match="measured for another model"):

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
                 "sample-responses": commands.cmd_sample_responses, "warm-start": commands.cmd_warm_start,
                 "get-model": commands.cmd_get_model, "import-gguf": commands.cmd_import_gguf,
                 "bench": commands.cmd_bench, "simulate": commands.cmd_simulate,
-                "report": commands.cmd_report}
+                "report": commands.cmd_report, "check": commands.cmd_check}
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return handlers[args.cmd](args)

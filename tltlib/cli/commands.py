@@ -155,6 +155,27 @@ def cmd_train_grpo(args) -> int:
     return 0
 
 
+def cmd_check(args) -> int:
+    from ..fileio import resolve
+    from ..lab.check import card_numbers, run_check, screen, write_report
+    from ..lab.check.inputs import check_inputs, check_prompts
+    from ..model.loading import load
+    from ..model.weights import pick_device
+    inputs = check_inputs(args)                                # every setting checked before anything loads
+    device = pick_device(args.device)
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    model, tok, drafter = load(inputs.model, inputs.drafter or None, device=device, dtype=dtype)
+    prompts = check_prompts(inputs, tok, args.seed)
+    log = None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    card = card_numbers(resolve(inputs.drafter)) if inputs.drafter else {}
+    report = run_check(model, tok, drafter, prompts, inputs.config, card=card, prior_path=args.prior or None, log=log)
+    report.settings.update(model=inputs.model, drafter=inputs.drafter, dataset=inputs.dataset, params=inputs.job)
+    write_report(report, args.out)
+    print(screen(report))
+    print(f"report: {args.out}")
+    return 0 if report.lossless else 1
+
+
 def cmd_simulate(args) -> int:
     import json
 

@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     _train_reasoner_command(sub)
     _train_drafter_command(sub)
     _sample_responses_command(sub)
+    _check_command(sub)
     _warm_start_command(sub)
     _model_commands(sub)
     _train_grpo_command(sub)
@@ -188,6 +189,42 @@ def _train_grpo_command(sub) -> None:
                          "(the spot trainer trains the drafter on workers whose rollout is over)")
     tg.add_argument("--max-restarts", type=int, default=0, help="with --workers: torchrun restarts a failed group "
                     "this many times; the job resumes from its last checkpoint")
+
+
+def _check_command(sub) -> None:
+    ck = sub.add_parser("check", help="on your model, drafter, sampling settings and machine: is SD lossless "
+                        "(exit 1 if not), does it pay (the threshold and arms to use, a tuner prior file), is the "
+                        "drafter still good")
+    ck.add_argument("--model", help="the model folder (default: the job's with --params, else the tiny reasoner)")
+    ck.add_argument("--drafter", help="the drafter folder (default: the job's with --params; none: model-free "
+                    "strategies only)")
+    ck.add_argument("--params", help="a train-grpo job file: its model, drafter, dataset or task and sampling "
+                    "settings (GRPOConfig temperature, top_p, top_k, max_completion_length) are checked")
+    ck.add_argument("--dataset", help="prompts: chain, words or a local .jsonl/.parquet (default: the job's, else "
+                    "chain for the tiny reasoner and words for other models)")
+    ck.add_argument("--temperature", type=float, help="sampling temperature (default: the job's, else 1.0)")
+    ck.add_argument("--top-p", type=float, help="nucleus sampling (default: the job's, else 1.0)")
+    ck.add_argument("--top-k", type=int, help="top-k sampling, 0 = off (default: the job's, else 0)")
+    ck.add_argument("--max-new-tokens", type=int, help="longest response (default: the job's "
+                    "max_completion_length, else 256)")
+    ck.add_argument("--prompts", type=int, default=8, help="prompts every test samples from (default %(default)s, "
+                    "at least 4)")
+    ck.add_argument("--samples", type=int, default=64, help="samples per prompt and arm of the χ² test (default "
+                    "%(default)s; prompts x samples >= 256)")
+    ck.add_argument("--strategy", default="", help="the SD strategy the losslessness tests run (default chain-4 "
+                    "with a drafter, ngram-4 without)")
+    ck.add_argument("--arms", default="", help="comma-separated strategies whose speed is measured (default "
+                    "chain-4,tree-4x2-8 with a drafter, ngram-4,suffix-4-8)")
+    ck.add_argument("--rows", default="1,4,16", help="running rows at which speed is measured (default "
+                    "%(default)s)")
+    ck.add_argument("--parts", default="lossless,pays,drafter", help="which parts run (default %(default)s)")
+    ck.add_argument("--out", default="check-report.json", help="the JSON report (default %(default)s)")
+    ck.add_argument("--prior", default="", help="write the tuner prior file here (tlt.prior in a job; needs the "
+                    "pays part)")
+    ck.add_argument("--seed", type=int, default=0)
+    ck.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default %(default)s)")
+    ck.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ck.add_argument("--quiet", action="store_true", help="only the final screen")
 
 
 def _sample_responses_command(sub) -> None:

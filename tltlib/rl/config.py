@@ -26,6 +26,10 @@ class TLTConfig:
     arms: tuple = ("off", *DEFAULT_ARMS)
     """The adaptive tuner's strategies; ``off`` lets it keep plain decoding where no SD strategy pays (a drafter
     that RL has left behind, or a compute-bound batch)."""
+    prior: str = ""
+    """A tuner prior file (``python -m tltlib check --prior FILE``) of this model, drafter and machine: the tuner
+    starts from its cost model and measured acceptance instead of measuring, and ``threshold: 0`` takes its
+    recommended threshold; a file measured for another model, drafter or machine is refused ("" = measure here)."""
     on_drafter_change: str = "discount"
     """What the adaptive tuner does when the online drafter has trained: ``"discount"`` keeps part of the weight of
     the drafter arms' evidence, ``"reset"`` re-explores them, ``"keep"`` keeps it whole (see

@@ -13,8 +13,9 @@ import time
 from ..drafting.pairs import PairBuffer, PairBufferConfig
 from ..drafting.train import DrafterTrainConfig, DrafterTrainer
 from ..errors import BadInput
+from ..fileio import resolve
 from ..model.weights import fingerprint
-from ..rollout.adaptive import AdaptiveConfig, AdaptiveController, TunerConfig, default_threshold
+from ..rollout.adaptive import AdaptiveConfig, AdaptiveController, TunerConfig, default_threshold, load_prior
 from ..rollout.alarms import AlarmConfig, Alarms, WatchedSource, card_acceptance, card_floor
 from ..sim.measure import measure_costs
 from .config import TLTConfig
@@ -38,16 +39,23 @@ def drafter_training(model, drafter, tlt: TLTConfig, sched: SchedulerConfig, wor
 def adaptive_controller(model, drafter, tlt: TLTConfig, max_rows: int, seed: int) -> AdaptiveController | None:
     """The adaptive controller of ``tlt.speculative == "adaptive"`` (None otherwise): SD at or below ``tlt.threshold``
     running rows (0: the device's default), the tuner over ``tlt.arms`` (the drafter arms dropped without a drafter),
-    the cost model measured here for up to ``max_rows`` rows."""
+    the cost model measured here for up to ``max_rows`` rows. With ``tlt.prior`` (a tuner prior file of this model,
+    drafter and machine: ``python -m tltlib check --prior``) the cost model and the measured acceptance are read from
+    it instead, and its recommended threshold is used when ``tlt.threshold`` is 0."""
     if tlt.speculative != "adaptive":
         return None
-    threshold = tlt.threshold or default_threshold(model.device)
+    prior = load_prior(resolve(tlt.prior), model, drafter) if tlt.prior else None
+    threshold = tlt.threshold or (prior.threshold if prior is not None else 0) or default_threshold(model.device)
     arms = tuple(a for a in tlt.arms if drafter is not None or str(a).startswith(("ngram", "off")))
     if not arms:
         raise BadInput("speculative='adaptive' without a drafter needs n-gram arms (e.g. ngram-4)")
-    costs = measure_costs(model, drafter, max_batch=max(1, min(threshold, max_rows)))
-    return AdaptiveController(AdaptiveConfig(threshold=threshold, tuner=TunerConfig(arms=arms, seed=seed),
-                                             on_drafter_change=tlt.on_drafter_change), costs, drafter)
+    costs = prior.costs if prior is not None else measure_costs(model, drafter, max_batch=max(1, min(threshold,
+                                                                                                  max_rows)))
+    controller = AdaptiveController(AdaptiveConfig(threshold=threshold, tuner=TunerConfig(arms=arms, seed=seed),
+                                                   on_drafter_change=tlt.on_drafter_change), costs, drafter)
+    for family, state in (prior.accept if prior is not None else {}).items():
+        controller.accept[family].load_state_dict(state)
+    return controller
 
 
 def strategy(tlt: TLTConfig, controller, alarms: Alarms | None = None):

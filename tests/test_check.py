@@ -1,0 +1,196 @@
+"""python -m tltlib check: each test passes on the shipped tiny reasoner and its drafter, and catches the fault it
+is there for (a wrong residual, a greedy verify that accepts a wrong draft, a drafter for another policy, a draft
+vocabulary off by one) with p < 1e-6 or an exact mismatch; the tuner prior file it writes is what the trainer
+starts from; bad input gets one clear error each."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import tltlib.spec.verify as verify
+from tltlib.cli.app import main
+from tltlib.lab.check import CheckConfig, card_numbers, lossless, run_check
+from tltlib.lab.check.drafter import quality
+from tltlib.lab.check.pays import acceptance_rates, recommend
+from tltlib.model import load
+from tltlib.model.drafter import Drafter
+from tltlib.model.sampling import SamplingConfig
+from tltlib.rl.config import TLTConfig
+from tltlib.rl.online import adaptive_controller
+from tltlib.rollout.adaptive import AdaptiveConfig, AdaptiveController, save_prior
+from tltlib.sim.measure import measure_costs
+from tltlib.spec.strategy import SpecStrategy
+from tltlib.tasks import encode_prompts, generate_problems
+from tltlib.tasks.chain import ChainTaskConfig
+
+CHAIN4 = SpecStrategy.parse("chain-4")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load("data/tiny-reasoner", "data/tiny-reasoner-drafter", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny):
+    return encode_prompts(generate_problems(ChainTaskConfig(), 4, seed=7), tiny.tokenizer)
+
+
+def small(**kw) -> CheckConfig:
+    return CheckConfig(**{"prompts": 4, "samples": 64, "length_samples": 4, "max_new_tokens": 96,
+                          "greedy_tokens": 32, **kw})
+
+
+def off_by_one(drafter, vocab: int):
+    """A copy of ``drafter`` whose draft vocabulary maps column j to token j + 1 (the logit of token j proposes
+    token j + 1): the mapping bug of a reduced draft vocabulary."""
+    d = copy.deepcopy(drafter)
+    d.set_draft_vocab(torch.arange(vocab))
+    right = d.draft_logits
+    d.draft_logits = lambda h: torch.roll(right(h), 1, -1)
+    return d
+
+
+def test_lossless_and_drafter_parts_pass_on_the_shipped_pair(tiny, prompts):
+    cfg = small(parts=("lossless", "drafter"))
+    report = run_check(tiny.model, tiny.tokenizer, tiny.drafter, prompts, cfg,
+                       card=card_numbers("data/tiny-reasoner-drafter"), log=None)
+    by_name = {v.name: v for v in report.verdicts}
+    assert report.lossless and set(by_name) == {"greedy identity", "first tokens χ²", "response lengths", "log-probs",
+                                                "top-1 by depth", "accept length"}
+    assert by_name["log-probs"].numbers["max_abs_diff"] < 1e-3 and by_name["top-1 by depth"].status == "pass"
+    assert by_name["accept length"].numbers["accept_len_mean"] > 2 and report.data["drafter"]["alarm_floor"] > 1
+    assert json.loads(json.dumps(report.to_dict(), default=float))["lossless"] is True
+
+
+def _contexts(tiny, prompts, sampling, k):
+    plain = lossless.rollout(tiny.model, None, prompts, SamplingConfig(sampling.temperature, max_new_tokens=96), None,
+                             1, 3)
+    rows = [(plain.prompt_ids[i], plain.response_ids(i)) for i in range(plain.num_sequences)]
+    return lossless.entropic_contexts(tiny.model, rows, sampling, k, windows=2)
+
+
+def test_chi2_catches_a_wrong_residual(tiny, prompts, monkeypatch):
+    cfg = small(temperature=2.0, samples=64)
+    ctx = _contexts(tiny, prompts, SamplingConfig(2.0), cfg.first_tokens)
+    ok = lossless.first_tokens_chi2(tiny.model, tiny.drafter, ctx, CHAIN4, cfg)
+    right = verify.residual
+    monkeypatch.setattr(verify, "residual", lambda p, q: right(q, p))       # max(0, q - p): the arguments swapped
+    bad = lossless.first_tokens_chi2(tiny.model, tiny.drafter, ctx, CHAIN4, cfg)
+    assert ok.status == "pass" and bad.status == "fail" and bad.numbers["pvalue"] < 1e-6, (ok.line, bad.line)
+
+
+def test_greedy_identity_catches_a_verify_that_accepts_a_wrong_draft(tiny, prompts, monkeypatch):
+    right = verify.verify_chain_greedy
+
+    def lenient(target_argmax, drafts):                  # accepts one draft more than agrees with the target
+        accepted, nxt = right(target_argmax, drafts)
+        more = (accepted < drafts.shape[1]).long()
+        nxt = torch.where(more.bool(), drafts.gather(1, accepted.clamp(max=drafts.shape[1] - 1)[:, None])[:, 0], nxt)
+        return accepted + more, nxt
+
+    import tltlib.spec.step as step
+    shifted = off_by_one(tiny.drafter, tiny.model.config.vocab_size)   # wrong drafts, a correct verify rejects them
+    cfg = small(greedy_tokens=16)
+    assert lossless.greedy_identity(tiny.model, shifted, prompts, CHAIN4, cfg).status == "pass"
+    monkeypatch.setattr(step, "verify_chain_greedy", lenient)
+    v = lossless.greedy_identity(tiny.model, shifted, prompts, CHAIN4, cfg)
+    assert v.status == "fail" and v.numbers["top_two_margin"] > 1e-3, v.line
+
+
+def _quality(tiny, prompts, drafter):
+    s = SamplingConfig(1.0, max_new_tokens=48)
+    plain = lossless.rollout(tiny.model, None, prompts, s, None, 2, 0)
+    spec = lossless.rollout(tiny.model, drafter, prompts, s, CHAIN4, 2, 1)
+    return quality(tiny.model, tiny.tokenizer, drafter, plain, spec, "chain-4",
+                   card_numbers("data/tiny-reasoner-drafter"))
+
+
+def test_drafter_part_catches_a_draft_vocabulary_off_by_one(tiny, prompts):
+    shifted = off_by_one(tiny.drafter, tiny.model.config.vocab_size)
+    verdicts, numbers = _quality(tiny, prompts, shifted)
+    top1 = verdicts[0]
+    assert top1.status == "warn" and top1.numbers["pvalue"] < 1e-6 and numbers["accept_len_mean"] < 2, top1.line
+
+
+def test_drafter_part_catches_a_drafter_not_synced(tiny, prompts):
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        fresh = Drafter(tiny.drafter.config).attach(tiny.model)   # the engine kept a drafter the sync never reached
+    verdicts, _ = _quality(tiny, prompts, fresh)
+    assert verdicts[0].status == "warn" and verdicts[0].numbers["pvalue"] < 1e-6, verdicts[0].line
+    shipped, _ = _quality(tiny, prompts, tiny.drafter)
+    assert shipped[0].status == "pass", shipped[0].line
+
+
+def test_prior_file_is_what_the_trainer_starts_from(tiny, tmp_path):
+    costs = measure_costs(tiny.model, tiny.drafter, rows=(1, 2), tokens=(1, 5), contexts=(8, 32), repeats=1)
+    ctl = AdaptiveController(AdaptiveConfig(threshold=2), costs, tiny.drafter)
+    ctl.accept["learned"].update(torch.tensor([1.0, 2.0, 5.0]).numpy())
+    save_prior(tmp_path / "prior.json", ctl, tiny.model, tiny.drafter,
+               recommended={"threshold": 2, "arms": ["off", "chain-4"]})
+    started = adaptive_controller(tiny.model, tiny.drafter, TLTConfig(prior=str(tmp_path / "prior.json")), 16, 0)
+    assert started.config.threshold == 2 and started.costs.to_dict() == costs.to_dict()
+    assert started.accept["learned"].state_dict()["reached"][:2] == [8.0, 7.0]
+    retrained = copy.deepcopy(tiny.drafter)
+    with torch.no_grad():
+        retrained.fc.weight[0, 0] += 1e-3
+    with pytest.raises(ValueError, match="measured for another drafter"):
+        adaptive_controller(tiny.model, retrained, TLTConfig(prior=str(tmp_path / "prior.json")), 16, 0)
+
+
+def test_recommendation_from_measured_and_predicted_speed():
+    measured = {1: {"chain-4": 1.4, "ngram-4": 0.9}, 16: {"chain-4": 0.95, "ngram-4": 0.8}}
+    predicted = {4: {"chain-4": 1.2, "ngram-4": 1.05}, 16: {"chain-4": 1.3, "ngram-4": 1.0}}
+    assert recommend(measured, predicted) == (4, ("off", "chain-4", "ngram-4"))     # 16 measured: it does not pay
+    assert recommend({1: {"chain-4": 0.9}}, {}) == (0, ("off",))
+    assert acceptance_rates(torch.tensor([2.0, 2.0, 4.0]).numpy()) == pytest.approx([0.75, 4 / 6])
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"temperature": 0.0}, ["greedy identity is what applies", "--temperature"]),
+    ({"prompts": 3}, ["at least 4", "--prompts 4"]),
+    ({"prompts": 4, "samples": 32}, ["256", "--samples to 64"]),
+    ({"first_tokens": 1}, ["at least 2"]),
+    ({"strategy": "chain-x"}, ["chain"]),
+])
+def test_check_config_refusals_name_the_fix(kw, words):
+    with pytest.raises(ValueError) as e:
+        CheckConfig(**kw)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--drafter", "data/smollm2-135m-drafter"], ["hidden size", "train a drafter for this target"]),
+    (["--temperature", "0"], ["greedy identity is what applies"]),
+    (["--dataset", "DATASET", "--prompts", "4"], ["gives 3 prompts", "need 4"]),
+    (["--prior", "no/such/folder/prior.json"], ["--prior", "does not exist"]),
+    (["--parts", "lossless", "--prior", "PRIOR"], ["--prior is written by the pays part"]),
+    (["--strategy", "chain-4", "--drafter", ""], ["drafts with a learned drafter", "--drafter"]),
+    (["--rows", "1,x"], ["--rows", "1,4,16"]),
+])
+def test_check_command_bad_input_is_one_clear_error(argv, words, tmp_path, capsys):
+    data = tmp_path / "three.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(3)))
+    argv = [str(data) if a == "DATASET" else str(tmp_path / "p.json") if a == "PRIOR" else a for a in argv]
+    assert main(["check", "--out", str(tmp_path / "r.json"), *argv]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and all(w in err for w in words), err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_check_command_writes_its_report_and_exits_1_when_not_lossless(tmp_path, capsys, monkeypatch):
+    args = ["check", "--parts", "lossless", "--prompts", "4", "--samples", "64", "--max-new-tokens", "32",
+            "--temperature", "2.0", "--drafter", "data/tiny-reasoner-drafter", "--quiet"]
+    assert main([*args, "--out", str(tmp_path / "ok.json")]) == 0
+    report = json.loads((tmp_path / "ok.json").read_text())
+    assert report["lossless"] and len(report["verdicts"]) == 4
+    assert "lossless: every test passed" in capsys.readouterr().out
+    right = verify.residual
+    monkeypatch.setattr(verify, "residual", lambda p, q: right(q, p))
+    assert main([*args, "--out", str(tmp_path / "bad.json")]) == 1
+    assert "NOT LOSSLESS" in capsys.readouterr().out
+    assert json.loads((tmp_path / "bad.json").read_text())["lossless"] is False
