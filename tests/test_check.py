@@ -12,11 +12,10 @@ import torch
 
 import tltlib.spec.verify as verify
 from tltlib.cli.app import main
-from tltlib.lab.check import CheckConfig, card_numbers, lossless, run_check
+from tltlib.lab.check import CheckConfig, card_numbers, faults, lossless, run_check
 from tltlib.lab.check.drafter import quality
 from tltlib.lab.check.pays import acceptance_rates, recommend
 from tltlib.model import load
-from tltlib.model.drafter import Drafter
 from tltlib.model.sampling import SamplingConfig
 from tltlib.rl.config import TLTConfig
 from tltlib.rl.online import adaptive_controller
@@ -27,6 +26,7 @@ from tltlib.tasks import encode_prompts, generate_problems
 from tltlib.tasks.chain import ChainTaskConfig
 
 CHAIN4 = SpecStrategy.parse("chain-4")
+RESIDUAL = verify.residual
 
 
 @pytest.fixture(scope="module")
@@ -42,16 +42,6 @@ def prompts(tiny):
 def small(**kw) -> CheckConfig:
     return CheckConfig(**{"prompts": 4, "samples": 64, "length_samples": 4, "max_new_tokens": 96,
                           "greedy_tokens": 32, **kw})
-
-
-def off_by_one(drafter, vocab: int):
-    """A copy of ``drafter`` whose draft vocabulary maps column j to token j + 1 (the logit of token j proposes
-    token j + 1): the mapping bug of a reduced draft vocabulary."""
-    d = copy.deepcopy(drafter)
-    d.set_draft_vocab(torch.arange(vocab))
-    right = d.draft_logits
-    d.draft_logits = lambda h: torch.roll(right(h), 1, -1)
-    return d
 
 
 def test_lossless_and_drafter_parts_pass_on_the_shipped_pair(tiny, prompts):
@@ -73,31 +63,22 @@ def _contexts(tiny, prompts, sampling, k):
     return lossless.entropic_contexts(tiny.model, rows, sampling, k, windows=2)
 
 
-def test_chi2_catches_a_wrong_residual(tiny, prompts, monkeypatch):
+def test_chi2_catches_a_wrong_residual(tiny, prompts):
     cfg = small(temperature=2.0, samples=64)
     ctx = _contexts(tiny, prompts, SamplingConfig(2.0), cfg.first_tokens)
     ok = lossless.first_tokens_chi2(tiny.model, tiny.drafter, ctx, CHAIN4, cfg)
-    right = verify.residual
-    monkeypatch.setattr(verify, "residual", lambda p, q: right(q, p))       # max(0, q - p): the arguments swapped
-    bad = lossless.first_tokens_chi2(tiny.model, tiny.drafter, ctx, CHAIN4, cfg)
+    with faults.swapped_residual():                        # max(0, q - p): the arguments swapped
+        bad = lossless.first_tokens_chi2(tiny.model, tiny.drafter, ctx, CHAIN4, cfg)
+    assert verify.residual is RESIDUAL                     # restored
     assert ok.status == "pass" and bad.status == "fail" and bad.numbers["pvalue"] < 1e-6, (ok.line, bad.line)
 
 
-def test_greedy_identity_catches_a_verify_that_accepts_a_wrong_draft(tiny, prompts, monkeypatch):
-    right = verify.verify_chain_greedy
-
-    def lenient(target_argmax, drafts):                  # accepts one draft more than agrees with the target
-        accepted, nxt = right(target_argmax, drafts)
-        more = (accepted < drafts.shape[1]).long()
-        nxt = torch.where(more.bool(), drafts.gather(1, accepted.clamp(max=drafts.shape[1] - 1)[:, None])[:, 0], nxt)
-        return accepted + more, nxt
-
-    import tltlib.spec.step as step
-    shifted = off_by_one(tiny.drafter, tiny.model.config.vocab_size)   # wrong drafts, a correct verify rejects them
+def test_greedy_identity_catches_a_verify_that_accepts_a_wrong_draft(tiny, prompts):
+    shifted = faults.off_by_one(tiny.drafter)              # wrong drafts: a correct verify rejects them
     cfg = small(greedy_tokens=16)
     assert lossless.greedy_identity(tiny.model, shifted, prompts, CHAIN4, cfg).status == "pass"
-    monkeypatch.setattr(step, "verify_chain_greedy", lenient)
-    v = lossless.greedy_identity(tiny.model, shifted, prompts, CHAIN4, cfg)
+    with faults.lenient_greedy_verify():
+        v = lossless.greedy_identity(tiny.model, shifted, prompts, CHAIN4, cfg)
     assert v.status == "fail" and v.numbers["top_two_margin"] > 1e-3, v.line
 
 
@@ -110,17 +91,14 @@ def _quality(tiny, prompts, drafter):
 
 
 def test_drafter_part_catches_a_draft_vocabulary_off_by_one(tiny, prompts):
-    shifted = off_by_one(tiny.drafter, tiny.model.config.vocab_size)
+    shifted = faults.off_by_one(tiny.drafter)
     verdicts, numbers = _quality(tiny, prompts, shifted)
     top1 = verdicts[0]
     assert top1.status == "warn" and top1.numbers["pvalue"] < 1e-6 and numbers["accept_len_mean"] < 2, top1.line
 
 
 def test_drafter_part_catches_a_drafter_not_synced(tiny, prompts):
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        fresh = Drafter(tiny.drafter.config).attach(tiny.model)   # the engine kept a drafter the sync never reached
-    verdicts, _ = _quality(tiny, prompts, fresh)
+    verdicts, _ = _quality(tiny, prompts, faults.unsynced(tiny.drafter))
     assert verdicts[0].status == "warn" and verdicts[0].numbers["pvalue"] < 1e-6, verdicts[0].line
     shipped, _ = _quality(tiny, prompts, tiny.drafter)
     assert shipped[0].status == "pass", shipped[0].line
@@ -182,15 +160,14 @@ def test_check_command_bad_input_is_one_clear_error(argv, words, tmp_path, capsy
     assert not (tmp_path / "r.json").exists()
 
 
-def test_check_command_writes_its_report_and_exits_1_when_not_lossless(tmp_path, capsys, monkeypatch):
+def test_check_command_writes_its_report_and_exits_1_when_not_lossless(tmp_path, capsys):
     args = ["check", "--parts", "lossless", "--prompts", "4", "--samples", "64", "--max-new-tokens", "32",
             "--temperature", "2.0", "--drafter", "data/tiny-reasoner-drafter", "--quiet"]
     assert main([*args, "--out", str(tmp_path / "ok.json")]) == 0
     report = json.loads((tmp_path / "ok.json").read_text())
     assert report["lossless"] and len(report["verdicts"]) == 4
     assert "lossless: every test passed" in capsys.readouterr().out
-    right = verify.residual
-    monkeypatch.setattr(verify, "residual", lambda p, q: right(q, p))
-    assert main([*args, "--out", str(tmp_path / "bad.json")]) == 1
+    with faults.swapped_residual():
+        assert main([*args, "--out", str(tmp_path / "bad.json")]) == 1
     assert "NOT LOSSLESS" in capsys.readouterr().out
     assert json.loads((tmp_path / "bad.json").read_text())["lossless"] is False

@@ -168,7 +168,8 @@ def cmd_check(args) -> int:
     prompts = check_prompts(inputs, tok, args.seed)
     log = None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     card = card_numbers(resolve(inputs.drafter)) if inputs.drafter else {}
-    report = run_check(model, tok, drafter, prompts, inputs.config, card=card, prior_path=args.prior or None, log=log)
+    report = run_check(model, tok, drafter, prompts, inputs.config, card=card, prior_path=args.prior or None, log=log,
+                       progress=not args.quiet)
     report.settings.update(model=inputs.model, drafter=inputs.drafter, dataset=inputs.dataset, params=inputs.job)
     write_report(report, args.out)
     print(screen(report))

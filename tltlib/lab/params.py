@@ -202,6 +202,8 @@ SCHEMA: dict[str, Param] = {
     "PROBLEM_STEPS": Param("int", lo=1, hi=52),
     "CONTEXT_STEPS": Param("int", lo=0),
     "N_SAMPLES": _COUNT,
+    "CHECK_PROMPTS": Param("int", lo=4),
+    "CHECK_SAMPLES": _COUNT,
     "THRESHOLD": Param("int", lo=0),
     "DEMO_THRESHOLD": _COUNT,
     "ARMS": Param("strategies"),

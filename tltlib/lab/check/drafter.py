@@ -9,13 +9,13 @@ Departures: none.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
 from scipy.stats import binomtest
 
 from ...drafting.train import autocast_to_target, depth_accuracy
 from ...drafting.warmup import rows_pairs
+from ...fileio import resolve
 from .config import Verdict
 
 DEPTH = 5
@@ -29,7 +29,7 @@ FLOOR_SHARE = 0.75
 def card_numbers(drafter_path) -> dict:
     """What the drafter's ``train_log.json`` measured: ``top1`` by depth on held-out responses and ``accept``
     (accept length by strategy); {} when the folder has none."""
-    f = Path(drafter_path) / "train_log.json" if drafter_path else None
+    f = resolve(drafter_path) / "train_log.json" if drafter_path else None
     if f is None or not f.is_file():
         return {}
     d = json.loads(f.read_text())

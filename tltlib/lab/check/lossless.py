@@ -32,13 +32,14 @@ TIE_TOL = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
 
 
 def rollout(model, drafter, prompts, sampling: SamplingConfig, strategy: SpecStrategy | None, num_generations: int,
-            seed: int, ignore_eos: bool = False):
+            seed: int, ignore_eos: bool = False, progress: bool = False):
     """One rollout of ``prompts`` (``num_generations`` each) with ``strategy`` at every decode iteration (None:
-    plain)."""
+    plain); ``progress``: a bar over its decode iterations."""
     cfg = RolloutConfig(sampling, num_generations=num_generations, ignore_eos=ignore_eos)
     eng = RolloutEngine(model, cfg, drafter=drafter if strategy is not None and strategy.uses_drafter else None)
     g = torch.Generator(device=model.embed.weight.device).manual_seed(seed)
-    return eng.generate(prompts, g, strategy=FixedStrategy(strategy) if strategy is not None else None)
+    return eng.generate(prompts, g, strategy=FixedStrategy(strategy) if strategy is not None else None,
+                        progress=progress)
 
 
 def _ran_sd(res, what: str) -> None:

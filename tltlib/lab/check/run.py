@@ -54,9 +54,10 @@ def checked_strategy(cfg: CheckConfig, drafter) -> SpecStrategy:
 
 
 def run_check(model, tokenizer, drafter, prompts: list[list[int]], cfg: CheckConfig, card: dict | None = None,
-              prior_path=None, log=print) -> CheckReport:
+              prior_path=None, log=print, progress: bool = False) -> CheckReport:
     """Run ``cfg.parts`` on ``model`` (and ``drafter``) with ``cfg.prompts`` of the tokenized ``prompts``; the
-    tuner prior file is written to ``prior_path`` when given; ``log`` gets a line per finished test (None: quiet)."""
+    tuner prior file is written to ``prior_path`` when given; ``log`` gets a line per finished test (None: quiet);
+    ``progress``: bars over the long rollouts."""
     if len(prompts) < cfg.prompts:
         raise BadInput(f"check: {len(prompts)} prompts given but the tests need {cfg.prompts} (--prompts; at least "
                        "4): use a larger dataset or lower --prompts")
@@ -68,13 +69,14 @@ def run_check(model, tokenizer, drafter, prompts: list[list[int]], cfg: CheckCon
         verdicts.append(v)
         say(line(v))
 
+    if "lossless" in cfg.parts:
+        add(lossless.greedy_identity(model, drafter, prompts, strategy, cfg))
     sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p, max_new_tokens=cfg.max_new_tokens)
     plain = spec = None
     if "lossless" in cfg.parts or "drafter" in cfg.parts:
-        plain = lossless.rollout(model, drafter, prompts, sampling, None, cfg.length_samples, cfg.seed + 3)
-        spec = lossless.rollout(model, drafter, prompts, sampling, strategy, cfg.length_samples, cfg.seed + 4)
+        plain, spec = (lossless.rollout(model, drafter, prompts, sampling, s, cfg.length_samples, cfg.seed + k,
+                                        progress=progress) for s, k in ((None, 3), (strategy, 4)))
     if "lossless" in cfg.parts:
-        add(lossless.greedy_identity(model, drafter, prompts, strategy, cfg))
         rows = [(plain.prompt_ids[i], plain.response_ids(i * cfg.length_samples)) for i in range(len(prompts))]
         contexts = lossless.entropic_contexts(model, rows, sampling, cfg.first_tokens, cfg.windows)
         add(lossless.first_tokens_chi2(model, drafter, contexts, strategy, cfg))
