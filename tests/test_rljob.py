@@ -113,6 +113,16 @@ def test_a_model_free_strategy_needs_no_drafter(tmp_path, speculative):
     assert read_job(f).tlt.speculative == speculative
 
 
+def test_adaptive_with_model_free_arms_needs_no_drafter_and_keeps_every_arm(tmp_path):
+    from tltlib.model import load
+    from tltlib.rl.online import adaptive_controller
+    f = tmp_path / "job.yaml"
+    f.write_text("model: data/tiny-reasoner\ntlt: {speculative: adaptive, arms: ['off', ngram-4, suffix-4-8]}\n")
+    tlt = read_job(f).tlt
+    ctl = adaptive_controller(load("data/tiny-reasoner", device="cpu").model, None, tlt, 4, 0)
+    assert {a.name for arms in ctl.config.tuner.arms_per_bucket() for a in arms} == {"off", "ngram-4", "suffix-4-8"}
+
+
 def test_a_word_task_job_with_a_curriculum_and_two_rewards_reads_and_a_missing_level_is_named(tmp_path):
     from tltlib.lab.rljob import job_problems
     from tltlib.tasks.datasets import save_problems

@@ -55,3 +55,9 @@ class NoRoom(TLTError, MemoryError):
 
 class NotFinite(TLTError, FloatingPointError):
     """A loss or weight that became NaN or infinite."""
+
+
+def kind(exc: BaseException) -> str:
+    """The builtin kind of ``exc`` (``TypeError`` for a :class:`WrongType`): what a message that quotes another
+    error names, so that the project's own types read as the builtins users know."""
+    return next(c.__name__ for c in type(exc).__mro__ if c.__module__ == "builtins")

@@ -167,14 +167,14 @@ def _check_strategies(path: Path, tlt: TLTConfig | None, drafter: str) -> None:
     if tlt is None or tlt.speculative == "off":
         return
     if tlt.speculative == "adaptive":
-        for i, arm in enumerate(tlt.arms):
-            _strategy(arm, f"{path}: tlt.arms[{i}]")
-        needs = "the adaptive tuner's arms need"
+        learned = [str(arm) for i, arm in enumerate(tlt.arms) if _strategy(arm, f"{path}: tlt.arms[{i}]").uses_drafter]
+        needs = f"the adaptive tuner's arms need a learned drafter ({', '.join(learned)})" if learned else None
     else:
-        needs = None if not _strategy(tlt.speculative, f"{path}: tlt.speculative").uses_drafter else "needs"
+        needs = None if not _strategy(tlt.speculative, f"{path}: tlt.speculative").uses_drafter else \
+            "needs a learned drafter"
     if needs and not drafter:
-        raise BadInput(f"{path}: tlt.speculative = {tlt.speculative!r}: {needs} a learned drafter: set 'drafter' "
-                       "(or use a model-free speculative: ngram-D or suffix-D-N, off, or tlt: null for the "
+        raise BadInput(f"{path}: tlt.speculative = {tlt.speculative!r}: {needs}: set 'drafter' (or use a "
+                       "model-free speculative: ngram-D or suffix-D-N, model-free tlt.arms, off, or tlt: null for the "
                        "baseline)")
 
 

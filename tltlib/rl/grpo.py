@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import BadInput, WrongType
+from ..errors import BadInput, WrongType, kind
 from ..tasks.problem import reward
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
@@ -257,7 +257,7 @@ def compute_rewards(funcs: Sequence[Callable], prompts: list, completions: list,
         try:
             out = fn(prompts=prompts, completions=completions, **columns)
         except Exception as e:                        # noqa: BLE001 - re-raised with the function named
-            raise BadInput(f"reward function {name} raised {type(e).__name__}: {e} (batch of {n} completions; "
+            raise BadInput(f"reward function {name} raised {kind(e)}: {e} (batch of {n} completions; "
                            f"first prompt {str(prompts[0])[:80]!r})") from e
         if not isinstance(out, (list, tuple)) or len(out) != n:
             got = len(out) if isinstance(out, (list, tuple)) else type(out).__name__

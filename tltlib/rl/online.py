@@ -18,6 +18,7 @@ from ..model.weights import fingerprint
 from ..rollout.adaptive import AdaptiveConfig, AdaptiveController, TunerConfig, default_threshold, load_prior
 from ..rollout.alarms import AlarmConfig, Alarms, WatchedSource, card_acceptance, card_floor
 from ..sim.measure import measure_costs
+from ..spec.strategy import SpecStrategy
 from .config import TLTConfig
 from .scheduler import SchedulerConfig, SpotTrainer, SpotWindow
 
@@ -46,9 +47,9 @@ def adaptive_controller(model, drafter, tlt: TLTConfig, max_rows: int, seed: int
         return None
     prior = load_prior(resolve(tlt.prior), model, drafter) if tlt.prior else None
     threshold = tlt.threshold or (prior.threshold if prior is not None else 0) or default_threshold(model.device)
-    arms = tuple(a for a in tlt.arms if drafter is not None or str(a).startswith(("ngram", "off")))
+    arms = tuple(a for a in tlt.arms if drafter is not None or not SpecStrategy.parse(str(a)).uses_drafter)
     if not arms:
-        raise BadInput("speculative='adaptive' without a drafter needs n-gram arms (e.g. ngram-4)")
+        raise BadInput("speculative='adaptive' without a drafter needs model-free arms (ngram-D, suffix-D-N)")
     costs = prior.costs if prior is not None else measure_costs(model, drafter, max_batch=max(1, min(threshold,
                                                                                                   max_rows)))
     controller = AdaptiveController(AdaptiveConfig(threshold=threshold, tuner=TunerConfig(arms=arms, seed=seed),
