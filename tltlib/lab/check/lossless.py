@@ -31,15 +31,26 @@ TIE_TOL = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
 """Top-two logit margin under which a greedy difference is a float tie, not a loss."""
 
 
+def engine(model, drafter, sampling: SamplingConfig, strategy: SpecStrategy | None, num_generations: int,
+           ignore_eos: bool = False) -> RolloutEngine:
+    """A rollout engine for ``strategy`` (the drafter only when it drafts with it)."""
+    cfg = RolloutConfig(sampling, num_generations=num_generations, ignore_eos=ignore_eos)
+    return RolloutEngine(model, cfg, drafter=drafter if strategy is not None and strategy.uses_drafter else None)
+
+
+def generate(eng: RolloutEngine, prompts, strategy: SpecStrategy | None, seed: int, progress: bool = False):
+    """One rollout of ``prompts`` on ``eng`` with ``strategy`` at every decode iteration (None: plain)."""
+    g = torch.Generator(device=eng.model.embed.weight.device).manual_seed(seed)
+    return eng.generate(prompts, g, strategy=FixedStrategy(strategy) if strategy is not None else None,
+                        progress=progress)
+
+
 def rollout(model, drafter, prompts, sampling: SamplingConfig, strategy: SpecStrategy | None, num_generations: int,
             seed: int, ignore_eos: bool = False, progress: bool = False):
     """One rollout of ``prompts`` (``num_generations`` each) with ``strategy`` at every decode iteration (None:
     plain); ``progress``: a bar over its decode iterations."""
-    cfg = RolloutConfig(sampling, num_generations=num_generations, ignore_eos=ignore_eos)
-    eng = RolloutEngine(model, cfg, drafter=drafter if strategy is not None and strategy.uses_drafter else None)
-    g = torch.Generator(device=model.embed.weight.device).manual_seed(seed)
-    return eng.generate(prompts, g, strategy=FixedStrategy(strategy) if strategy is not None else None,
-                        progress=progress)
+    return generate(engine(model, drafter, sampling, strategy, num_generations, ignore_eos), prompts, strategy, seed,
+                    progress)
 
 
 def _ran_sd(res, what: str) -> None:
@@ -120,23 +131,40 @@ def entropic_contexts(model, rows, sampling: SamplingConfig, k: int, windows: in
     return out
 
 
-def first_tokens_chi2(model, drafter, contexts, strategy: SpecStrategy, cfg: CheckConfig) -> Verdict:
+LOGITS_BYTES = 1 << 27
+"""The most bytes of verify logits one rollout of the χ² test may hold (its rows are chunked to fit)."""
+
+
+def first_tokens_chi2(model, drafter, contexts, strategy: SpecStrategy, cfg: CheckConfig,
+                      max_rows: int | None = None) -> Verdict:
     """χ² homogeneity test of (context, first ``cfg.first_tokens`` tokens) between ``cfg.samples`` plain and
     speculative samples per context, at the user's sampling settings (rare outcomes pooled per the test's rule).
-    ``contexts``: prompts, or prompts with a response's head (:func:`entropic_contexts`)."""
+    ``contexts``: prompts, or prompts with a response's head (:func:`entropic_contexts`). The samples are drawn in
+    rollouts of at most ``max_rows`` rows (default: what keeps a verify's logits under :data:`LOGITS_BYTES`; a real
+    model's logits and KV cache for a thousand rows at once do not fit a CPU's memory)."""
     s = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p, max_new_tokens=cfg.first_tokens)
-    plain = rollout(model, drafter, contexts, s, None, cfg.samples, cfg.seed + 1)
-    spec = rollout(model, drafter, contexts, s, strategy, cfg.samples, cfg.seed + 2)
-    _ran_sd(spec, "χ² test")
-    count = [Counter((i // cfg.samples, tuple(r.response_ids(i))) for i in range(r.num_sequences))
-             for r in (plain, spec)]
+    if max_rows is None:
+        max_rows = LOGITS_BYTES // (4 * model.config.vocab_size * (strategy.verify_tokens + 1))
+    per = max(1, max_rows // cfg.samples)
+    count, sd_steps = [Counter(), Counter()], 0
+    engines = [engine(model, drafter, s, strat, cfg.samples) for strat in (None, strategy)]
+    for c0 in range(0, len(contexts), per):
+        chunk = contexts[c0: c0 + per]
+        for arm, strat in enumerate((None, strategy)):
+            r = generate(engines[arm], chunk, strat, cfg.seed + 1 + arm + 2 * c0)
+            count[arm].update((c0 + i // cfg.samples, tuple(r.response_ids(i))) for i in range(r.num_sequences))
+            sd_steps += r.stats.get("spec/steps", 0) if strat is not None else 0
+    if not sd_steps:
+        raise Refused("check: the speculative arm of the χ² test ran no SD step (every response ended at its "
+                      "first token?); give longer responses (--max-new-tokens) or other prompts")
     labels, _, _, p = compare_samplers(*count)
-    numbers = {"pvalue": p, "samples_per_arm": plain.num_sequences, "categories": len(labels),
-               "first_tokens": cfg.first_tokens, "sd_steps": spec.stats["spec/steps"]}
+    n = sum(count[0].values())
+    numbers = {"pvalue": p, "samples_per_arm": n, "categories": len(labels), "first_tokens": cfg.first_tokens,
+               "sd_steps": sd_steps}
     status = "pass" if p >= cfg.alpha else "fail"
     return Verdict("lossless", "first tokens χ²", status,
-                   f"joint of the next {cfg.first_tokens} tokens after {len(contexts)} contexts, "
-                   f"{plain.num_sequences} samples per arm in {len(labels)} categories: p = {p:.3g}"
+                   f"joint of the next {cfg.first_tokens} tokens after {len(contexts)} contexts, {n} samples per arm "
+                   f"in {len(labels)} categories: p = {p:.3g}"
                    + ("" if status == "pass" else f" < {cfg.alpha}: SD changes the distribution"), numbers)
 
 
