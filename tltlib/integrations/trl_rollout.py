@@ -45,6 +45,7 @@ from ..model.weights import load_model
 from ..rl import online
 from ..rl.clock import StepClock
 from ..rl.config import TLTConfig
+from ..rl.drift import DriftGate
 from ..rl.scheduler import SchedulerConfig, SpotTrainer
 from ..rl.world import DistributedWorld, World
 from ..rollout.config import RolloutConfig
@@ -120,6 +121,10 @@ class TLTRollout:
         self.spot = SpotTrainer(self.world, self.sched, self.drafter_trainer, self.buffer, self.tlt.drafter_batch)
         rows = args.per_device_train_batch_size * args.steps_per_generation
         self.controller = online.adaptive_controller(self.model, self.drafter, self.tlt, rows, args.seed)
+        self.alarms = online.alarms_for(self.tlt, self.drafter)      # SD's and the drafter's silent failures
+        self.drift = DriftGate(self.tlt.drafter_train, self.tlt.drift_margin)
+        self.source = online.strategy(self.tlt, self.controller, self.alarms)
+        self.synced_version, self.due = getattr(self.drafter, "version", None), False
         self.generator = torch.Generator(device=device).manual_seed(args.seed + 7919 * self.world.rank)
         self.trainer = trainer
         trainer.add_callback(trl_state.callback(self))
@@ -165,10 +170,12 @@ class TLTRollout:
         drafter_stats = {}
         if train:
             with clock.phase("drafter"):
-                drafter_stats = online.train_drafter(self.spot, self.tlt, window, clock)
+                drafter_stats = self.train_drafter(res, window, clock)
             if self.world.distributed:
                 self.pending.append((window, clock))
+        alarms = self.alarms.metrics() if self.alarms is not None else {}
         self.log(trainer, "train" if train else "eval", {**res.stats, **drafter_stats, **self._drafter_metrics(),
+                                                          **alarms,
                                                           **{k: v for k, v in clock.metrics().items()
                                                              if k != "time/step_s"}})
         n = res.num_sequences
@@ -176,11 +183,29 @@ class TLTRollout:
                 "completion_ids": [res.response_ids(i) for i in range(n)],
                 "logprobs": [res.logprobs[i, : int(res.lengths[i])].tolist() for i in range(n)]}
 
+    def train_drafter(self, res, window, clock) -> dict:
+        """The online drafter after a training rollout (:func:`tltlib.rl.online.train_drafter`), unless
+        ``drafter_train: on_drift`` finds its acceptance on ``res`` still near its best."""
+        if self.drafter_trainer is None:
+            return online.train_drafter(self.spot, self.tlt, window, clock)
+        train, version = self.drift.decide(res.timeline), self.drafter.version
+        stats = online.train_drafter(self.spot, self.tlt, window, clock, train)
+        if self.drafter.version != version:
+            self.drift.trained()
+        self.due |= window.steps > 0 if self.spot.active and window is not None else \
+            train and bool(self.buffer.sequences())
+        return {**stats, "drafter/trained": float(self.drafter.version != version), **self.drift.metrics()}
+
     def sync(self, trainer) -> None:
-        """Copy TRL's weights into the rollout's model when TRL's optimizer has stepped since the last copy."""
+        """Copy TRL's weights into the rollout's model when TRL's optimizer has stepped since the last copy; then
+        the stale and mismatch alarms look at the drafter (trained since the last copy when it was due to)."""
         step = trainer.state.global_step
         if step != self.synced_step:
             copy_weights(self.model, hf_tensors(trainer.model))
+            if self.synced_step is not None and self.drafter_trainer is not None:
+                online.watch_drafter(self.alarms, [e.drafter for e in self.engines.values()], self.drafter,
+                                     self.synced_version, True, self.due, self.world)
+                self.synced_version, self.due = self.drafter.version, False
             self.synced_step = step
 
     def encode(self, prompts: list, trainer) -> list[list[int]]:
@@ -205,7 +230,7 @@ class TLTRollout:
             pairs.rl_step = step
         t = time.time()
         res = engine.generate(ids, self.generator, progress=self.progress and self.world.rank == 0,
-                              strategy=online.strategy(self.tlt, self.controller), pairs=pairs)
+                              strategy=self.source, pairs=pairs)
         engine.kept.release(keep_graphs=True)       # TRL's update needs the memory
         clock.span("rollout", t)
         return res

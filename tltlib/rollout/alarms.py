@@ -13,9 +13,12 @@ metrics of the RL step it fired in) and re-armed only when its condition has cle
   trained ``- 1``)).
 * ``sd_slower``: SD is on but slower than plain decoding at the current rows: the geometric mean speedup of the
   last ``patience`` consecutive SD steps (a plain step between restarts the count: a tuner that switched SD off has
-  done its job) under ``slower_ratio``. A step's speedup is its measured rate over plain decoding's at its rows,
-  the plain steps measured recently at that many rows (power-of-two buckets) where there are some, else the cost
-  model's plain rate (the adaptive tuner's reward scale, :func:`tltlib.rollout.adaptive.iteration_speedup`).
+  done its job) under ``slower_ratio``. A step's speedup is its speed over plain decoding's, each speed measured
+  over the cost model's plain rate at its rows and context (the adaptive tuner's reward,
+  :func:`tltlib.rollout.adaptive.iteration_speedup`): against the plain steps measured recently at about as many
+  rows (power-of-two buckets), else at any rows (another process's load slows them all), else the cost model.
+  Without a cost model only against plain steps at about as many rows, in tokens per row per second. A load that
+  starts on a shared machine during a run of SD steps looks like slow SD: the alarm says so once.
 * ``drafter_stale``: the policy changed but the drafter's version did not although the online drafter was due to
   train (a skipped training step or sync): checked once per RL step or weight sync (:meth:`Alarms.after_update`).
 * ``drafter_mismatch``: after a drafter sync or merge, the drafter the engine drafts with does not hold the trained
@@ -41,7 +44,6 @@ import numpy as np
 from ..errors import BadInput
 from ..fileio import read_json
 from ..model.weights import fingerprint
-from ..sim.costs import plain_rate
 from ..spec.strategy import SpecStrategy, StrategySource
 from .adaptive import iteration_speedup
 
@@ -263,7 +265,8 @@ class WatchedSource(StrategySource):
         self.costs = costs if costs is not None else getattr(self.source, "costs", None)
         self.wants_context = bool(getattr(self.source, "wants_context", False) or self.costs is not None)
         self.wants_backlog = bool(getattr(self.source, "wants_backlog", False))
-        self._plain: dict[int, deque] = {}       # rows bucket -> recent plain iterations' tokens/s
+        self._plain: dict[int, deque] = {}       # rows bucket -> recent plain iterations' speeds
+        self._recent: deque = deque(maxlen=32)   # the latest plain iterations' speeds at any rows
 
     def choose(self, iteration: int, active: int, **kwargs) -> SpecStrategy:
         return self.source.choose(iteration, active, **kwargs)
@@ -271,20 +274,28 @@ class WatchedSource(StrategySource):
     def observe(self, strategy: SpecStrategy, active: int, tokens: int, seconds: float, rows: int | None = None,
                 context: float | None = None, accepted=None) -> None:
         self.source.observe(strategy, active, tokens, seconds, rows, context=context, accepted=accepted)
-        rate = iteration_speedup(None, active, tokens, seconds, rows)      # tokens/s (no cost model: the raw rate)
+        # the iteration's speed over what the cost model predicts for plain decoding at these rows (without one:
+        # tokens per row per second), so that iterations at different rows and contexts compare
+        speed = iteration_speedup(self.costs, active, tokens, seconds, rows, context)
+        if speed is not None and self.costs is None:
+            speed /= active
         if not strategy.enabled:
-            if rate is not None:
-                self._plain.setdefault(_bucket(active), deque(maxlen=16)).append(rate)
+            if speed is not None:
+                self._plain.setdefault(_bucket(active), deque(maxlen=16)).append(speed)
+                self._recent.append(speed)
             self.alarms.plain_step()
             return
-        self.alarms.sd_step(strategy, accepted, self._speedup(rate, active, context), active)
+        self.alarms.sd_step(strategy, accepted, self._speedup(speed, active), active)
 
-    def _speedup(self, rate: float | None, active: int, context: float | None) -> float | None:
-        """``rate`` over plain decoding's at ``active`` rows: the plain steps measured at about that many rows, else
-        the cost model's rate."""
-        if rate is None:
+    def _speedup(self, speed: float | None, active: int) -> float | None:
+        """An SD step's ``speed`` over plain decoding's: the plain steps measured at about as many rows (at least
+        3), else (with a cost model) the recent plain steps at any rows, as the machine's load moves them all, else
+        the cost model's prediction itself; None without either."""
+        if speed is None:
             return None
-        plain = self._plain.get(_bucket(active))
-        if plain:
-            return rate / float(np.median(plain))
-        return rate / plain_rate(self.costs, active, context) if self.costs is not None else None
+        plain = self._plain.get(_bucket(active), ())
+        if len(plain) >= 3:
+            return speed / float(np.median(plain))
+        if self.costs is None:
+            return None
+        return speed / float(np.median(self._recent)) if self._recent else speed

@@ -162,7 +162,33 @@ def canonical_spot(folder: str = "figures") -> Callable:
     return render
 
 
+def drafter_train(stem: str, steps=(1, 5, 10, 15, 20)) -> Callable:
+    """``bench drafter_train``: ``tlt.drafter_train: always`` beside ``on_drift``: the drafter's compute, the accept
+    length of the rollouts' SD steps (at some steps, the mean, the last 5), the final probe, the alarms that fired;
+    then on_drift over always."""
+    def render(r) -> str:
+        d = r.json(stem)
+        runs, summ, probe = d["runs"], d["summary"], d["settings"]["probe_strategy"]
+        f2 = lambda v: "—" if v is None else f"{v:.2f}"                       # noqa: E731
+        at = lambda m, k: f2(runs[m]["steps"][k - 1]["spec/accept_len_mean"]) if k <= len(runs[m]["steps"]) else "—"
+        rows = [[m, f"{summ[m]['micro_steps']:.0f} in {summ[m]['trained_steps']} of {len(runs[m]['steps'])} steps",
+                 f"{summ[m]['drafter_s']:.1f}", *[at(m, k) for k in steps], f2(summ[m]["accept_mean"]),
+                 f2(summ[m]["accept_last5"]), f"{summ[m]['probe_first']:.2f} → {summ[m]['probe_last']:.2f}",
+                 summ[m]["alarms"]] for m in runs]
+        table = md_table(["drafter_train", "drafter micro-steps", "drafter s", *[f"accept, step {k}" for k in steps],
+                          "accept, mean", "accept, last 5", f"probe ({probe}), first → last", "alarms"], rows)
+        ratio = summ.get("on_drift_vs_always")
+        if not ratio:
+            return table
+        return table + (f"\n\non_drift / always: final probe accept length {ratio['probe_last']:.3f}x, accept length "
+                        f"of the last 5 steps {ratio['accept_last5']:.3f}x, for {ratio['micro_steps']:.2f}x the "
+                        f"drafter's micro-steps ({ratio['drafter_s']:.2f}x its seconds). Every step: "
+                        f"{r.link(stem)}.")
+    return render
+
+
 RENDERERS: dict[str, Callable] = {
+    "drafter_train": drafter_train("drafter_train-cpu-float32"),
     "e2e_phases": e2e_phases("e2e_grpo-cpu-float32"),
     "e2e_numbers": e2e_numbers("e2e_grpo-cpu-float32"),
     "e2e_update": update_speed("e2e_grpo-cpu-float32"),

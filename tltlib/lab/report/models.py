@@ -8,7 +8,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .format import bold, md_table, n
-from .grpo import acceptance_curve, canonical_grpo, canonical_spot, e2e_numbers, e2e_phases, spot_trainer
+from .grpo import (
+    acceptance_curve,
+    canonical_grpo,
+    canonical_spot,
+    drafter_train,
+    e2e_numbers,
+    e2e_phases,
+    spot_trainer,
+)
 
 DRAFTER_LABELS = {"runs/drafters/smollm2-cpu-v1": "before: the CPU drafter shipped first",
                   "runs/cpu-drafter/smollm2-hour": "CPU hour: 1,216 shipped responses",
@@ -82,6 +90,7 @@ RENDERERS: dict[str, Callable] = {
                                           ("frozen drafter", "frozen"))),
     "smollm2_w2_spot": spot_trainer(TWO),
     "smollm2_drift": drift_run("drift-cpu-float32-smollm2"),
+    "smollm2_drafter_train": drafter_train("drafter_train-cpu-float32-smollm2"),
     "smollm2_canonical_grpo": canonical_grpo("figures/smollm2"),
     "smollm2_canonical_spot": canonical_spot("figures/smollm2"),
     "smollm2_update_memory": update_memory("update_memory-cpu-float32-smollm2-135m"),
