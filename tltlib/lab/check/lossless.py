@@ -18,6 +18,8 @@ import torch
 from scipy.stats import ks_2samp, mannwhitneyu
 
 from ...errors import Refused
+from ...kv.paged import KVConfig
+from ...kv.pages import kv_bytes_per_token
 from ...model.logprobs import SequenceBatch, response_logprobs
 from ...model.sampling import SamplingConfig, probs_from_logits
 from ...rollout.engine import RolloutConfig, RolloutEngine
@@ -32,10 +34,17 @@ TIE_TOL = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
 
 
 def engine(model, drafter, sampling: SamplingConfig, strategy: SpecStrategy | None, num_generations: int,
-           ignore_eos: bool = False) -> RolloutEngine:
-    """A rollout engine for ``strategy`` (the drafter only when it drafts with it)."""
-    cfg = RolloutConfig(sampling, num_generations=num_generations, ignore_eos=ignore_eos)
-    return RolloutEngine(model, cfg, drafter=drafter if strategy is not None and strategy.uses_drafter else None)
+           ignore_eos: bool = False, kv_tokens: int = 0) -> RolloutEngine:
+    """A rollout engine for ``strategy`` (the drafter only when it drafts with it); ``kv_tokens``: the tokens its
+    paged KV pool holds (0: the engine's default budget, as large as a dense cache of its rows)."""
+    drafter = drafter if strategy is not None and strategy.uses_drafter else None
+    kv = KVConfig()
+    if kv_tokens:
+        c, elem = model.config, model.embed.weight.element_size()
+        layers = c.num_layers + (1 if drafter is not None else 0)
+        kv = KVConfig(memory=max(2, kv_tokens * kv_bytes_per_token(layers, c.num_kv_heads, c.dim_head, elem)))
+    cfg = RolloutConfig(sampling, num_generations=num_generations, ignore_eos=ignore_eos, kv=kv)
+    return RolloutEngine(model, cfg, drafter=drafter)
 
 
 def generate(eng: RolloutEngine, prompts, strategy: SpecStrategy | None, seed: int, progress: bool = False):
@@ -147,7 +156,9 @@ def first_tokens_chi2(model, drafter, contexts, strategy: SpecStrategy, cfg: Che
         max_rows = LOGITS_BYTES // (4 * model.config.vocab_size * (strategy.verify_tokens + 1))
     per = max(1, max_rows // cfg.samples)
     count, sd_steps = [Counter(), Counter()], 0
-    engines = [engine(model, drafter, s, strat, cfg.samples) for strat in (None, strategy)]
+    page = KVConfig().page_size                # a forked row's pages: its new tokens, and a copy of a shared one
+    tokens = per * (max(map(len, contexts)) + page) + per * cfg.samples * (2 * page + strategy.verify_tokens + 2)
+    engines = [engine(model, drafter, s, strat, cfg.samples, kv_tokens=tokens * 5 // 4) for strat in (None, strategy)]
     for c0 in range(0, len(contexts), per):
         chunk = contexts[c0: c0 + per]
         for arm, strat in enumerate((None, strategy)):
