@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,3 +172,20 @@ def test_check_command_writes_its_report_and_exits_1_when_not_lossless(tmp_path,
         assert main([*args, "--out", str(tmp_path / "bad.json")]) == 1
     assert "NOT LOSSLESS" in capsys.readouterr().out
     assert json.loads((tmp_path / "bad.json").read_text())["lossless"] is False
+
+
+def test_check_reads_a_jobs_model_drafter_and_sampling_and_a_flag_wins(tmp_path):
+    from tltlib.cli.parser import build_parser
+    from tltlib.lab.check.inputs import check_inputs, check_prompts
+
+    args = build_parser().parse_args(["check", "--params", "params/train/cpu-tiny.yaml", "--top-k", "20"])
+    inputs = check_inputs(args)
+    c = inputs.config
+    assert (inputs.model, inputs.drafter) == ("data/tiny-reasoner", "data/tiny-reasoner-drafter")
+    assert (c.temperature, c.top_k, c.top_p, c.max_new_tokens) == (0.9, 20, 1.0, 720)
+    tok = load("data/tiny-reasoner", device="cpu").tokenizer
+    assert len(check_prompts(inputs, tok, 0)) == c.prompts
+    job = tmp_path / "greedy.yaml"
+    job.write_text((Path("params/train/cpu-tiny.yaml").read_text()).replace("temperature: 0.9", "temperature: 0.0"))
+    with pytest.raises(ValueError, match="temperature 0"):                  # the job's own check refuses it first
+        check_inputs(build_parser().parse_args(["check", "--params", str(job)]))

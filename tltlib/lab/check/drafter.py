@@ -16,14 +16,13 @@ from scipy.stats import binomtest
 from ...drafting.train import autocast_to_target, depth_accuracy
 from ...drafting.warmup import rows_pairs
 from ...fileio import resolve
+from ...rollout.alarms import AlarmConfig, card_floor
 from .config import Verdict
 
 DEPTH = 5
 """Draft depths whose top-1 agreement is measured."""
 FAR_BELOW = 0.8
 """A drafter is flagged when its depth-1 agreement is below this share of its card's, significantly (p < 1e-6)."""
-FLOOR_SHARE = 0.75
-"""The alarm floor the check recommends: this share of the accept length measured here."""
 
 
 def card_numbers(drafter_path) -> dict:
@@ -70,10 +69,10 @@ def quality(model, tokenizer, drafter, plain, spec, strategy_name: str, card: di
             f"{a:.0%}" for a in accs) + f" on {n} pairs (its folder has no train_log.json to compare with)", numbers))
     accept = float(spec.stats.get("spec/accept_len_mean", 1.0))
     card_accept = (card.get("accept") or {}).get(strategy_name)
-    floor = round(FLOOR_SHARE * accept, 2)
+    floor = round(card_floor({strategy_name: accept}, AlarmConfig().floor_share), 2)   # the run's rule, from here
     line = f"accept length {accept:.2f} tokens per SD step with {strategy_name}"
     line += f" (its card: {card_accept:.2f})" if card_accept else ""
-    line += f"; alarm floor recommended: {floor}"
+    line += f"; alarm floor: {floor} (tlt.accept_floor)"
     verdicts.append(Verdict("drafter", "accept length", "info", line,
                             {"accept_len_mean": accept, "card_accept_len_mean": card_accept, "alarm_floor": floor}))
     return verdicts, {**numbers, "accept_len_mean": accept, "alarm_floor": floor}
