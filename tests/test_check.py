@@ -19,7 +19,7 @@ from tltlib.lab.check.pays import acceptance_rates, recommend
 from tltlib.model import load
 from tltlib.model.sampling import SamplingConfig
 from tltlib.rl.config import TLTConfig
-from tltlib.rl.online import adaptive_controller
+from tltlib.rl.online import adaptive_controller, alarms_for
 from tltlib.rollout.adaptive import AdaptiveConfig, AdaptiveController, save_prior
 from tltlib.sim.measure import measure_costs
 from tltlib.spec.strategy import SpecStrategy
@@ -110,9 +110,12 @@ def test_prior_file_is_what_the_trainer_starts_from(tiny, tmp_path):
     ctl = AdaptiveController(AdaptiveConfig(threshold=2), costs, tiny.drafter)
     ctl.accept["learned"].update(torch.tensor([1.0, 2.0, 5.0]).numpy())
     save_prior(tmp_path / "prior.json", ctl, tiny.model, tiny.drafter,
-               recommended={"threshold": 2, "arms": ["off", "chain-4"]})
+               recommended={"threshold": 2, "arms": ["off", "chain-4"], "accept_floor": 2.5})
     started = adaptive_controller(tiny.model, tiny.drafter, TLTConfig(prior=str(tmp_path / "prior.json")), 16, 0)
     assert started.config.threshold == 2 and started.costs.to_dict() == costs.to_dict()
+    alarms = alarms_for(TLTConfig(prior=str(tmp_path / "prior.json")), tiny.drafter)
+    assert alarms.floor == 2.5 and "prior file" in alarms.floor_source           # the check's floor, not the card's
+    assert alarms_for(TLTConfig(prior=str(tmp_path / "prior.json"), accept_floor=3.0), tiny.drafter).floor == 3.0
     assert started.accept["learned"].state_dict()["reached"][:2] == [8.0, 7.0]
     retrained = copy.deepcopy(tiny.drafter)
     with torch.no_grad():

@@ -110,8 +110,10 @@ def predict(costs, hists: dict, rows) -> dict:
     return out
 
 
-def pays(model, drafter, prompts, cfg: CheckConfig, prior_path=None) -> tuple[list[Verdict], dict]:
-    """The verdicts of the speed part and what it measured; writes the tuner prior file at ``prior_path``."""
+def pays(model, drafter, prompts, cfg: CheckConfig, prior_path=None, accept_floor: float | None = None
+         ) -> tuple[list[Verdict], dict]:
+    """The verdicts of the speed part and what it measured; writes the tuner prior file at ``prior_path`` (with
+    ``accept_floor``, the alarm floor the drafter part measured, when given)."""
     measured, hists = measure_speedups(model, drafter, prompts, cfg)
     costs = measure_costs(model, drafter, max_batch=max(cfg.rows))
     grid = sorted(set(int(r) for r in costs.rows) | set(cfg.rows))
@@ -136,7 +138,8 @@ def pays(model, drafter, prompts, cfg: CheckConfig, prior_path=None) -> tuple[li
             family = "learned" if SpecStrategy.parse(name).uses_drafter else "ngram"
             if SpecStrategy.parse(name).kind in ("chain", "ngram"):
                 ctl.accept[family].update(h)
-        save_prior(prior_path, ctl, model, drafter, recommended={"threshold": threshold, "arms": list(arms)})
+        save_prior(prior_path, ctl, model, drafter, recommended={"threshold": threshold, "arms": list(arms),
+                                                                 "accept_floor": accept_floor})
         verdicts.append(Verdict("pays", "tuner prior", "info", f"tuner prior file written: {prior_path} "
                                 "(tlt.prior in a train-grpo job)", {"path": str(prior_path)}))
     data = {"measured": {str(k): v for k, v in measured.items()},

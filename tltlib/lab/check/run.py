@@ -87,7 +87,8 @@ def run_check(model, tokenizer, drafter, prompts: list[list[int]], cfg: CheckCon
         for v in vs:
             add(v)
     if "pays" in cfg.parts:
-        vs, data["pays"] = pays(model, drafter, prompts, cfg, prior_path)
+        floor = data.get("drafter", {}).get("alarm_floor")
+        vs, data["pays"] = pays(model, drafter, prompts, cfg, prior_path, floor)
         for v in vs:
             add(v)
     return CheckReport(verdicts, data, cfg.settings(), machine_info(str(model.embed.weight.device)),
