@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import statistics
 
+from .check import CHECK, TIME_GOAL_S, caught
 from .decoding import SMOLLM2_DECODE, SMOLLM2_SD_RUNS, smollm2_decode_ratios
-from .format import md_table, pct, x, x_vs
+from .format import md_table, minutes, pct, x, x_vs
 from .rollout import SMOLLM2_ROLLOUT
 from .simulator import LATEST_VALIDATION, XEON_VALIDATE_RUNS
 
@@ -247,6 +248,38 @@ def trl_learning(r):
     return "; ".join(parts), ", ".join(met)
 
 
+def check_time(r):
+    d = r.json(CHECK[1][1])
+    met = _yes(d["check_wall_s"] < TIME_GOAL_S)
+    return f"{minutes(d['check_wall_s'])} (SmolLM2-135M, its drafter, 384 tokens)", met
+
+
+def check_faults(r):
+    parts, met = [], []
+    for model, stem in CHECK:
+        rows = [f for f in r.json(stem)["faults"] if not f["fault"].startswith("none")]
+        n = sum(caught(f) for f in rows)
+        parts.append(f"{model}: {n} of {len(rows)} caught")
+        met.append(n == len(rows))
+    return "; ".join(parts), _yes(all(met))
+
+
+def on_drift(r):
+    s = r.json("drafter_train-cpu-float32")["summary"]
+    c = s["on_drift_vs_always"]
+    return (f"tiny reasoner, 20 steps: final probe accept length {x(c['probe_last'])} of always's, drafter micro-steps "
+            f"{s['on_drift']['micro_steps']:.0f} vs {s['always']['micro_steps']:.0f}",
+            _yes(c["probe_last"] >= 0.95 and c["micro_steps"] < 1))
+
+
+def alarms_quiet(r):
+    d = r.json("drafter_train-cpu-float32")
+    fired = {m: {k: len(v) for k, v in run["alarms_fired"].items() if v} for m, run in d["runs"].items()}
+    text = "; ".join(f"{m}: " + (", ".join(f"{k} x{n}" for k, n in f.items()) or "none")
+                     for m, f in fired.items())
+    return f"tiny reasoner's shipped drafter, 2 x 20 GRPO steps: {text}", _yes(not any(fired.values()))
+
+
 GOALS = (
     ("SD ≥ 2.5x over plain decoding at batch 1 (tiny reasoner, CPU)", sd_batch1),
     ("plain decoding ≥ 1.2x transformers `generate` at every batch (tiny reasoner, CPU)", plain_vs_transformers),
@@ -281,6 +314,10 @@ GOALS = (
     ("TRL + TLT: the step ≥ 90% of its Amdahl bound against TRL tuned", trl_bound),
     ("TRL + TLT learns as TRL does: reward bands overlap at ≥ 80% of the steps, held-out accuracy p ≥ 0.05",
      trl_learning),
+    ("check: the whole check in under 5 minutes for SmolLM2 with its drafter (CPU)", check_time),
+    ("check: each injected fault caught (p < 1e-6 or an exact mismatch)", check_faults),
+    ("tlt.drafter_train: on_drift within 5% of always's final accept length at a lower drafter cost", on_drift),
+    ("alarms: none fires on the shipped drafters in the benches", alarms_quiet),
 )
 
 
