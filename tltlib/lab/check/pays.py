@@ -54,7 +54,7 @@ def _timed(eng, batch, strategy, seed: int) -> tuple[float, object]:
     return float(res.lengths.sum()) / (time.perf_counter() - t), res
 
 
-def speedups_at(model, drafter, prompts, rows: int, arms, cfg: CheckConfig, rounds: int = 3):
+def speedups_at(model, drafter, prompts, rows: int, arms, cfg: CheckConfig, rounds: int = 2):
     """({arm: median over ``rounds`` of its speed over plain decoding's in the same round}, {arm: recorder}) of
     ``rows`` rows decoding ``cfg.pay_tokens`` tokens each (EOS ignored, so every row runs to the end) with the arm
     at every iteration; the arms run interleaved with plain decoding after a warm-up round, so a machine whose speed

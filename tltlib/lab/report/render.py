@@ -11,10 +11,10 @@ import re
 from pathlib import Path
 
 from ...fileio import ROOT, atomic_write_text
-from . import decoding, goals, grpo, models, rollout, runs, simulator, summary, trl
+from . import check, decoding, goals, grpo, models, rollout, runs, simulator, summary, trl
 from .results import ReportError, Results
 
-DOCS = ("README.md", "docs/results.md", "docs/real-models.md", "docs/gpu.md", "docs/trl.md")
+DOCS = ("README.md", "docs/results.md", "docs/real-models.md", "docs/gpu.md", "docs/trl.md", "docs/trust.md")
 """The docs whose marked blocks are rendered (relative to the project root)."""
 
 BLOCK = re.compile(r"<!-- report: (?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /report -->", re.S)
@@ -55,7 +55,7 @@ def all_renderers() -> dict:
     """Every renderer a doc can name: each table module's ``RENDERERS``, the goals and the README's rows."""
     out: dict = {}
     for registry in (decoding.RENDERERS, rollout.RENDERERS, grpo.RENDERERS, models.RENDERERS, simulator.RENDERERS,
-                     runs.RENDERERS, trl.RENDERERS, goals.RENDERERS, summary.RENDERERS):
+                     runs.RENDERERS, trl.RENDERERS, check.RENDERERS, goals.RENDERERS, summary.RENDERERS):
         clash = set(out) & set(registry)
         assert not clash, f"renderer names defined twice: {sorted(clash)}"
         out.update(registry)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 
 from . import goals
+from .check import CHECK, caught
 from .decoding import SMOLLM2_SD_RUNS, smollm2_decode_ratios
 from .format import md_table, minutes, pct, x, x_vs
 from .goals import _best_at
@@ -16,7 +17,7 @@ from .rollout import SMOLLM2_ROLLOUT
 from .runs import test_suites
 from .simulator import LATEST_VALIDATION, XEON_VALIDATE_RUNS
 
-RESULTS, MODELS, TRL_DOC = "docs/results.md", "docs/real-models.md", "docs/trl.md"
+RESULTS, MODELS, TRL_DOC, TRUST = "docs/results.md", "docs/real-models.md", "docs/trl.md", "docs/trust.md"
 
 
 def _ci(g: dict, key: str) -> str:
@@ -193,6 +194,25 @@ def trl_tlt(r):
             + harvested)
 
 
+def check(r):
+    parts = []
+    for model, stem in CHECK:
+        d = r.json(stem)
+        faults = [f for f in d["faults"] if not f["fault"].startswith("none")]
+        verdict = "every losslessness test passed" if d["check"]["lossless"] else "**a losslessness test failed**"
+        parts.append(f"{model}: {verdict} in {minutes(d['check_wall_s'])}, "
+                     f"{sum(caught(f) for f in faults)} of {len(faults)} injected faults caught")
+    return "; ".join(parts)
+
+
+def drafter_on_drift(r):
+    s = r.json("drafter_train-cpu-float32")["summary"]
+    c = s["on_drift_vs_always"]
+    return (f"`on_drift` trained the drafter in {s['on_drift']['trained_steps']} of 20 steps "
+            f"({s['on_drift']['micro_steps']:.0f} micro-steps vs {s['always']['micro_steps']:.0f}) and kept "
+            f"**{x(c['probe_last'])}** of `always`'s final accept length")
+
+
 ROWS = (
     ("GRPO step, tiny reasoner, 16 prompts x 8, CPU", grpo, RESULTS, "grpo-end-to-end"),
     ("the same workload in TRL 1.16's `GRPOTrainer`, CPU", trl, RESULTS, "trl-as-the-peer"),
@@ -214,6 +234,9 @@ ROWS = (
     ("the simulator against this machine (`simulate --validate`)", validation, RESULTS,
      "the-simulator-validated-on-this-machine"),
     ("paged KV cache (the engine's default), CPU", paged, RESULTS, "paged-kv-cache"),
+    ("`python -m tltlib check` on the shipped models, CPU", check, TRUST, "measured"),
+    ("the drafter trained only on drift, tiny reasoner, 20 GRPO steps, CPU", drafter_on_drift, RESULTS,
+     "train-the-drafter-only-on-drift"),
     ("sampling a token at real vocabularies, CPU", sampling, RESULTS, "sampling-at-real-vocabularies"),
 )
 
