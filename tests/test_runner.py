@@ -234,3 +234,16 @@ def test_recovery_reads_the_disk_not_whether_the_writers_pid_lives(tmp_path):
         (t / "b.txt").write_text("v3")
     assert [(dest / f).read_text() for f in ("a.txt", "b.txt")] == ["v2", "v3"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_folder_written_inside_another_ones_temporary_folder_does_not_wait_for_it(tmp_path):
+    """A notebook writes its figures (an atomic folder) inside the runner's output folder while the runner is still
+    writing it: the writer's liveness lock must not be a lock on the folder (it deadlocked CI's notebook runs)."""
+    code = ("import sys; from pathlib import Path; from tltlib.fileio import atomic_folder\n"
+            "with atomic_folder(Path(sys.argv[1]) / 'outer') as t:\n"
+            "    with atomic_folder(t / 'inner') as u:\n"
+            "        (u / 'f.txt').write_text('x')\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], timeout=120, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "outer" / "inner" / "f.txt").read_text() == "x"
+    assert not list(tmp_path.glob(".*")) and not list((tmp_path / "outer").glob(".*"))   # no lock file left

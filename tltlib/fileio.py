@@ -109,10 +109,20 @@ def _ours(d: Path, name: str) -> bool:
     return d.is_dir() and pid.isdigit()
 
 
+def _writer_file(tmp: Path) -> Path:
+    """The lock file of the writer of the temporary folder ``tmp`` (beside it: a lock on the folder itself would
+    block a write nested inside it, such as a notebook's figures inside the runner's output folder)."""
+    return tmp.with_name(tmp.name + ".writer")
+
+
 def _writer_gone(d: Path, name: str) -> bool:
-    """No process is writing the temporary folder ``d``: its writer holds a lock on it until it ends (a PID says
-    nothing: a restarted container reuses them, PID 1 first). Without locks on this filesystem: its PID is gone."""
-    with _locked(d, wait=False) as held:
+    """No process is writing the temporary folder ``d``: its writer holds a lock on ``d``'s writer file until it
+    ends (a PID says nothing: a restarted container reuses them, PID 1 first); a folder without one was left by a
+    writer that is gone. Without locks on this filesystem: its PID is gone."""
+    f = _writer_file(d)
+    if not f.is_file():
+        return True
+    with _locked(f, wait=False) as held:
         if held is None:
             return not _pid_alive(int(d.name[len(name) + 2:].split(".", 1)[0]))
         return held
@@ -157,11 +167,15 @@ def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
     with _locked(path.parent):
         _recover(path)
         for d in path.parent.glob(f".{path.name}.*.tmp-*"):
+            if d.name.endswith(".writer") and not d.with_name(d.name[: -len(".writer")]).exists():
+                d.unlink(missing_ok=True)                 # a writer's file whose folder was moved or removed
+                continue
             if not _ours(d, path.name):
                 continue
             copy = d.name.endswith((".tmp-new", ".tmp-old"))
             if (copy and path.exists()) or (not copy and _writer_gone(d, path.name)):
                 shutil.rmtree(d, ignore_errors=True)
+                _writer_file(d).unlink(missing_ok=True)
                 removed.append(d)
     return removed
 
@@ -267,14 +281,16 @@ def atomic_folder(path: str | os.PathLike, keep_existing: bool | Callable[[Path]
         raise
     finally:
         os.close(lock)
+        _writer_file(tmp).unlink(missing_ok=True)
 
 
 def _start_temporary(path: Path) -> tuple[Path, int]:
-    """A new temporary folder beside ``path`` (``.NAME.PID.tmp-XXXX``), locked by this writer before another writer
-    can see it (:func:`_writer_gone`); returns it and the descriptor holding the lock (closing it releases it)."""
+    """A new temporary folder beside ``path`` (``.NAME.PID.tmp-XXXX``), its writer file locked by this writer before
+    another writer can see it (:func:`_writer_gone`); returns it and the descriptor holding the lock (closing it
+    releases it)."""
     with _locked(path.parent):
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.tmp-", dir=path.parent))
-        fd = os.open(tmp, os.O_RDONLY)
+        fd = os.open(_writer_file(tmp), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError:
