@@ -33,7 +33,6 @@ from _common import (  # noqa: E402
     positive_int,
     write_results,
 )
-from tltlib.errors import BadInput  # noqa: E402
 
 DECODE_ROWS = (1, 16, 64)
 
@@ -59,6 +58,7 @@ before the bench calls the machine busy and writes nothing: a shared VM's few-se
 def check_quiet(noisy: list[tuple[str, float]], size: int) -> None:
     """Refuse (``ValueError``, nothing written) when more than :data:`BUSY_SHARE` of the ``size`` cells were too
     noisy to choose (``noisy``: ``(key, spread)``, worst first, as :meth:`KernelTable.noisy` gives them)."""
+    from tltlib.errors import BadInput
     from tltlib.kernels import table as kt
     if len(noisy) > BUSY_SHARE * size:
         raise BadInput(f"the timings' spread is too high to choose at {len(noisy)} of {size} cells (worst "
@@ -69,6 +69,7 @@ def check_quiet(noisy: list[tuple[str, float]], size: int) -> None:
 
 def main() -> None:
     args = parse_args()
+    from tltlib.errors import BadInput
     from tltlib.kernels import search as ks
     from tltlib.kernels import table as kt
 
