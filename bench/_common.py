@@ -74,6 +74,15 @@ def add_model_flags(ap: argparse.ArgumentParser, drafter: str | None = None, dra
         ap.add_argument("--drafter", default=drafter, type=folder("drafter", DRAFTER), help=drafter_help)
 
 
+def add_recipe_flags(ap: argparse.ArgumentParser) -> None:
+    """``--recipe`` (a train-grpo parameter file, default the tiny reasoner's) and ``--model`` / ``--drafter``
+    overriding its folders: the GRPO benches that run a recipe's trainer."""
+    ap.add_argument("--recipe", type=existing_file, default="params/train/cpu-tiny.yaml",
+                    help="a train-grpo parameter file (params/train/*.yaml) with a drafter and tlt settings")
+    ap.add_argument("--model", type=folder("model", MODEL), help="override the recipe's model")
+    ap.add_argument("--drafter", type=folder("drafter", DRAFTER), help="override the recipe's drafter")
+
+
 def add_num_generations(ap: argparse.ArgumentParser, default: int = 8, help: str | None = None) -> None:
     """``--num-generations`` (completions per prompt, TRL's name; checked positive), the old ``--group`` refused with
     the new name (:func:`tltlib.cli.parser.add_num_generations`)."""

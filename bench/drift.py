@@ -23,10 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     add_output_flags,
+    add_recipe_flags,
     bench_parser,
     depth_table,
-    existing_file,
-    folder,
     listed,
     machine_info,
     markdown_table,
@@ -42,11 +41,7 @@ from _common import (  # noqa: E402
 
 def parse_args(argv: list[str] | None = None):
     ap = bench_parser(__doc__)
-    ap.add_argument("--recipe", type=existing_file, default="params/train/cpu-tiny.yaml",
-                    help="a train-grpo parameter file (params/train/*.yaml) with a drafter and tlt settings")
-    ap.add_argument("--model", type=folder("model", "data/tiny-reasoner"), help="override the recipe's model")
-    ap.add_argument("--drafter", type=folder("drafter", "data/tiny-reasoner-drafter"),
-                    help="override the recipe's drafter")
+    add_recipe_flags(ap)
     ap.add_argument("--steps", type=positive_int, default=30, help="RL steps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=positive_int, default=10, help="held-out accuracy every N steps")

@@ -8,15 +8,13 @@ Departures: none.
 """
 from __future__ import annotations
 
-import json
-
 import torch
 from scipy.stats import binomtest
 
 from ...drafting.train import autocast_to_target, depth_accuracy
 from ...drafting.warmup import rows_pairs
-from ...fileio import resolve
-from ...rollout.alarms import AlarmConfig, card_floor
+from ...fileio import read_json, resolve
+from ...rollout.alarms import CARD_FILE, AlarmConfig, card_acceptance, card_floor
 from .config import Verdict
 
 DEPTH = 5
@@ -26,15 +24,14 @@ FAR_BELOW = 0.8
 
 
 def card_numbers(drafter_path) -> dict:
-    """What the drafter's ``train_log.json`` measured: ``top1`` by depth on held-out responses and ``accept``
-    (accept length by strategy); {} when the folder has none."""
-    f = resolve(drafter_path) / "train_log.json" if drafter_path else None
-    if f is None or not f.is_file():
+    """What the drafter's card (``train_log.json``) measured: ``top1`` by depth on held-out responses and
+    ``accept`` (accept length by strategy, :func:`tltlib.rollout.alarms.card_acceptance`); {} when it has none."""
+    folder = resolve(drafter_path) if drafter_path else None
+    if folder is None or not (folder / CARD_FILE).is_file():
         return {}
-    d = json.loads(f.read_text())
+    d = read_json(folder / CARD_FILE, "retrain the drafter (python -m tltlib train-drafter)")
     accs = (d.get("log") or {}).get("eval_acc") or [[]]
-    return {"top1": [float(a) for a in accs[-1]],
-            "accept": {k: float(v["spec/accept_len_mean"]) for k, v in (d.get("acceptance") or {}).items()}}
+    return {"top1": [float(a) for a in accs[-1]], "accept": card_acceptance(folder)}
 
 
 def top1_by_depth(model, tokenizer, drafter, rows) -> tuple[list[float], int]:

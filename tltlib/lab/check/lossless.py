@@ -62,8 +62,8 @@ def rollout(model, drafter, prompts, sampling: SamplingConfig, strategy: SpecStr
                     progress)
 
 
-def _ran_sd(res, what: str) -> None:
-    if not res.stats.get("spec/steps", 0):
+def _ran_sd(sd_steps: float, what: str) -> None:
+    if not sd_steps:
         raise Refused(f"check: the speculative arm of the {what} ran no SD step (every response ended at its first "
                       "token?); give longer responses (--max-new-tokens) or other prompts")
 
@@ -93,7 +93,7 @@ def greedy_identity(model, drafter, prompts, strategy: SpecStrategy, cfg: CheckC
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=cfg.greedy_tokens)
     plain = rollout(model, drafter, prompts, greedy, None, 1, cfg.seed)
     spec = rollout(model, drafter, prompts, greedy, strategy, 1, cfg.seed)
-    _ran_sd(spec, "greedy identity test")
+    _ran_sd(spec.stats.get("spec/steps", 0), "greedy identity test")
     a = [plain.response_ids(i) for i in range(plain.num_sequences)]
     b = [spec.response_ids(i) for i in range(spec.num_sequences)]
     diff = first_difference(a, b)
@@ -165,9 +165,7 @@ def first_tokens_chi2(model, drafter, contexts, strategy: SpecStrategy, cfg: Che
             r = generate(engines[arm], chunk, strat, cfg.seed + 1 + arm + 2 * c0)
             count[arm].update((c0 + i // cfg.samples, tuple(r.response_ids(i))) for i in range(r.num_sequences))
             sd_steps += r.stats.get("spec/steps", 0) if strat is not None else 0
-    if not sd_steps:
-        raise Refused("check: the speculative arm of the χ² test ran no SD step (every response ended at its "
-                      "first token?); give longer responses (--max-new-tokens) or other prompts")
+    _ran_sd(sd_steps, "χ² test")
     labels, _, _, p = compare_samplers(*count)
     n = sum(count[0].values())
     numbers = {"pvalue": p, "samples_per_arm": n, "categories": len(labels), "first_tokens": cfg.first_tokens,

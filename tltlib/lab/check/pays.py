@@ -7,13 +7,10 @@ Departures: the paper picks its threshold on its GPUs; here it is what this mach
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
-import torch
 
 from ...model.sampling import SamplingConfig
-from ...rollout.adaptive import AdaptiveConfig, AdaptiveController, save_prior
+from ...rollout.adaptive import AdaptiveConfig, AdaptiveController, save_prior, timed_rollout
 from ...rollout.bandit import TunerConfig
 from ...rollout.engine import RolloutConfig, RolloutEngine
 from ...sim.costs import predicted_speedup
@@ -43,15 +40,9 @@ def default_arms(drafter) -> tuple[SpecStrategy, ...]:
     return tuple(SpecStrategy.parse(n) for n in names)
 
 
-def _timed(eng, batch, strategy, seed: int) -> tuple[float, object]:
-    """(tokens per second, result) of one rollout (CUDA synchronised at both ends)."""
-    dev = eng.model.embed.weight.device
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    sync()
-    t = time.perf_counter()
-    res = eng.generate(batch, torch.Generator(device=dev).manual_seed(seed), strategy=strategy)
-    sync()
-    return float(res.lengths.sum()) / (time.perf_counter() - t), res
+def _rate(res, seconds: float) -> float:
+    """Tokens per second of a timed rollout."""
+    return float(res.lengths.sum()) / seconds
 
 
 def speedups_at(model, drafter, prompts, rows: int, arms, cfg: CheckConfig, rounds: int = 2):
@@ -66,9 +57,9 @@ def speedups_at(model, drafter, prompts, rows: int, arms, cfg: CheckConfig, roun
     recorders = {a.name: Recorder(a) for a in arms}
     ratios: dict = {a.name: [] for a in arms}
     for r in range(rounds + 1):
-        plain, _ = _timed(engines[OFF.name], batch, None, cfg.seed + r)
+        plain = _rate(*timed_rollout(engines[OFF.name], batch, None, cfg.seed + r))
         for a in arms:
-            rate, _ = _timed(engines[a.name], batch, recorders[a.name], cfg.seed + r)
+            rate = _rate(*timed_rollout(engines[a.name], batch, recorders[a.name], cfg.seed + r))
             if r:                                    # round 0 is the warm-up
                 ratios[a.name].append(rate / plain)
     return {a: float(np.median(v)) for a, v in ratios.items()}, recorders
