@@ -30,6 +30,8 @@ from tltlib.rollout.alarms import (
     WatchedSource,
     card_acceptance,
     card_floor,
+    floor_breached,
+    slower_than,
 )
 from tltlib.rollout.config import RolloutConfig
 from tltlib.rollout.engine import RolloutEngine
@@ -66,8 +68,9 @@ def test_the_floor_fires_once_at_the_patience_th_low_step_and_rearms_after_recov
     with pytest.warns(AlarmWarning, match="accept_floor.*under the floor 2.00"):
         for _ in range(10):                                # it breaks: nothing accepted
             alarms.sd_step(CHAIN, _hist([0] * 8))
-    # the last 5 steps' mean falls under 2 at the 4th bad step: (1 x 5 + 4 x 1) / 5 = 1.8
-    assert alarms.fired_at["accept_floor"] == [14]
+    # at the 4th bad step the last 5 steps' mean is under 2, (1 x 5 + 4 x 1) / 5 = 1.8, but within 3 standard errors
+    # of their spread (1.8 + 3 x 0.26 = 2.57); at the 5th every row-step accepted nothing: 1 + 3 x 0.08 < 2
+    assert alarms.fired_at["accept_floor"] == [15]
     assert alarms.metrics()["alarm/accept_floor"] == 1.0 and alarms.metrics()["alarm/accept_floor"] == 0.0
     for _ in range(10):
         alarms.sd_step(CHAIN, _hist([4] * 8))
@@ -84,9 +87,37 @@ def test_the_floor_judges_only_the_learned_drafter_and_waits_for_enough_rows():
         alarms.sd_step(ngram, _hist([0, 0]))              # a model-free drafter accepting nothing: its nature
     assert not _fired(alarms)
     with pytest.warns(AlarmWarning):
-        for k in range(16):                                # one row per step: 16 steps make 16 row-steps
-            alarms.sd_step(CHAIN, _hist([0]))
-            assert bool(alarms.fired_at["accept_floor"]) == (k == 15)
+        for k in range(8):                                 # two rows per step: 8 steps make 16 row-steps
+            alarms.sd_step(CHAIN, _hist([0, 0]))
+            assert bool(alarms.fired_at["accept_floor"]) == (k == 7)
+
+
+def test_floor_breached_needs_the_mean_under_the_floor_by_z_standard_errors():
+    # 16 row-steps accepting nothing: 1 + 3 x sqrt(1/4 / 16) = 1.375 (the spread floored at a quarter token squared)
+    assert floor_breached(_hist([0] * 16), 1.4, 3.0) == (True, 1.0, 16)
+    assert not floor_breached(_hist([0] * 16), 1.37, 3.0)[0]
+    # mean 1.5 with a spread: 1.5 + 3 x 0.27 = 2.30 clears a floor of 2.15, the mean alone (z = 0) does not
+    uneven = _hist([0, 0, 0, 3, 0, 0, 1, 0] * 2)
+    assert floor_breached(uneven, 2.15, 3.0)[:2] == (False, 1.5) and floor_breached(uneven, 2.15, 0.0)[0]
+    assert floor_breached(np.zeros(5), 2.0, 3.0) == (False, 0.0, 0)
+    with pytest.raises(ValueError, match="confidence_z"):
+        AlarmConfig(confidence_z=-1.0)
+
+
+def test_a_tails_hard_stretch_stays_quiet_but_a_drafter_accepting_nothing_does_not():
+    """A tail's last rows meet a stretch their drafter predicts poorly (text sampled at high entropy): under the
+    floor on average but unevenly, or at one row (one response: not judged); a drafter that fits no policy accepts
+    nothing at every row-step."""
+    alarms = _card_alarms()
+    for k in range(48):
+        alarms.sd_step(CHAIN, _hist([[0, 0, 0, 3, 0, 0, 1, 0][k % 8]] * 2))
+        alarms.sd_step(CHAIN, _hist([0]), speedup=0.3, active=1)        # the last row: not judged
+    assert not _fired(alarms)
+    with pytest.warns(AlarmWarning, match="accept_floor.*by more than 3 standard errors"):
+        for _ in range(8):
+            alarms.sd_step(CHAIN, _hist([0, 0]))
+    with pytest.raises(ValueError, match="min_active"):
+        AlarmConfig(min_active=0)
 
 
 def test_the_floor_comes_from_the_card():
@@ -108,13 +139,48 @@ def test_sd_slower_needs_patience_consecutive_slow_sd_steps():
     alarms.plain_step()                                   # the tuner turned SD off: the run of SD steps ends
     for _ in range(4):
         alarms.sd_step(CHAIN, speedup=0.5)
-    with pytest.warns(AlarmWarning, match="sd_slower.*0.66x plain"):
-        alarms.sd_step(CHAIN, speedup=2.0)                # geometric mean 0.66 < 0.75
+    with pytest.warns(AlarmWarning, match=r"sd_slower: the last 5 SD steps \(chain-4 the latest\) ran at 0.53x plain"):
+        alarms.sd_step(CHAIN, speedup=0.7)                # 0.53x, 3 x 0.1 / sqrt(5) = 0.13 under log(0.75)
     assert alarms.fired_at["sd_slower"] == [9]
-    noisy = Alarms(AlarmConfig(patience=5))
-    for s in [0.6, 1.3, 0.7, 1.2, 0.9] * 4:                # around 1: no alarm
-        noisy.sd_step(CHAIN, speedup=s)
-    assert not _fired(noisy)
+    for speedups in ([0.6, 1.3, 0.7, 1.2, 0.9],          # around 1
+                     [0.3, 1.2, 0.5, 1.0, 0.6]):          # 0.64x on average, unevenly: a hard stretch, no proof
+        quiet = Alarms(AlarmConfig(patience=5))
+        for s in speedups * 4:
+            quiet.sd_step(CHAIN, speedup=s)
+        assert not _fired(quiet)
+
+
+def test_slower_than_needs_the_mean_under_the_ratio_by_z_standard_errors():
+    assert slower_than(np.log([0.5] * 5), 0.75, 3.0) == (True, pytest.approx(0.5))
+    assert not slower_than(np.log([0.7] * 5), 0.75, 3.0)[0]             # within the 10% timing noise
+    assert slower_than(np.log([0.7] * 5), 0.75, 0.0)[0]
+    assert not slower_than(np.log([0.3, 1.2, 0.5, 1.0, 0.6]), 0.75, 3.0)[0]
+
+
+def test_sd_slower_judges_the_arm_the_tuner_exploits_not_its_exploration():
+    from tltlib.rollout.adaptive import AdaptiveConfig, AdaptiveController, TunerConfig
+    from tltlib.spec.strategy import OFF
+    chain8 = SpecStrategy.parse("chain-8")
+    ctl = AdaptiveController(AdaptiveConfig(threshold=8, tuner=TunerConfig(arms=("chain-4", "chain-8"), buckets=(1,))))
+    for _ in range(20):                      # chain-4 1.5x, chain-8 0.5x, plain 1x: chain-4 is the tuner's best
+        for arm, rate in ((CHAIN, 1.5), (chain8, 0.5), (OFF, 1.0)):
+            ctl.choose(0, 2)
+            ctl.observe(arm, 2, tokens=int(rate * 200), seconds=1.0)
+    assert ctl.exploits(CHAIN, 2) and not ctl.exploits(chain8, 2)
+    ctl.choose(0, 100)                       # above the threshold: the switch, not the tuner, decides
+    assert ctl.exploits(chain8, 100)
+    ctl.choose(0, 2)
+    alarms = Alarms(AlarmConfig(patience=5))
+    source = WatchedSource(ctl, alarms)
+    for _ in range(3):
+        source.observe(OFF, 2, tokens=200, seconds=1.0)
+    for _ in range(10):                      # exploring chain-8, at half plain's speed: not judged
+        source.observe(chain8, 2, tokens=100, seconds=1.0)
+    assert alarms.sd_steps == 10 and not _fired(alarms)
+    with pytest.warns(AlarmWarning, match="sd_slower"):
+        for _ in range(5):                   # the exploited chain-4 itself turns slow: judged
+            source.observe(CHAIN, 2, tokens=100, seconds=1.0)
+    assert alarms.fired_at["sd_slower"] == [15]
 
 
 def test_stale_and_mismatch_fire_on_their_faults_only():

@@ -106,6 +106,18 @@ def test_resume_restores_the_drafter_from_trls_checkpoint_and_refuses_one_withou
         trainer_with(third, tmp_path, max_steps=2).train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
 
 
+def test_a_skipped_drafter_training_fires_the_stale_alarm_at_trls_next_weight_sync(tmp_path, monkeypatch):
+    from tltlib.rl import online
+    from tltlib.rollout.alarms import AlarmWarning
+    rollout = tlt_rollout_func(TINY, DRAFTER, tlt=TLTConfig(drafter_steps=1))
+    monkeypatch.setattr(online, "train_drafter", lambda *a, **k: {})     # the drafter's training skipped on purpose
+    trainer = trainer_with(rollout, tmp_path)
+    with pytest.warns(AlarmWarning, match="drafter_stale"):
+        trainer.train()
+    assert rollout.drafter.version == 0 and len(rollout.alarms.fired_at["drafter_stale"]) == 1
+    assert any(e.get("alarm/drafter_stale", 0) > 0 for e in trainer.state.log_history)
+
+
 def first_call(rollout, trainer):
     """The rollout's first call on the trainer's first generation batch (where every check runs)."""
     prompts = [p for p in dataset(2)["prompt"] for _ in range(trainer.num_generations)]

@@ -305,6 +305,11 @@ class AdaptiveController(StrategySource):
             self._version = version
         return self.tuner.select(active, lambda: self.switch_charge(active, backlog, uniform_left))
 
+    def exploits(self, strategy: SpecStrategy, active: int) -> bool:
+        """Whether ``strategy``, just played at ``active`` rows, is the arm the tuner believes best there (not an
+        exploration); True outside the tuner (above the threshold, where the switch alone decides)."""
+        return not self._tuned or strategy == self.tuner.best(active)
+
     def observe(self, strategy: SpecStrategy, active: int, tokens: int, seconds: float,
                 rows: int | None = None, context: float | None = None, accepted: np.ndarray | None = None) -> None:
         """Reward of the decode iteration just finished: it ran ``active`` rows for ``seconds`` at a mean cached

@@ -7,18 +7,28 @@ Four alarms, each fired once (a :class:`AlarmWarning` through :func:`warnings.wa
 metrics of the RL step it fired in) and re-armed only when its condition has cleared:
 
 * ``accept_floor``: the learned drafter's SD steps (n-gram and suffix steps are not judged) accepted fewer tokens
-  than the floor: the row-weighted mean accept length (bonus token included) of the last ``patience`` such SD
-  steps, holding at least ``min_rows`` row-steps, under ``accept_floor``. The floor is given, or comes from the
-  drafter's card (:func:`card_floor`: ``1 + floor_share x`` (the lowest accept length measured when it was
-  trained ``- 1``)).
-* ``sd_slower``: SD is on but slower than plain decoding at the current rows: the geometric mean speedup of the
-  last ``patience`` consecutive SD steps (a plain step between restarts the count: a tuner that switched SD off has
-  done its job) under ``slower_ratio``. A step's speedup is its speed over plain decoding's, each speed measured
+  than the floor: over the last ``patience`` such SD steps, holding at least ``min_rows`` row-steps, the
+  row-weighted mean accept length (bonus token included) is under ``accept_floor`` by ``confidence_z`` standard
+  errors (:func:`floor_breached`). A drafter that does not fit its policy accepts about nothing at every row-step,
+  which a handful of steps shows; a fitting one that meets a hard stretch (one long response's computed digits, the
+  last row of a tail) accepts little there but unevenly, and its window's spread keeps it clear of the alarm. The
+  floor is given, or comes from the drafter's card (:func:`card_floor`: ``1 + floor_share x`` (the lowest accept
+  length measured when it was trained ``- 1``)).
+* ``sd_slower``: SD is on but slower than plain decoding at the current rows: over the last ``patience``
+  consecutive SD steps of the arm a tuner exploits (its exploration tries arms it doubts, slower ones among them:
+  the price of learning, not a fault; a fixed strategy is always exploited), the geometric mean speedup is under
+  ``slower_ratio`` by ``confidence_z`` standard errors of the steps' log-speedups (:func:`slower_than`); a plain step
+  between restarts the count (a tuner that switched SD off has done its job).
+  A step's speedup is its speed over plain decoding's, each speed measured
   over the cost model's plain rate at its rows and context (the adaptive tuner's reward,
   :func:`tltlib.rollout.adaptive.iteration_speedup`): against the plain steps measured recently at about as many
   rows (power-of-two buckets), else at any rows (another process's load slows them all), else the cost model.
   Without a cost model only against plain steps at about as many rows, in tokens per row per second. A load that
   starts on a shared machine during a run of SD steps looks like slow SD: the alarm says so once.
+* Both judge only SD steps with at least ``min_active`` running rows. The last row of a tail is one response, and
+  a hard stretch of it (text the policy samples at high entropy) slows SD there whatever the drafter's fit: the
+  tiny reasoner's shipped drafter, 4.85 tokens per step on its card, accepted 1.44 over a last row's 16 steps, where
+  chain-16 ran at 0.63x plain. The tuner, which averages over many responses, is the judge at one row.
 * ``drafter_stale``: the policy changed but the drafter's version did not although the online drafter was due to
   train (a skipped training step or sync): checked once per RL step or weight sync (:meth:`Alarms.after_update`).
 * ``drafter_mismatch``: after a drafter sync or merge, the drafter the engine drafts with does not hold the trained
@@ -72,9 +82,18 @@ class AlarmConfig:
     min_rows: int = 16
     """Row-steps the floor's window holds at least (with fewer rows per step it reaches further back): one-row
     steps accept 0 drafts by chance often enough to fool a 5-step window."""
+    min_active: int = 2
+    """Running rows an SD step needs to be judged by ``accept_floor`` and ``sd_slower`` (fewer: neither counted nor
+    breaking a run of steps): a tail's last row is one response, whose hard stretch says nothing of the drafter or of
+    SD at these rows. 1: judge every step."""
+    confidence_z: float = 3.0
+    """Standard errors by which the window's mean accept length must lie under the floor (:func:`floor_breached`),
+    and its mean log-speedup under ``log(slower_ratio)`` (:func:`slower_than`). Both are judged at every SD step of a
+    run, thousands of times: one-sided 3 sigma (p = 0.0013 per judgement) keeps a good drafter's hard stretches, where
+    SD accepts and gains unevenly for a few steps, quiet. 0: the means alone."""
     slower_ratio: float = 0.75
-    """Geometric mean speedup over plain decoding under which ``patience`` consecutive SD steps raise
-    ``sd_slower`` (below 1 by a margin: one step's timing is noisy)."""
+    """Geometric mean speedup over plain decoding under which (by ``confidence_z`` standard errors) ``patience``
+    consecutive SD steps raise ``sd_slower`` (below 1 by a margin: one step's timing is noisy)."""
     floor: bool = True
     """Watch the accept length."""
     speed: bool = True
@@ -90,8 +109,11 @@ class AlarmConfig:
                            f"{self.accept_floor} (None: from the drafter's card)")
         if not 0.0 < self.floor_share < 1.0:
             raise BadInput(f"floor_share must be in (0, 1), got {self.floor_share}")
-        if self.patience < 1 or self.min_rows < 1:
-            raise BadInput(f"patience and min_rows must be >= 1, got {self.patience}, {self.min_rows}")
+        if not self.confidence_z >= 0.0:
+            raise BadInput(f"confidence_z is standard errors (>= 0; 0: the mean alone), got {self.confidence_z}")
+        if self.patience < 1 or self.min_rows < 1 or self.min_active < 1:
+            raise BadInput(f"patience, min_rows and min_active must be >= 1, got {self.patience}, {self.min_rows}, "
+                           f"{self.min_active}")
         if not 0.0 < self.slower_ratio <= 1.0:
             raise BadInput(f"slower_ratio must be in (0, 1] (a speedup over plain decoding), got {self.slower_ratio}")
 
@@ -115,16 +137,34 @@ def card_floor(accept: dict[str, float], share: float) -> float | None:
     return 1.0 + share * (min(accept.values()) - 1.0) if accept else None
 
 
-def accept_len(hist) -> tuple[float, int]:
-    """(mean tokens per row, rows) of an SD step from its histogram of rows by accepted drafts (``hist[k]``: rows
-    that accepted k drafts; the bonus token included)."""
+def floor_breached(hist, floor: float, z: float) -> tuple[bool, float, int]:
+    """Whether the row-steps of ``hist`` (rows by accepted drafts, the window's SD steps summed: shape (depth+1,))
+    accepted fewer tokens per row-step than ``floor`` by ``z`` standard errors: ``mean + z * se < floor``, with
+    ``se = sqrt(max(var, 1/4) / n)`` over the n row-steps (the variance at least a quarter token squared: a few
+    row-steps that happen to accept alike are no proof of a spread of zero). Returns (breached, mean, n)."""
     h = np.asarray(hist, dtype=np.float64)
-    rows = float(h.sum())
-    return (1.0 + float((h * np.arange(h.size)).sum()) / rows if rows else 0.0), int(rows)
+    n = float(h.sum())
+    if n <= 0:
+        return False, 0.0, 0
+    tokens = 1.0 + np.arange(h.size)
+    mean = float((h * tokens).sum() / n)
+    var = float((h * (tokens - mean) ** 2).sum() / max(n - 1.0, 1.0))
+    return mean + z * math.sqrt(max(var, 0.25) / n) < floor, mean, int(n)
 
 
 def _bucket(active: int) -> int:
     return int(active).bit_length()
+
+
+def slower_than(log_speedups, ratio: float, z: float, noise: float = 0.1) -> tuple[bool, float]:
+    """Whether SD steps whose log-speedups over plain decoding are ``log_speedups`` (shape (n,)) ran slower than
+    ``ratio`` x plain by ``z`` standard errors: ``mean + z * sd / sqrt(n) < log(ratio)``, the sample standard
+    deviation at least ``noise`` (a step's timing on a shared machine is no better than 10%). Returns (slower,
+    geometric mean speedup)."""
+    x = np.asarray(log_speedups, dtype=np.float64)
+    m = float(x.mean())
+    sd = max(float(x.std(ddof=1)) if x.size > 1 else 0.0, noise)
+    return m + z * sd / math.sqrt(x.size) < math.log(ratio), math.exp(m)
 
 
 # ------------------------------------------------------------------------------------------------ the alarms
@@ -149,49 +189,61 @@ class Alarms:
         """SD steps seen (all rollouts)."""
         self.fired_at: dict[str, list[int]] = {n: [] for n in NAMES}
         """Per alarm, :attr:`sd_steps` at each time it fired."""
-        self._window: deque = deque()            # (rows, tokens) of the learned drafter's latest SD steps
+        self._window: deque = deque()            # (rows, histogram) of the learned drafter's latest SD steps
         self._speed: deque = deque(maxlen=c.patience)   # log-speedups of the latest consecutive SD steps
         self._armed = dict.fromkeys(NAMES, True)
         self._clear = dict.fromkeys(NAMES, 0)
         self._new: set[str] = set()
 
     # ---------------------------------------------------------------------------------------- per SD step
-    def sd_step(self, strategy: SpecStrategy, accepted=None, speedup: float | None = None, active: int = 0) -> None:
-        """One SD step of ``strategy`` at ``active`` rows: its histogram of rows by accepted drafts (``accepted``)
-        and its speedup over plain decoding (None: unknown)."""
+    def sd_step(self, strategy: SpecStrategy, accepted=None, speedup: float | None = None,
+                active: int | None = None) -> None:
+        """One SD step of ``strategy`` at ``active`` rows (None: the rows of ``accepted``, else unknown): its
+        histogram of rows by accepted drafts (``accepted``) and its speedup over plain decoding (None: unknown, or not
+        judged: a tuner's exploration)."""
         self.sd_steps += 1
         c = self.config
+        if active is None and accepted is not None:
+            active = int(np.sum(accepted))
+        if active is not None and active < c.min_active:
+            return
         if c.floor and self.floor is not None and strategy.uses_drafter and accepted is not None:
-            self._judge_floor(*accept_len(accepted))
+            self._judge_floor(np.asarray(accepted, dtype=np.float64))
         if c.speed and speedup is not None and speedup > 0:
             self._speed.append(math.log(speedup))
             if len(self._speed) == c.patience:
-                g = math.exp(sum(self._speed) / c.patience)
-                self._set("sd_slower", g < c.slower_ratio, lambda: (
-                    f"the last {c.patience} SD steps ({strategy.name} the latest, at {active} rows) ran at {g:.2f}x "
-                    f"plain decoding's speed (under {c.slower_ratio}): SD is on where plain decoding is faster. Use "
-                    "speculative: adaptive with 'off' among tlt.arms (the tuner then turns SD off there) or a lower "
-                    "tlt.threshold"), c.patience)
+                slow, g = slower_than(self._speed, c.slower_ratio, c.confidence_z)
+                where = f", at {active} rows" if active is not None else ""
+                self._set("sd_slower", slow, lambda: (
+                    f"the last {c.patience} SD steps ({strategy.name} the latest{where}) ran at {g:.2f}x "
+                    f"plain decoding's speed (under {c.slower_ratio} by more than {c.confidence_z:g} standard "
+                    "errors): SD is on where plain decoding is faster. Use speculative: adaptive with 'off' among "
+                    "tlt.arms (the tuner then turns SD off there) or a lower tlt.threshold"), c.patience)
 
     def plain_step(self) -> None:
         """A plain decode iteration: SD is off, so the run of consecutive SD steps the speed is judged on ends."""
         self._speed.clear()
 
-    def _judge_floor(self, mean: float, rows: int) -> None:
+    def _judge_floor(self, hist: np.ndarray) -> None:
         c, w = self.config, self._window
-        w.append((rows, mean * rows))
+        rows = int(hist.sum())
+        if rows < 1:
+            return
+        w.append((rows, hist))
         total = sum(r for r, _ in w)
         while len(w) > c.patience and total - w[0][0] >= c.min_rows:
             total -= w.popleft()[0]
         if len(w) < c.patience or total < c.min_rows:
             return
-        acc = sum(t for _, t in w) / total
-        self._set("accept_floor", acc < self.floor, lambda: (
-            f"the learned drafter's last {len(w)} SD steps ({total} row-steps) accepted {acc:.2f} tokens per row per "
-            f"step, under the floor {self.floor:.2f} ({self.floor_source}): the drafter does not fit this policy "
-            "(trained for another policy, random, or left behind by RL); SD stays exact but slow. Warm-start a "
-            "drafter for this model (python -m tltlib train-drafter), keep tlt.online_drafter on, or set "
-            "tlt.accept_floor"), c.patience)
+        width = max(h.size for _, h in w)
+        summed = sum(np.pad(h, (0, width - h.size)) for _, h in w)
+        low, acc, n = floor_breached(summed, self.floor, c.confidence_z)
+        self._set("accept_floor", low, lambda: (
+            f"the learned drafter's last {len(w)} SD steps ({n} row-steps) accepted {acc:.2f} tokens per row per "
+            f"step, under the floor {self.floor:.2f} ({self.floor_source}) by more than {c.confidence_z:g} standard "
+            "errors: the drafter does not fit this policy (trained for another policy, random, or left behind by "
+            "RL); SD stays exact but slow. Warm-start a drafter for this model (python -m tltlib train-drafter), "
+            "keep tlt.online_drafter on, or set tlt.accept_floor"), c.patience)
 
     # --------------------------------------------------------------------------------- per step and sync
     def after_update(self, policy_moved: bool, drafter_moved: bool, due: bool, version=None) -> None:
@@ -273,6 +325,8 @@ class WatchedSource(StrategySource):
 
     def observe(self, strategy: SpecStrategy, active: int, tokens: int, seconds: float, rows: int | None = None,
                 context: float | None = None, accepted=None) -> None:
+        exploits = getattr(self.source, "exploits", None)         # judged before the tuner learns from this step
+        exploited = exploits is None or not strategy.enabled or exploits(strategy, active)
         self.source.observe(strategy, active, tokens, seconds, rows, context=context, accepted=accepted)
         # the iteration's speed over what the cost model predicts for plain decoding at these rows (without one:
         # tokens per row per second), so that iterations at different rows and contexts compare
@@ -285,7 +339,7 @@ class WatchedSource(StrategySource):
                 self._recent.append(speed)
             self.alarms.plain_step()
             return
-        self.alarms.sd_step(strategy, accepted, self._speedup(speed, active), active)
+        self.alarms.sd_step(strategy, accepted, self._speedup(speed, active) if exploited else None, active)
 
     def _speedup(self, speed: float | None, active: int) -> float | None:
         """An SD step's ``speed`` over plain decoding's: the plain steps measured at about as many rows (at least
