@@ -106,6 +106,18 @@ def test_bad_files_are_refused_before_anything_loads(tmp_path, text, error, matc
         read_job(f)
 
 
+def test_a_strategy_larger_than_the_cache_leaves_room_for_is_refused_when_python_builds_the_config():
+    """GRPOTrainer users get the job file's check when they build TLTConfig, not a late "raise
+    RolloutConfig.draft_margin" (a setting the trainer does not expose) at the first SD step."""
+    from tltlib.rl.config import TLTConfig
+    from tltlib.spec.strategy import SpecStrategy
+    with pytest.raises(ValueError, match=r"tlt.arms\[1\] = 'tree-10x8-90' verifies 90 .*\(e.g. tree-8x8-32\)"):
+        TLTConfig(arms=("off", "tree-10x8-90"))
+    with pytest.raises(ValueError, match="tlt.speculative = 'chain-80' verifies 80 .*chain-8"):
+        TLTConfig(speculative="chain-80")
+    assert TLTConfig(arms=("off", SpecStrategy.parse("chain-4"))).arms[1].name == "chain-4"
+
+
 @pytest.mark.parametrize("speculative", ["suffix-6-12", "ngram-4", "off"])
 def test_a_model_free_strategy_needs_no_drafter(tmp_path, speculative):
     f = tmp_path / "job.yaml"

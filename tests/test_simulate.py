@@ -175,7 +175,8 @@ def test_a_mixed_bucket_costs_and_emits_the_share_weighted_mean():
 
 def test_the_command_projects_the_workload_given_and_refuses_bad_flags_first(tmp_path, capsys):
     """``simulate --project`` simulates --prompts / --num-generations / --max-new when given (it ignored them), and
-    a flag that cannot be simulated is refused before anything loads or is measured, naming the flag."""
+    a flag that cannot be simulated, or one of the other mode (which it would ignore), is refused before anything loads
+    or is measured, naming the flag."""
     import json
 
     from tltlib.cli import main
@@ -185,10 +186,16 @@ def test_the_command_projects_the_workload_given_and_refuses_bad_flags_first(tmp
     d = json.loads((tmp_path / "simulate-project-h100.json").read_text())
     assert d["lengths"]["cap"] == 100 and d["settings"]["prompts"] == 32
     assert d["projection"]["qwen2.5-7b"][0]["rows_per_worker"] == 32 * 4 // 2     # 1 node of TP 4: 2 workers
-    for argv, message in ((["--validate", "--prompts", "0"], "--prompts must be >= 1, got 0"),
-                          (["--validate", "--max-new", "-1"], "--max-new must be >= 1"),
+    absent = str(tmp_path / "absent")                     # were anything loaded, it would fail on this model
+    for argv, message in ((["--validate", "--prompts", "0", "--model", absent], "--prompts must be >= 1, got 0"),
+                          (["--validate", "--max-new", "-1", "--model", absent], "--max-new must be >= 1"),
                           (["--project", "--num-generations", "1"], "--num-generations must be >= 2"),
-                          (["--project", "--steps", "3"], "--steps goes with --validate")):
-        assert main(["simulate", *argv, "--model", str(tmp_path / "absent"), "--out", str(tmp_path)]) == 1
+                          (["--project", "--steps", "3"], "--steps goes with --validate, not --project"),
+                          (["--project", "--model", absent], "--model goes with --validate"),
+                          (["--project", "--workers-results", ""], "--workers-results goes with --validate"),
+                          (["--validate", "--hardware", "a100", "--model", absent], "--hardware goes with --project"),
+                          (["--validate", "--lengths-from", "x.json", "--model", absent],
+                           "--lengths-from goes with --project")):
+        assert main(["simulate", *argv, "--out", str(tmp_path)]) == 1
         err = capsys.readouterr().err
         assert err.count("error:") == 1 and message in err, err

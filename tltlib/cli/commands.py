@@ -272,26 +272,36 @@ def cmd_warm_start(args) -> int:
     return 0
 
 
-SIMULATE_DEFAULTS = {"validate": {"prompts": 16, "num_generations": 8, "max_new": 720, "steps": 6},
-                     "project": {"prompts": 64, "num_generations": 8, "max_new": 32768}}
-"""``simulate``'s workload flags where not given: the runs measured here (--validate), the paper's (--project)."""
+SIMULATE_DEFAULTS = {
+    "validate": {"prompts": 16, "num_generations": 8, "max_new": 720, "steps": 6, "model": "data/tiny-reasoner",
+                 "drafter": "data/tiny-reasoner-drafter",
+                 "workers_results": "bench/results/e2e_grpo-cpu-float32-w2.json"},
+    "project": {"prompts": 64, "num_generations": 8, "max_new": 32768, "hardware": "h100",
+                "lengths_from": "bench/results/e2e_grpo-cpu-float32.json"}}
+"""``simulate``'s flags where not given, per mode: the runs measured here (--validate), the paper's (--project). A
+flag only the other mode has is refused, not ignored."""
+WORKLOAD = ("prompts", "num_generations", "max_new", "steps")
+"""The workload flags among them: whole numbers, checked."""
 
 
 def _simulate_workload(args) -> dict:
-    """``simulate``'s --prompts, --num-generations, --max-new (and --validate's --steps), the mode's defaults where
-    not given, each checked before anything loads or is measured."""
-    mode = "project" if args.project else "validate"
-    if args.project and args.steps is not None:
-        raise BadInput("--steps goes with --validate (GRPO steps measured here); --project simulates steps at the "
-                       "paper's settings: drop --steps")
-    workload = {}
+    """``simulate``'s flags of its mode (the workload: --prompts, --num-generations, --max-new, --validate's
+    --steps; --validate's model, drafter and workers' results; --project's hardware and lengths), the mode's defaults
+    where not given, each checked before anything loads or is measured; a flag of the other mode is refused."""
+    mode, other = ("project", "validate") if args.project else ("validate", "project")
+    for key in SIMULATE_DEFAULTS[other].keys() - SIMULATE_DEFAULTS[mode].keys():
+        if getattr(args, key) is not None:
+            flag = "--" + key.replace("_", "-")
+            raise BadInput(f"{flag} goes with --{other}, not --{mode} (which would ignore it): drop {flag}, or run "
+                           f"simulate --{other}")
+    settings = {}
     for key, default in SIMULATE_DEFAULTS[mode].items():
         value = default if getattr(args, key) is None else getattr(args, key)
         least = 2 if key == "num_generations" else 1          # GRPO compares a completion with its group's others
-        if value < least:
+        if key in WORKLOAD and value < least:
             raise BadInput(f"--{key.replace('_', '-')} must be >= {least}, got {value}")
-        workload[key] = value
-    return workload
+        settings[key] = value
+    return settings
 
 
 def _simulate_project(args) -> int:
@@ -322,7 +332,9 @@ def _simulate_project(args) -> int:
 def _workload_words(args) -> tuple[str, str]:
     """How the projection's text names its workload and its cap: the paper's settings in its words, else the flags
     given."""
-    if (args.prompts, args.num_generations, args.max_new) == tuple(SIMULATE_DEFAULTS["project"].values()):
+    paper = SIMULATE_DEFAULTS["project"]
+    if (args.prompts, args.num_generations, args.max_new) == (paper["prompts"], paper["num_generations"],
+                                                              paper["max_new"]):
         return "the paper's settings (64 prompts x 8, 32K max, ", "32K"
     return (f"{args.prompts} prompts x {args.num_generations}, at most {args.max_new} tokens (not the paper's "
             "settings; ", str(args.max_new))

@@ -157,21 +157,19 @@ def _simulate_command(sub) -> None:
                     "simulator's predictions with measured rollouts and GRPO steps (exit 1 if one is off by > 15%%)")
     sm.add_argument("--project", action="store_true", help="simulate the paper's Table 3 settings (Qwen2.5-7B TP 4, "
                     "Qwen2.5-32B TP 8, 1-8 nodes of 8 GPUs) and print the speedups beside the paper's")
-    sm.add_argument("--hardware", default="h100", help="--project: hardware preset (h100, a100, b200)")
-    sm.add_argument("--lengths-from", default="bench/results/e2e_grpo-cpu-float32.json",
-                    help="--project: a bench e2e_grpo results file whose baseline lengths give the shape, "
-                         "scaled to 32K")
-    sm.add_argument("--model", default="data/tiny-reasoner")
-    sm.add_argument("--drafter", default="data/tiny-reasoner-drafter")
+    sm.add_argument("--hardware", help="--project: hardware preset (h100, a100, b200; default h100)")
+    sm.add_argument("--lengths-from", help="--project: a bench e2e_grpo results file whose baseline lengths give the "
+                    "shape, scaled to 32K (default bench/results/e2e_grpo-cpu-float32.json)")
+    sm.add_argument("--model", help="--validate: the model measured (default data/tiny-reasoner)")
+    sm.add_argument("--drafter", help="--validate: its drafter (default data/tiny-reasoner-drafter)")
     sm.add_argument("--prompts", type=int, help="prompts per rollout and step (default: 16 with --validate, the "
                     "paper's 64 with --project)")
     add_num_generations(sm, None, "completions per prompt: the GRPO group size (default 8, the paper's)")
     sm.add_argument("--max-new", type=int, help="longest completion (default: 720 with --validate, the paper's "
                     "32768 with --project, to which --lengths-from is scaled)")
     sm.add_argument("--steps", type=int, help="--validate: GRPO steps per policy after a warm-up step (default 6)")
-    sm.add_argument("--workers-results", default="bench/results/e2e_grpo-cpu-float32-w2.json",
-                    help="--validate: a bench e2e_grpo --workers 2 results file for the harvested-share check "
-                         "(empty: skip it)")
+    sm.add_argument("--workers-results", help="--validate: a bench e2e_grpo --workers 2 results file for the "
+                    "harvested-share check (default bench/results/e2e_grpo-cpu-float32-w2.json; empty: skip it)")
     sm.add_argument("--out", default="bench/results",
                     help="folder of the JSON and markdown results (relative: to the project root)")
 

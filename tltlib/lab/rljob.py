@@ -58,8 +58,7 @@ from ..rl.memory import MeasuredLengths
 from ..rl.scheduler import SchedulerConfig
 from ..rl.trainer import GRPOTrainer
 from ..rl.world import DistributedWorld, launched_by_torchrun, torchrun_command
-from ..rollout.config import RolloutConfig
-from ..spec.strategy import SpecStrategy
+from ..rollout.config import fitting_strategy
 from ..tasks.datasets import TASKS, split_problems
 from .params import dataclass_from_mapping, load_yaml, params_path, task_configs
 
@@ -167,42 +166,16 @@ def _check_strategies(path: Path, tlt: TLTConfig | None, drafter: str) -> None:
     if tlt is None or tlt.speculative == "off":
         return
     if tlt.speculative == "adaptive":
-        learned = [str(arm) for i, arm in enumerate(tlt.arms) if _strategy(arm, f"{path}: tlt.arms[{i}]").uses_drafter]
+        learned = [str(arm) for i, arm in enumerate(tlt.arms)
+                   if fitting_strategy(arm, f"{path}: tlt.arms[{i}]").uses_drafter]
         needs = f"the adaptive tuner's arms need a learned drafter ({', '.join(learned)})" if learned else None
     else:
-        needs = None if not _strategy(tlt.speculative, f"{path}: tlt.speculative").uses_drafter else \
+        needs = None if not fitting_strategy(tlt.speculative, f"{path}: tlt.speculative").uses_drafter else \
             "needs a learned drafter"
     if needs and not drafter:
         raise BadInput(f"{path}: tlt.speculative = {tlt.speculative!r}: {needs}: set 'drafter' (or use a "
                        "model-free speculative: ngram-D or suffix-D-N, model-free tlt.arms, off, or tlt: null for the "
                        "baseline)")
-
-
-def _strategy(name, where: str) -> SpecStrategy:
-    """The strategy ``name`` of the job's ``where``, refused naming it when unreadable or larger than the room the
-    rollout's cache leaves for one step's draft (``RolloutConfig.draft_margin``, which no job setting changes)."""
-    if isinstance(name, bool):
-        raise BadInput(f"{where} = {name!r}: YAML reads an unquoted off (or on, yes, no) as {name}; write 'off'")
-    try:
-        st = SpecStrategy.parse(name)
-    except BadInput as e:
-        raise BadInput(f"{where}: {e}") from None
-    room = RolloutConfig.draft_margin - 1
-    if st.verify_tokens > room:
-        every = " (budget 0: every drafted node)" if st.kind in ("tree", "hybrid") and not st.budget else ""
-        raise BadInput(f"{where} = {name!r} verifies {st.verify_tokens} draft tokens per step{every}, more than "
-                       f"the rollout's cache leaves room for ({room}): {_smaller(st, room)}")
-    return st
-
-
-def _smaller(st: SpecStrategy, room: int) -> str:
-    """How to make ``st`` verify at most ``room`` draft tokens, with an example."""
-    if st.kind in ("chain", "ngram"):
-        return f"draft at most {room} tokens (e.g. {st.kind}-{min(room, 8)})"
-    depth = min(st.depth, 8)
-    if st.kind == "suffix":
-        return f"give a budget of at most {room} (e.g. suffix-{depth}-{min(room, 16)})"
-    return f"give a budget of at most {room} (e.g. {st.kind}-{depth}x{st.branch}-{min(room, 32)})"
 
 
 def _check_path(source: Path, key: str, value: str, kind: str) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ..errors import BadInput
 from ..rollout.adaptive import DEFAULT_ARMS, AdaptiveConfig
 from ..rollout.alarms import AlarmConfig
-from ..spec.strategy import SpecStrategy
+from ..rollout.config import fitting_strategy
 from .drift import DriftGate
 
 
@@ -49,7 +49,10 @@ class TLTConfig:
     drafter_train: str = "always"
     """When the online drafter trains after a rollout: ``"always"`` (every RL step), or ``"on_drift"``: when the
     accept length of the step's learned-drafter SD steps has fallen by ``drift_margin`` from its best since the
-    drafter last trained (:mod:`tltlib.rl.drift`); the spot trainer's idle windows train whenever there are some."""
+    drafter last trained (:mod:`tltlib.rl.drift`); the spot trainer's idle windows train whenever there are some.
+    ``on_drift`` suits a drafter already at its best on the policy (the tiny reasoner's: never trained in 20 steps,
+    final acceptance 0.996x of always's); one still learning the policy loses (SmolLM2's warm drafter: 0.72x for
+    0.2x the compute; docs/real-models.md)."""
     drift_margin: float = 0.1
     """``on_drift``: the relative fall of the accept length (from its best) that makes the drafter train."""
     alarms: bool = True
@@ -65,8 +68,10 @@ class TLTConfig:
     the fault)."""
 
     def __post_init__(self):
-        if self.speculative not in ("adaptive", "off"):
-            SpecStrategy.parse(self.speculative)     # raises with the syntax
+        if self.speculative not in ("adaptive", "off"):        # raise with the syntax or the room, before loading
+            fitting_strategy(self.speculative, "tlt.speculative")
+        for i, arm in enumerate(self.arms):
+            fitting_strategy(arm, f"tlt.arms[{i}]")
         if self.drafter_steps < 0:
             raise BadInput(f"drafter_steps is the drafter-training budget per RL step and must be >= 0, got "
                            f"{self.drafter_steps}")

@@ -78,11 +78,13 @@ class MeasuredLengths:
     """Where they were measured (a file, a run), named in the estimate's assumption."""
 
     def __post_init__(self):
+        where = f"{self.source}: " if self.source else "MeasuredLengths: "
+        fix = "; measure them again (notebook 01 writes them)" if self.source else ""
         if not self.lengths:
-            raise BadInput("MeasuredLengths needs at least one length")
+            raise BadInput(f"{where}needs at least one length{fix}")
         if self.max_new_tokens < 1 or min(self.lengths) < 0 or max(self.lengths) > self.max_new_tokens:
-            raise BadInput(f"MeasuredLengths: lengths must lie in [0, max_new_tokens={self.max_new_tokens}], got "
-                           f"{min(self.lengths)}..{max(self.lengths)}")
+            raise BadInput(f"{where}lengths must lie in [0, max_new_tokens={self.max_new_tokens}] (max_new_tokens "
+                           f">= 1), got {min(self.lengths)}..{max(self.lengths)}{fix}")
 
     def save(self, path) -> None:
         """Write ``{"lengths": [...], "max_new_tokens": N}`` to ``path`` (JSON, through a temporary file)."""
@@ -94,10 +96,11 @@ class MeasuredLengths:
         """Read a file written by :meth:`save`; a file without both keys is refused, naming what writes one."""
         data = read_json(path, "write it with tltlib.rl.memory.MeasuredLengths.save (notebook 01 does)")
         if not isinstance(data, dict) or not isinstance(data.get("lengths"), list) or \
-                not isinstance(data.get("max_new_tokens"), int):
+                not isinstance(data.get("max_new_tokens"), int) or \
+                not all(isinstance(x, int) and not isinstance(x, bool) for x in data["lengths"]):
             raise BadInput(f"{path}: a measured-lengths file holds {{'lengths': [ints], 'max_new_tokens': int}} "
                            "(tltlib.rl.memory.MeasuredLengths.save writes one; notebook 01 does)")
-        return cls(tuple(int(x) for x in data["lengths"]), data["max_new_tokens"], str(path))
+        return cls(tuple(data["lengths"]), data["max_new_tokens"], str(path))
 
 
 @dataclass(frozen=True)

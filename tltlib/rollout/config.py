@@ -13,6 +13,7 @@ from ..errors import BadInput
 from ..kv.paged import KVConfig
 from ..model.cudagraph import GraphConfig
 from ..model.sampling import SamplingConfig
+from ..spec.strategy import SpecStrategy
 
 
 @dataclass(frozen=True)
@@ -50,3 +51,32 @@ class RolloutConfig:
             raise BadInput(f"prefill_rows must be >= 1, got {self.prefill_rows}")
         if self.draft_margin < 1:
             raise BadInput(f"draft_margin must be >= 1, got {self.draft_margin}")
+
+
+def fitting_strategy(name, where: str) -> SpecStrategy:
+    """The strategy ``name`` (a name, or a :class:`SpecStrategy`) of the setting ``where``, refused naming it when
+    unreadable or larger than the room a rollout's cache leaves for one step's draft (``RolloutConfig.draft_margin``,
+    which the GRPO trainers and train-grpo jobs keep at its default): checked where a run is configured, before a
+    model loads, not at the rollout's first SD step."""
+    if isinstance(name, bool):
+        raise BadInput(f"{where} = {name!r}: YAML reads an unquoted off (or on, yes, no) as {name}; write 'off'")
+    try:
+        st = name if isinstance(name, SpecStrategy) else SpecStrategy.parse(name)
+    except BadInput as e:
+        raise BadInput(f"{where}: {e}") from None
+    room = RolloutConfig.draft_margin - 1
+    if st.verify_tokens > room:
+        every = " (budget 0: every drafted node)" if st.kind in ("tree", "hybrid") and not st.budget else ""
+        raise BadInput(f"{where} = {str(name)!r} verifies {st.verify_tokens} draft tokens per step{every}, more "
+                       f"than the rollout's cache leaves room for ({room}): {_smaller(st, room)}")
+    return st
+
+
+def _smaller(st: SpecStrategy, room: int) -> str:
+    """How to make ``st`` verify at most ``room`` draft tokens, with an example."""
+    if st.kind in ("chain", "ngram"):
+        return f"draft at most {room} tokens (e.g. {st.kind}-{min(room, 8)})"
+    depth = min(st.depth, 8)
+    if st.kind == "suffix":
+        return f"give a budget of at most {room} (e.g. suffix-{depth}-{min(room, 16)})"
+    return f"give a budget of at most {room} (e.g. {st.kind}-{depth}x{st.branch}-{min(room, 32)})"
