@@ -43,7 +43,7 @@ from _common import (  # noqa: E402
 
 MODES = ("always", "on_drift")
 KEYS = ("spec/accept_len_mean", "spec/steps", "drafter/micro_steps", "drafter/trained", "drafter/accept_vs_best",
-        "drafter/version", "time/drafter_s", "time/rollout_s", "time/step_s", "rl/reward_mean",
+        "drafter/learning", "drafter/version", "time/drafter_s", "time/rollout_s", "time/step_s", "rl/reward_mean",
         "alarm/accept_floor", "alarm/sd_slower", "alarm/drafter_stale", "alarm/drafter_mismatch", "alarm/floor")
 
 

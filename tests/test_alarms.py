@@ -20,7 +20,7 @@ from tltlib.model.loading import load
 from tltlib.model.sampling import SamplingConfig
 from tltlib.rl import online
 from tltlib.rl.config import TLTConfig
-from tltlib.rl.drift import DriftGate, accept_by_strategy, accept_vs_best
+from tltlib.rl.drift import DriftGate, accept_by_strategy, accept_vs_best, plateaued
 from tltlib.rl.grpo import GRPOConfig
 from tltlib.rl.trainer import GRPOTrainer
 from tltlib.rollout.alarms import (
@@ -329,29 +329,70 @@ def test_accept_by_strategy_counts_learned_sd_steps_per_strategy():
     assert math.isnan(accept_vs_best(got, {}))
 
 
-def test_on_drift_trains_when_the_acceptance_falls_by_the_margin_and_not_before():
+def test_plateaued_needs_a_flat_fit_whose_upper_bound_is_under_the_gain():
+    flat = [1.0, 1.01, 0.99, 1.0, 1.01, 0.99]
+    assert plateaued(flat, 0.01, 0.02, 4) and not plateaued(flat[:3], 0.01, 0.02, 4)
+    rising = [1.0 + 0.03 * k for k in range(6)]                      # 3% a step: still learning
+    assert not plateaued(rising, 0.01, 0.02, 4)
+    noisy = [1.0, 1.15, 0.9, 1.1]                                      # 4 noisy points: cannot tell, keep learning
+    assert not plateaued(noisy, 0.01, 0.02, 4)
+
+
+def _accept(a: float) -> dict:
+    return _timeline([("chain-4", 16, round(16 * (a - 1)))])           # 16 rows at accept length a
+
+
+def test_on_drift_learns_until_the_acceptance_plateaus_then_rests_until_it_falls():
     gate = DriftGate("on_drift", margin=0.1)
-    good, slight, fallen = ([("chain-4", 16, 16 * k)] for k in (3, 2.8, 2.5))   # accept length 4, 3.8, 3.5
-    assert not gate.decide(_timeline(good))            # the first measurement sets the best
-    assert not gate.decide(_timeline(slight)) and gate.ratio == pytest.approx(0.95)
-    assert gate.decide(_timeline(fallen)) and gate.ratio == pytest.approx(0.875)
+    assert gate.learning and gate.decide(_accept(3.0)) and gate.ratio == 1.0      # the anchor: train
+    # flat: the slope's upper bound, 0 + 2 x 0.02 / sqrt(17.5) = 0.0096, falls under 1% a step at the 6th point
+    flat = [gate.decide(_accept(3.0)) for _ in range(6)]
+    assert flat == [True] * 5 + [False] and not gate.learning                     # plateaued: rests
+    rested = len(gate.curve)
+    assert not gate.decide(_accept(2.9375)) and gate.ratio == pytest.approx(2.9375 / 3.0)
+    assert gate.decide(_accept(2.5)) and gate.learning and gate.curve == []       # fell 10%+: learns from here
+    assert gate.anchor == {"chain-4": 2.5} and rested >= 4
     gate.trained()
-    assert not gate.decide(_timeline(fallen))          # after training the best starts again
+    assert gate.anchor == {"chain-4": 2.5}                                        # learning goes on
     assert gate.decide(_timeline([("off", 16, 0)]))    # nothing measured: train (it cannot tell)
-    assert DriftGate("always").decide(_timeline(good))
     with pytest.raises(ValueError, match="drafter_train must be one of"):
         TLTConfig(drafter_train="sometimes")
 
 
-def test_on_drift_in_grpo_skips_the_drafter_until_its_acceptance_falls(shipped):
+def test_on_drift_keeps_training_a_drafter_still_learning_through_noise():
+    """SmolLM2's warm drafter: its acceptance rises a few percent a step, under one step's noise; resting it on a
+    noisy dip left it 28% behind always's."""
+    gate, rng = DriftGate("on_drift", margin=0.1), np.random.default_rng(0)
+    trains = [gate.decide(_accept(2.5 * (1 + 0.03 * k) * (1 + 0.08 * rng.standard_normal()))) for k in range(20)]
+    assert sum(trains) >= 18, trains
+    assert DriftGate("always").decide(_accept(3.0))
+
+
+def test_the_gates_state_resumes_and_an_older_state_rests_from_its_bests():
+    gate = DriftGate("on_drift")
+    for a in (3.0, 3.1, 3.2):
+        gate.decide(_accept(a))
+    again = DriftGate("on_drift")
+    again.load_state_dict(gate.state_dict())
+    assert again.state_dict() == gate.state_dict() and again.learning
+    old = DriftGate("on_drift")
+    old.load_state_dict({"best": {"chain-4": 3.0}})
+    assert not old.learning and not old.decide(_accept(2.9)) and old.decide(_accept(2.5))
+
+
+def test_on_drift_in_grpo_learns_first_then_skips_the_drafter_until_its_acceptance_falls(shipped):
     tr = _trainer(shipped, replace(TLT, drafter_train="on_drift"))
+    m0 = tr.step()                                         # learning: the anchor's step trains
+    assert m0["drafter/trained"] == 1.0 and m0["drafter/learning"] == 1.0 and tr.drafter.version == 1
+    tr.drift.learning, tr.drift.best = False, {}           # as if its acceptance had plateaued
     with warnings.catch_warnings():
         warnings.simplefilter("error", AlarmWarning)       # a skip on purpose is not a stale drafter
         m1 = tr.step()
-    assert m1["drafter/trained"] == 0.0 and m1["drafter/micro_steps"] == 0 and tr.drafter.version == 0
+    assert m1["drafter/trained"] == 0.0 and m1["drafter/micro_steps"] == 0 and tr.drafter.version == 1
+    assert m1["drafter/learning"] == 0.0
     tr.drift.best = {k: 2 * v for k, v in tr.drift.best.items()}    # as if it had accepted twice as much before
     m2 = tr.step()
     assert m2["drafter/trained"] == 1.0 and m2["drafter/micro_steps"] == 2 and m2["drafter/accept_vs_best"] < 0.9
-    assert tr.drafter.version == 1 and tr.drift.best == {}
+    assert tr.drafter.version == 2 and tr.drift.learning
     state = tr.checkpoint_state().meta["drafter_drift"]
-    assert state == {"best": {}}
+    assert state["learning"] and state["curve"] == [] and state["anchor"]

@@ -93,9 +93,12 @@ METRICS: dict[str, str] = {
     "drafter/micro_steps": "drafter micro-steps this worker ran in the RL step (after the rollout, or the spot "
                            "trainer's in the idle window): the online drafter's compute",
     "drafter/trained": "1 when the drafter the rollout drafts with was replaced by a trained one in this RL step",
-    "drafter/accept_vs_best": "accept length of the step's learned-drafter SD steps over its best since the drafter "
-                              "last trained, row-weighted over strategies (nan: nothing to compare; "
-                              "drafter_train: on_drift trains under 1 - drift_margin)",
+    "drafter/accept_vs_best": "accept length of the step's learned-drafter SD steps over its reference, "
+                              "row-weighted over strategies: drafter_train on_drift's anchor while learning, its "
+                              "bests while resting (it trains under 1 - drift_margin); always's best (nan: nothing "
+                              "to compare)",
+    "drafter/learning": "1 while drafter_train: on_drift is in a learning phase (the drafter trains every step until "
+                        "its acceptance plateaus)",
     "alarm/accept_floor": "1 in the step the accept-length alarm fired: the learned drafter's SD steps accepted "
                           "fewer tokens per row than the floor over the last patience SD steps",
     "alarm/sd_slower": "1 in the step the speed alarm fired: consecutive SD steps ran slower than plain decoding at "

@@ -47,14 +47,12 @@ class TLTConfig:
     buffer_decay: float = 0.5
     """Sampling weight of pairs from a step ``a`` RL steps ago: ``decay ** a``."""
     drafter_train: str = "always"
-    """When the online drafter trains after a rollout: ``"always"`` (every RL step), or ``"on_drift"``: when the
-    accept length of the step's learned-drafter SD steps has fallen by ``drift_margin`` from its best since the
-    drafter last trained (:mod:`tltlib.rl.drift`); the spot trainer's idle windows train whenever there are some.
-    ``on_drift`` suits a drafter already at its best on the policy (the tiny reasoner's: never trained in 20 steps,
-    final acceptance 0.996x of always's); one still learning the policy loses (SmolLM2's warm drafter: 0.72x for
-    0.2x the compute; docs/real-models.md)."""
+    """When the online drafter trains after a rollout: ``"always"`` (every RL step), or ``"on_drift"``: while it is
+    still learning the policy (until the accept length of the step's learned-drafter SD steps plateaus), then again
+    once that accept length has fallen by ``drift_margin`` from its best (:mod:`tltlib.rl.drift`); the spot
+    trainer's idle windows train whenever there are some."""
     drift_margin: float = 0.1
-    """``on_drift``: the relative fall of the accept length (from its best) that makes the drafter train."""
+    """``on_drift``: the relative fall of the accept length (from its best) that makes a resting drafter train."""
     alarms: bool = True
     """Warn (:class:`~tltlib.rollout.alarms.AlarmWarning`, and ``alarm/*`` metrics) when SD or the online drafter
     fails silently: accept length under a floor, SD slower than plain, drafter stale or not the trained one
