@@ -100,6 +100,16 @@ def test_resume_restores_the_drafter_from_trls_checkpoint_and_refuses_one_withou
     saved = load_drafter(tmp_path / "checkpoint-1" / "tlt_rollout" / "rank-0" / "drafter", frozen.model)
     assert all(torch.equal(v, saved.state_dict()[k]) for k, v in frozen.drafter.state_dict().items())
     assert frozen.drafter.version == 1
+    # drafter_train's gate resumes too: a gate resting at a best far above anything measured trains at once
+    state_pt = tmp_path / "checkpoint-1" / "tlt_rollout" / "rank-0" / "state.pt"
+    state = torch.load(state_pt, weights_only=False)
+    assert state["drafter_drift"] == first.drift.state_dict()
+    state["drafter_drift"] = {"best": {"chain-4": 99.0, "chain-8": 99.0, "chain-16": 99.0, "tree-6x4-24": 99.0},
+                              "learning": False, "anchor": None, "curve": []}
+    torch.save(state, state_pt)
+    drift = tlt_rollout_func(TINY, DRAFTER, tlt=TLTConfig(drafter_steps=2, drafter_train="on_drift"))
+    trainer_with(drift, tmp_path, max_steps=2).train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert drift.drift.learning and drift.drift.ratio < 0.2 and drift.drafter.version == 2
     shutil.rmtree(tmp_path / "checkpoint-1" / "tlt_rollout")
     third = tlt_rollout_func(TINY, DRAFTER)
     with pytest.raises(FileNotFoundError, match="holds no TLT rollout state"):

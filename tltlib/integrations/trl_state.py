@@ -3,7 +3,8 @@ TRL saves, and the reader that restores it when TRL resumes.
 
 What is saved, per process (``rank-R/``, each written atomically): the online drafter as a drafter folder
 (:func:`tltlib.model.drafter.save_drafter`: ``load_drafter`` reads it back, e.g. to ship it), and ``state.pt`` with
-its AdamW state, version and micro-steps, the adaptive controller's evidence, the sampling generator and the step.
+its AdamW state, version and micro-steps, the adaptive controller's evidence, ``drafter_train``'s gate
+(:class:`tltlib.rl.drift.DriftGate`: its phase and references), the sampling generator and the step.
 
 Departures: the pair buffer is not saved (for SmolLM2 it can hold GBs): after a resume the drafter trains on the
 pairs of the rollouts that follow, not on those of the steps before the checkpoint.
@@ -68,7 +69,7 @@ def save(rollout, folder: str | os.PathLike) -> Path:
                  "drafter_optimizer": trains.opt.state_dict() if trains else None,
                  "drafter_steps_done": trains.steps_done if trains else None,
                  "controller": rollout.controller.state_dict() if rollout.controller is not None else None,
-                 "generator": rollout.generator.get_state()}
+                 "drafter_drift": rollout.drift.state_dict(), "generator": rollout.generator.get_state()}
         with atomic_file(tmp / "state.pt") as f:
             torch.save(state, f)
     return dest
@@ -96,6 +97,8 @@ def load(rollout, folder: str | os.PathLike) -> None:
         rollout.drafter_trainer.steps_done = state["drafter_steps_done"]
     if rollout.controller is not None and state["controller"] is not None:
         rollout.controller.load_state_dict(state["controller"])
+    if "drafter_drift" in state:                     # a checkpoint from before the gate was saved: a fresh gate
+        rollout.drift.load_state_dict(state["drafter_drift"])
     rollout.generator.set_state(state["generator"])
 
 
