@@ -200,6 +200,25 @@ def test_epsilon_zero_never_explores_and_one_always_does():
     assert len({bandit.select(1).name for _ in range(200)}) == 5
 
 
+def test_each_choice_records_the_arm_believed_best_whatever_it_played():
+    """``believed`` is what the alarms judge SD's speed on: exploration plays other arms, the belief stays."""
+    bandit = BEGMAB(TunerConfig(arms=ARMS, buckets=(1,), epsilon=1.0, seed=3, min_samples=1, **EG))
+    assert bandit.believed is None
+    bandit.select(1)
+    assert bandit.believed is None                         # an untried arm: no belief yet
+    for a in bandit.bucket_arms[0]:
+        bandit.update(1, a, 2.0 if a.name == "ngram-4" else 1.0)
+    played = {bandit.select(1).name for _ in range(50)}
+    assert len(played) > 1 and bandit.believed.name == "ngram-4"
+    thompson = Bandit(TunerConfig(arms=ARMS, buckets=(1,), seed=0))
+    for a in thompson.bucket_arms[0]:
+        for _ in range(10):
+            thompson.update(1, a, 2.0 if a.name == "chain-6" else 1.0)
+    for _ in range(20):
+        thompson.select(1)
+        assert thompson.believed == thompson.best(1) and thompson.believed.name == "chain-6"
+
+
 def test_best_by_bucket_names_the_best_measured_arm_of_each_bucket():
     bandit = BEGMAB(TunerConfig(arms=("chain-2", "chain-6"), buckets=(1, 4, 16), min_samples=1, **EG))
     for arm, batch, reward in (("chain-2", 2, 1.5), ("chain-6", 2, 2.5), ("chain-2", 8, 1.2), ("chain-6", 8, 0.9)):

@@ -306,9 +306,10 @@ class AdaptiveController(StrategySource):
         return self.tuner.select(active, lambda: self.switch_charge(active, backlog, uniform_left))
 
     def exploits(self, strategy: SpecStrategy, active: int) -> bool:
-        """Whether ``strategy``, just played at ``active`` rows, is the arm the tuner believes best there (not an
-        exploration); True outside the tuner (above the threshold, where the switch alone decides)."""
-        return not self._tuned or strategy == self.tuner.best(active)
+        """Whether ``strategy``, just played at ``active`` rows, is the arm the tuner believed best when it chose it
+        (not an exploration: the tuner's belief at that choice, no new one computed); True outside the tuner (above
+        the threshold, where the switch alone decides)."""
+        return not self._tuned or strategy == self.tuner.believed
 
     def observe(self, strategy: SpecStrategy, active: int, tokens: int, seconds: float,
                 rows: int | None = None, context: float | None = None, accepted: np.ndarray | None = None) -> None:

@@ -161,6 +161,9 @@ class Bandit:
         self._bucket_of: dict = {}
         self._settled: dict = {}                 # bucket -> (arm, choice count when it was found settled)
         self._choices = 0
+        self.believed: SpecStrategy | None = None
+        """The arm the tuner believed best (no exploration) when it last chose, computed by that choice; None when
+        it had no belief yet (an arm still untried: epsilon-greedy's first samples)."""
 
     def bucket(self, batch: int) -> int:
         """Index of the bucket holding ``batch`` rows."""
@@ -269,6 +272,7 @@ class Bandit:
         if arm is not None and not charge.get(arm):
             self._choices += 1
             self.plays[b][arm] += 1
+            self.believed = arm
             return arm
         arms = self.candidates(batch)
         self._choices += 1
@@ -279,13 +283,15 @@ class Bandit:
 
     def _thompson(self, batch: int, arms, charge: dict) -> SpecStrategy:
         if len(arms) == 1:
+            self.believed = arms[0]
             return arms[0]
         noise, shift = self.noise(self.bucket(batch)), self.calibration(batch)
         beliefs = [self.belief(batch, a, noise, shift) for a in arms]
+        top = max(range(len(arms)), key=lambda i: beliefs[i][0])
+        self.believed = arms[top]
         untried = [a for a, (_, sd) in zip(arms, beliefs) if math.isinf(sd)]
         if untried:
             return untried[0]
-        top = max(range(len(arms)), key=lambda i: beliefs[i][0])
         m0, s0 = beliefs[top]
         if all((m0 - m) >= SETTLED_Z * math.hypot(s0, sd) for i, (m, sd) in enumerate(beliefs) if i != top):
             self._settled[self.bucket(batch)] = (arms[top], self._choices)
@@ -305,11 +311,13 @@ class Bandit:
         seen = {a: len(self.rewards[b][a]) for a in arms}
         fewest = min(seen.values())
         if fewest < self.config.min_samples:
+            self.believed = None
             under = [a for a in arms if seen[a] == fewest]
             return max(under, key=lambda a: self.predicted(a, batch)) if self.prior else under[0]
+        self.believed = max(arms, key=lambda a: self.score(b, a) * math.exp(-charge.get(a, 0.0)))
         if len(arms) > 1 and self.rng.random() < self.config.epsilon:
             return arms[int(self.rng.integers(len(arms)))]
-        return max(arms, key=lambda a: self.score(b, a) * math.exp(-charge.get(a, 0.0)))
+        return self.believed
 
     def update(self, batch: int, arm: SpecStrategy, reward: float) -> None:
         """Record the reward ``arm`` earned at ``batch`` rows (ignored if the arm is not in that bucket)."""
