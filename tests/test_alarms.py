@@ -28,6 +28,7 @@ from tltlib.rollout.alarms import (
     Alarms,
     AlarmWarning,
     WatchedSource,
+    accept_moments,
     card_acceptance,
     card_floor,
     floor_breached,
@@ -94,12 +95,12 @@ def test_the_floor_judges_only_the_learned_drafter_and_waits_for_enough_rows():
 
 def test_floor_breached_needs_the_mean_under_the_floor_by_z_standard_errors():
     # 16 row-steps accepting nothing: 1 + 3 x sqrt(1/4 / 16) = 1.375 (the spread floored at a quarter token squared)
-    assert floor_breached(_hist([0] * 16), 1.4, 3.0) == (True, 1.0, 16)
-    assert not floor_breached(_hist([0] * 16), 1.37, 3.0)[0]
+    assert floor_breached(*accept_moments(_hist([0] * 16)), 1.4, 3.0) == (True, 1.0, 16)
+    assert not floor_breached(*accept_moments(_hist([0] * 16)), 1.37, 3.0)[0]
     # mean 1.5 with a spread: 1.5 + 3 x 0.27 = 2.30 clears a floor of 2.15, the mean alone (z = 0) does not
-    uneven = _hist([0, 0, 0, 3, 0, 0, 1, 0] * 2)
-    assert floor_breached(uneven, 2.15, 3.0)[:2] == (False, 1.5) and floor_breached(uneven, 2.15, 0.0)[0]
-    assert floor_breached(np.zeros(5), 2.0, 3.0) == (False, 0.0, 0)
+    uneven = accept_moments(_hist([0, 0, 0, 3, 0, 0, 1, 0] * 2))
+    assert floor_breached(*uneven, 2.15, 3.0)[:2] == (False, 1.5) and floor_breached(*uneven, 2.15, 0.0)[0]
+    assert floor_breached(*accept_moments(np.zeros(5)), 2.0, 3.0) == (False, 0.0, 0)
     with pytest.raises(ValueError, match="confidence_z"):
         AlarmConfig(confidence_z=-1.0)
 

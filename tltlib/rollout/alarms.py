@@ -137,18 +137,24 @@ def card_floor(accept: dict[str, float], share: float) -> float | None:
     return 1.0 + share * (min(accept.values()) - 1.0) if accept else None
 
 
-def floor_breached(hist, floor: float, z: float) -> tuple[bool, float, int]:
-    """Whether the row-steps of ``hist`` (rows by accepted drafts, the window's SD steps summed: shape (depth+1,))
-    accepted fewer tokens per row-step than ``floor`` by ``z`` standard errors: ``mean + z * se < floor``, with
-    ``se = sqrt(max(var, 1/4) / n)`` over the n row-steps (the variance at least a quarter token squared: a few
-    row-steps that happen to accept alike are no proof of a spread of zero). Returns (breached, mean, n)."""
+def accept_moments(hist) -> tuple[int, float, float]:
+    """(row-steps, their tokens, their squared tokens) of an SD step from its histogram of rows by accepted drafts
+    (``hist[k]``: rows that accepted k drafts, shape (depth+1,); a row-step's tokens include the bonus token). Summed
+    over steps they give the window's mean and spread (:func:`floor_breached`)."""
     h = np.asarray(hist, dtype=np.float64)
-    n = float(h.sum())
+    tokens = 1.0 + np.arange(h.size)
+    return int(h.sum()), float(h @ tokens), float(h @ (tokens * tokens))
+
+
+def floor_breached(n: int, total: float, total_sq: float, floor: float, z: float) -> tuple[bool, float, int]:
+    """Whether ``n`` row-steps that accepted ``total`` tokens (``total_sq``: the sum of their squares; see
+    :func:`accept_moments`) accepted fewer tokens per row-step than ``floor`` by ``z`` standard errors:
+    ``mean + z * se < floor``, with ``se = sqrt(max(var, 1/4) / n)`` (the variance at least a quarter token squared:
+    a few row-steps that happen to accept alike are no proof of a spread of zero). Returns (breached, mean, n)."""
     if n <= 0:
         return False, 0.0, 0
-    tokens = 1.0 + np.arange(h.size)
-    mean = float((h * tokens).sum() / n)
-    var = float((h * (tokens - mean) ** 2).sum() / max(n - 1.0, 1.0))
+    mean = total / n
+    var = max(total_sq - n * mean * mean, 0.0) / max(n - 1.0, 1.0)
     return mean + z * math.sqrt(max(var, 0.25) / n) < floor, mean, int(n)
 
 
@@ -189,7 +195,7 @@ class Alarms:
         """SD steps seen (all rollouts)."""
         self.fired_at: dict[str, list[int]] = {n: [] for n in NAMES}
         """Per alarm, :attr:`sd_steps` at each time it fired."""
-        self._window: deque = deque()            # (rows, histogram) of the learned drafter's latest SD steps
+        self._window: deque = deque()            # accept_moments of the learned drafter's latest SD steps
         self._speed: deque = deque(maxlen=c.patience)   # log-speedups of the latest consecutive SD steps
         self._armed = dict.fromkeys(NAMES, True)
         self._clear = dict.fromkeys(NAMES, 0)
@@ -208,7 +214,7 @@ class Alarms:
         if active is not None and active < c.min_active:
             return
         if c.floor and self.floor is not None and strategy.uses_drafter and accepted is not None:
-            self._judge_floor(np.asarray(accepted, dtype=np.float64))
+            self._judge_floor(accept_moments(accepted))
         if c.speed and speedup is not None and speedup > 0:
             self._speed.append(math.log(speedup))
             if len(self._speed) == c.patience:
@@ -224,20 +230,17 @@ class Alarms:
         """A plain decode iteration: SD is off, so the run of consecutive SD steps the speed is judged on ends."""
         self._speed.clear()
 
-    def _judge_floor(self, hist: np.ndarray) -> None:
+    def _judge_floor(self, moments: tuple[int, float, float]) -> None:
         c, w = self.config, self._window
-        rows = int(hist.sum())
-        if rows < 1:
+        if moments[0] < 1:
             return
-        w.append((rows, hist))
-        total = sum(r for r, _ in w)
+        w.append(moments)
+        total = sum(m[0] for m in w)
         while len(w) > c.patience and total - w[0][0] >= c.min_rows:
             total -= w.popleft()[0]
         if len(w) < c.patience or total < c.min_rows:
             return
-        width = max(h.size for _, h in w)
-        summed = sum(np.pad(h, (0, width - h.size)) for _, h in w)
-        low, acc, n = floor_breached(summed, self.floor, c.confidence_z)
+        low, acc, n = floor_breached(total, sum(m[1] for m in w), sum(m[2] for m in w), self.floor, c.confidence_z)
         self._set("accept_floor", low, lambda: (
             f"the learned drafter's last {len(w)} SD steps ({n} row-steps) accepted {acc:.2f} tokens per row per "
             f"step, under the floor {self.floor:.2f} ({self.floor_source}) by more than {c.confidence_z:g} standard "
