@@ -58,7 +58,7 @@ from ..rl.memory import MeasuredLengths
 from ..rl.scheduler import SchedulerConfig
 from ..rl.trainer import GRPOTrainer
 from ..rl.world import DistributedWorld, launched_by_torchrun, torchrun_command
-from ..rollout.config import fitting_strategy
+from ..spec.strategy import SpecStrategy
 from ..tasks.datasets import TASKS, split_problems
 from .params import dataclass_from_mapping, load_yaml, params_path, task_configs
 
@@ -161,17 +161,15 @@ def read_job(params: str | os.PathLike) -> Job:
 
 def _check_strategies(path: Path, tlt: TLTConfig | None, drafter: str) -> None:
     """Before loading: every strategy the job can run (``tlt.speculative``, or each of ``tlt.arms`` under
-    ``adaptive``) can be read, fits in the room the rollout's cache leaves a step, and has the drafter it needs
-    (``suffix`` and ``ngram`` are model-free)."""
+    ``adaptive``) has the drafter it needs (``suffix`` and ``ngram`` are model-free); that each can be read and fits
+    the room the rollout's cache leaves a step, ``TLTConfig`` checked when the job's ``tlt`` was read."""
     if tlt is None or tlt.speculative == "off":
         return
     if tlt.speculative == "adaptive":
-        learned = [str(arm) for i, arm in enumerate(tlt.arms)
-                   if fitting_strategy(arm, f"{path}: tlt.arms[{i}]").uses_drafter]
+        learned = [str(arm) for arm in tlt.arms if SpecStrategy.parse(arm).uses_drafter]
         needs = f"the adaptive tuner's arms need a learned drafter ({', '.join(learned)})" if learned else None
     else:
-        needs = None if not fitting_strategy(tlt.speculative, f"{path}: tlt.speculative").uses_drafter else \
-            "needs a learned drafter"
+        needs = "needs a learned drafter" if SpecStrategy.parse(tlt.speculative).uses_drafter else None
     if needs and not drafter:
         raise BadInput(f"{path}: tlt.speculative = {tlt.speculative!r}: {needs}: set 'drafter' (or use a "
                        "model-free speculative: ngram-D or suffix-D-N, model-free tlt.arms, off, or tlt: null for the "

@@ -47,10 +47,6 @@ without drawing (another arm would have won a draw with probability < 2.4e-4 eac
 RULES = ("thompson", "epsilon-greedy")
 
 
-def _arm(a) -> SpecStrategy:
-    return a if isinstance(a, SpecStrategy) else SpecStrategy.parse(a)
-
-
 @dataclass(frozen=True)
 class TunerConfig:
     """The tuner: arms, batch-size buckets and the rule that chooses among them."""
@@ -95,7 +91,7 @@ class TunerConfig:
     """Seed of the exploration draws."""
 
     def __post_init__(self):
-        arms = tuple(_arm(a) for a in self.arms)
+        arms = tuple(SpecStrategy.parse(a) for a in self.arms)
         object.__setattr__(self, "arms", arms)
         if not arms:
             raise BadInput("TunerConfig.arms is empty: give at least one strategy, e.g. arms=('chain-4',)")
@@ -126,7 +122,8 @@ class TunerConfig:
             if len(self.bucket_arms) != len(self.buckets):
                 raise BadInput(f"bucket_arms has {len(self.bucket_arms)} entries for {len(self.buckets)} buckets; "
                                "give one tuple of arms per bucket")
-            object.__setattr__(self, "bucket_arms", tuple(tuple(_arm(a) for a in b) for b in self.bucket_arms))
+            object.__setattr__(self, "bucket_arms",
+                               tuple(tuple(SpecStrategy.parse(a) for a in b) for b in self.bucket_arms))
 
     def arms_per_bucket(self) -> list[tuple[SpecStrategy, ...]]:
         """Each bucket's arms: ``off`` first, then its SD arms (those within ``max_verify_rows``)."""

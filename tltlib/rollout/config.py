@@ -61,7 +61,7 @@ def fitting_strategy(name, where: str) -> SpecStrategy:
     if isinstance(name, bool):
         raise BadInput(f"{where} = {name!r}: YAML reads an unquoted off (or on, yes, no) as {name}; write 'off'")
     try:
-        st = name if isinstance(name, SpecStrategy) else SpecStrategy.parse(name)
+        st = SpecStrategy.parse(name)
     except BadInput as e:
         raise BadInput(f"{where}: {e}") from None
     room = RolloutConfig.draft_margin - 1

@@ -65,9 +65,11 @@ class SpecStrategy:
             raise BadInput(f"a {self.kind} draft has branch == 1; use kind='tree' for branching")
 
     @classmethod
-    def parse(cls, name: str) -> "SpecStrategy":
+    def parse(cls, name: "str | SpecStrategy") -> "SpecStrategy":
         """The strategy called ``name``: ``off``, ``chain-D``, ``ngram-D``, ``tree-DxK-N``, ``suffix-D-N`` or
-        ``hybrid-DxK-N``."""
+        ``hybrid-DxK-N`` (a strategy is returned as it is)."""
+        if isinstance(name, cls):
+            return name
         text = str(name).strip()
         try:
             if text == "off":
