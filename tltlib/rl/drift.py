@@ -121,14 +121,16 @@ class DriftGate:
     def decide(self, timeline: dict) -> bool:
         """Whether to train after the rollout whose ``timeline`` this is; moves the phase."""
         measured = accept_by_strategy(timeline, self.min_rows)
-        if self.mode == "always":
+        accepts = {s: a for s, (a, _) in measured.items()}
+        if self.mode == "always" or not self.learning:      # against the bests, which this measurement raises
             self.ratio = accept_vs_best(measured, self.best)
-            self.best.update({s: max(self.best.get(s, 0.0), a) for s, (a, _) in measured.items()})
+            for s, a in accepts.items():
+                self.best[s] = max(self.best.get(s, 0.0), a)
+        if self.mode == "always":
             return True
-        if not measured:
+        if not measured:                                     # it cannot tell: train
             self.ratio = math.nan
             return True
-        accepts = {s: a for s, (a, _) in measured.items()}
         if self.learning:
             if self.anchor is None:
                 self.anchor, self.ratio = accepts, 1.0
@@ -142,9 +144,6 @@ class DriftGate:
                 return True
             self.learning, self.best = False, accepts        # flat: rest, from the bests it reached
             return False
-        self.ratio = accept_vs_best(measured, self.best)
-        for s, a in accepts.items():
-            self.best[s] = max(self.best.get(s, 0.0), a)
         if not math.isnan(self.ratio) and self.ratio < 1.0 - self.margin:
             self.learning, self.anchor, self.curve = True, accepts, []       # fallen: learn again, from here
             return True
@@ -158,8 +157,9 @@ class DriftGate:
 
     def metrics(self) -> dict:
         """``drafter/accept_vs_best``: the step's measured acceptance over its reference (nan: not measured);
-        ``drafter/learning``: 1 in a learning phase."""
-        return {"drafter/accept_vs_best": self.ratio, "drafter/learning": float(self.learning)}
+        ``drafter/learning``: 1 in an ``on_drift`` learning phase, 0 resting (nan with ``always``, which has none)."""
+        learning = float(self.learning) if self.mode == "on_drift" else math.nan
+        return {"drafter/accept_vs_best": self.ratio, "drafter/learning": learning}
 
     def state_dict(self) -> dict:
         return {"best": dict(self.best), "learning": self.learning, "anchor": self.anchor, "curve": list(self.curve)}
