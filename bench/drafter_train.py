@@ -70,12 +70,11 @@ def _bad(mode: str):
 def load_job(args, mode: str):
     """The recipe's job with the flags' model, drafter, steps, seed and ``tlt.drafter_train = mode``."""
     from tltlib.lab.rljob import read_job
-    job = read_job(args.recipe)
+    job = read_job(args.recipe, {"model": args.model, "drafter": args.drafter})    # the flags' folders first
     if job.tlt is None or not job.drafter:
         raise SystemExit(f"{args.recipe}: the drafter-training comparison needs TLT with a drafter (tlt: and "
                          "drafter: are empty); give a recipe with both, or --drafter")
-    return replace(job, model=args.model or job.model, drafter=args.drafter or job.drafter,
-                   grpo=replace(job.grpo, max_steps=args.steps, seed=args.seed),
+    return replace(job, grpo=replace(job.grpo, max_steps=args.steps, seed=args.seed),
                    tlt=replace(job.tlt, drafter_train=mode, drift_margin=args.margin))
 
 
@@ -137,7 +136,7 @@ def summarize(runs: dict) -> dict:
 def main() -> None:
     args = parse_args()
     from tltlib.lab.rljob import read_job
-    job = read_job(args.recipe)
+    job = read_job(args.recipe, {"model": args.model, "drafter": args.drafter})
     use_all_cores()
     name = result_name("drafter_train", job.device, job.dtype, args.tag)
     t0 = time.perf_counter()

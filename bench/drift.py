@@ -63,9 +63,8 @@ def parse_args(argv: list[str] | None = None):
 def load_job(args):
     """The recipe's job with the flags' model, drafter, steps and seed; refused without TLT or a drafter."""
     from tltlib.lab.rljob import read_job
-    job = read_job(args.recipe)
-    job = replace(job, model=args.model or job.model, drafter=args.drafter or job.drafter,
-                  grpo=replace(job.grpo, max_steps=args.steps, seed=args.seed))
+    job = read_job(args.recipe, {"model": args.model, "drafter": args.drafter})    # the flags' folders first
+    job = replace(job, grpo=replace(job.grpo, max_steps=args.steps, seed=args.seed))
     if job.tlt is None or not job.drafter:
         raise SystemExit(f"{args.recipe}: the drift run needs TLT with a drafter (tlt: and drafter: are empty); "
                          "give a recipe with both, or --drafter")

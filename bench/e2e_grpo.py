@@ -143,11 +143,11 @@ def _with_recipe(args, error):
     if args.trl_steps:
         error("TRL's peer runs the chain task's accuracy reward only: give --trl-steps 0 with --recipe")
     from tltlib.lab.rljob import read_job
-    job = args.job = read_job(args.recipe)
+    job = args.job = read_job(args.recipe, {"model": args.model, "drafter": args.drafter})   # flags first
     g, t = job.grpo, job.tlt
     if t is None:
         error(f"{args.recipe}: tlt is null (the baseline); the comparison needs TLT's settings")
-    args.model, args.drafter = args.model or job.model, args.drafter or job.drafter
+    args.model, args.drafter = job.model, job.drafter
     if not args.drafter:
         error(f"{args.recipe}: no drafter; give --drafter")
     args.trl_steps = 0
@@ -298,7 +298,8 @@ def _launch_workers(args) -> None:
 
     from tltlib.lab.e2e import probe_row, schedule_summary, summarize
     from tltlib.rl.trainer import GRPOTrainer
-    from tltlib.rl.world import torchrun_command
+    from tltlib.rl.world import check_one_gpu_per_worker, torchrun_command
+    check_one_gpu_per_worker(args.workers, args.device)   # before torchrun starts a worker
     args.seeds, args.trl_steps = 1, 0                 # what the data-parallel comparison runs (recorded as such)
     cmd = torchrun_command(args.workers, ["bench", "e2e_grpo", *sys.argv[1:]])
     with tempfile.TemporaryDirectory() as folder:     # the raw result and the policies: gone however this ends

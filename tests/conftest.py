@@ -1,4 +1,5 @@
-"""Shared fixtures: small random transformers checkpoints of both supported families, and the GPU marker.
+"""Shared fixtures: small random transformers checkpoints of both supported families, and the GPU marker (its tests
+skipped without CUDA; in them a failed CUDA graph capture is an error, :data:`CAPTURE_FALLBACK_FAILS`).
 
 Kernel choices: the tests run with PyTorch's default kernels (``TLTLIB_KERNELS=0``, inherited by the workers,
 notebooks and commands they start), not with the machine's kernel table, which is chosen by timing and so would make
@@ -16,13 +17,20 @@ import torch
 os.environ.setdefault("TLTLIB_KERNELS", "0")
 
 
+CAPTURE_FALLBACK_FAILS = "error:CUDA graph capture:RuntimeWarning"
+"""The gpu tier's warning filter: a CUDA graph capture that fails (``GraphPool._build`` warns and runs the key
+eagerly) is an error in any gpu test, so a fallback can never pass as a graphed run."""
+
+
 def pytest_collection_modifyitems(config, items):
+    gpu = [item for item in items if "gpu" in item.keywords]
+    for item in gpu:
+        item.add_marker(pytest.mark.filterwarnings(CAPTURE_FALLBACK_FAILS))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    for item in gpu:
+        item.add_marker(skip)
 
 
 HF_VARIANTS = {

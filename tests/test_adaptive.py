@@ -476,6 +476,50 @@ def test_measured_costs_hold_the_ragged_forward_and_leave_the_cache_uniform(smal
     assert costs.ragged_extra(4) >= 0.0
 
 
+def _spy_on_graph_pools(monkeypatch) -> list:
+    """Every ``GraphPool.run`` call: (name, running rows, new slots, the cache's length, the pool's GraphConfig)."""
+    from tltlib.model.cudagraph import GraphPool
+    calls, run = [], GraphPool.run
+
+    def spy(self, name, fn, cache, new_slots, inputs):
+        calls.append((name, int(inputs[0].shape[0]), new_slots, cache.max_len, self.config))
+        return run(self, name, fn, cache, new_slots, inputs)
+    monkeypatch.setattr(GraphPool, "run", spy)
+    return calls
+
+
+def test_on_cuda_the_costs_are_measured_through_the_rollouts_graphs(small_pair, monkeypatch):
+    """Where the rollout replays CUDA graphs (faked here: ``GraphConfig.active``; on a CPU the pool runs its padded
+    fixed-span call eagerly), each measured target forward and drafter level goes through a GraphPool of the
+    rollout's GraphConfig at the row and span bucket the rollout uses; the catch-up stays eager."""
+    from tltlib.model.cudagraph import GraphConfig
+    target, drafter = small_pair
+    calls = _spy_on_graph_pools(monkeypatch)
+    monkeypatch.setattr(GraphConfig, "active", lambda self, device: self.enabled)
+    graphs = GraphConfig(max_rows=2, min_span=16)
+    costs = measure_costs(target, drafter, rows=(1, 2, 4), tokens=(1, 5), contexts=(8, 32), widths=(1, 3),
+                          catch_up_width=6, repeats=1, graphs=graphs)
+    assert {c[4] for c in calls} == {graphs}
+    seen = {(name, rows, n, length) for name, rows, n, length, _ in calls}
+    # 32 + 5 + 1 slots -> the span bucket 64 (16 doubled); rows above graphs.max_rows are eager in the pool too
+    assert {(r, n, length) for name, r, n, length in seen if name == "target"} == {
+        (r, n, length) for r in (1, 2, 4) for n in (1, 5) for length in (16, 64)}
+    assert {(r, n) for name, r, n, _ in seen if name == "draft"} == {(r, w) for r in (1, 2, 4) for w in (1, 3)}
+    assert all(n != 6 for name, _, n, _ in seen if name == "draft")          # the catch-up: eager
+    assert np.all(np.asarray(costs.target_s) > 0) and np.all(np.asarray(costs.draft_s) > 0)
+    del calls[:]
+    measure_costs(target, drafter, rows=(1, 2), tokens=(1,), contexts=(8,), repeats=1,
+                  graphs=GraphConfig(enabled=False))                         # the rollout without graphs: eager
+    assert calls == []
+
+
+def test_on_a_cpu_the_costs_are_measured_without_graphs(small_pair, monkeypatch):
+    target, drafter = small_pair
+    calls = _spy_on_graph_pools(monkeypatch)
+    costs = measure_costs(target, drafter, rows=(1, 2), tokens=(1, 3), contexts=(8, 16), repeats=1)
+    assert calls == [] and np.all(np.asarray(costs.target_s) > 0)
+
+
 def test_only_a_switch_catch_up_is_left_out_of_the_reward(small_pair, monkeypatch):
     """The catch-up after plain iterations is a switching cost (charged at the choice, left out of the arm's reward);
     the catch-up of an SD step right after another feeds that step's tokens, a cost of every SD step, so it stays

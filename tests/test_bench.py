@@ -349,6 +349,24 @@ def test_a_recipe_sets_the_comparison_from_a_train_grpo_file(tmp_path):
     assert plain.lr == 1e-4 and plain.model == "data/tiny-reasoner" and plain.trl_steps == 2 and plain.job is None
 
 
+def test_a_recipes_absent_model_is_replaced_by_model_before_it_is_checked(tmp_path):
+    """``e2e_grpo --recipe params/train/cpu-smollm2.yaml --model X`` on a machine without the recipe's model."""
+    import re
+    text = re.sub(r"(?m)^model: .*$", f"model: {tmp_path / 'absent-sft'}",
+                  (ROOT / "params" / "train" / "cpu-smollm2.yaml").read_text())
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(text)
+    ns = argparse.Namespace(recipe=str(recipe), model="data/tiny-reasoner", drafter="data/tiny-reasoner-drafter",
+                            trl_steps=None, probe=4, steps=5, **{k: None for k in e2e_grpo.RECIPE_FLAGS})
+    args = e2e_grpo._with_recipe(ns, pytest.fail)
+    assert (args.model, args.drafter, args.job.model) == ("data/tiny-reasoner", "data/tiny-reasoner-drafter",
+                                                          "data/tiny-reasoner")
+    ns = argparse.Namespace(recipe=str(recipe), model=None, drafter=None, trl_steps=None,
+                            **{k: None for k in e2e_grpo.RECIPE_FLAGS})
+    with pytest.raises(FileNotFoundError, match="absent-sft' does not exist"):
+        e2e_grpo._with_recipe(ns, pytest.fail)
+
+
 def test_drift_bench_writes_accuracy_and_every_drafters_curve(tmp_path):
     """A 2-step drift run of a tiny recipe: held-out accuracy at 0 and 2, probes of the online, the warm and the
     snapshot drafters for both strategies with the per-depth table, the figure; a snapshot at or after the last step

@@ -169,12 +169,40 @@ def test_check_command_writes_its_report_and_exits_1_when_not_lossless(tmp_path,
             "--temperature", "2.0", "--drafter", "data/tiny-reasoner-drafter", "--quiet"]
     assert main([*args, "--out", str(tmp_path / "ok.json")]) == 0
     report = json.loads((tmp_path / "ok.json").read_text())
-    assert report["lossless"] and len(report["verdicts"]) == 4
+    assert report["lossless"] and len(report["verdicts"]) == 4 and report["settings"]["dtype"] == "float32"
     assert "lossless: every test passed" in capsys.readouterr().out
     with faults.swapped_residual():
         assert main([*args, "--out", str(tmp_path / "bad.json")]) == 1
     assert "NOT LOSSLESS" in capsys.readouterr().out
     assert json.loads((tmp_path / "bad.json").read_text())["lossless"] is False
+
+
+def test_check_runs_in_float32_on_cuda_unless_asked_and_its_screen_names_the_dtype(monkeypatch, capsys):
+    """bf16's verify and decode forwards round differently: the default compares like with like on CUDA too."""
+    import tltlib.model.loading as loading
+    from tltlib.cli.parser import build_parser
+    from tltlib.errors import Refused
+    from tltlib.lab.check.config import Verdict
+    from tltlib.lab.check.inputs import check_dtype
+    from tltlib.lab.check.run import CheckReport, screen
+    assert [check_dtype(d) for d in ("auto", "float32", "bfloat16")] == ["float32", "float32", "bfloat16"]
+    loaded = []
+
+    def load_spy(model, drafter=None, device="cpu", dtype="float32"):
+        loaded.append((device, dtype))
+        raise Refused("loaded")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(loading, "load", load_spy)
+    for flags in ([], ["--dtype", "bfloat16"]):
+        assert main(["check", "--quiet", *flags]) == 1 and "loaded" in capsys.readouterr().err
+    assert loaded == [("cuda", "float32"), ("cuda", "bfloat16")]
+    check = build_parser()._subparsers._group_actions[0].choices["check"]
+    assert "default auto: float32 on every device, CUDA included" in " ".join(check.format_help().split())
+    verdicts = [Verdict("lossless", "greedy identity", "pass", "identical")]
+    plain = screen(CheckReport(verdicts, settings={"dtype": "float32"}, machine={"gpu": "H100"}, seconds=3))
+    assert plain.splitlines()[-1] == "lossless: every test passed (3 s on H100, float32)"
+    bf16 = screen(CheckReport(verdicts, settings={"dtype": "bfloat16"}, machine={"gpu": "H100"}, seconds=3))
+    assert "H100, bfloat16)" in bf16 and "token identity is not expected" in bf16.splitlines()[-1]
 
 
 def test_check_reads_a_jobs_model_drafter_and_sampling_and_a_flag_wins(tmp_path):
@@ -192,3 +220,23 @@ def test_check_reads_a_jobs_model_drafter_and_sampling_and_a_flag_wins(tmp_path)
     job.write_text((Path("params/train/cpu-tiny.yaml").read_text()).replace("temperature: 0.9", "temperature: 0.0"))
     with pytest.raises(ValueError, match="temperature 0"):                  # the job's own check refuses it first
         check_inputs(build_parser().parse_args(["check", "--params", str(job)]))
+def test_check_model_and_drafter_flags_replace_a_jobs_absent_folders(tmp_path):
+    import re
+
+    from tltlib.cli.parser import build_parser
+    from tltlib.lab.check.inputs import check_inputs, check_prompts
+    text = re.sub(r"(?m)^model: .*$", f"model: {tmp_path / 'absent-model'}",
+                  Path("params/train/cpu-tiny.yaml").read_text())
+    job = tmp_path / "job.yaml"
+    job.write_text(re.sub(r"(?m)^drafter: .*$", f"drafter: {tmp_path / 'absent-drafter'}", text))
+    args = build_parser().parse_args(["check", "--params", str(job), "--model", "data/tiny-reasoner", "--drafter",
+                                      "data/tiny-reasoner-drafter", "--prompts", "4"])
+    inputs = check_inputs(args)
+    assert (inputs.model, inputs.drafter, inputs.config.max_new_tokens) == ("data/tiny-reasoner",
+                                                                            "data/tiny-reasoner-drafter", 720)
+    tok = load("data/tiny-reasoner", device="cpu").tokenizer
+    assert len(check_prompts(inputs, tok, 0)) == 4
+    with pytest.raises(FileNotFoundError, match="--model 'no/such' .*does not exist"):
+        check_inputs(build_parser().parse_args(["check", "--params", str(job), "--model", "no/such"]))
+
+

@@ -105,6 +105,79 @@ def test_cuda_graph_replays_give_the_eager_tokens(pair, strategy):
             g = torch.Generator(device="cuda").manual_seed(5)
             res = engine.generate(PROMPTS, g, strategy=strategy)
             tokens[graphs, rep] = res.tokens.cpu()
+            assert not graphs or res.stats["rollout/graph_fallbacks"] == 0      # every capture succeeded
         if graphs:
             assert res.stats["rollout/graph_replays"] > 0 and res.stats["rollout/graph_captures"] == 0
     assert torch.equal(tokens[False, 0], tokens[True, 0]) and torch.equal(tokens[True, 0], tokens[True, 1])
+
+
+@pytest.fixture
+def failing_capture(monkeypatch):
+    """torch.cuda's capture API faked on a CPU: streams and pools that do nothing, a capture that fails at its end
+    (as a host sync inside the captured function makes it), a graph that must never replay."""
+    import contextlib
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    class Graph:
+        def replay(self):
+            raise AssertionError("a graph whose capture failed was replayed")
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        yield
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    for name, fake in (("Stream", Stream), ("stream", lambda s: contextlib.nullcontext()), ("current_stream", Stream),
+                       ("CUDAGraph", Graph), ("graph", graph), ("synchronize", lambda *a: None),
+                       ("graph_pool_handle", lambda: "pool")):
+        monkeypatch.setattr(torch.cuda, name, fake)
+
+
+def _capturing(pool: GraphPool) -> GraphPool:
+    """``pool`` (built over CPU caches) capturing through the faked torch.cuda API."""
+    pool.capture, pool.pool = True, torch.cuda.graph_pool_handle()
+    return pool
+
+
+def test_a_failed_capture_is_counted_warned_and_runs_eagerly_with_the_right_outputs(failing_capture):
+    import warnings
+    cache = KVCache(1, 8, 1, 64, 4)
+    pool = _capturing(GraphPool([cache], GraphConfig(max_rows=8, min_span=16), capture=False))
+    fn = lambda x: (x * 2 + 1, x.sum(-1))                                    # noqa: E731
+    x = torch.arange(15.0).reshape(5, 3)
+    with pytest.warns(RuntimeWarning, match="CUDA graph capture of 'affine' \\(8 rows\\) failed, running it eagerly"):
+        a, s = pool.run("affine", fn, cache, 1, [x])
+    assert torch.equal(a, x * 2 + 1) and torch.equal(s, x.sum(-1))
+    assert (pool.stats["fallbacks"], pool.stats["captures"], pool.stats["replays"]) == (1, 0, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                                       # the key is known: eager, no warning
+        a, _ = pool.run("affine", fn, cache, 1, [x - 1])
+    assert torch.equal(a, (x - 1) * 2 + 1) and pool.stats["fallbacks"] == 1 and pool.stats["eager"] == 2
+    with pytest.warns(RuntimeWarning):
+        pool.run("affine", fn, cache, 1, [x[:1]])                            # another row bucket: another capture
+    assert pool.stats["fallbacks"] == 2
+    from conftest import CAPTURE_FALLBACK_FAILS  # the gpu tier's filter: there a fallback is an error
+    action, message, category = CAPTURE_FALLBACK_FAILS.split(":")
+    assert category == "RuntimeWarning"
+    with warnings.catch_warnings():
+        warnings.filterwarnings(action, message, RuntimeWarning)
+        with pytest.raises(RuntimeWarning, match="CUDA graph capture of 'other'"):
+            pool.run("other", fn, cache, 1, [x])
+
+
+def test_a_rollouts_capture_fallbacks_reach_its_metrics_and_its_tokens_stay_right(pair, failing_capture):
+    from tltlib.metrics import METRICS
+    target, drafter = pair
+    engine = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0.9, max_new_tokens=16),
+                                                 num_generations=2), drafter=drafter)
+    eager = engine.generate(PROMPTS[:3], torch.Generator().manual_seed(5), strategy="chain-4")
+    r = engine.start(PROMPTS[:3], torch.Generator().manual_seed(5), strategy="chain-4")
+    pool = _capturing(GraphPool([r.cache, r.spec.cache], GraphConfig(max_rows=16, min_span=64), capture=False))
+    r.replay = r.spec.replay = Replay(pool)
+    with pytest.warns(RuntimeWarning, match="CUDA graph capture of"):
+        res = r.finish()
+    assert torch.equal(eager.tokens, res.tokens) and torch.equal(eager.lengths, res.lengths)
+    assert res.stats["rollout/graph_fallbacks"] == pool.stats["fallbacks"] == len(pool._entries) > 0
+    assert res.stats["rollout/graph_captures"] == 0 and "rollout/graph_fallbacks" in METRICS

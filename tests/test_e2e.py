@@ -166,3 +166,23 @@ def test_a_long_run_measures_accuracy_and_the_drift_of_frozen_copies():
     later = frozen["online@1"].state_dict()                                                  # also after the snapshot
     assert out["snapshots"] == [1] and frozen["online@1"].target is model
     assert any(not torch.equal(v, later[k]) for k, v in drafter.state_dict().items())
+
+
+def test_update_speed_synchronises_the_trainers_device_around_each_timed_update(monkeypatch):
+    import copy
+
+    import tltlib.lab.e2e as e2e
+    from tltlib.model.loading import load
+    from tltlib.rl.grpo import GRPOConfig
+    from tltlib.rl.trainer import GRPOTrainer
+    from tltlib.tasks.chain import ChainTaskConfig, generate_problems
+    from tltlib.tasks.prompts import encode_prompts
+    model, tok, _ = load("data/tiny-reasoner", device="cpu")
+    problems = generate_problems(ChainTaskConfig(min_steps=2, max_steps=3), 4, seed=1)
+    tr = GRPOTrainer(copy.deepcopy(model), tok, problems, GRPOConfig(num_generations=2, generation_batch_size=4,
+                                                                     max_completion_length=16, seed=1))
+    calls = []
+    monkeypatch.setattr(e2e, "device_sync", lambda device: calls.append(device) or (lambda: calls.append("sync")))
+    out = e2e.update_speed(tr, encode_prompts(problems[:2], tok), rows=2, repeats=2)
+    assert calls == [tr.device] + ["sync"] * 2 * 2 * 2                      # before and after: 2 plans x 2 repeats
+    assert out["length-bucketed"]["seconds"] > 0

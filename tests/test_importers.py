@@ -169,3 +169,46 @@ def test_shipped_smollm2_drafter_is_lossless_and_accepts_on_smollm2():
     spec = eng.generate(prompts, strategy=SpecStrategy("chain", 4))
     assert torch.equal(plain.tokens, spec.tokens)
     assert spec.stats["spec/accept_len_mean"] > 1.5
+
+
+@pytest.mark.parametrize("missing", [("gguf",), ("accelerate",), ("gguf", "accelerate")])
+def test_a_missing_gguf_reader_is_one_error_naming_the_wheel_and_nothing_is_installed(missing, tmp_path, monkeypatch,
+                                                                                      capsys):
+    """No pip at run time (an offline GPU node has no PyPI): one error names what is missing, ``tltlib setup`` and
+    the wheel to carry with its offline install; nothing runs, nothing is written."""
+    import importlib.util
+    import subprocess
+
+    from tltlib.cli import main
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name in missing
+                        else real(name, *a, **k))
+
+    def no_process(*a, **k):
+        raise AssertionError(f"a process was started: {a}")
+    for name in ("run", "Popen", "call", "check_call", "check_output"):
+        monkeypatch.setattr(subprocess, name, no_process)
+    monkeypatch.setenv("TLTLIB_NO_VENV", "1")
+    f = write_gguf(tmp_path / "m.gguf")
+    assert main(["import-gguf", str(f), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+    assert "python3 -m tltlib setup" in err and "pip install --no-index" in err
+    assert all(importers.GGUF_READER_WHEELS[m] in err for m in missing), err
+    assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
+    with pytest.raises(ImportError, match="nothing was installed or written"):
+        importers.get_model("smollm2-135m", tmp_path / "models")
+    assert not (tmp_path / "models").exists()
+
+
+def test_the_wheels_named_for_a_machine_without_pypi_are_versions_pyproject_allows():
+    import tomllib
+
+    from packaging.requirements import Requirement
+    root = Path(__file__).resolve().parent.parent
+    deps = {r.name: r for r in map(Requirement, tomllib.loads((root / "pyproject.toml").read_text())["project"]
+                                   ["dependencies"])}
+    for module, wheel in importers.GGUF_READER_WHEELS.items():
+        name, version = wheel.split("-")[:2]
+        assert name == module and wheel.endswith("-py3-none-any.whl")
+        assert deps[name].specifier.contains(version), (wheel, str(deps[name]))

@@ -156,6 +156,31 @@ def test_a_word_task_job_with_a_curriculum_and_two_rewards_reads_and_a_missing_l
         job_problems(read_job(f))
 
 
+def _absent_folders_recipe(tmp_path) -> Path:
+    """params/train/cpu-smollm2.yaml with a model and a drafter folder that are not on this machine."""
+    import re
+    text = (ROOT / "params" / "train" / "cpu-smollm2.yaml").read_text()
+    text = re.sub(r"(?m)^model: .*$", f"model: {tmp_path / 'absent-sft'}", text)
+    f = tmp_path / "recipe.yaml"
+    f.write_text(re.sub(r"(?m)^drafter: .*$", f"drafter: {tmp_path / 'absent-drafter'}", text))
+    return f
+
+
+def test_flags_replace_a_recipes_folders_before_they_are_checked(tmp_path):
+    """``--model``/``--drafter`` (the benches', check's) replace the file's folders first: a recipe naming folders
+    absent here runs on the flags' folders, and a flag's missing folder is the one error, naming the flag."""
+    f = _absent_folders_recipe(tmp_path)
+    with pytest.raises(FileNotFoundError, match="model '.*absent-sft' does not exist"):
+        read_job(f)
+    job = read_job(f, {"model": "data/tiny-reasoner", "drafter": "data/tiny-reasoner-drafter"})
+    assert (job.model, job.drafter, job.task) == ("data/tiny-reasoner", "data/tiny-reasoner-drafter", "words")
+    with pytest.raises(FileNotFoundError, match="drafter '.*absent-drafter' does not exist"):
+        read_job(f, {"model": "data/tiny-reasoner", "drafter": None})            # None: the file's
+    with pytest.raises(FileNotFoundError, match=r"^--model 'no/such/model' \(replacing .*recipe.yaml's model\) "
+                                                "does not exist"):
+        read_job(f, {"model": "no/such/model", "drafter": "data/tiny-reasoner-drafter"})
+
+
 def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(tmp_path):
     straight = _cli("--params", str(SMOKE), "--output-dir", str(tmp_path / "a"))
     assert straight.returncode == 0, straight.stderr

@@ -116,6 +116,54 @@ def test_max_restarts_without_workers_is_refused(capsys):
     assert "--max-restarts goes with --workers" in capsys.readouterr().err
 
 
+@pytest.fixture
+def one_gpu(monkeypatch):
+    """This machine as a node with one CUDA GPU (no real CUDA: nothing may touch it or start a process)."""
+    import torch.distributed as dist
+
+    def touched(*a, **k):
+        raise AssertionError(f"CUDA, a process group or a process was started: {a}")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for mod, name in ((torch.cuda, "set_device"), (dist, "init_process_group"), (dist, "TCPStore"),
+                      (subprocess, "run"), (subprocess, "Popen")):
+        monkeypatch.setattr(mod, name, touched)
+
+
+def test_more_workers_than_gpus_is_refused_before_any_worker_starts(one_gpu, tmp_path, monkeypatch, capsys):
+    """Notebook 06's WORKERS: 2 on one GPU, ``train-grpo --workers 2``, a torchrun rank: one error (workers, GPUs,
+    the fix) before anything starts, never gloo over CUDA tensors."""
+    from tltlib.cli import main
+    from tltlib.lab.notebook import notebook_paths
+    from tltlib.lab.params import plan_run
+    from tltlib.lab.rljob import launch
+    from tltlib.rl.world import DistributedWorld, check_one_gpu_per_worker
+    for workers, device in ((1, "cuda"), (1, "auto"), (2, "cpu")):
+        check_one_gpu_per_worker(workers, device)
+    words = ["2 data-parallel workers on device 'auto' but this node has 1 GPU", "at most 1 worker (", "on the CPU"]
+    with pytest.raises(ValueError, match="8 data-parallel workers on device 'cuda:0' but this node has 1 GPU"):
+        check_one_gpu_per_worker(8, "cuda:0")
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({**yaml.safe_load((ROOT / "params/train/smoke.yaml").read_text()), "device": "auto"}))
+    assert main(["train-grpo", "--params", str(job), "--workers", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and all(w in err for w in words), err
+    with pytest.raises(ValueError) as e:
+        launch(job, 2, tmp_path / "run", progress=False)
+    assert all(w in str(e.value) for w in words) and not (tmp_path / "run").exists()
+    monkeypatch.setenv("RANK", "1"), monkeypatch.setenv("WORLD_SIZE", "2"), monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=words[0]):
+        DistributedWorld("auto")
+    (tmp_path / "nb.yaml").write_text("DEVICE: auto\nWORKERS: 2\n")
+    with pytest.raises(ValueError, match="notebook 06_idle_time_drafter_training: " + words[0]):
+        plan_run(tmp_path / "nb.yaml", notebook_paths(), notebook_paths(["06"]))
+    (tmp_path / "nb.yaml").write_text("DEVICE: cpu\nWORKERS: 2\n")
+    plan_run(tmp_path / "nb.yaml", notebook_paths(), notebook_paths(["06"]))
+    (tmp_path / "nb.yaml").write_text("DEVICE: auto\nnotebooks: {\"01\": {WORKERS: 8}}\n")   # an estimate's count
+    plan_run(tmp_path / "nb.yaml", notebook_paths(), notebook_paths(["01"]))
+
+
 def test_workers_outside_torchrun_say_how_to_launch(monkeypatch):
     from tltlib.rl.world import DistributedWorld
     monkeypatch.delenv("RANK", raising=False)

@@ -56,6 +56,20 @@ def test_a_step_updates_the_decoding_module_and_the_drafter_trains_on_the_stream
         assert key in m, key
 
 
+def test_a_steps_clock_synchronises_the_trainers_device(shipped, monkeypatch):
+    """The step's phase times are of the device's work: its clock is given the trainer's device (a GPU is
+    synchronised at each phase boundary, tests/test_clock.py)."""
+    from dataclasses import replace
+
+    import tltlib.rl.trainer as trainer_module
+    from tltlib.rl.clock import StepClock
+    made = []
+    monkeypatch.setattr(trainer_module, "StepClock", lambda *a, **k: made.append((a, k)) or StepClock(*a, **k))
+    tr = _fresh(shipped, args=replace(ARGS, max_completion_length=16), drafter=False)
+    tr.step()
+    assert made == [((tr.device,), {})]
+
+
 def test_drafter_training_never_changes_the_target(shipped):
     tr = _fresh(shipped)
     tr.step()

@@ -128,22 +128,34 @@ def available_bytes(device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def device_sync(device):
+    """What a timer of work on ``device`` (a ``torch.device``, a name such as ``"cuda:0"``, or None) calls before
+    each read of a host clock: ``torch.cuda.synchronize(device)`` on a GPU, whose calls return once the work is
+    queued (without it a timer times the launches, not the work); nothing elsewhere (a CPU call returns when done)."""
+    if device is None:
+        return _no_sync
+    import torch
+    dev = torch.device(device) if isinstance(device, str) else device
+    if getattr(dev, "type", None) != "cuda":
+        return _no_sync
+    return lambda: torch.cuda.synchronize(dev)
+
+
+def _no_sync() -> None:
+    pass
+
+
 def call_times(fn, repeats: int, device) -> list[float]:
     """Seconds of each of ``repeats`` calls of ``fn`` after one warm-up call, CUDA synchronised around each call
-    when ``device`` (a ``torch.device``) is a GPU."""
-    sync = None
-    if getattr(device, "type", str(device)) == "cuda":
-        import torch
-        sync = lambda: torch.cuda.synchronize(device)                      # noqa: E731
+    when ``device`` (a ``torch.device`` or its name) is a GPU (:func:`device_sync`)."""
+    sync = device_sync(device)
     fn()
     out = []
     for _ in range(repeats):
-        if sync:
-            sync()
+        sync()
         t = time.perf_counter()
         fn()
-        if sync:
-            sync()
+        sync()
         out.append(time.perf_counter() - t)
     return out
 

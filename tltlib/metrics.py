@@ -34,6 +34,8 @@ METRICS: dict[str, str] = {
     "rollout/graph_replays": "CUDA graph replays (decode, verify and draft forwards; CUDA only)",
     "rollout/graph_captures": "CUDA graphs captured during the rollout (first use of a row/span bucket)",
     "rollout/graph_capture_s": "seconds spent capturing CUDA graphs (included in rollout/time_s)",
+    "rollout/graph_fallbacks": "CUDA graph captures that failed during the rollout: those row/span buckets ran eagerly "
+                               "(each also a RuntimeWarning; 0 when every graphed forward replays)",
     "sched/idle_frac": "share of the workers' rollout time spent idle, waiting for the last worker (measured by the "
                        "scheduler; the step-count model in stats.split_idle_fraction)",
     "sched/workers": "W, the number of data-parallel workers (or of workers in the idle-time estimate)",

@@ -103,20 +103,18 @@ def cmd_train_drafter(args) -> int:
 
 
 def cmd_get_model(args) -> int:
-    from ..model.importers import MODELS, cache_dir, ensure_gguf, get_model, is_imported
+    from ..model.importers import MODELS, cache_dir, get_model, is_imported
     if args.list or not args.name:
         for name, m in MODELS.items():
             where = Path(args.root or cache_dir()) / name
             print(f"{name}: {m.about}\n    {where} ({'imported' if is_imported(where) else 'not imported yet'})")
         return 0
-    ensure_gguf()
     print(get_model(args.name, args.root, progress=not args.quiet))
     return 0
 
 
 def cmd_import_gguf(args) -> int:
-    from ..model.importers import ensure_gguf, import_gguf
-    ensure_gguf()
+    from ..model.importers import import_gguf
     rec = import_gguf(args.file, args.out, overwrite=args.overwrite)
     print(f"imported {rec['name'] or rec['gguf_file']} ({rec['architecture']}, {rec['parameters'] / 1e6:.1f} M "
           f"parameters; logits within {rec['logits_max_abs_diff']:.1e} of transformers) -> {args.out}")
@@ -125,7 +123,7 @@ def cmd_import_gguf(args) -> int:
 
 def cmd_train_grpo(args) -> int:
     from ..lab.rljob import read_job, run_job
-    from ..rl.world import launched_by_torchrun, shard, torchrun_command
+    from ..rl.world import check_one_gpu_per_worker, launched_by_torchrun, shard, torchrun_command
     if args.workers and launched_by_torchrun():
         raise BadInput("--workers starts torchrun itself; under torchrun drop --workers (the world size is "
                        "torchrun's --nproc-per-node)")
@@ -133,8 +131,9 @@ def cmd_train_grpo(args) -> int:
         raise BadInput("--max-restarts goes with --workers; under torchrun give it to torchrun (torchrun "
                        "--max-restarts N ... -m tltlib train-grpo ...)")
     if args.workers:
-        grpo = read_job(args.params).grpo            # one clear error here rather than one per worker
-        shard(grpo.prompts_per_step, args.workers, 0)
+        job = read_job(args.params)                  # one clear error here rather than one per worker
+        shard(job.grpo.prompts_per_step, args.workers, 0)
+        check_one_gpu_per_worker(args.workers, job.device)
         argv = sys.argv[1:]
         i = argv.index("train-grpo")
         rest, skip = [], False
@@ -158,12 +157,11 @@ def cmd_train_grpo(args) -> int:
 def cmd_check(args) -> int:
     from ..fileio import resolve
     from ..lab.check import card_numbers, run_check, screen, write_report
-    from ..lab.check.inputs import check_inputs, check_prompts
+    from ..lab.check.inputs import check_dtype, check_inputs, check_prompts
     from ..model.loading import load
     from ..model.weights import pick_device
     inputs = check_inputs(args)                                # every setting checked before anything loads
-    device = pick_device(args.device)
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    device, dtype = pick_device(args.device), check_dtype(args.dtype)       # float32 unless asked: like with like
     model, tok, drafter = load(inputs.model, inputs.drafter or None, device=device, dtype=dtype)
     prompts = check_prompts(inputs, tok, args.seed)
     log = None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))

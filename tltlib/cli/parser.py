@@ -221,7 +221,10 @@ def _check_command(sub) -> None:
                     "pays part)")
     ck.add_argument("--seed", type=int, default=0)
     ck.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default %(default)s)")
-    ck.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ck.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="the model's dtype (default auto: float32 on every device, CUDA included, so that the "
+                    "verify and decode forwards round alike; bfloat16 measures bf16's speed and acceptance, but "
+                    "token identity is then not expected)")
     ck.add_argument("--quiet", action="store_true", help="only the final screen")
 
 

@@ -160,7 +160,7 @@ class TLTRollout:
         G = trainer.num_generations if train else trainer.num_generations_eval
         starts, g = groups(prompts, G, "per_device_train_batch_size x steps_per_generation" if train
                            else "per_device_eval_batch_size")
-        clock = StepClock()
+        clock = StepClock(self.model.device)
         with clock.phase("weight_sync"):
             self.sync(trainer)
         ids = self.encode([prompts[s] for s in starts], trainer)

@@ -32,6 +32,7 @@ from ..drafting.warmup import measure_acceptance
 from ..errors import BadInput
 from ..fileio import read_json
 from ..model.logprobs import SequenceBatch, micro_batches, padded_tokens, response_logprobs
+from ..machine import device_sync
 from ..rl.scheduler import SchedulerConfig
 from ..rl.trainer import GRPOTrainer
 from ..rl.world import DistributedWorld
@@ -172,18 +173,20 @@ def update_speed(trainer, prompt_ids: list[list[int]], rows: int = 16, repeats: 
     plans = {"length-bucketed": micro_batches(lengths, trainer.args.micro_batch_tokens),
              f"padded, {rows} rows in arrival order": [list(range(i, min(i + rows, len(lengths))))
                                                        for i in range(0, len(lengths), rows)]}
-    out, model = {"tokens": sum(lengths)}, trainer.model
+    out, model, sync = {"tokens": sum(lengths)}, trainer.model, device_sync(trainer.device)
     for name, groups in plans.items():
         times = []
         for _ in range(repeats):
             t = time.perf_counter()
             model.zero_grad(set_to_none=True)
             for g in groups:
+            sync()                                   # on a GPU: the work, not its launches, is timed
                 mb = SequenceBatch.build(prompts, responses, g, trainer.engine.pad_id, trainer.device)
                 response_logprobs(model, mb, trainer.sampling, trainer.args.logprob_chunk).sum().backward()
             times.append(time.perf_counter() - t)
         model.zero_grad(set_to_none=True)
         out[name] = {"seconds": min(times), "tokens_per_s": sum(lengths) / min(times),
+            sync()
                      "padded_tokens": padded_tokens(lengths, groups), "micro_batches": len(groups)}
     return out
 

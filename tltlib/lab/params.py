@@ -389,10 +389,37 @@ def plan_run(params: str | os.PathLike, notebooks: list[Path], selected: list[Pa
     for (key, value, why), stems in bad.items():
         where = f"notebook {stems[0]}" if len(stems) == 1 else "notebooks " + ", ".join(s[:2] for s in stems)
         problems.append(f"{key} = {value} ({where}): {why}")
+    problems += _workers_without_gpus(selected, declared, plan)
     if problems:
         raise BadInput(f"{path}: " + (problems[0] if len(problems) == 1 else
                                         f"{len(problems)} problems:\n  - " + "\n  - ".join(problems)))
     return [(nb, plan[nb]) for nb in selected]
+
+
+WORKER_NOTEBOOKS = ("06",)
+"""Notebooks whose ``WORKERS`` are processes they start (torchrun); notebook 01's is a count in an estimate."""
+
+
+def _workers_without_gpus(selected: list[Path], declared: dict, plan: dict) -> list[str]:
+    """A problem per selected notebook of :data:`WORKER_NOTEBOOKS` that would start more data-parallel workers
+    (``WORKERS``) than this machine has GPUs on a CUDA ``DEVICE`` (:func:`tltlib.rl.world.check_one_gpu_per_worker`),
+    its defaults included. Without CUDA here a CUDA ``DEVICE`` is refused by its own check."""
+    import torch
+
+    from ..rl.world import check_one_gpu_per_worker
+    out = []
+    for nb in selected if torch.cuda.is_available() else ():
+        if not nb.stem.startswith(WORKER_NOTEBOOKS):
+            continue
+        values = {**declared[nb], **plan[nb]}
+        workers, device = values.get("WORKERS"), values.get("DEVICE")
+        if type(workers) is not int or not isinstance(device, str):
+            continue                                   # not a multi-worker notebook, or a value refused above
+        try:
+            check_one_gpu_per_worker(workers, device)
+        except BadInput as e:
+            out.append(f"notebook {nb.stem}: {e}")
+    return out
 
 
 # ------------------------------------------------------------------------------------------ config sections

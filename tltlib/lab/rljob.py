@@ -57,7 +57,7 @@ from ..rl.grpo import GRPOConfig, reward_funcs_named
 from ..rl.memory import MeasuredLengths
 from ..rl.scheduler import SchedulerConfig
 from ..rl.trainer import GRPOTrainer
-from ..rl.world import DistributedWorld, launched_by_torchrun, torchrun_command
+from ..rl.world import DistributedWorld, check_one_gpu_per_worker, launched_by_torchrun, torchrun_command
 from ..spec.strategy import SpecStrategy
 from ..tasks.datasets import TASKS, split_problems
 from .params import dataclass_from_mapping, load_yaml, params_path, task_configs
@@ -110,8 +110,14 @@ class Job:
         return {k: getattr(self, k) for k in JOB_KEYS}
 
 
-def read_job(params: str | os.PathLike) -> Job:
-    """Parse and check a train-grpo parameter file (no model is loaded)."""
+OVERRIDABLE = ("model", "drafter")
+"""The settings a command's flags (``--model``, ``--drafter``) may replace in a job file (:func:`read_job`)."""
+
+
+def read_job(params: str | os.PathLike, overrides: dict | None = None) -> Job:
+    """Parse and check a train-grpo parameter file (no model is loaded). ``overrides``: the flags that replace the
+    file's folders (``{"model": ..., "drafter": ...}``, :data:`OVERRIDABLE`; None: the file's), applied before any
+    check, so a folder the file names but the flag replaces is never looked for (and a flag's folder is)."""
     path = params_path(params, folder="params/train")
     d = load_yaml(path)
     if not isinstance(d, dict):
@@ -119,9 +125,12 @@ def read_job(params: str | os.PathLike) -> Job:
     unknown = sorted(set(d) - set(TOP_LEVEL))
     if unknown:
         raise BadInput(f"{path}: {unknown[0]!r} is not a train-grpo setting; settings: {', '.join(TOP_LEVEL)}")
-    if "model" not in d:
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if set(given) - set(OVERRIDABLE):
+        raise BadInput(f"{path}: only {', '.join(OVERRIDABLE)} can be overridden, not {sorted(set(given))}")
+    if "model" not in d and "model" not in given:
         raise BadInput(f"{path}: 'model' is missing: give the local checkpoint folder of the policy")
-    values = {**DEFAULTS, **d}
+    values = {**DEFAULTS, **d, **{k: str(v) for k, v in given.items()}}
     for k, want in TOP_LEVEL.items():
         v = values[k]
         if isinstance(v, bool) or not isinstance(v, want):
@@ -131,7 +140,7 @@ def read_job(params: str | os.PathLike) -> Job:
         if values[k] < lo:
             raise BadInput(f"{path}: {k} must be >= {lo}, got {values[k]}")
     for k, kind in (("model", "dir"), ("drafter", "dir"), ("dataset", "file"), ("lengths", "file")):
-        _check_path(path, k, values[k], kind)
+        _check_path(path, k, values[k], kind, flag=k in given)
     if values["lengths"]:
         MeasuredLengths.load(resolve(values["lengths"]))          # a wrong file is refused before anything loads
     for (section, old), new in RENAMED.items():
@@ -176,19 +185,21 @@ def _check_strategies(path: Path, tlt: TLTConfig | None, drafter: str) -> None:
                        "baseline)")
 
 
-def _check_path(source: Path, key: str, value: str, kind: str) -> None:
+def _check_path(source: Path, key: str, value: str, kind: str, flag: bool = False) -> None:
+    """Refuse a ``key`` path of the job that is missing or of the wrong kind; ``flag``: it came from ``--key``."""
     if not value:
         return
     p = resolve(value)
+    where = f"--{key} {value!r} (replacing {source}'s {key})" if flag else f"{source}: {key} {value!r}"
     if kind == "dir" and not p.is_dir():
         what = "is a file; give its folder" if p.is_file() else "does not exist"
         if not p.exists() and key == "model" and "tltlib/models" in str(p):
             what += (" (tltlib's model cache: import it with python -m tltlib get-model NAME; a warm-started one "
                      "is made by python -m tltlib warm-start, see the file's first lines)")
-        raise NotFound(f"{source}: {key} {value!r} {what}")
+        raise NotFound(f"{where} {what}")
     if kind == "file" and not p.is_file():
         what = "is a folder; give the data file" if p.is_dir() else "does not exist"
-        raise NotFound(f"{source}: {key} {value!r} {what}")
+        raise NotFound(f"{where} {what}")
 
 
 def write_job_params(path: str | os.PathLike, model: str, drafter: str, grpo: dict, tlt: dict | None,
@@ -409,7 +420,8 @@ def launch(params: str | os.PathLike, workers: int, output_dir: str | os.PathLik
            extra: tuple = (), progress: bool = True, timeout_s: float | None = None) -> Path:
     """Run ``train-grpo --params PARAMS`` on ``workers`` torchrun processes and wait for it (a notebook's way to
     start a job), with a progress bar over the RL steps; returns ``output_dir``. Raises with the end of the workers'
-    output when the job fails."""
+    output when the job fails. More workers than GPUs under CUDA is refused before torchrun starts."""
+    check_one_gpu_per_worker(workers, read_job(params).device)
     cmd = torchrun_command(workers, ["train-grpo", "--params", str(params), "--output-dir", str(output_dir),
                                      "--quiet", *extra], max_restarts)
     bar = tqdm(desc=f"GRPO steps on {workers} workers", unit="step", disable=not progress)

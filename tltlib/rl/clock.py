@@ -1,6 +1,8 @@
 """Where one RL step's time goes on this worker: :class:`StepClock`, the phase durations (``time/<phase>_s``) and
 wall-clock spans (``sched/timeline``) of :meth:`tltlib.rl.trainer.GRPOTrainer.step`.
 
+On a GPU the clock synchronises the device at each phase boundary (its kernels run after their launches return).
+
 Departures: none (bookkeeping).
 """
 from __future__ import annotations
@@ -8,27 +10,40 @@ from __future__ import annotations
 import contextlib
 import time
 
+from ..machine import device_sync
+
 
 class StepClock:
     """Where one RL step's time went on this worker: phase durations (``time/<phase>_s``, from
-    ``time.perf_counter``) and wall-clock spans (``time.time``: comparable across workers, for ``sched/timeline``)."""
+    ``time.perf_counter``) and wall-clock spans (``time.time``: comparable across workers, for ``sched/timeline``).
 
-    def __init__(self):
+    ``device``: where the step's work runs; on a GPU every phase boundary (and a span ending now) waits for the work
+    queued so far (``torch.cuda.synchronize``), so a phase is charged its own kernels, not the launches of them
+    (:func:`tltlib.machine.device_sync`). None or a CPU: no synchronisation."""
+
+    def __init__(self, device=None):
+        self.sync = device_sync(device)
+        self.sync()
         self.t0 = time.perf_counter()
         self.phases: dict[str, float] = {}
         self.spans: list[tuple[str, float, float]] = []
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        """Time the enclosed block as phase ``name``."""
+        """Time the enclosed block as phase ``name`` (the device's work queued before it is not charged to it)."""
+        self.sync()
         t = time.perf_counter()
         try:
             yield
         finally:
+            self.sync()
             self.phases[name] = time.perf_counter() - t
 
     def span(self, name: str, start: float, end: float | None = None) -> None:
-        """Record the wall-clock span ``start``-``end`` (default: now) as ``name``."""
+        """Record the wall-clock span ``start``-``end`` (default: now, once the device's queued work is done) as
+        ``name``."""
+        if end is None:
+            self.sync()
         self.spans.append((name, start, time.time() if end is None else end))
 
     def last(self, name: str) -> tuple[float, float]:

@@ -193,7 +193,7 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------------------------- the RL step
     def step(self) -> dict:
         """One RL step; returns its metrics (also appended to :attr:`history`)."""
-        clock = StepClock()
+        clock = StepClock(self.device)
         problems = self.next_problems()
         with clock.phase("rollout"):          # with several workers: until every worker holds the merged drafter
             res = self.rollout(problems, clock)

@@ -11,8 +11,9 @@ What a world does for the trainer (one process: the identity):
 * :meth:`~World.gather_objects`, :meth:`~World.average`, :meth:`~World.barrier`, :meth:`~World.check_same`.
 
 :class:`DistributedWorld` uses torch.distributed as torchrun starts it: data (gradients, drafter weights) over the
-default group (gloo on CPU, nccl on CUDA), small control messages (arrivals, metrics, timelines) over a gloo group on
-CPU tensors. A collective that a worker never reaches is reported by name: before each one the workers *meet*
+default group (gloo on CPU, nccl on CUDA: a GPU per worker, more workers than GPUs refused before any starts,
+:func:`check_one_gpu_per_worker`), small control messages (arrivals, metrics, timelines) over a gloo group on CPU
+tensors. A collective that a worker never reaches is reported by name: before each one the workers *meet*
 (everyone arrives, each arrival also sent point to point), and a worker still missing ``timeout_s`` after the others
 is named in a TimeoutError; the collectives themselves time out ``MARGIN_S`` later.
 
@@ -50,6 +51,22 @@ def torchrun_command(workers: int, args: list[str], max_restarts: int = 0, pytho
         raise BadInput(f"workers must be >= 1 and max_restarts >= 0, got {workers} and {max_restarts}")
     return [python or sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
             f"--max-restarts={max_restarts}", "-m", "tltlib", *args]
+
+
+def check_one_gpu_per_worker(workers: int, device: str) -> None:
+    """Refuse ``workers`` data-parallel workers on this node before any starts when ``device`` is CUDA (``cuda``,
+    ``cuda:N``, or ``auto`` with a GPU here) and the node has fewer GPUs than workers: each worker takes a GPU of
+    its own (nccl); two on one GPU would put CUDA tensors through gloo and share the GPU's time and memory."""
+    cuda = str(device).startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if not cuda:
+        return
+    gpus = torch.cuda.device_count()
+    if workers > gpus:
+        s = "s" * (gpus != 1)
+        raise BadInput(f"{workers} data-parallel workers on device {device!r} but this node has {gpus} GPU{s}: each "
+                       f"worker needs a GPU of its own; give at most {gpus} worker{s} "
+                       f"(WORKERS / --workers / --nproc-per-node <= {gpus}), or run the workers on the CPU "
+                       "(device: cpu in the job, DEVICE: cpu in the notebooks' parameters, --device cpu)")
 
 
 def shard(num_prompts: int, world: int, rank: int) -> slice:
@@ -141,8 +158,8 @@ class DistributedWorld(World):
     """This process as one of the W workers torchrun started (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
 
     Args:
-        device: ``auto``/``cpu``/``cuda``: with CUDA each rank takes GPU ``LOCAL_RANK`` and nccl carries the data
-            (gloo when there are fewer GPUs than local ranks).
+        device: ``auto``/``cpu``/``cuda``: with CUDA each rank takes GPU ``LOCAL_RANK`` and nccl carries the data;
+            fewer GPUs than local ranks is refused (:func:`check_one_gpu_per_worker`).
         timeout_s: how long a worker waits for the others at a meeting point before naming them in an error.
     """
 
@@ -154,13 +171,10 @@ class DistributedWorld(World):
                           "python -m tltlib train-grpo --workers W)")
         self.rank, self.size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-        if cuda:
-            n = torch.cuda.device_count()
-            self.device = f"cuda:{self.local_rank % max(n, 1)}"
+        check_one_gpu_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), device)   # before any collective
+        if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+            self.device, backend = f"cuda:{self.local_rank}", "nccl"      # a GPU of its own per rank
             torch.cuda.set_device(self.device)
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-            backend = "nccl" if n >= local_world else "gloo"     # nccl needs a GPU of its own per rank
         else:
             self.device, backend = "cpu", "gloo"
         if not dist.is_initialized():

@@ -461,7 +461,7 @@ class Rollout:
         if self.replay.pool is not None:
             g = {k: v - self._graph_stats0.get(k, 0) for k, v in self.replay.pool.stats.items()}
             stats.update({"rollout/graph_replays": float(g["replays"]), "rollout/graph_captures": float(g["captures"]),
-                          "rollout/graph_capture_s": g["capture_s"]})
+                          "rollout/graph_capture_s": g["capture_s"], "rollout/graph_fallbacks": float(g["fallbacks"])})
         if self.ngram is not None:
             stats["spec/ngram_match_rate"] = self.ngram.proposed / max(self.ngram.asked, 1)
         if self.suffix is not None:

@@ -77,7 +77,7 @@ class Kept:
         reads only the used span): fresh buffers cost their first touch, 0.2-1.5 s of a 3 s tiny-reasoner rollout of
         128 rows on this VM, so a rollout of shorter responses after a longer one must not re-allocate."""
         model, cfg, drafter = self.engine.model, self.engine.config, self.engine.drafter
-        graphs = cfg.graphs.enabled and model.device.type == "cuda"
+        graphs = cfg.graphs.active(model.device)
         keep = graphs or model.device.type == "cpu"
         if keep:
             max_len = -(-max_len // 256) * 256

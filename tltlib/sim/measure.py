@@ -27,7 +27,8 @@ import torch
 from ..errors import BadInput
 from ..kernels.dispatch import pack_weights, packed_weights
 from ..kernels.search import ensure as ensure_kernels
-from ..machine import call_times
+from ..machine import call_times, device_sync
+from ..model.cudagraph import GraphConfig, GraphPool, Replay, span_bucket
 from ..spec.strategy import SpecStrategy
 from .costs import MeasuredCosts, iteration_time
 from .physical import at_least, check_drift, check_quiet, monotone, nondecreasing_fit, pass_noise, tolerance
@@ -39,9 +40,10 @@ CATCH_UP_WIDTH = 64
 @torch.no_grad()
 def measure_costs(model, drafter=None, rows=None, contexts=(64, 512), tokens=(1, 9, 25), widths=(1, 4),
                   catch_up_width: int = CATCH_UP_WIDTH, repeats: int = 3, passes: int = 1,
-                  max_batch: int = 64) -> MeasuredCosts:
+                  max_batch: int = 64, graphs: GraphConfig | None = None) -> MeasuredCosts:
     """The cost model of ``model`` (and ``drafter``) on this machine, as the rollout runs them (this machine's
-    kernels, the packed weights): seconds of target forwards (``rows`` x ``tokens`` new tokens after each of
+    kernels, the packed weights; on CUDA its graphs, ``graphs``: the rollout's :class:`GraphConfig`, default
+    ``RolloutConfig``'s): seconds of target forwards (``rows`` x ``tokens`` new tokens after each of
     ``contexts`` cached ones), of drafter forwards (``widths`` nodes per row), of a drafter catch-up over
     ``catch_up_width`` backlog entries per row and of a one-token forward with the rows at unequal lengths (at the
     first context). Each cell is the median of ``repeats`` calls after a warm-up.
@@ -54,7 +56,13 @@ def measure_costs(model, drafter=None, rows=None, contexts=(64, 512), tokens=(1,
     quiet machine"), and a cost that falls, beyond the noise, as rows, context or tokens grow is refused too (within
     it, lifted: ``notes``). With one pass (the tuner's, measured when a trainer is built) nothing is refused: a cell
     below its neighbour is lifted to it (the tuner's prior needs no noise bound; no ``notes``). Nothing is committed to
-    any cache."""
+    any cache.
+
+    Where the rollout replays CUDA graphs (``graphs.active(device)``) the target's forwards and the drafter's
+    levels are timed as it runs them: through a :class:`~tltlib.model.cudagraph.GraphPool` of ``graphs`` over the
+    measurement's caches (captured at the warm-up call, then replayed at the row bucket and the span bucket the
+    rollout would use: the caches are as long as that bucket); the catch-up stays eager, as in the rollout. On a CPU
+    every forward is a plain call."""
     if passes not in (1, 2):
         raise BadInput(f"passes must be 1 (the tuner's measurement) or 2 (a calibration: the noise), got {passes}")
     ensure_kernels(model, drafter)                    # the kernels a rollout runs with, chosen before any timing
@@ -63,7 +71,10 @@ def measure_costs(model, drafter=None, rows=None, contexts=(64, 512), tokens=(1,
     contexts = tuple(sorted({min(c, positions - max(*tokens, *widths) - 2) for c in contexts}))
     catch_up_width = max(2, min(catch_up_width, positions - contexts[0] - 2))
     g = torch.Generator().manual_seed(0)
-    runs = [_cost_pass(model, drafter, rows, contexts, tokens, widths, catch_up_width, repeats, order, g)
+    graphs = graphs if graphs is not None else GraphConfig()
+    graphs = graphs if graphs.active(model.device) else None
+    runs = [_cost_pass(model, drafter, rows, contexts, tokens, widths, catch_up_width, repeats, order, g,
+                       graphs=graphs)
             for order in (1, -1)[:passes]]
     mean = {k: np.mean([r[k] for r in runs], axis=0) for k in runs[0]}
     cells = lambda r: np.concatenate([r["target"].ravel(), r["draft"].ravel() if drafter is not None else []])  # noqa: E731
@@ -92,10 +103,10 @@ def _powers_of_four(max_batch: int) -> tuple:
 
 
 def _cost_pass(model, drafter, rows, contexts, tokens, widths, catch_up_width: int, repeats: int, order: int,
-               g) -> dict:
+               g, graphs: GraphConfig | None = None) -> dict:
     """One pass of :func:`measure_costs` over the rows in ``order`` (1 or -1): median seconds of ``target`` ``[rows,
     contexts, tokens]``, ``draft`` ``[rows, contexts, widths]`` (zeros without a drafter), ``catch_up`` and
-    ``ragged`` ``[rows]``."""
+    ``ragged`` ``[rows]``; with ``graphs``, the forwards replayed as the rollout's (:func:`replay_over`)."""
     dev, vocab = model.device, model.config.vocab_size
     out = {"target": np.zeros((len(rows), len(contexts), len(tokens))),
            "draft": np.zeros((len(rows), len(contexts), len(widths))),
@@ -103,58 +114,79 @@ def _cost_pass(model, drafter, rows, contexts, tokens, widths, catch_up_width: i
     with packed_weights(pack_weights(model)):         # what a CPU rollout runs with (RolloutConfig.packed_weights)
         for i, b in list(enumerate(rows))[::order]:
             for j, ctx in enumerate(contexts):
-                cache = model.new_cache(b, ctx + max(tokens) + 1)
+                cache = model.new_cache(b, cache_length(ctx + max(tokens) + 1, graphs))
                 prompt = torch.randint(0, vocab, (b, ctx), generator=g).to(dev)
                 _, h = model.forward_cached(prompt, cache, logits_at=torch.full((b,), ctx - 1, device=dev))
                 cache.advance(ctx)
+                forward, replay = (lambda t: model.forward_cached(t, cache)), replay_over([cache], graphs)
                 for k, n in enumerate(tokens):
                     x = torch.randint(0, vocab, (b, n), generator=g).to(dev)
-                    out["target"][i, j, k] = typical_seconds(lambda x=x: model.forward_cached(x, cache), repeats, dev)
+                    out["target"][i, j, k] = typical_seconds(lambda x=x: replay("target", forward, cache, n, x),
+                                                             repeats, dev)
                 if j == 0:
-                    out["ragged"][i] = out["target"][i, 0, 0] * _ragged_ratio(model, cache, b, vocab, g, dev,
-                                                                               4 * repeats)
+                    out["ragged"][i] = out["target"][i, 0, 0] * _ragged_ratio(
+                        lambda x: replay("target", forward, cache, 1, x), cache, b, vocab, g, dev, 4 * repeats)
                 if drafter is not None:
                     out["draft"][i, j], wide = _draft_costs(drafter, h, prompt, vocab, ctx, widths,
-                                                            catch_up_width if j == 0 else 0, repeats, g)
+                                                            catch_up_width if j == 0 else 0, repeats, g, graphs)
                     if j == 0:
                         out["catch_up"][i] = wide
     return out
 
 
-def _draft_costs(drafter, h, prompt, vocab: int, ctx: int, widths, catch_up_width: int, repeats: int, g) -> tuple:
+def _draft_costs(drafter, h, prompt, vocab: int, ctx: int, widths, catch_up_width: int, repeats: int, g,
+                 graphs: GraphConfig | None = None) -> tuple:
     """(median seconds of a drafter forward of each of ``widths`` nodes per row, and of a catch-up over
     ``catch_up_width`` entries per row with logits at the last only; 0 when ``catch_up_width`` is 0) after ``ctx``
-    cached positions; tokens drawn from the target's ``vocab``."""
+    cached positions; tokens drawn from the target's ``vocab``. With ``graphs`` the widths' forwards are replayed
+    (the rollout's drafts are graphed), the catch-up runs eagerly (as the rollout's)."""
     b, dev = prompt.shape[0], prompt.device
-    dcache = drafter.new_cache(b, ctx + max(max(widths), catch_up_width) + 1)
+    dcache = drafter.new_cache(b, cache_length(ctx + max(max(widths), catch_up_width) + 1, graphs))
     drafter.forward_cached(h[:, :-1], prompt[:, 1:], dcache, logits_at=torch.full((b,), ctx - 2, device=dev))
     dcache.advance(ctx - 1)
+    replay, level = replay_over([dcache], graphs), (lambda f, x: drafter.forward_cached(f, x, dcache))
 
     def timed(n: int, last_only: bool = False) -> float:                   # n tokens per row
         f = h[:, -1:].expand(b, n, h.shape[-1]).contiguous()
         x = torch.randint(0, vocab, (b, n), generator=g).to(dev)
-        at = torch.full((b,), n - 1, device=dev) if last_only else None
-        return typical_seconds(lambda: drafter.forward_cached(f, x, dcache, logits_at=at), repeats, dev)
+        if last_only:
+            at = torch.full((b,), n - 1, device=dev)
+            return typical_seconds(lambda: drafter.forward_cached(f, x, dcache, logits_at=at), repeats, dev)
+        return typical_seconds(lambda: replay("draft", level, dcache, n, f, x), repeats, dev)
     return [timed(n) for n in widths], (timed(catch_up_width, last_only=True) if catch_up_width else 0.0)
 
 
-def _ragged_ratio(model, cache, b: int, vocab: int, g, dev, repeats: int) -> float:
-    """How much longer a one-token forward takes with the cache's ``b`` rows 0-2 positions apart than with them at
-    one length (the fastest of ``repeats`` each, interleaved: a difference of a few percent); the cache is left as
-    it was."""
+def cache_length(needed: int, graphs: GraphConfig | None) -> int:
+    """Slots of a measurement's cache that must hold ``needed``: ``needed``, or with ``graphs`` the span bucket
+    that holds them (:func:`~tltlib.model.cudagraph.span_bucket`), the span a rollout's graph of these slots
+    attends over whenever its cache is that long."""
+    return needed if graphs is None else span_bucket(needed, max(2 * needed, graphs.min_span), graphs.min_span)
+
+
+def replay_over(caches, graphs: GraphConfig | None) -> Replay:
+    """The door a measured forward goes through, as in the rollout (:class:`~tltlib.model.cudagraph.Replay`): a
+    plain call without ``graphs``; with them a :class:`~tltlib.model.cudagraph.GraphPool` of ``graphs`` over
+    ``caches`` (captured on CUDA at the first call, replayed afterwards)."""
+    return Replay(GraphPool(caches, graphs) if graphs is not None else None)
+
+
+def _ragged_ratio(forward, cache, b: int, vocab: int, g, dev, repeats: int) -> float:
+    """How much longer a one-token ``forward(tokens)`` over ``cache`` takes with its ``b`` rows 0-2 positions apart
+    than with them at one length (the fastest of ``repeats`` each, interleaved: a difference of a few percent); the
+    cache is left as it was."""
     if b == 1:
         return 1.0
     spread = (torch.arange(b) % 3).to(dev)
     x = torch.randint(0, vocab, (b, 1), generator=g).to(dev)
-    forward = lambda: model.forward_cached(x, cache)                      # noqa: E731
-    best = {False: min(call_times(forward, 1, dev)), True: math.inf}      # the warm-up: call_times' own
+    sync = device_sync(dev)
+    best = {False: min(call_times(lambda: forward(x), 1, dev)), True: math.inf}   # the warm-up: call_times' own
     for _ in range(repeats):
         for uneven in (True, False):
             cache.advance(spread if uneven else 0)                   # a tensor advance re-reads the exact bounds
+            sync()
             t = time.perf_counter()
-            forward()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
+            forward(x)
+            sync()
             best[uneven] = min(best[uneven], time.perf_counter() - t)
             cache.advance(-spread if uneven else 0)
     return best[True] / best[False]

@@ -44,7 +44,7 @@ def _rows(text: str) -> tuple:
 def check_inputs(args) -> CheckInputs:
     """The check's inputs from parsed ``check`` arguments: a flag wins over the job's setting (``--params``),
     which wins over the default. Folders and the output's folder are checked here, before any loading."""
-    job = read_job(args.params) if args.params else None
+    job = read_job(args.params, {"model": args.model, "drafter": args.drafter or None}) if args.params else None
     g = job.grpo if job is not None else None
 
     def pick(flag, from_job, default):
@@ -69,12 +69,21 @@ def check_inputs(args) -> CheckInputs:
     return CheckInputs(model, drafter or "", args.dataset or "", args.params or "", cfg)
 
 
+def check_dtype(flag: str) -> str:
+    """The dtype a check runs in: ``--dtype`` as given; ``auto`` (the default) is float32 on every device, CUDA
+    included: in bfloat16 a verify forward over several tokens and the decode forwards it replaces round
+    differently, so the greedy identity and the χ² tests would call rounding a loss."""
+    if flag not in ("auto", "float32", "bfloat16"):
+        raise BadInput(f"check: --dtype {flag!r}: choose auto (float32), float32 or bfloat16")
+    return "float32" if flag == "auto" else flag
+
+
 def check_prompts(inputs: CheckInputs, tokenizer, seed: int) -> list[list[int]]:
     """The tokenized prompts: the job's training problems, else ``--dataset`` (``chain``, ``words`` or a file),
     else the chain task for the character-level tiny reasoner and word problems for other models."""
     n = inputs.config.prompts
     if inputs.job and not inputs.dataset:
-        problems = job_problems(read_job(inputs.job))[0]
+        problems = job_problems(read_job(inputs.job, {"model": inputs.model, "drafter": inputs.drafter or None}))[0]
     elif inputs.dataset in ("chain", "words") or not inputs.dataset:
         task = inputs.dataset or ("chain" if len(tokenizer) < 1000 else "words")
         problems = generate_task(task, n, seed + 4000)
