@@ -443,6 +443,9 @@ def _tables(s, acceptance, upd, args, device) -> str:
              f"baseline's rollout share {c['rollout_share_baseline']:.0%}; TLT's step speedup "
              f"{c['step_speedup']:.2f}x = {c['of_bound']:.0%} of the bound. Drafter training: "
              f"{c['drafter_share_of_tlt_step']:.1%} of TLT's step.")
+    if b.get("weights_moved") is not None:                 # a bf16/fp16 policy: AdamW steps float32 master weights
+        text += (f" Share of the policy's weights one update changed (median; bf16 weights, float32 masters): "
+                 f"baseline {b['weights_moved']:.2%}, TLT {t['weights_moved']:.2%}.")
     text += ("\n\nReward per step, mean +- std over seeds:\n\n" + markdown_table(
         ["step", "baseline", "TLT"], [[k + 1, f"{statistics.mean(x):.3f} +- {statistics.pstdev(x):.3f}",
                                       f"{statistics.mean(y):.3f} +- {statistics.pstdev(y):.3f}"]

@@ -22,6 +22,7 @@ from tltlib.tasks.chain import ChainTaskConfig, generate_problems
 from tltlib.tasks.datasets import save_problems
 
 MODEL = "/models/Qwen2.5-1.5B-Instruct"
+MODEL05 = "/models/Qwen2.5-0.5B-Instruct"                # notebook 05's (its two trainers share the GPU)
 TINY_GRPO = {"num_generations": 2, "generation_batch_size": 4, "max_completion_length": 48, "max_steps": 1,
              "save_steps": 1, "micro_batch_tokens": 256}
 TINY_TLT = {"threshold": 4, "arms": ["chain-2", "ngram-2"], "drafter_steps": 1, "drafter_batch": 2}
@@ -41,7 +42,8 @@ def cpu_files(tmp: Path) -> dict[str, str]:
     """The GPU examples' paths -> this test's, with the parameter files and datasets written there."""
     save_problems(generate_problems(ChainTaskConfig(), 48, seed=0), tmp / "train.jsonl")
     save_problems(generate_problems(ChainTaskConfig(), 24, seed=1), tmp / "test.jsonl")
-    subs = {f"{MODEL}-drafter": str(tmp / "drafter"), MODEL: str(ROOT / "data" / "tiny-reasoner"),
+    subs = {f"{MODEL}-drafter": str(tmp / "drafter"), f"{MODEL05}-drafter": str(tmp / "drafter05"),
+            MODEL: str(ROOT / "data" / "tiny-reasoner"), MODEL05: str(ROOT / "data" / "tiny-reasoner"),
             "/data/gsm8k/train.parquet": str(tmp / "train.jsonl"),
             "/data/gsm8k/test.parquet": str(tmp / "test.jsonl")}
     smoke = yaml.safe_load((ROOT / "params" / "smoke.yaml").read_text())
@@ -73,8 +75,8 @@ def _sub(text: str, subs: dict[str, str]) -> str:
 @pytest.mark.notebooks
 def test_the_readme_gpu_sequence_runs_as_written_on_the_cpu(tmp_path):
     commands = gpu_commands()
-    assert [c.split()[0] for c in commands] == [".venv/bin/python"] * 4 + [".venv/bin/torchrun", ".venv/bin/python"]
-    assert "train-drafter" in commands[0]                   # the drafter first: the others read it
+    assert [c.split()[0] for c in commands] == [".venv/bin/python"] * 5 + [".venv/bin/torchrun", ".venv/bin/python"]
+    assert "train-drafter" in commands[0] and "train-drafter" in commands[1]   # the drafters first: others read them
     subs = cpu_files(tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     grpo_runs = 0
@@ -94,7 +96,7 @@ def test_the_readme_gpu_sequence_runs_as_written_on_the_cpu(tmp_path):
         if "train-grpo" in cmd:                         # the pool sized from notebook 01's lengths, and said so
             assert "memory: KV page pool" in done.stderr and "01_profile_long_tail/lengths.json" in done.stderr, \
                 done.stderr[-2000:]
-    assert is_drafter_folder(tmp_path / "drafter")
+    assert is_drafter_folder(tmp_path / "drafter") and is_drafter_folder(tmp_path / "drafter05")
     runs = tmp_path / "runs" / "gpu-example"
     assert sorted(p.name for p in runs.iterdir() if p.is_dir()) == sorted(EXPECTED)   # every notebook, none failed
     assert (runs / "run.log").is_file()                     # the notebooks' own output, kept beside them

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -180,6 +181,9 @@ def test_a_run_that_cannot_fit_is_refused_before_the_rollout_and_the_engine_gets
 # Published config.json values of Qwen2.5-1.5B-Instruct (qwen2, tied embeddings, q/k/v biases), the GPU examples' model
 QWEN15 = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
               num_kv_heads=2, architecture="qwen2", tie_word_embeddings=True, attention_bias=True)
+QWEN05 = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
+              num_kv_heads=2, architecture="qwen2", tie_word_embeddings=True, attention_bias=True)
+CONFIGS = {"Qwen2.5-1.5B-Instruct": QWEN15, "Qwen2.5-0.5B-Instruct": QWEN05}
 H100 = 78 * 2 ** 30                                     # what the device tool reports of an H100 80 GB
 
 
@@ -207,19 +211,20 @@ def test_the_gpu_examples_fit_one_80gb_gpu_as_their_memory_comment_says(path):
         args = GRPOConfig(num_generations=nb["NUM_GENERATIONS"],
                           generation_batch_size=nb["N_PROMPTS"] * nb["NUM_GENERATIONS"],
                           max_completion_length=nb["MAX_NEW_TOKENS"], micro_batch_tokens=nb["MICRO_BATCH_TOKENS"])
-        model = data["MODEL_PATH"]
+        model = nb.get("MODEL_PATH", data["MODEL_PATH"])
     else:
         g = data["grpo"]
         args = GRPOConfig(num_generations=g["num_generations"], generation_batch_size=g["generation_batch_size"],
                           max_completion_length=g["max_completion_length"], micro_batch_tokens=g["micro_batch_tokens"])
         model = data["model"]
-    assert Path(model).name == "Qwen2.5-1.5B-Instruct"
+    assert Path(model).name in CONFIGS
     from tltlib.rl.config import TLTConfig
     trainers = 2 if "notebooks" in data else 1        # notebook 05 alternates a baseline's steps with TLT's
-    lines = grpo_plan(ModelConfig(**QWEN15), args, 256, args.generation_batch_size, 2, H100, Path(model).name,
-                      buffer_tokens=TLTConfig().buffer_tokens, trainers=trainers)   # the online drafter's buffer
-    if trainers == 1:
-        assert lines[-1] == "the pool holds every row at that length."
+    lines = grpo_plan(ModelConfig(**CONFIGS[Path(model).name]), args, 256, args.generation_batch_size, 2, H100,
+                      Path(model).name, buffer_tokens=TLTConfig().buffer_tokens, trainers=trainers)
+    if trainers == 1:          # most rows at the maximum length (with a lengths file, as the README's sequence: all)
+        held = re.fullmatch(r"the pool holds (\d+) of the (\d+) rows at that length: .*", lines[-1])
+        assert lines[-1] == "the pool holds every row at that length." or int(held[1]) >= 0.7 * int(held[2]), lines
     text, rendered = render_plan(path, lines)
     if os.environ.get("TLTLIB_RENDER") == "1":
         Path(path).write_text(rendered)

@@ -113,6 +113,9 @@ METRICS: dict[str, str] = {
     "update/tokens": "tokens through the policy's forward and backward (all iterations)",
     "update/padding_frac": "share of the update's forward tokens that were padding",
     "update/tokens_per_s": "update tokens per second",
+    "update/weights_moved": "share of the policy's weights the step's AdamW update changed (a bf16/fp16 policy: "
+                            "AdamW steps float32 master weights, whose rounding it decodes with; 0 for a float16 step "
+                            "skipped on overflow; nan for a float32 policy, its own master)",
     "time/rollout_s": "RL step phase: rollout (s)",
     "time/reward_s": "RL step phase: rewards and advantages (s)",
     "time/logprob_s": "RL step phase: reference / old-policy log-probabilities (s)",

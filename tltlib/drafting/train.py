@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint as gradient_checkpoint
 from tqdm.auto import tqdm
 
 from ..errors import BadInput
+from ..model.optimizer import MixedPrecisionAdamW
 from .pairs import PairBatch, PairBuffer, PairBufferConfig
 
 
@@ -251,12 +252,13 @@ def depth_accuracy(drafter, batch: PairBatch, depth: int) -> list[float]:
 
 
 class DrafterTrainer:
-    """AdamW over the drafter's own parameters; :meth:`micro_step` is one preemptible optimizer step."""
+    """AdamW over the drafter's own parameters (float32 master weights when the drafter computes in bf16/fp16, as an
+    online drafter of a bf16 target does); :meth:`micro_step` is one preemptible optimizer step."""
 
     def __init__(self, drafter, cfg: DrafterTrainConfig | None = None):
         self.drafter, self.cfg = drafter, cfg or DrafterTrainConfig()
-        self.opt = torch.optim.AdamW(drafter.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95),
-                                     weight_decay=self.cfg.weight_decay)
+        self.opt = MixedPrecisionAdamW(drafter.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95),
+                                       weight_decay=self.cfg.weight_decay)
         self.steps_done = 0
 
     def lr_at(self, step: int) -> float:
@@ -276,9 +278,9 @@ class DrafterTrainer:
         with autocast_to_target(self.drafter):
             g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.steps_done)   # resume-exact
             loss, stats = drafter_loss(self.drafter, batch, self.cfg, generator=g)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
+        self.opt.zero_grad()
+        self.opt.backward(loss)
+        self.opt.clip_grad_norm(self.cfg.grad_clip)
         self.opt.step()
         self.drafter.eval()
         self.steps_done += 1

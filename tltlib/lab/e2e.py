@@ -19,6 +19,7 @@ on W torchrun workers of one machine.
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 import warnings
@@ -31,8 +32,8 @@ from scipy.stats import ttest_ind
 from ..drafting.warmup import measure_acceptance
 from ..errors import BadInput
 from ..fileio import read_json
-from ..model.logprobs import SequenceBatch, micro_batches, padded_tokens, response_logprobs
 from ..machine import device_sync
+from ..model.logprobs import SequenceBatch, micro_batches, padded_tokens, response_logprobs
 from ..rl.scheduler import SchedulerConfig
 from ..rl.trainer import GRPOTrainer
 from ..rl.world import DistributedWorld
@@ -129,6 +130,8 @@ def summarize(runs: dict, trl_step_s: float | None = None) -> dict:
                                             for i in (0, -1)] for r in rs]
         acc = [m["spec/accept_len_mean"] for m in steps if "spec/accept_len_mean" in m]
         out[name]["accept_len"] = float(np.mean(acc)) if acc else None
+        moved = [m["update/weights_moved"] for m in steps if not math.isnan(m.get("update/weights_moved", math.nan))]
+        out[name]["weights_moved"] = float(np.median(moved)) if moved else None     # None: a float32 policy
     b, t = out["baseline"], out["tlt"]
     share, speed = b["rollout"] / b["step"], b["rollout"] / t["rollout"]
     bound = amdahl_bound(share, speed)
@@ -177,16 +180,16 @@ def update_speed(trainer, prompt_ids: list[list[int]], rows: int = 16, repeats: 
     for name, groups in plans.items():
         times = []
         for _ in range(repeats):
+            sync()                                   # on a GPU: the work, not its launches, is timed
             t = time.perf_counter()
             model.zero_grad(set_to_none=True)
             for g in groups:
-            sync()                                   # on a GPU: the work, not its launches, is timed
                 mb = SequenceBatch.build(prompts, responses, g, trainer.engine.pad_id, trainer.device)
                 response_logprobs(model, mb, trainer.sampling, trainer.args.logprob_chunk).sum().backward()
+            sync()
             times.append(time.perf_counter() - t)
         model.zero_grad(set_to_none=True)
         out[name] = {"seconds": min(times), "tokens_per_s": sum(lengths) / min(times),
-            sync()
                      "padded_tokens": padded_tokens(lengths, groups), "micro_batches": len(groups)}
     return out
 

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from ..errors import BadInput
 from ..fileio import check_output_folder
 from ..model.decoder import Transformer, preset
+from ..model.optimizer import MixedPrecisionAdamW
 from ..model.sampling import SamplingConfig
 from ..model.weights import save_model
 from ..rollout.engine import RolloutConfig, RolloutEngine
@@ -95,13 +96,14 @@ def sft_batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple
 
 def sft_step(model, opt, x: torch.Tensor, y: torch.Tensor, bf16_autocast: bool = False) -> torch.Tensor:
     """One supervised step on ``x, y [B, T]`` (:func:`sft_batch`): next-token cross-entropy (float32 logits, -100
-    ignored), gradient clipped to norm 1, ``opt.step()``; returns the loss (not synchronised to the host)."""
+    ignored), gradient clipped to norm 1, ``opt.step()`` (``opt``: a :class:`tltlib.model.optimizer.MixedPrecisionAdamW`
+    over ``model``); returns the loss (not synchronised to the host)."""
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16_autocast):
         logits = model(x)
     loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.zero_grad()
+    opt.backward(loss)
+    opt.clip_grad_norm(1.0)
     opt.step()
     return loss
 
@@ -121,7 +123,7 @@ def train_sft(cfg: ReasonerTrainConfig, tokenizer, progress: bool = True,
     mcfg = preset(cfg.preset, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                   eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id)
     model = Transformer(mcfg).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = MixedPrecisionAdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = random.Random(cfg.seed)
     task, long_task = ChainTaskConfig(), ChainTaskConfig(zipf_exponent=0.3)
     log = {"step": [], "loss": [], "seconds": []}

@@ -56,9 +56,9 @@ class WarmStartConfig:
 def warm_start(model, tokenizer, cfg: WarmStartConfig | None = None, progress: bool = True) -> dict:
     """Train ``model`` (a :class:`tltlib.model.decoder.Transformer`, in place) on ``cfg.steps x cfg.batch`` worked
     solutions of generated word problems; returns the log ``{"step": [...], "loss": [...], "seconds": float}``."""
-    import torch
     from tqdm.auto import tqdm
 
+    from ..model.optimizer import MixedPrecisionAdamW
     from ..tasks.prompts import encode_prompts
     from .reasoner import sft_batch, sft_step
     cfg = cfg or WarmStartConfig()
@@ -71,7 +71,7 @@ def warm_start(model, tokenizer, cfg: WarmStartConfig | None = None, progress: b
                  for p in problems]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     device = next(model.parameters()).device
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    opt = MixedPrecisionAdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)    # float32 masters of a bf16 model
     model.train()
     log, t0 = {"step": [], "loss": []}, time.perf_counter()
     for step in tqdm(range(cfg.steps), desc="warm start", disable=not progress):

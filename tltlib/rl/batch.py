@@ -6,6 +6,7 @@ Departures: none (data).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -73,9 +74,12 @@ class LossStats:
     """Share of counted tokens whose ratio was clipped."""
     grad_norm: float = 0.0
     """Gradient norm of the last iteration, before clipping."""
+    moved: float = math.nan
+    """Share of the policy's weights that the last iteration's AdamW step changed (a bf16/fp16 policy, whose float32
+    master weights move by less than a rounding step at small learning rates; nan for a float32 policy)."""
 
     def summed(self, world) -> "LossStats":
         """The whole batch's statistics: every worker's shares added (the gradient norm is already global)."""
         sums = world.gather({k: torch.tensor([getattr(self, k)], dtype=torch.float64)
                              for k in ("loss", "kl", "clip_frac")}, "reached the all-gather of the loss statistics")
-        return LossStats(**{k: float(v.sum()) for k, v in sums.items()}, grad_norm=self.grad_norm)
+        return LossStats(**{k: float(v.sum()) for k, v in sums.items()}, grad_norm=self.grad_norm, moved=self.moved)

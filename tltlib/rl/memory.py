@@ -3,9 +3,10 @@
 The parts (bytes, on one worker; ``b`` the parameters' element size, P parameters, L layers, h hidden, i the MLP's
 width, kv = KV heads x head dim, V vocabulary):
 
-* **gradients** P b and **AdamW's two moments** 2 P b (allocated at the first update; the weights are loaded
-  already and not counted); the **reference policy** P b when ``beta > 0``; the drafter's weights' gradients and
-  moments likewise (its weights are loaded).
+* **gradients** P b and **AdamW's two moments** 2 P 4 (float32; allocated at the first update; the weights are
+  loaded already and not counted); with a bf16/fp16 policy also its **float32 master weights** P 4 and their float32
+  gradients P 4 (:class:`tltlib.model.optimizer.MixedPrecisionAdamW`); the **reference policy** P b when
+  ``beta > 0``; the drafter's training state likewise (its weights are loaded).
 * **rollout KV cache** 2 L kv b per token slot (the drafter's layer too when there is one), counted as the slots
   the paged cache is expected to hold at its peak (:func:`kv_estimate`): from response lengths measured before
   (:class:`MeasuredLengths`, e.g. notebook 01's), every row at ``max_completion_length`` only when none were measured,
@@ -185,6 +186,14 @@ def rollout_kv(config, args, prompt_tokens: int, rows: int, elem_bytes: int, dra
                        page_size)
 
 
+def adamw_bytes(params: int, elem_bytes: int) -> dict[str, int]:
+    """AdamW's training state of ``params`` parameters of ``elem_bytes`` bytes each: their gradients, the two float32
+    moments, and for bf16/fp16 parameters their float32 master weights with float32 gradients
+    (:class:`tltlib.model.optimizer.MixedPrecisionAdamW`)."""
+    master = 4 if elem_bytes < 4 else 0
+    return {"gradients": params * (elem_bytes + master), "master weights": params * master, "optimizer": 8 * params}
+
+
 def grpo_memory(config, args, prompt_tokens: int, rows: int, elem_bytes: int, params: int,
                 drafter_params: int = 0, buffer_tokens: int = 0, kv: KVEstimate | None = None) -> dict[str, int]:
     """The estimated bytes of each part (module docstring) of a GRPO run on one worker.
@@ -202,10 +211,9 @@ def grpo_memory(config, args, prompt_tokens: int, rows: int, elem_bytes: int, pa
     produced = rows * args.max_completion_length * args.max_steps
     tokens = max(min(args.micro_batch_tokens, rows * seq), seq)      # a micro-batch: at most the batch, >= 1 row
     return {
-        "gradients": params * elem_bytes,
-        "optimizer": 2 * params * elem_bytes,
+        **adamw_bytes(params, elem_bytes),
         "reference": params * elem_bytes if args.beta > 0 else 0,
-        "drafter training": 3 * drafter_params * elem_bytes,
+        "drafter training": sum(adamw_bytes(drafter_params, elem_bytes).values()),
         KV_PART: kv.bytes,
         "update activations": activation_bytes_per_token(config, elem_bytes) * tokens,
         "LM-head chunk": 2 * min(args.logprob_chunk, tokens) * config.vocab_size * 4,
@@ -224,6 +232,7 @@ def check_fits(parts: dict[str, int], available: int, where: str = "this GRPO ru
     fixes = {"update activations": "lower grpo.micro_batch_tokens", "rollout KV cache": "lower grpo."
              "generation_batch_size or max_completion_length (or add workers)", "LM-head chunk": "lower "
              "grpo.logprob_chunk", "optimizer": "a smaller model", "gradients": "a smaller model",
+             "master weights": "a smaller model (float32 copies of a bf16/fp16 policy's weights)",
              "pair buffer": "lower tlt.buffer_tokens", "reference": "beta 0 (no reference policy)",
              LONGEST_ROW: "lower max_completion_length or the prompts' length",
              "drafter training": "tlt.online_drafter false"}

@@ -177,7 +177,7 @@ class SpotTrainer:
         if self.drafter_trainer is None:
             return
         drafter, opt = self.drafter_trainer.drafter, self.drafter_trainer.opt
-        params = [p for p in drafter.parameters() if p.requires_grad]
+        params = opt.master_weights()              # float32 masters of a bf16 drafter: merged, then rounded into it
         weight = torch.tensor([float(steps), float(self.drafter_trainer.steps_done)], dtype=torch.float64)
         self.world.all_reduce(weight[:1])
         self.world.all_reduce(weight[1:], op="max")
@@ -197,6 +197,7 @@ class SpotTrainer:
         self.world.all_reduce_flat(tensors)
         for p in params:
             opt.state[p]["step"].fill_(float(steps_done))
+        opt.push()
         self.drafter_trainer.steps_done = steps_done
         drafter.version = version + 1
 

@@ -52,6 +52,7 @@ from ..errors import BadInput, NotFinite
 from ..kv.paged import KVConfig
 from ..model.drafter import check_separate
 from ..model.logprobs import micro_batches, padded_tokens, response_logprobs
+from ..model.optimizer import MixedPrecisionAdamW
 from ..model.sampling import SamplingConfig
 from ..rollout.engine import RolloutConfig, RolloutEngine
 from ..rollout.result import RolloutResult
@@ -123,8 +124,9 @@ class GRPOTrainer:
         self.sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                        max_new_tokens=args.max_completion_length)
         self.drafter = drafter
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate,
-                                           betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
+        # float32 master weights when the policy computes in bf16/fp16 (AdamW on bf16 weights barely moves them)
+        self.optimizer = MixedPrecisionAdamW(model.parameters(), lr=args.learning_rate,
+                                             betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.weight_decay)
         self.buffer, self.drafter_trainer = drafter_training(model, drafter, self.tlt, self.sched, self.world.size,
                                                              args.seed)
         # the KV pool (memory.py): a run that cannot fit is refused here, before its first rollout
@@ -273,31 +275,32 @@ class GRPOTrainer:
     def update(self, batch: UpdateBatch, ref_lp=None, old_lp=None, clock: StepClock | None = None) -> LossStats:
         """``num_iterations`` AdamW steps of the clipped GRPO loss, each over all micro-batches (gradients summed
         over the workers); returns this worker's shares of the loss statistics (:meth:`LossStats.summed` adds the
-        other workers'). A non-finite gradient norm raises before the step is applied."""
-        args, model = self.args, self.model
+        other workers'). The gradients accumulate in float32 and AdamW steps float32 master weights when the policy
+        computes in bf16/fp16 (:class:`~tltlib.model.optimizer.MixedPrecisionAdamW`). A non-finite gradient norm
+        raises before the step is applied (under float16: the step is skipped and the loss scale lowered)."""
+        args, model, opt = self.args, self.model, self.optimizer
         model.train()
         local = LossStats()
         for _ in range(args.num_iterations):
-            self.optimizer.zero_grad(set_to_none=True)
+            opt.zero_grad()
             for k, g in enumerate(batch.micro_batches):
                 self._accumulate(batch, k, g, ref_lp, old_lp, local)
+                opt.accumulate()
             t = time.time()
-            self.world.sum_gradients([p for p in model.parameters() if p.requires_grad],
-                                     "reached the update's gradient all-reduce")
+            self.world.sum_gradients(opt.master_weights(), "reached the update's gradient all-reduce")
             if clock is not None:
                 clock.span("update sync", t)
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                  args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
-            if not math.isfinite(float(norm)):
-                self.optimizer.zero_grad(set_to_none=True)
+            norm = opt.clip_grad_norm(args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
+            if not math.isfinite(norm) and not opt.overflow_skips:
+                opt.zero_grad()
                 raise NotFinite(
-                    f"RL step {self.step_count + 1}: the policy's gradient norm is {float(norm)} (loss "
+                    f"RL step {self.step_count + 1}: the policy's gradient norm is {norm} (loss "
                     f"{local.loss:.4g}): the update diverged and was not applied; lower learning_rate (now "
                     f"{args.learning_rate:g}) or set max_grad_norm, and resume from the last checkpoint")
-            self.optimizer.step()
+            local.moved = opt.step()
         model.eval()
-        self.optimizer.zero_grad(set_to_none=True)
-        return replace(local, grad_norm=float(norm))
+        opt.zero_grad()
+        return replace(local, grad_norm=norm)
 
     def _accumulate(self, batch: UpdateBatch, k: int, g: list, ref_lp, old_lp, stats: LossStats) -> None:
         """Forward and backward of micro-batch ``k`` (this worker's completions ``g``); adds its share of the loss
@@ -314,7 +317,7 @@ class GRPOTrainer:
             per_token = per_token + args.beta * kl
             stats.kl += float((kl.detach() * mask).sum()) / max(tokens, 1) / args.num_iterations
         loss = aggregate_loss(per_token, mask, args.loss_type, n_total, tokens, args.max_completion_length)
-        loss.backward()
+        self.optimizer.backward(loss)
         stats.loss += float(loss.detach()) / args.num_iterations
         stats.clip_frac += float((clipped & mask).sum()) / max(tokens, 1) / args.num_iterations
 
@@ -351,7 +354,8 @@ class GRPOTrainer:
                 "rl/accuracy": float((whole.per_func[:, acc] >= 1.0).float().mean()) if acc is not None
                 else float("nan"),
                 "rl/loss": losses.loss, "rl/kl": losses.kl, "rl/clip_frac": losses.clip_frac,
-                "rl/grad_norm": losses.grad_norm, "rl/completion_len_mean": float(whole.length.double().mean()),
+                "rl/grad_norm": losses.grad_norm, "update/weights_moved": losses.moved,
+                "rl/completion_len_mean": float(whole.length.double().mean()),
                 **{f"rl/reward/{reward_name(f)}": float(np.nanmean(whole.per_func[:, j].numpy()))
                    for j, f in enumerate(self.reward_funcs)},
                 **res.stats, **drafter_stats,
