@@ -15,13 +15,17 @@ not for the longest it could grow to:
 * compaction (:meth:`~PagedKVCache.select_rows`) moves block tables, not data: finished rows' pages go back to the
   pool, and ``select_rows(arange(P).repeat_interleave(G))`` gives the G samples of a prompt the prompt's pages
   (shared, reference-counted: no G-fold copy);
-* attention reads through the block tables: on a CPU, a decode step and a verify of up to
-  :data:`MASKED_KERNEL_MAX_NEW` tokens by the C++ kernels
-  (:func:`tltlib.kernels.ragged_attention.paged_ragged_attention`,
+* attention reads through the block tables: on CUDA, decode and every forward of up to
+  :data:`tltlib.kernels.triton_attention.MAX_NEW` new tokens per row (verifies, drafter levels) by a Triton kernel
+  (:func:`tltlib.kernels.triton_attention.paged_attention`: the pages read in place, each row up to its own length
+  on the device, split over the positions for few rows; capture-safe, so it also runs inside CUDA graphs at a
+  fixed span); on a CPU, a decode step and a verify of up to :data:`MASKED_KERNEL_MAX_NEW` tokens by the C++
+  kernels (:func:`tltlib.kernels.ragged_attention.paged_ragged_attention`,
   :func:`~tltlib.kernels.ragged_attention.paged_masked_attention`, no copy; a row's pages are kept in runs,
-  :class:`tltlib.kv.pages.PagePool`, which they read as one stretch); everything else (prefills, longer trees, CUDA)
-  over the rows' pages gathered into a ``[rows, kv_heads, span, head_dim]`` block and the dense cache's masked kernels,
-  which also runs under CUDA graphs (the gather has fixed shapes at a fixed span).
+  :class:`tltlib.kv.pages.PagePool`, which they read as one stretch); everything else (prefills, longer trees, CUDA
+  without triton or with ``TLTLIB_TRITON_ATTENTION=0``) over the rows' pages gathered into a ``[rows, kv_heads,
+  span, head_dim]`` block and the dense cache's masked kernels, which also runs under CUDA graphs (the gather has
+  fixed shapes at a fixed span).
 
 The pool is sized by a memory budget (:class:`KVConfig`: bytes, or a share of the memory free when the cache is
 made), capped at what a dense cache of the same rows would take. When it runs out, :meth:`PagedKVCache.prepare`
@@ -30,9 +34,10 @@ raises :class:`KVCacheFull` before it changes anything.
 Paper: TLT §5 runs its rollouts on SGLang, whose token pool is paged; vLLM's PagedAttention (Kwon et al., SOSP
 2023) introduced block tables with copy-on-write sharing.
 
-Departures: on a CPU the decode and short-verify kernels read the pages in place; the other forwards gather the
-rows' pages first (vLLM and SGLang read pages in place in every kernel), which costs one copy of the pages they
-read: on CUDA that is every forward (a paged FlexAttention or Triton kernel is the next step there).
+Departures: decode and short forwards read the pages in place (the Triton kernel on CUDA, the C++ kernels on a
+CPU); prefills and longer forwards gather the rows' pages first (vLLM and SGLang read pages in place in every
+kernel), which costs one copy of the pages they read, as does every CUDA forward where triton is missing. The
+Triton kernel's speed against the gathered path on a GPU is measured by ``bench/triton_attention.py``.
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import BadInput, Refused
+from ..kernels import triton_attention
 from ..kernels.dispatch import cached_attention
 from ..kernels.ragged_attention import kernel as ragged_kernel
 from ..kernels.ragged_attention import paged_masked_attention, paged_ragged_attention
@@ -309,15 +315,23 @@ class PagedKVCache:
 
     def attend(self, layer: int, where: CacheWrite, q: torch.Tensor, k_new: torch.Tensor,
                v_new: torch.Tensor) -> torch.Tensor:
-        """As :meth:`tltlib.kv.dense.KVCache.attend`. On a CPU in float32 with the C++ kernel built, the paged kernels
-        read the pages in place: one new token per row (decode, chain drafting), or up to
-        :data:`MASKED_KERNEL_MAX_NEW` under the forward's mask (chain and tree verifies, drafter tree levels); other
-        forwards (prefills, CUDA) attend over the rows' gathered pages by
+        """As :meth:`tltlib.kv.dense.KVCache.attend`. The paged kernels read the pages in place: on CUDA the Triton
+        kernel for up to :data:`tltlib.kernels.triton_attention.MAX_NEW` new tokens per row (decode, verifies,
+        drafter levels); on a CPU in float32 with the C++ kernel built, one new token per row (decode, chain
+        drafting), or up to :data:`MASKED_KERNEL_MAX_NEW` under the forward's mask (chain and tree verifies, drafter
+        tree levels); other forwards (prefills) attend over the rows' gathered pages by
         :func:`tltlib.kernels.dispatch.cached_attention`."""
         self._store(layer, where, k_new, v_new)
         kind = where.memo.get("paged")                 # chosen on the first layer, for the forward's every layer
         if kind is None:
             kind = where.memo["paged"] = self._kernel(q, where)
+        if kind == "triton":
+            out = triton_attention.cached_paged_attention(q, self.k[layer], self.v[layer], where.table,
+                                                          self.lengths[: self.rows], where.mask, where.span,
+                                                          where.memo)
+            if out is not None:
+                return out
+            kind = where.memo["paged"] = "default"     # the kernel failed to build here (warned): gather instead
         if kind == "ragged":
             return paged_ragged_attention(q, self.k[layer], self.v[layer], where.table, where.limits)
         if kind == "masked":
@@ -330,12 +344,17 @@ class PagedKVCache:
 
     @staticmethod
     def _kernel(q: torch.Tensor, where: CacheWrite) -> str:
-        """``ragged`` (one new token per row) or ``masked`` (2 .. :data:`MASKED_KERNEL_MAX_NEW` under a mask) where
-        the paged kernels can run (float32 on a CPU, the kernel built), whatever the kernel table says: its cells
-        are measured on dense views, and here every other kernel pays a gather of the rows' pages first (AMD EPYC,
-        2 threads, ``bench kv_cache --attention``: the paged kernel 3.0-5.0x faster than gather + the dense path for
+        """``triton`` on CUDA where the Triton kernel runs (triton imports, ``TLTLIB_TRITON_ATTENTION`` not ``0``)
+        and the forward fits it (bfloat16, float16 or float32, up to
+        :data:`tltlib.kernels.triton_attention.MAX_NEW` new tokens: :func:`tltlib.kernels.triton_attention.wanted`);
+        on a CPU ``ragged`` (one new token per row) or ``masked`` (2 .. :data:`MASKED_KERNEL_MAX_NEW` under a mask)
+        where the paged kernels can run (float32, the kernel built), whatever the kernel table says: its cells are
+        measured on dense views, and here every other kernel pays a gather of the rows' pages first (AMD EPYC, 2
+        threads, ``bench kv_cache --attention``: the paged kernel 3.0-5.0x faster than gather + the dense path for
         one token at 2-128 rows, 1.3-4.6x for 2-9 tokens); else ``default``
         (:func:`tltlib.kernels.dispatch.cached_attention` decides over the gathered pages)."""
+        if triton_attention.wanted(q, where.mask):
+            return "triton"
         if q.dtype != torch.float32 or q.is_cuda or where.ends is None or ragged_kernel() is None:
             return "default"
         t = q.shape[2]
