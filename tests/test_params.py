@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tltlib.fileio import ROOT
 from tltlib.lab.notebook import notebook_paths
 from tltlib.lab.params import SCHEMA, declared_parameters, inferred, load_params, plan_run
 
@@ -37,6 +38,20 @@ def test_shipped_cpu_files_plan_cleanly_and_gpu_example_fails_only_on_this_machi
         plan_run("gpu-example", ALL, ALL)
     lines = str(e.value).splitlines()[1:]
     assert lines and all("does not exist" in x or "CUDA is not available" in x for x in lines), lines
+
+
+def test_the_gpu_smoke_file_plans_cleanly_but_for_cuda_and_runs_one_worker_per_gpu(tmp_path):
+    """params/gpu-smoke.yaml (a lent GPU's notebooks call): every path exists, only CUDA is missing here; on the
+    CPU the same file plans cleanly; notebook 06 runs one worker (the one GPU)."""
+    with pytest.raises(ValueError) as e:
+        plan_run("gpu-smoke", ALL, ALL)
+    lines = str(e.value).splitlines()
+    assert lines and all("CUDA is not available" in x for x in lines), lines
+    text = (ROOT / "params" / "gpu-smoke.yaml").read_text().replace("DEVICE: cuda", "DEVICE: cpu")
+    (tmp_path / "p.yaml").write_text(text)
+    plan = dict(plan_run(tmp_path / "p.yaml", ALL, ALL))
+    assert plan[next(nb for nb in ALL if nb.stem.startswith("06"))]["WORKERS"] == 1
+    assert all(v["DTYPE"] == "bfloat16" for v in plan.values() if "DTYPE" in v)
 
 
 def test_a_typo_is_refused_also_when_only_some_notebooks_run(tmp_path):
