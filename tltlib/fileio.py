@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -45,6 +46,15 @@ def read_json(path: str | os.PathLike, fix: str = "fix or replace the file"):
         raise BadInput(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); {fix}") from None
     except UnicodeDecodeError:
         raise BadInput(f"{path} is not a UTF-8 text file; {fix}") from None
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 (hex) of a file's bytes, read in 4 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 @contextlib.contextmanager

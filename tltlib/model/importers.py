@@ -21,7 +21,6 @@ quantised model's exact float32 equivalent, so its outputs match llama.cpp's, no
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -34,7 +33,7 @@ from pathlib import Path
 import torch
 
 from ..errors import BadInput, MissingDependency, NotFound, Refused
-from ..fileio import atomic_folder, check_output_folder
+from ..fileio import atomic_folder, check_output_folder, file_sha256
 
 SUPPORTED_GGUF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 RECORD = "tltlib-import.json"
@@ -115,14 +114,6 @@ def check_gguf(path: str | os.PathLike) -> dict:
     return meta
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 @torch.no_grad()
 def compare_logits(folder: Path, hf_model, tokenizer, prompts=CHECK_PROMPTS) -> float:
     """Largest |logit difference| between tltlib's model loaded from ``folder`` and ``hf_model`` on ``prompts``."""
@@ -166,7 +157,7 @@ def import_gguf(gguf_file: str | os.PathLike, out: str | os.PathLike, overwrite:
         if not diff <= LOGITS_TOLERANCE:
             raise BadInput(f"{gguf_file.name}: tltlib's logits differ from transformers' by {diff:.2e} (> "
                            f"{LOGITS_TOLERANCE}) on the converted model; nothing was written. Report the file.")
-        record = {"source": source or str(gguf_file), "gguf_file": gguf_file.name, "sha256": _sha256(gguf_file),
+        record = {"source": source or str(gguf_file), "gguf_file": gguf_file.name, "sha256": file_sha256(gguf_file),
                   "architecture": meta["general.architecture"], "name": meta.get("general.name"),
                   "parameters": sum(v.numel() for v in state.values()), "logits_max_abs_diff": diff,
                   "check_prompts": list(CHECK_PROMPTS), "chat_template": bool(tokenizer.chat_template)}
