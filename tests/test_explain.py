@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 
 from tltlib.lab.explain import compare_samplers, sample_categories, trace_step
@@ -48,3 +49,71 @@ def test_sample_comparison_of_plain_and_speculative():
     assert sum(a) == sum(b) == 1500 and len(labels) == len(a) and p > 1e-3
     labels, a, b, p = compare_samplers(Counter({"x": 100, "y": 100}), Counter({"x": 190, "y": 10}))
     assert p < 1e-6
+
+
+# ------------------------------------------------------------------------------- notebook 02: the rule on a toy
+def test_the_kept_and_resampled_mass_stack_to_p_and_alpha_is_their_overlap():
+    import numpy as np
+
+    from tltlib.lab.explain import mass_split, toy_pair
+    p, q = toy_pair(6, seed=3, closeness=0.4)
+    split = mass_split(p, q)
+    np.testing.assert_allclose(split["accepted"] + split["residual"], p, atol=1e-15)
+    assert split["alpha"] == pytest.approx(np.minimum(p, q).sum()) and 0 < split["alpha"] < 1
+    assert 1 - split["alpha"] == pytest.approx(np.maximum(q - p, 0).sum())     # the rejection probability
+    assert mass_split(*toy_pair(6, seed=3, closeness=1.0))["alpha"] == pytest.approx(1.0)   # an exact drafter
+    with pytest.raises(ValueError, match="closeness in \\[0, 1\\], got 6 and 1.5"):
+        toy_pair(6, closeness=1.5)
+
+
+def test_the_speculative_draws_follow_p_not_q():
+    """Chi-square against p of draws by the rule (would fail for draws from q, the control), and the rule without
+    its residual (a rejection just redrawing from q) fails."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    from tltlib.lab.explain import toy_pair, toy_speculative_draws
+    p, q = toy_pair(6, seed=5, closeness=0.3)
+    n = 20000
+    draws = toy_speculative_draws(p, q, n, seed=1)
+    assert chisquare(np.bincount(draws, minlength=6), p * n).pvalue > 1e-3
+    from_q = np.random.default_rng(2).choice(6, size=n, p=q)
+    assert chisquare(np.bincount(from_q, minlength=6), p * n).pvalue < 1e-6
+
+
+def test_chain_tokens_and_speedup_close_forms():
+    from tltlib.spec.acceptance import chain_speedup, chain_tokens, leviathan_speedup
+    assert chain_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert chain_tokens(1.0, 4) == 5.0 and chain_tokens(0.0, 4) == 1.0
+    assert chain_speedup(0.8, 4, 0.1, 1.0) == pytest.approx(leviathan_speedup(0.8, 4, 0.1))
+    assert chain_speedup(0.8, 4, 0.1, 3.0) < 1 < chain_speedup(0.8, 4, 0.1, 1.0)   # a dear verify: SD stops paying
+
+
+def test_traced_steps_of_a_response_find_a_rejection_and_its_residual():
+    """Every SD step of one response traced; a step with a rejection drew its token from the residual, which has
+    no mass on the turned-down draft (a chain)."""
+    target, drafter = _pair()
+    from tltlib.lab.explain import first_rejection, trace_steps
+    st = SpecStrategy("chain", 3)
+    steps = trace_steps(target, drafter, [1, 4, 5], st, SamplingConfig(temperature=1.0), context_steps=2,
+                        max_steps=12, seed=0)
+    assert 1 <= len(steps) <= 12 and [s["step"] for s in steps] == list(range(len(steps)))
+    assert all(len(b["before"]) < len(a["before"]) for a, b in zip(steps[1:], steps))
+    i = first_rejection(steps)
+    assert i is not None, "a random drafter is rejected somewhere in 12 steps"
+    tr = steps[i]["trace"]
+    acc = int(tr.accepted[0])
+    rejected = int(tr.tree.tokens[0][acc + 1])                 # the chain's first draft not kept
+    assert not bool(tr.bonus[0]) and float(tr.final_dist[0, rejected]) == 0.0   # p(d) < q(d): no residual mass
+    torch.testing.assert_close(tr.final_dist.sum(-1), torch.ones(1))
+    with pytest.raises(ValueError, match="needs a speculative strategy"):
+        trace_steps(target, drafter, [1, 4], OFF, SamplingConfig())
+
+
+def test_sample_categories_in_chunks_counts_every_sample():
+    target, drafter = _pair()
+    s = SamplingConfig(temperature=1.2, max_new_tokens=3)
+    counts = sample_categories(target, drafter, [[1, 3], [1, 5]], OFF, s, 50, lambda ids: ids[0], seed=0, chunk=16)
+    assert sum(counts.values()) == 100
+    with pytest.raises(ValueError, match="samples >= 1 and chunk >= 1"):
+        sample_categories(target, drafter, [[1, 3]], OFF, s, 10, lambda ids: 0, chunk=0)

@@ -6,6 +6,7 @@ table is measured once and read back."""
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from dataclasses import replace
 
@@ -99,19 +100,27 @@ def test_the_search_over_a_model_picks_what_the_timer_says_is_fastest(fresh_tabl
         assert table.attention_kernel(4, 2, 8, 64, 8, True, True) is None         # prefill-sized: SDPA
 
 
-def test_a_busy_machine_chooses_nothing_and_says_so_once(fresh_tables):
+def test_a_busy_machine_chooses_nothing_says_so_in_one_quiet_line_and_settles(fresh_tables, monkeypatch):
+    """Cells too noisy to choose keep PyTorch's default, said by the progress bar's last line (no warning); they
+    count as measured, so the next process does not measure them again (a busy laptop's table settles)."""
     model = small_model()
     busy = fake_timer({"linear": "mm", "attention": "matmul"}, noise=0.9)
-    with pytest.warns(UserWarning, match="too noisy to choose .*the machine was busy.*bench kernels.*quiet machine"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                                       # no warning: one quiet line
         table = ks.ensure(model, config=FAST, timer=busy, progress=False)
     assert table.noisy()
     n, k = next(iter(ks.projection_weights(model)))
     undecided = [c for c in range(kt.MAX_ROW_BAND + 1) if not table.decided(kt.linear_key(n, k, c))]
     assert undecided and all(None in (table.linear_kernel(n, k, kt.band_size(c), True),
                                       table.linear_kernel(n, k, kt.band_size(c), False)) for c in undecided)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")                       # not again in this process (measured in the next)
-        ks.ensure(model, config=FAST, timer=busy, progress=False)
+    line = ks.summary(table, set(table.linear) | set(table.attention))
+    assert re.fullmatch(r"tltlib: measured this machine's kernels \(\d+ cells\); \d+ too noisy to choose \(the "
+                        r"machine was busy\): PyTorch's defaults there; `python -m tltlib bench kernels` on a quiet "
+                        r"machine measures them again", line), line
+    monkeypatch.setattr(ks, "_attempted", set())                             # a later process: nothing measured
+    calls = []
+    ks.ensure(model, config=FAST, timer=lambda name, fn: calls.append(name) or 1e-3, progress=False)
+    assert calls == [] and ks.missing_cells(kt.current(), model) == {"linear": {}, "attention": {}}
 
 
 # ------------------------------------------------------------------------------------- same function whatever

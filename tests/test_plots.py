@@ -113,3 +113,49 @@ def test_step_time_bars_draw_the_median_step_and_its_spread():
     assert len(bars) == 2
     segs = bars[0].lines[2][0].get_segments()               # the whisker of the first bar: (x, 9) to (x, 12)
     assert segs[0][0][1] == pytest.approx(9.0) and segs[0][1][1] == pytest.approx(12.0)
+
+
+# ----------------------------------------------------------------------------------- notebook 02's figures
+def test_pq_bars_stack_kept_and_resampled_mass_to_p():
+    from tltlib.lab import sdplots
+    p, q = np.array([0.5, 0.3, 0.2]), np.array([0.2, 0.3, 0.5])
+    fig = sdplots.pq_bars(p, q)
+    right = fig.axes[1]
+    kept = [b.get_height() for b in right.patches[:3]]
+    rest = [b.get_height() for b in right.patches[3:6]]
+    np.testing.assert_allclose(kept, np.minimum(p, q))
+    np.testing.assert_allclose(np.add(kept, rest), p)
+    assert "alpha = sum min(p, q) = 0.70" in fig.axes[0].get_title()
+
+
+def test_speedup_curves_mark_the_best_depth_and_say_when_sd_does_not_pay():
+    from tltlib.lab import sdplots
+    from tltlib.spec.acceptance import chain_speedup
+    fig = sdplots.speedup_curves(0.8, 0.05, 1.0, max_depth=10)
+    best = max(range(1, 11), key=lambda k: chain_speedup(0.8, k, 0.05))
+    assert f"best k = {best}" in fig.axes[1].get_title()
+    assert "does not pay" in sdplots.speedup_curves(0.3, 0.2, 2.0).axes[1].get_title()
+
+
+def test_the_draft_tree_marks_only_the_turned_down_drafts_red():
+    """A tree step that accepted one draft then rejected: red = the children of the accepted node (turned down,
+    the residual drawn after them), grey = nodes the walk never reached, green = the accepted path."""
+    import torch
+
+    from tltlib.lab import sdplots
+    from tltlib.spec.strategy import SpecStrategy
+    from tltlib.spec.trees import DraftTree
+
+    class Trace:                                    # root 0; depth 1: nodes 1, 2; depth 2: 3, 4 under 1, 5 under 2
+        strategy = SpecStrategy("tree", 2, 2, 5)
+        tree = DraftTree(torch.tensor([[7, 1, 2, 3, 4, 5]]), torch.tensor([[-1, 0, 0, 1, 1, 2]]),
+                         torch.tensor([[0, 1, 1, 2, 2, 2]]))
+        q = p = torch.full((1, 6), 0.5)
+        path, accepted, next = torch.tensor([[1, 0]]), torch.tensor([1]), torch.tensor([9])
+        bonus = torch.tensor([False])
+    fig = sdplots.draft_tree(Trace())
+    colours = [c.get_facecolor()[0][:3] for c in fig.axes[0].collections[:6]]
+    green, red, grey = (matplotlib.colors.to_rgb(x) for x in (sdplots.GREEN, sdplots.RED, sdplots.GREY))
+    assert [tuple(np.round(c, 3)) for c in colours] == [tuple(np.round(x, 3)) for x in
+                                                         (green, green, grey, red, red, grey)]
+    assert "1 drafts accepted + 1 resampled" in fig.axes[0].get_title()

@@ -37,6 +37,14 @@ def resolve(path: str | os.PathLike) -> Path:
     return ROOT / p
 
 
+def output_path(path: str | os.PathLike) -> Path:
+    """Where an output goes: an absolute path as given, a relative one under the project root, whatever the working
+    directory (a notebook's kernel runs in ``notebooks/``: its ``runs/...`` is the project's, not
+    ``notebooks/runs``)."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else ROOT / p
+
+
 def read_json(path: str | os.PathLike, fix: str = "fix or replace the file"):
     """Parse a JSON file; a syntax error names the file, the line and column, and ``fix``."""
     path = Path(path)

@@ -10,11 +10,13 @@ How a cell is measured (:func:`measure_cell`): every candidate once as a warm-up
 (the order rotated each round, so a slow moment hits all alike), each timing a call repeated until ``sample_s`` has
 passed (:class:`WallTimer`); the median per candidate and its spread (interquartile range over median). A cell
 whose choice or starting point spread more than ``kernel_table.MAX_SPREAD`` is *noisy*: nothing is chosen from it
-(:func:`ensure` leaves PyTorch's default there and says so once; ``bench kernels`` too, and refuses with "rerun on
-a quiet machine" when more than a few cells are noisy). Inputs are what the rollout feeds: projections run over the
-model's own weights of that shape, cycled, plus copies up to twice the last-level cache when the model is larger than
-the cache (so weights come from memory, as in a forward); attention reads a cache of ``context`` positions per row,
-spread over half to 1.5x of it for rows of unequal lengths.
+(:func:`ensure` keeps PyTorch's default there and says so in one quiet line, its progress bar's last; the cell
+counts as measured, so later processes do not measure it again: a busy machine's table settles; ``python -m tltlib
+bench kernels`` measures afresh, and refuses with "rerun on a quiet machine" when more than a few cells are noisy).
+Inputs are what the rollout feeds: projections run over the model's own weights of that shape, cycled, plus copies
+up to twice the last-level cache when the model is larger than the cache (so weights come from memory, as in a
+forward); attention reads a cache of ``context`` positions per row, spread over half to 1.5x of it for rows of
+unequal lengths.
 
 Departures: none (measurement only).
 """
@@ -212,9 +214,9 @@ def _model_bytes(weights: dict) -> int:
 
 
 def missing_cells(table: kt.KernelTable, model, drafter=None, config: SearchConfig = SearchConfig()) -> dict:
-    """The cells of ``model``'s (and ``drafter``'s) shapes that ``table`` has not decided: ``{"linear": {(N, K):
+    """The cells of ``model``'s (and ``drafter``'s) shapes that ``table`` has not measured: ``{"linear": {(N, K):
     [bands]}, "attention": {(heads, kv, dim): [(q, r, ragged)]}}``."""
-    lin = {shape: [b for b in range(kt.MAX_ROW_BAND + 1) if not table.decided(kt.linear_key(*shape, b))]
+    lin = {shape: [b for b in range(kt.MAX_ROW_BAND + 1) if not table.measured(kt.linear_key(*shape, b))]
            for shape in projection_weights(model, drafter)}
     att = {}
     for m in (model, drafter):
@@ -223,24 +225,30 @@ def missing_cells(table: kt.KernelTable, model, drafter=None, config: SearchConf
         c = getattr(m.config, "target", m.config)          # a drafter's layer has its target's attention shape
         shape = (c.num_heads, c.num_kv_heads, c.dim_head)
         att[shape] = [cell for cell in attention_cells(config)
-                      if not table.decided(kt.attention_key(*shape, *cell))]
+                      if not table.measured(kt.attention_key(*shape, *cell))]
     return {"linear": {k: v for k, v in lin.items() if v}, "attention": {k: v for k, v in att.items() if v}}
+
+
+def _bar(cells: dict, progress: bool, leave: bool = False):
+    from tqdm.auto import tqdm
+    total = sum(map(len, cells["linear"].values())) + sum(map(len, cells["attention"].values()))
+    return tqdm(total=total, desc="tltlib: measuring this machine's kernels (once)", unit="cell", leave=leave,
+                disable=not progress)
 
 
 @torch.no_grad()
 def search(model, drafter=None, cells: dict | None = None, timer: Timer | None = None,
-           config: SearchConfig = SearchConfig(), progress: bool = True) -> tuple[dict, dict]:
+           config: SearchConfig = SearchConfig(), progress: bool = True, bar=None) -> tuple[dict, dict]:
     """Measure ``cells`` (default: every cell of the model's and drafter's shapes, :func:`missing_cells` of an
-    empty table): returns ``(linear, attention)`` timings keyed as the table keys them."""
-    from tqdm.auto import tqdm
+    empty table): returns ``(linear, attention)`` timings keyed as the table keys them. ``bar``: a tqdm bar to
+    advance (left open for its caller); else one of its own."""
     timer = timer or WallTimer(config.sample_s)
     cells = cells if cells is not None else missing_cells(kt.KernelTable(None), model, drafter, config)
     weights = projection_weights(model, drafter)
     cold = 2 * llc_bytes() if _model_bytes(weights) > llc_bytes() else 0
     g = torch.Generator().manual_seed(0)
-    total = sum(map(len, cells["linear"].values())) + sum(map(len, cells["attention"].values()))
-    bar = tqdm(total=total, desc="tltlib: measuring this machine's kernels (once)", unit="cell", leave=False,
-               disable=not progress)
+    own = bar is None
+    bar = _bar(cells, progress) if own else bar
     linear, attention = {}, {}
     try:
         for shape, bands in cells["linear"].items():
@@ -263,7 +271,8 @@ def search(model, drafter=None, cells: dict | None = None, timer: Timer | None =
                     attention_candidates(inputs, kt.band_size(q)), timer, config)
                 bar.update()
     finally:
-        bar.close()
+        if own:
+            bar.close()
     return linear, attention
 
 
@@ -277,7 +286,7 @@ def pack_weights_of(weights: list[torch.Tensor]) -> list:
     return [(w, w._version, packs[id(p)][2]) for w, p in zip(weights, holder.w, strict=True)]
 
 
-_attempted: set[tuple] = set()     # (machine, cell key) measured in this process: a noisy one is retried next process
+_attempted: set[tuple] = set()     # (machine, cell key) measured in this process (a table that could not be saved)
 
 
 def ensure(model, drafter=None, config: SearchConfig = SearchConfig(), progress: bool = True,
@@ -285,7 +294,9 @@ def ensure(model, drafter=None, config: SearchConfig = SearchConfig(), progress:
     """This machine's kernel table with every cell of ``model``'s (and ``drafter``'s) shapes measured: what the table
     lacks is measured now (once per machine, thread count and shape; a progress bar), saved and used by this process.
     No effect on CUDA, for other dtypes than float32, or with ``TLTLIB_KERNELS=0``. Cells too noisy to choose keep
-    PyTorch's default, with one warning, and are measured again in the next process."""
+    PyTorch's default: the bar's last line says how many (one quiet line, no warning); they count as measured, so a
+    busy machine's table settles instead of being measured again by every process (``python -m tltlib bench
+    kernels`` measures afresh, on a quiet machine)."""
     if (not kt.enabled() or model.device.type != "cpu" or model.embed.weight.dtype != torch.float32
             or kt._OVERRIDE.get() is not None):
         return kt.current()
@@ -300,15 +311,24 @@ def ensure(model, drafter=None, config: SearchConfig = SearchConfig(), progress:
                 _attempted.update((table.machine, key_of(*shape, *_tuple(c))) for c in todo)
     if not (fresh["linear"] or fresh["attention"]):
         return table
-    linear, attention = search(model, drafter, fresh, timer, config, progress)
-    table = keep(linear, attention, config)
-    noisy = [(k, v) for k, v in table.noisy() if k in set(linear) | set(attention)]
-    if noisy:
-        warnings.warn(f"tltlib: {len(noisy)} of {len(linear) + len(attention)} kernel timings were too noisy to choose "
-                      f"(spread up to {noisy[0][1]:.0%} at {noisy[0][0]}; the machine was busy): those use PyTorch's "
-                      "defaults and are measured again in the next process (or run `python -m tltlib bench kernels` "
-                      "on a quiet machine)", stacklevel=3)
+    bar = _bar(fresh, progress, leave=True)
+    try:
+        linear, attention = search(model, drafter, fresh, timer, config, progress, bar)
+        table = keep(linear, attention, config)
+        bar.set_description_str(summary(table, set(linear) | set(attention)))
+    finally:
+        bar.close()
     return table
+
+
+def summary(table: kt.KernelTable, keys: set[str]) -> str:
+    """One line on the cells ``keys`` just measured: how many, and how many too noisy to choose from."""
+    noisy = [(k, v) for k, v in table.noisy() if k in keys]
+    if not noisy:
+        return f"tltlib: measured this machine's kernels ({len(keys)} cells, kept in {kt.cache_path(table.machine)})"
+    return (f"tltlib: measured this machine's kernels ({len(keys)} cells); {len(noisy)} too noisy to choose (the "
+            "machine was busy): PyTorch's defaults there; `python -m tltlib bench kernels` on a quiet machine "
+            "measures them again")
 
 
 def keep(linear: dict, attention: dict, config: SearchConfig) -> kt.KernelTable:

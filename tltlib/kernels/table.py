@@ -220,9 +220,13 @@ class KernelTable:
             return None
         return self._att.get((heads, kv_heads, dim, band(queries), band(rows, MAX_ATTENTION_ROW_BAND), ragged, kernel))
 
+    def measured(self, key: str) -> bool:
+        """Whether the cell ``key`` was measured on this machine (quiet enough to choose from or not)."""
+        return key in self.linear or key in self.attention
+
     def decided(self, key: str) -> bool:
         """Whether the cell ``key`` is measured and was quiet enough to choose from."""
-        return (key in self.linear or key in self.attention) and key not in self._noisy
+        return self.measured(key) and key not in self._noisy
 
     def noisy(self) -> list[tuple[str, float]]:
         """(key, largest spread) of the cells too noisy to choose from, worst first."""

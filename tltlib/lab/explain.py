@@ -1,4 +1,5 @@
-"""Teaching helpers (notebook 02): one speculative step traced on a real prompt, and plain vs speculative samples.
+"""Teaching helpers (notebook 02): Leviathan's rule on a toy p and q (the mass it keeps, the residual, draws that
+follow p), a response's speculative steps traced on a real prompt, and plain vs speculative samples.
 
 Paper: TLT §5 relies on SD being lossless; these helpers make that visible: the draft tree with the target's and
 drafter's probabilities, the accept/reject walk and the residual, then the sample distributions side by side.
@@ -38,13 +39,93 @@ def trace_step(target, drafter, prompt: list[int], strategy: SpecStrategy, sampl
     return rollout.spec.trace, before
 
 
+def trace_steps(target, drafter, prompt: list[int], strategy: SpecStrategy, sampling: SamplingConfig,
+                context_steps: int = 4, max_steps: int = 24, seed: int = 0) -> list[dict]:
+    """One response decoded with ``strategy`` after ``context_steps`` plain iterations, every SD step traced:
+    ``[{"step": k, "before": response tokens before it, "trace": SpecTrace}]`` (at most ``max_steps``; one row of the
+    real engine). What notebook 02's step-by-step view flips through: no model call once computed."""
+    if not strategy.enabled:
+        raise BadInput("trace_steps needs a speculative strategy (chain or tree), not 'off'")
+    if context_steps < 0 or max_steps < 1:
+        raise BadInput(f"trace_steps needs context_steps >= 0 and max_steps >= 1, got {context_steps}, {max_steps}")
+    cfg = RolloutConfig(SamplingConfig(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                                       max_new_tokens=context_steps + max_steps * (strategy.depth + 1) + 1))
+    rollout = RolloutEngine(target, cfg, drafter=drafter).start(
+        [prompt], torch.Generator(device=target.embed.weight.device).manual_seed(seed))
+    for _ in range(context_steps):
+        if not rollout.running:
+            break
+        rollout.iterate(OFF)
+    rollout.spec.keep_trace = True
+    steps = []
+    while rollout.running and len(steps) < max_steps:
+        before = rollout.out_tokens[0, : int(rollout.n_gen[0])].tolist()
+        rollout.iterate(strategy)
+        steps.append({"step": len(steps), "before": before, "trace": rollout.spec.trace})
+    return steps
+
+
+def first_rejection(steps: list[dict]) -> int | None:
+    """The index of the first traced step (:func:`trace_steps`) in which the target turned a draft down and drew
+    from the residual (not a fully accepted path with its bonus token); None when every step accepted all."""
+    return next((i for i, s in enumerate(steps) if not bool(s["trace"].bonus[0])), None)
+
+
+def toy_pair(tokens: int = 6, seed: int = 0, closeness: float = 0.5) -> tuple[np.ndarray, np.ndarray]:
+    """A target distribution p and a drafter's q over ``tokens`` tokens, q = ``closeness`` p + (1 - ``closeness``) r
+    for another random r (1: the drafter is exact, 0: unrelated): the toy of notebook 02's first section.
+    Returns float64 ``[tokens]`` arrays that sum to 1."""
+    if tokens < 2 or not 0.0 <= closeness <= 1.0:
+        raise BadInput(f"toy_pair needs tokens >= 2 and closeness in [0, 1], got {tokens} and {closeness}")
+    g = np.random.default_rng(seed)
+    p = g.dirichlet(np.full(tokens, 0.8))
+    r = g.dirichlet(np.full(tokens, 0.8))
+    return p, closeness * p + (1 - closeness) * r
+
+
+def mass_split(p: np.ndarray, q: np.ndarray) -> dict:
+    """How Leviathan's rule splits the target's p ``[V]`` given the drafter's q ``[V]``: ``accepted`` = min(p, q),
+    the mass a draft keeps (a draft d is kept with probability min(1, p(d)/q(d)); it was proposed with q(d));
+    ``alpha`` = its sum, the chance a draft is kept; ``residual`` = max(0, p - q), the mass the resample after a
+    rejection must supply (it draws from ``residual / (1 - alpha)``); ``accepted + residual`` = p exactly."""
+    p, q = np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)
+    accepted, residual = np.minimum(p, q), np.maximum(p - q, 0.0)
+    return {"accepted": accepted, "residual": residual, "alpha": float(accepted.sum())}
+
+
+def toy_speculative_draws(p: np.ndarray, q: np.ndarray, n: int, seed: int = 0) -> np.ndarray:
+    """``n`` tokens drawn the speculative way: a draft d ~ q, kept with probability min(1, p(d)/q(d)), else a token
+    from the residual norm(max(0, p - q)). Their distribution is p (the notebook's check of :func:`mass_split`)."""
+    g = np.random.default_rng(seed)
+    split = mass_split(p, q)
+    d = g.choice(len(q), size=n, p=np.asarray(q) / np.sum(q))
+    keep = g.random(n) * np.asarray(q)[d] < np.asarray(p)[d]
+    out = d.copy()
+    if split["alpha"] < 1.0 and (~keep).any():
+        out[~keep] = g.choice(len(p), size=int((~keep).sum()), p=split["residual"] / split["residual"].sum())
+    return out
+
+
 def sample_categories(target, drafter, prompts: list[list[int]], strategy: SpecStrategy, sampling: SamplingConfig,
-                      samples: int, key, seed: int = 0) -> Counter:
-    """Counts of ``key(response_ids)`` over ``samples`` responses per prompt (``strategy`` off = plain)."""
-    eng = RolloutEngine(target, RolloutConfig(sampling, num_generations=samples), drafter=drafter)
-    res = eng.generate(prompts, torch.Generator(device=target.embed.weight.device).manual_seed(seed),
-                       strategy=strategy)
-    return Counter(key(res.response_ids(i)) for i in range(res.num_sequences))
+                      samples: int, key, seed: int = 0, chunk: int = 128, progress: bool = False) -> Counter:
+    """Counts of ``key(response_ids)`` over ``samples`` responses per prompt (``strategy`` off = plain), sampled
+    ``chunk`` responses per prompt at a time (memory bounded by the chunk, not the sample count), one random stream;
+    ``progress``: a bar over the samples."""
+    from tqdm.auto import tqdm
+    if samples < 1 or chunk < 1:
+        raise BadInput(f"sample_categories needs samples >= 1 and chunk >= 1, got {samples} and {chunk}")
+    g = torch.Generator(device=target.embed.weight.device).manual_seed(seed)
+    counts: Counter = Counter()
+    with tqdm(total=samples * len(prompts), desc=f"sampling ({strategy.name})", unit="response",
+              disable=not progress) as bar:
+        for start in range(0, samples, chunk):
+            n = min(chunk, samples - start)
+            eng = RolloutEngine(target, RolloutConfig(sampling, num_generations=n), drafter=drafter)
+            res = eng.generate(prompts, g, strategy=strategy)
+            counts.update(key(res.response_ids(i)) for i in range(res.num_sequences))
+            bar.update(res.num_sequences)
+            eng.release()                # the chunk's KV pool goes before the next is made
+    return counts
 
 
 def compare_samplers(plain: Counter, spec: Counter, min_count: int = 5):

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from ..errors import BadInput, NotFound, Refused
-from ..fileio import atomic_file, atomic_folder, atomic_write_text, check_writable, read_json
+from ..fileio import atomic_file, atomic_folder, atomic_write_text, check_writable, output_path, read_json
 from .params import ROOT, plan_run, resolve
 
 __all__ = ["resolve", "write_metrics", "read_metrics", "save_figure", "run_notebooks", "headline"]
@@ -43,26 +43,29 @@ def _jsonable(x):
 
 
 def write_metrics(metrics: dict, out_dir: str | os.PathLike) -> Path:
-    """Write ``OUT_DIR/metrics.json`` (plain JSON: numpy/torch values converted, NaN -> null), atomically."""
-    return atomic_write_text(Path(out_dir) / "metrics.json", json.dumps(_jsonable(metrics), indent=2,
-                                                                        sort_keys=True) + "\n")
+    """Write ``OUT_DIR/metrics.json`` (plain JSON: numpy/torch values converted, NaN -> null), atomically; a
+    relative ``OUT_DIR`` is under the project root, whatever the working directory (a notebook's kernel runs in
+    notebooks/)."""
+    return atomic_write_text(output_path(out_dir) / "metrics.json", json.dumps(_jsonable(metrics), indent=2,
+                                                                             sort_keys=True) + "\n")
 
 
 def read_metrics(out_dir: str | os.PathLike) -> dict:
     """``OUT_DIR/metrics.json`` as a dict."""
-    return read_json(Path(out_dir) / "metrics.json", "run the notebook again")
+    return read_json(output_path(out_dir) / "metrics.json", "run the notebook again")
 
 
-def save_figure(fig, name: str, out_dir: str | os.PathLike, figures_dir: str | os.PathLike | None = None) -> Path:
-    """Save ``fig`` as ``OUT_DIR/name.png`` and, when ``figures_dir`` is set, also into it (the committed figures)."""
-    out = Path(out_dir) / f"{name}.png"
+def save_figure(fig, name: str, out_dir: str | os.PathLike, figures_dir: str | os.PathLike | None = None) -> None:
+    """Save ``fig`` as ``OUT_DIR/name.png`` (a relative ``OUT_DIR`` under the project root) and, when ``figures_dir``
+    is set, also into it (the committed figures). Returns nothing, so a notebook cell that ends with it shows the
+    figure and no echo."""
+    out = output_path(out_dir) / f"{name}.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110, bbox_inches="tight")
     if figures_dir:
-        dest = resolve(figures_dir)
+        dest = output_path(figures_dir)
         dest.mkdir(parents=True, exist_ok=True)
         fig.savefig(dest / f"{name}.png", dpi=110, bbox_inches="tight")
-    return out
 
 
 # --------------------------------------------------------------------------------------------------- runner

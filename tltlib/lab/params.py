@@ -175,6 +175,7 @@ SCHEMA: dict[str, Param] = {
     # models, data, devices, outputs
     "MODEL_PATH": Param("path", exists="dir"),
     "DRAFTER_PATH": Param("path", exists="dir"),
+    "SHORT_DRAFTER_PATH": Param("path", exists="dir"),
     "DATASET": Param("path", exists="file", empty_ok=True),
     "TASK": Param("str", choices=("chain", "words")),
     "TASK_CONFIG": Param("any", check=_message(_mapping), expected="a mapping of the task's settings"),
@@ -196,6 +197,9 @@ SCHEMA: dict[str, Param] = {
     "MAX_NEW_TOKENS": _COUNT,
     "WORKERS": _COUNT,
     # speculative decoding
+    "TOY_TOKENS": Param("int", lo=2, hi=50),
+    "TOY_CLOSENESS": _PROB,
+    "TRACE_STEPS": _COUNT,
     "DEPTH": _COUNT,
     "BRANCH": _COUNT,
     "BUDGET": _COUNT,
@@ -394,6 +398,23 @@ def plan_run(params: str | os.PathLike, notebooks: list[Path], selected: list[Pa
         raise BadInput(f"{path}: " + (problems[0] if len(problems) == 1 else
                                         f"{len(problems)} problems:\n  - " + "\n  - ".join(problems)))
     return [(nb, plan[nb]) for nb in selected]
+
+
+def check_values(values: dict[str, Any], where: str) -> None:
+    """Refuse, in one error naming each key, its value and what is expected (the range), notebook parameters that
+    the schema refuses (what a notebook's first cell calls on its own parameters in JupyterLab, where no runner
+    checked them: ``check_values({k: globals()[k] ...}, "02")``); ``where`` names the notebook."""
+    problems = []
+    for key, value in values.items():
+        spec = SCHEMA.get(key) or inferred(value)
+        error = spec.error(value)
+        if error:
+            problems.append(f"{key} = {value!r}: {error}; expected {spec.describe()}")
+    if problems:
+        raise BadInput(f"notebook {where}'s parameters: " + (problems[0] if len(problems) == 1 else
+                                                              f"{len(problems)} problems:\n  - " +
+                                                              "\n  - ".join(problems)) +
+                       " (change them in the parameters cell)")
 
 
 WORKER_NOTEBOOKS = ("06",)

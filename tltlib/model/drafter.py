@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import BadInput, NotFound, Refused
-from ..fileio import atomic_folder, read_json
+from ..fileio import atomic_folder, read_json, resolve
 from ..kernels.dispatch import linear
 from ..kv.dense import KVCache
 from ..kv.paged import KVConfig, make_cache
@@ -278,11 +278,12 @@ def is_drafter_folder(path: str | os.PathLike) -> bool:
 
 
 def load_drafter(path: str | os.PathLike, target: Transformer) -> Drafter:
-    """Load a drafter saved by :func:`save_drafter` and attach it to ``target`` (its device and dtype).
+    """Load a drafter saved by :func:`save_drafter` and attach it to ``target`` (its device and dtype); a relative
+    ``path`` that does not exist as given is read under the project root (as :func:`tltlib.model.load` does).
 
     Refused with the file named: a missing or corrupt file, a drafter of another target, a tensor missing, extra or
     of the wrong shape, a non-finite value."""
-    path = Path(path)
+    path = resolve(path)
     cfg_file, w_file = path / CONFIG_FILE, path / WEIGHTS_FILE
     if not cfg_file.is_file() or not w_file.is_file():
         raise NotFound(f"no drafter in {str(path)!r}: expected {CONFIG_FILE} and {WEIGHTS_FILE} (train one "

@@ -1,7 +1,8 @@
 """What acceptance buys: the tokens an SD step emits per row from its acceptance per draft depth
-(:func:`expected_tokens`, the tuner's prior and the simulator), Leviathan et al.'s expected speedup of a chain from
-its per-token acceptance rate and draft/target cost ratio (the prediction every SD bench reports beside its
-measurement), and the rate behind a measured accept length.
+(:func:`expected_tokens`, the tuner's prior and the simulator), a chain's expected tokens and speedup from its
+per-token acceptance rate, drafter cost and verify cost (:func:`chain_speedup`; Leviathan et al.'s with a verify as
+dear as a decode forward: the prediction every SD bench reports beside its measurement), and the rate behind a
+measured accept length.
 
 Departures: none (closed forms; Leviathan et al., 2023, Thm 3.8).
 """
@@ -31,11 +32,26 @@ def expected_tokens(arm: SpecStrategy, accept: Sequence[float] | float) -> float
     return total
 
 
-def leviathan_speedup(alpha: float, gamma: int, c: float) -> float:
-    """Leviathan et al. Thm 3.8: expected wall-time speedup (1 - a^(g+1)) / ((1 - a)(g c + 1))."""
+def chain_tokens(alpha: float, depth: int) -> float:
+    """Expected tokens one chain SD step emits (bonus included) when each draft is accepted with probability
+    ``alpha`` independently: 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a) for ``depth`` = k drafts."""
     if alpha >= 1.0:
-        return (gamma + 1) / (gamma * c + 1)
-    return (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * c + 1))
+        return depth + 1.0
+    return (1 - alpha ** (depth + 1)) / (1 - alpha)
+
+
+def chain_speedup(alpha: float, depth: int, draft_cost: float, verify_cost: float = 1.0) -> float:
+    """Expected speedup of a chain SD step over plain decoding: :func:`chain_tokens` per step over the step's cost in
+    plain decode forwards, ``depth`` drafter forwards of ``draft_cost`` each plus one verify forward of ``verify_cost``
+    (about 1 while a forward is bound by memory traffic and launches, as at a few rows; growing with the rows as the
+    forward becomes compute-bound: where SD stops paying)."""
+    return chain_tokens(alpha, depth) / (depth * draft_cost + verify_cost)
+
+
+def leviathan_speedup(alpha: float, gamma: int, c: float) -> float:
+    """Leviathan et al. Thm 3.8: expected wall-time speedup (1 - a^(g+1)) / ((1 - a)(g c + 1)): :func:`chain_speedup`
+    with a verify as dear as a decode forward."""
+    return chain_speedup(alpha, gamma, c, 1.0)
 
 
 def alpha_from_accept_length(mean_len: float, gamma: int, tol: float = 1e-9) -> float:

@@ -58,8 +58,11 @@ def rollout(model, drafter, prompts, sampling: SamplingConfig, strategy: SpecStr
             seed: int, ignore_eos: bool = False, progress: bool = False):
     """One rollout of ``prompts`` (``num_generations`` each) with ``strategy`` at every decode iteration (None:
     plain); ``progress``: a bar over its decode iterations."""
-    return generate(engine(model, drafter, sampling, strategy, num_generations, ignore_eos), prompts, strategy, seed,
-                    progress)
+    eng = engine(model, drafter, sampling, strategy, num_generations, ignore_eos)
+    try:
+        return generate(eng, prompts, strategy, seed, progress)
+    finally:
+        eng.release()                 # its KV pool now, not when a garbage collection finds the engine's cycle
 
 
 def _ran_sd(sd_steps: float, what: str) -> None:
@@ -154,7 +157,7 @@ def first_tokens_chi2(model, drafter, contexts, strategy: SpecStrategy, cfg: Che
     s = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p, max_new_tokens=cfg.first_tokens)
     if max_rows is None:
         max_rows = LOGITS_BYTES // (4 * model.config.vocab_size * (strategy.verify_tokens + 1))
-    per = max(1, max_rows // cfg.samples)
+    per = min(max(1, max_rows // cfg.samples), len(contexts))       # contexts per rollout (its pool: for those)
     count, sd_steps = [Counter(), Counter()], 0
     page = KVConfig().page_size                # a forked row's pages: its new tokens, and a copy of a shared one
     tokens = per * (max(map(len, contexts)) + page) + per * cfg.samples * (2 * page + strategy.verify_tokens + 2)
@@ -165,6 +168,8 @@ def first_tokens_chi2(model, drafter, contexts, strategy: SpecStrategy, cfg: Che
             r = generate(engines[arm], chunk, strat, cfg.seed + 1 + arm + 2 * c0)
             count[arm].update((c0 + i // cfg.samples, tuple(r.response_ids(i))) for i in range(r.num_sequences))
             sd_steps += r.stats.get("spec/steps", 0) if strat is not None else 0
+    for eng in engines:
+        eng.release()
     _ran_sd(sd_steps, "χ² test")
     labels, _, _, p = compare_samplers(*count)
     n = sum(count[0].values())
