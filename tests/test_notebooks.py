@@ -15,7 +15,7 @@ EXPECTED = {
     "02_speculative_decoding_explained": ["spec/accept_len_mean", "spec/chi2_pvalue", "spec/accept_ge_1"],
     "03_train_drafter": ["drafter/loss", "drafter/acc_1", "drafter/acc_5", "spec/accept_len_mean"],
     "04_adaptive_rollout": ["adaptive/speedup_vs_no_sd", "adaptive/speedup_vs_fixed", "adaptive/explored_arms",
-                            "spec/accept_len_mean"],
+                            "adaptive/whatif_speedup", "spec/accept_len_mean"],
     "05_grpo_with_tlt": ["e2e/step_speedup", "e2e/amdahl_bound", "e2e/rollout_share", "eval/accuracy_tlt",
                          "spec/accept_len_online_last", "spec/accept_len_frozen_last"],
     "06_idle_time_drafter_training": ["sched/idle_frac", "sched/harvested", "sched/preempt_micro_steps",

@@ -72,6 +72,8 @@ METRICS: dict[str, str] = {
     "adaptive/speedup_vs_no_sd": "rollout time without SD / with the adaptive engine",
     "adaptive/speedup_vs_fixed": "rollout time with a fixed strategy / with the adaptive engine",
     "adaptive/explored_arms": "distinct strategies the adaptive rollout played",
+    "adaptive/whatif_speedup": "the what-if simulator's speedup over no SD at the measured run's own settings "
+                               "(beside adaptive/speedup_vs_no_sd: the gap is the simulator's error)",
     "spec/ngram_match_rate": "share of n-gram draft requests that found an earlier occurrence of the suffix",
     "spec/suffix_match_rate": "share of suffix-drafter requests that found a recurring suffix (a non-empty tree)",
     "spec/suffix_nodes": "draft nodes the suffix drafter proposed per request (before padding to the budget)",

@@ -211,6 +211,44 @@ def policy_times(times: dict, title: str = "Total rollout time by policy"):
     return fig
 
 
+def what_if_panels(result: dict, threshold: int, measured: dict | None = None, total_rows: int | None = None):
+    """Notebook 04's what-if (:func:`tltlib.lab.whatif.what_if`): left, the simulated rollout's running rows over time
+    (log scale), shaded where SD ran, the threshold dashed; right, rollout seconds of no SD and the adaptive policy as
+    simulated, beside ``measured`` (``{"no SD": s, "adaptive": s}`` at the run's own settings, when given)."""
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11.0, 3.4), gridspec_kw={"width_ratios": [1.6, 1]})
+    t0 = 0.0
+    for t, rows, arm in result["timeline"]:
+        a.plot([t0, t], [rows, rows], color="#C44E52" if arm != "off" else "0.45", linewidth=2)
+        if arm != "off":
+            a.axvspan(t0, t, color="#C44E52", alpha=0.08, linewidth=0)
+        t0 = t
+    a.axhline(max(threshold, 1), color="black", linestyle="--", linewidth=0.8, label=f"threshold {threshold}")
+    a.set_yscale("log")
+    a.set_ylim(0.8, (total_rows or max(r for _, r, _ in result["timeline"])) * 1.3)
+    a.set_xlabel("simulated seconds")
+    a.set_ylabel("running rows")
+    a.set_title(f"SD {result['sd_share']:.0%} of the time; arms played: "
+                + ", ".join(f"{k} {v}" for k, v in sorted(result["played"].items(), key=lambda kv: -kv[1]) if v)[:60],
+                fontsize=9)
+    a.legend(fontsize=8)
+    names, vals = ["no SD (simulated)", "adaptive (simulated)"], [result["plain_s"], result["adaptive_s"]]
+    if measured:
+        names += [f"{k} (measured)" for k in measured]
+        vals += list(measured.values())
+    colors = ["0.55", "#C44E52", "0.75", "#E8A0A2"][: len(names)]
+    b.barh(range(len(names)), vals, color=colors)
+    for i, v in enumerate(vals):
+        b.text(v, i, f" {v:.1f} s", va="center", fontsize=8)
+    b.set_yticks(range(len(names)), names, fontsize=8)
+    b.invert_yaxis()
+    b.set_xlim(0, max(vals) * 1.3)
+    b.set_xlabel("rollout seconds")
+    b.set_title(f"adaptive {result['speedup']:.2f}x no SD (simulated)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def predicted_speedups(costs, arms, accept, batches=None, title: str = "Cost model: predicted SD speedup"):
     """The cost model's predicted speedup of each arm over plain decoding against batch size (log x)."""
     fig, ax = _fig()

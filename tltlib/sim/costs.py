@@ -182,16 +182,19 @@ class Roofline:
         shape.check_tp(tp)
         self.shape, self.hw, self.tp = shape, hw, tp
 
-    def forward(self, rows: int, context: float, tokens: int) -> float:
-        """Seconds of a target forward over ``rows`` x ``tokens`` new tokens after ``context`` cached ones."""
-        return forward_time(self.shape, self.hw, self.tp, rows, context, tokens)
+    def forward(self, rows: int, context: float | None, tokens: int) -> float:
+        """Seconds of a target forward over ``rows`` x ``tokens`` new tokens after ``context`` cached ones (None:
+        none, as :class:`MeasuredCosts` reads None as its shortest context; a controller asks before its first
+        step)."""
+        return forward_time(self.shape, self.hw, self.tp, rows, context or 0.0, tokens)
 
-    def draft_level(self, rows: int, context: float, width: int) -> float:
-        """Seconds of one SD draft level: a drafter forward of ``width`` nodes per row and its bookkeeping."""
-        return forward_time(self.shape, self.hw, self.tp, rows, context, width, weight_bytes=self.shape.drafter_bytes,
-                            layers=1) + self.hw.draft_level_s
+    def draft_level(self, rows: int, context: float | None, width: int) -> float:
+        """Seconds of one SD draft level: a drafter forward of ``width`` nodes per row and its bookkeeping (context
+        None: see :meth:`forward`)."""
+        return forward_time(self.shape, self.hw, self.tp, rows, context or 0.0, width,
+                            weight_bytes=self.shape.drafter_bytes, layers=1) + self.hw.draft_level_s
 
-    def catch_up(self, rows: int, context: float, width: float) -> float:
+    def catch_up(self, rows: int, context: float | None, width: float) -> float:
         """Seconds of the drafter's catch-up over ``width`` backlog entries per row: a drafter forward of that many
         tokens and a draft level's bookkeeping."""
         return self.draft_level(rows, context, max(1, round(width)))

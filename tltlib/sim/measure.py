@@ -40,7 +40,7 @@ CATCH_UP_WIDTH = 64
 @torch.no_grad()
 def measure_costs(model, drafter=None, rows=None, contexts=(64, 512), tokens=(1, 9, 25), widths=(1, 4),
                   catch_up_width: int = CATCH_UP_WIDTH, repeats: int = 3, passes: int = 1,
-                  max_batch: int = 64, graphs: GraphConfig | None = None) -> MeasuredCosts:
+                  max_batch: int = 64, graphs: GraphConfig | None = None, progress: bool = False) -> MeasuredCosts:
     """The cost model of ``model`` (and ``drafter``) on this machine, as the rollout runs them (this machine's
     kernels, the packed weights; on CUDA its graphs, ``graphs``: the rollout's :class:`GraphConfig`, default
     ``RolloutConfig``'s): seconds of target forwards (``rows`` x ``tokens`` new tokens after each of
@@ -62,7 +62,7 @@ def measure_costs(model, drafter=None, rows=None, contexts=(64, 512), tokens=(1,
     levels are timed as it runs them: through a :class:`~tltlib.model.cudagraph.GraphPool` of ``graphs`` over the
     measurement's caches (captured at the warm-up call, then replayed at the row bucket and the span bucket the
     rollout would use: the caches are as long as that bucket); the catch-up stays eager, as in the rollout. On a CPU
-    every forward is a plain call."""
+    every forward is a plain call. ``progress``: a bar over the (rows, context) cells of each pass."""
     if passes not in (1, 2):
         raise BadInput(f"passes must be 1 (the tuner's measurement) or 2 (a calibration: the noise), got {passes}")
     ensure_kernels(model, drafter)                    # the kernels a rollout runs with, chosen before any timing
@@ -73,9 +73,12 @@ def measure_costs(model, drafter=None, rows=None, contexts=(64, 512), tokens=(1,
     g = torch.Generator().manual_seed(0)
     graphs = graphs if graphs is not None else GraphConfig()
     graphs = graphs if graphs.active(model.device) else None
-    runs = [_cost_pass(model, drafter, rows, contexts, tokens, widths, catch_up_width, repeats, order, g,
-                       graphs=graphs)
-            for order in (1, -1)[:passes]]
+    from tqdm.auto import tqdm
+    with tqdm(total=passes * len(rows) * len(contexts), desc="cost model: timing forwards", unit="cell",
+              disable=not progress) as bar:
+        runs = [_cost_pass(model, drafter, rows, contexts, tokens, widths, catch_up_width, repeats, order, g,
+                           graphs=graphs, bar=bar)
+                for order in (1, -1)[:passes]]
     mean = {k: np.mean([r[k] for r in runs], axis=0) for k in runs[0]}
     cells = lambda r: np.concatenate([r["target"].ravel(), r["draft"].ravel() if drafter is not None else []])  # noqa: E731
     noise = pass_noise(cells(runs[0]), cells(runs[1])) if passes == 2 else 0.0
@@ -103,7 +106,7 @@ def _powers_of_four(max_batch: int) -> tuple:
 
 
 def _cost_pass(model, drafter, rows, contexts, tokens, widths, catch_up_width: int, repeats: int, order: int,
-               g, graphs: GraphConfig | None = None) -> dict:
+               g, graphs: GraphConfig | None = None, bar=None) -> dict:
     """One pass of :func:`measure_costs` over the rows in ``order`` (1 or -1): median seconds of ``target`` ``[rows,
     contexts, tokens]``, ``draft`` ``[rows, contexts, widths]`` (zeros without a drafter), ``catch_up`` and
     ``ragged`` ``[rows]``; with ``graphs``, the forwards replayed as the rollout's (:func:`replay_over`)."""
@@ -131,6 +134,8 @@ def _cost_pass(model, drafter, rows, contexts, tokens, widths, catch_up_width: i
                                                             catch_up_width if j == 0 else 0, repeats, g, graphs)
                     if j == 0:
                         out["catch_up"][i] = wide
+                if bar is not None:
+                    bar.update()
     return out
 
 
