@@ -119,8 +119,7 @@ def _cost_pass(model, drafter, rows, contexts, tokens, widths, catch_up_width: i
             for j, ctx in enumerate(contexts):
                 cache = model.new_cache(b, cache_length(ctx + max(tokens) + 1, graphs))
                 prompt = torch.randint(0, vocab, (b, ctx), generator=g).to(dev)
-                _, h = model.forward_cached(prompt, cache, logits_at=torch.full((b,), ctx - 1, device=dev))
-                cache.advance(ctx)
+                h = prefill(lambda x, at: model.forward_cached(x, cache, logits_at=at)[1], prompt, cache.advance)
                 forward, replay = (lambda t: model.forward_cached(t, cache)), replay_over([cache], graphs)
                 for k, n in enumerate(tokens):
                     x = torch.randint(0, vocab, (b, n), generator=g).to(dev)
@@ -147,8 +146,9 @@ def _draft_costs(drafter, h, prompt, vocab: int, ctx: int, widths, catch_up_widt
     (the rollout's drafts are graphed), the catch-up runs eagerly (as the rollout's)."""
     b, dev = prompt.shape[0], prompt.device
     dcache = drafter.new_cache(b, cache_length(ctx + max(max(widths), catch_up_width) + 1, graphs))
-    drafter.forward_cached(h[:, :-1], prompt[:, 1:], dcache, logits_at=torch.full((b,), ctx - 2, device=dev))
-    dcache.advance(ctx - 1)
+    features = h[:, :-1]
+    prefill(lambda x, at, s: drafter.forward_cached(features[:, s:s + x.shape[1]], x, dcache, logits_at=at),
+            prompt[:, 1:], dcache.advance, with_start=True)
     replay, level = replay_over([dcache], graphs), (lambda f, x: drafter.forward_cached(f, x, dcache))
 
     def timed(n: int, last_only: bool = False) -> float:                   # n tokens per row
@@ -159,6 +159,27 @@ def _draft_costs(drafter, h, prompt, vocab: int, ctx: int, widths, catch_up_widt
             return typical_seconds(lambda: drafter.forward_cached(f, x, dcache, logits_at=at), repeats, dev)
         return typical_seconds(lambda: replay("draft", level, dcache, n, f, x), repeats, dev)
     return [timed(n) for n in widths], (timed(catch_up_width, last_only=True) if catch_up_width else 0.0)
+
+
+PREFILL_CHUNK = 64
+"""Tokens per row of each forward that fills a measurement's cache: the attention scores of one forward over a whole
+512-token context at 128 rows take ~1.6 GB (notebook 04's cost model peaked at 2.0 GB RSS, 1.2 GB in chunks of 64);
+what is timed after is the same whatever the chunking."""
+
+
+def prefill(forward, tokens: torch.Tensor, advance, chunk: int = PREFILL_CHUNK, with_start: bool = False):
+    """Fill a cache with ``tokens`` ``[B, N]`` in chunks of ``chunk`` per row: ``forward(x, logits_at)`` (or
+    ``forward(x, logits_at, start)`` with ``with_start``) over each ``[B, <= chunk]`` piece, logits at its last
+    token only, then ``advance(n)`` commits it. Returns the forwards' outputs joined along the tokens (``[B, N, ...]``
+    when they are tensors), for the drafter's features."""
+    b, n = tokens.shape
+    outs = []
+    for s in range(0, n, chunk):
+        x = tokens[:, s:s + chunk]
+        at = torch.full((b,), x.shape[1] - 1, device=tokens.device)
+        outs.append(forward(x, at, s) if with_start else forward(x, at))
+        advance(x.shape[1])
+    return torch.cat(outs, 1) if isinstance(outs[0], torch.Tensor) else outs
 
 
 def cache_length(needed: int, graphs: GraphConfig | None) -> int:
