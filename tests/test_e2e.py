@@ -186,3 +186,72 @@ def test_update_speed_synchronises_the_trainers_device_around_each_timed_update(
     out = e2e.update_speed(tr, encode_prompts(problems[:2], tok), rows=2, repeats=2)
     assert calls == [tr.device] + ["sync"] * 2 * 2 * 2                      # before and after: 2 plans x 2 repeats
     assert out["length-bucketed"]["seconds"] > 0
+
+
+class _Bars:
+    """Stands in for a module's tqdm: keeps every bar it makes (drawn into a buffer) to check its total, its count
+    and whether it was shown."""
+
+    def __init__(self):
+        self.bars, self.disabled = [], []
+
+    def __call__(self, *args, **kwargs):
+        import io
+
+        from tqdm.std import tqdm
+        self.bars.append(tqdm(*args, **{**kwargs, "file": io.StringIO()}))
+        self.disabled.append(bool(kwargs.get("disable")))          # a closed bar reads as disabled
+        return self.bars[-1]
+
+    def shown(self, desc: str) -> list:
+        return [b for b, off in zip(self.bars, self.disabled) if not off and b.desc.startswith(desc)]
+
+
+def test_measure_acceptance_shows_its_rollouts_bar_only_when_asked(monkeypatch, capsys):
+    import tltlib.rollout.engine as engine
+    from tltlib.drafting.warmup import measure_acceptance
+    from tltlib.model.loading import load
+    from tltlib.spec.strategy import SpecStrategy
+    from tltlib.tasks.chain import ChainTaskConfig, generate_problems
+
+    model, tok, drafter = load("data/tiny-reasoner", "data/tiny-reasoner-drafter", device="cpu")
+    problems = generate_problems(ChainTaskConfig(max_steps=2), 3, seed=1)
+    run = lambda progress: measure_acceptance(model, drafter, tok, problems, SpecStrategy("chain", 2),  # noqa: E731
+                                              max_new_tokens=16, progress=progress)
+    counts = lambda stats: {k: v for k, v in stats.items() if not k.endswith("_time_s")}  # noqa: E731
+    quiet = run(False)
+    assert capsys.readouterr().err == ""                                   # the library's default prints nothing
+    run(True)
+    assert "rollout" in capsys.readouterr().err                            # a bar on stderr outside a notebook
+    bars = _Bars()
+    monkeypatch.setattr(engine, "tqdm", bars)
+    assert counts(run(True)) == counts(quiet)                              # the bar changes nothing but times
+    (bar,) = bars.shown("rollout")
+    assert (bar.total, bar.n) == (3, 3)                                    # one count per finished response
+
+
+def test_compare_with_progress_counts_its_rl_steps_in_one_bar(monkeypatch, capsys):
+    import tltlib.lab.e2e as e2e
+    import tltlib.rollout.engine as engine
+    from tltlib.model.loading import load
+    from tltlib.rl.config import TLTConfig
+    from tltlib.rl.grpo import GRPOConfig
+    from tltlib.tasks.chain import ChainTaskConfig, generate_problems
+
+    model, tok, drafter = load("data/tiny-reasoner", "data/tiny-reasoner-drafter", device="cpu")
+    train = generate_problems(ChainTaskConfig(max_steps=2), 8, seed=1)
+    steps, rollouts = _Bars(), _Bars()
+    monkeypatch.setattr(e2e, "tqdm", steps)
+    monkeypatch.setattr(engine, "tqdm", rollouts)
+    run = lambda progress: compare(  # noqa: E731
+        model, tok, drafter, train, train[:3], lambda s: GRPOConfig(
+            num_generations=2, generation_batch_size=4, max_completion_length=16, learning_rate=1e-4, seed=s),
+        TLTConfig(speculative="chain-2", drafter_steps=1, drafter_batch=2), seeds=1, steps=2, probe=train[:2],
+        probe_strategy="chain-2", log=lambda s: None, progress=progress)
+    run(True)
+    (bar,) = steps.shown("RL steps")
+    assert (bar.total, bar.n) == (4, 4)                                    # 1 seed x 2 steps x (baseline, TLT)
+    assert bar.postfix == "seed 0: held-out accuracy of tlt"               # its last words: what ran last
+    assert rollouts.bars and not rollouts.shown("rollout")                 # nothing drawn inside the timed phases
+    run(False)
+    assert not steps.shown("RL steps")[1:] and capsys.readouterr().err == ""

@@ -41,12 +41,13 @@ def rollout_dataset(target, tokenizer, problems, num_generations: int = 1, tempe
 
 
 def measure_acceptance(target, drafter, tokenizer, problems, strategy, temperature: float = 0.9,
-                       max_new_tokens: int = 720, seed: int = 0) -> dict:
-    """``spec/*`` stats of a speculative rollout of ``problems`` with ``strategy`` (accepted length etc.)."""
+                       max_new_tokens: int = 720, seed: int = 0, progress: bool = False) -> dict:
+    """``spec/*`` stats of a speculative rollout of ``problems`` with ``strategy`` (accepted length etc.);
+    ``progress``: the rollout's bar of finished responses."""
     eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=temperature, max_new_tokens=max_new_tokens)),
                         drafter=drafter)
     g = torch.Generator(device=target.embed.weight.device).manual_seed(seed)
-    res = eng.generate(encode_prompts(problems, tokenizer), g, strategy=strategy)
+    res = eng.generate(encode_prompts(problems, tokenizer), g, strategy=strategy, progress=progress)
     return {k: v for k, v in res.stats.items() if k.startswith("spec/")}
 
 

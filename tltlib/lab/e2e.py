@@ -28,6 +28,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 from scipy.stats import ttest_ind
+from tqdm.auto import tqdm
 
 from ..drafting.warmup import measure_acceptance
 from ..errors import BadInput
@@ -45,7 +46,8 @@ LENGTH_KEYS = ("len_mean", "len_p50", "len_p90", "len_p99", "len_max")
 
 
 def compare(model, tokenizer, drafter, train, held_out, grpo_for_seed, tlt, seeds: int, steps: int,
-            probe=(), probe_strategy: str = "chain-8", log=print, trainer_kwargs: dict | None = None) -> dict:
+            probe=(), probe_strategy: str = "chain-8", log=print, trainer_kwargs: dict | None = None,
+            progress: bool = False) -> dict:
     """Train baseline and TLT side by side; returns ``{"runs": {policy: [per seed: {"steps": [...],
     "eval/accuracy": ...}]}, "acceptance": [per step: {"step", "online", "frozen", "ngram"}], "before": the initial
     policy's held-out ``eval/*``}``.
@@ -56,8 +58,12 @@ def compare(model, tokenizer, drafter, train, held_out, grpo_for_seed, tlt, seed
         grpo_for_seed: ``seed -> GRPOConfig``; tlt: the :class:`TLTConfig` of the TLT runs.
         probe: problems for the accepted-length curves (seed 0 only; empty: skipped).
         trainer_kwargs: more :class:`GRPOTrainer` arguments, the same for both (``reward_funcs``, ``curriculum``).
+        progress: a bar over the RL steps of both policies, its last words what runs now (a step, the probe, an
+            evaluation); one update per RL step, nothing inside the timed phases.
     """
     runs, acceptance, kw = {"baseline": [], "tlt": []}, [], dict(trainer_kwargs or {})
+    bar = tqdm(total=2 * seeds * steps, desc="RL steps (baseline and TLT)", unit="step", disable=not progress)
+    bar.set_postfix_str("held-out accuracy of the initial policy")
     before = GRPOTrainer(model, tokenizer, train, grpo_for_seed(0), **kw).evaluate(held_out)
     log(f"initial policy: held-out accuracy {before['eval/accuracy']:.3f}")
     for seed in range(seeds):
@@ -70,20 +76,25 @@ def compare(model, tokenizer, drafter, train, held_out, grpo_for_seed, tlt, seed
         hist = {k: [] for k in trainers}
         for step in range(steps):
             for name in (("baseline", "tlt") if step % 2 == 0 else ("tlt", "baseline")):
+                bar.set_postfix_str(f"seed {seed}, step {step + 1}: {name}")
                 m = trainers[name].step()
+                bar.update()
                 hist[name].append(m)
                 log(f"seed {seed} step {step + 1} {name:8s} step {m['time/step_s']:6.2f} s  rollout "
                     f"{m['time/rollout_s']:6.2f} s  update {m['time/update_s']:5.2f} s  drafter "
                     f"{m['time/drafter_s']:5.2f} s  reward {m['rl/reward_mean']:.3f}")
             if seed == 0 and probe:
+                bar.set_postfix_str(f"seed {seed}, step {step + 1}: the drafters' accepted length")
                 row = probe_row(tlt_model, {"online": online, "frozen": frozen, "ngram": None}, tokenizer, probe,
                                 probe_strategy, cfg.temperature, cfg.max_completion_length, step + 1)
                 acceptance.append(row)
                 log(f"  accepted length ({probe_strategy}): online {row['online']:.2f}  frozen {row['frozen']:.2f}  "
                     f"n-gram {row['ngram']:.2f}")
         for name, tr in trainers.items():
+            bar.set_postfix_str(f"seed {seed}: held-out accuracy of {name}")
             runs[name].append({"seed": seed, "steps": hist[name], **tr.evaluate(held_out)})
             log(f"seed {seed} {name}: held-out accuracy {runs[name][-1]['eval/accuracy']:.3f}")
+    bar.close()
     return {"runs": runs, "acceptance": acceptance, "before": before}
 
 
