@@ -14,7 +14,7 @@ import pytest
 
 from tltlib.cli import bootstrap
 from tltlib.errors import BadInput, MissingDependency, NotFound, Refused
-from tltlib.lab.browser import BrowserConfig, BrowserSession, check_browser
+from tltlib.lab.browser import CHROMIUM, BrowserConfig, BrowserSession, check_browser
 from tltlib.lab.browser.page import execution_count, has_slider, saved_errors
 from tltlib.lab.notebook import JupyterLabProfile, jupyterlab_profile, notebook_paths, profiled_notebooks
 
@@ -106,6 +106,22 @@ def test_the_set_up_says_what_to_run_where_it_cannot_install_chromium(monkeypatc
     monkeypatch.setattr(bootstrap.shutil, "which", lambda name: None)
     with pytest.raises(Refused, match="no apt-get here: install chromium with this system's package manager"):
         bootstrap._apt_install("chromium")
+
+
+@pytest.mark.parametrize("command, function", [("setup-browser", "setup_browser"), ("setup-vllm", "setup_vllm")])
+def test_a_set_up_that_cannot_install_is_one_line_from_the_command(monkeypatch, capsys, command, function):
+    from tltlib.cli import app
+
+    def refuse(*a, **k):
+        raise Refused("installing chromium needs root: run `sudo apt-get install -y chromium`")
+    monkeypatch.setattr(bootstrap, function, refuse)
+    assert app.main([command]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith("error: installing chromium needs root")
+
+
+def test_the_set_up_and_the_tier_look_for_chromium_at_one_path():
+    assert bootstrap.CHROMIUM == CHROMIUM
 
 
 def test_execution_counts_are_read_from_the_prompts():

@@ -33,20 +33,10 @@ def _terminate(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    if args.cmd == "setup":
-        bootstrap.setup(force=True)
-        return 0
-    if args.cmd == "setup-vllm":
-        bootstrap.setup_vllm()
-        return 0
-    if args.cmd == "setup-browser":
-        try:
-            bootstrap.setup_browser()
-        except TLTError as e:                         # e.g. not root for apt-get: one line saying what to run
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        return 0
-    if not bootstrap.in_venv() and not os.environ.get("TLTLIB_NO_VENV"):
+    setups = {"setup": lambda a: bootstrap.setup(force=True) or 0,           # from a bare Python: not re-run
+              "setup-vllm": lambda a: bootstrap.setup_vllm() or 0,            # inside .venv; their errors are
+              "setup-browser": lambda a: bootstrap.setup_browser() or 0}      # one line as every command's
+    if args.cmd not in setups and not bootstrap.in_venv() and not os.environ.get("TLTLIB_NO_VENV"):
         i = argv.index(args.cmd)                      # the same command line inside .venv (run -> run-notebooks)
         bootstrap.reexec_in_venv([*argv[:i], "run-notebooks" if args.cmd == "run" else args.cmd, *argv[i + 1:]])
     handlers = {"run": commands.cmd_run_notebooks, "run-notebooks": commands.cmd_run_notebooks,
@@ -55,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
                 "sample-responses": commands.cmd_sample_responses, "warm-start": commands.cmd_warm_start,
                 "get-model": commands.cmd_get_model, "import-gguf": commands.cmd_import_gguf,
                 "bench": commands.cmd_bench, "simulate": commands.cmd_simulate,
-                "report": commands.cmd_report, "check": commands.cmd_check}
+                "report": commands.cmd_report, "check": commands.cmd_check,
+                **setups}
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return handlers[args.cmd](args)
