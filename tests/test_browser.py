@@ -120,6 +120,17 @@ def test_a_set_up_that_cannot_install_is_one_line_from_the_command(monkeypatch, 
     assert "Traceback" not in err and err.startswith("error: installing chromium needs root")
 
 
+@pytest.mark.parametrize("command, function", [("setup", "setup"), ("setup-vllm", "setup_vllm"),
+                                               ("setup-browser", "setup_browser")])
+def test_a_set_up_that_succeeds_exits_0_whatever_it_returns(monkeypatch, capsys, command, function):
+    # setup_vllm returns the venv's python: passed on as the exit status it was printed and exited 1 (CI red)
+    from tltlib.cli import app
+
+    monkeypatch.setattr(bootstrap, function, lambda *a, **k: bootstrap.VENV / "bin" / "python")
+    assert app.main([command]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_the_set_up_and_the_tier_look_for_chromium_at_one_path():
     assert bootstrap.CHROMIUM == CHROMIUM
 

@@ -30,12 +30,20 @@ def _terminate(signum, frame):
     raise SystemExit(128 + signum)                   # unwinds: temporary folders are cleaned up or kept as .failed
 
 
+def _set_up(step):
+    """A set-up step as a command handler: its exit status is 0 whatever the step returns (a path is not a status)."""
+    def handler(args) -> int:
+        step()
+        return 0
+    return handler
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    setups = {"setup": lambda a: bootstrap.setup(force=True) or 0,           # from a bare Python: not re-run
-              "setup-vllm": lambda a: bootstrap.setup_vllm() or 0,            # inside .venv; their errors are
-              "setup-browser": lambda a: bootstrap.setup_browser() or 0}      # one line as every command's
+    setups = {"setup": _set_up(lambda: bootstrap.setup(force=True)),       # from a bare Python: not re-run
+              "setup-vllm": _set_up(bootstrap.setup_vllm),                   # inside .venv; their errors are
+              "setup-browser": _set_up(bootstrap.setup_browser)}             # one line as every command's
     if args.cmd not in setups and not bootstrap.in_venv() and not os.environ.get("TLTLIB_NO_VENV"):
         i = argv.index(args.cmd)                      # the same command line inside .venv (run -> run-notebooks)
         bootstrap.reexec_in_venv([*argv[:i], "run-notebooks" if args.cmd == "run" else args.cmd, *argv[i + 1:]])
