@@ -20,21 +20,32 @@ from ..rollout.engine import RolloutConfig, RolloutEngine
 from ..spec.strategy import OFF, SpecStrategy
 
 
+def _traced_rollout(target, drafter, prompt: list[int], strategy: SpecStrategy, sampling: SamplingConfig,
+                    context_steps: int, max_new_tokens: int, seed: int, ignore_eos: bool = False, what: str = ""):
+    """A one-row rollout of the real engine after ``context_steps`` plain iterations (fewer if the response ended),
+    its SD steps traced from now on (``rollout.spec.trace`` after each)."""
+    if not strategy.enabled:
+        raise BadInput(f"{what} needs a speculative strategy (chain or tree), not 'off'")
+    cfg = RolloutConfig(SamplingConfig(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                                       max_new_tokens=max_new_tokens), ignore_eos=ignore_eos)
+    rollout = RolloutEngine(target, cfg, drafter=drafter).start(
+        [prompt], torch.Generator(device=target.embed.weight.device).manual_seed(seed))
+    for _ in range(context_steps):
+        if not rollout.running:
+            break
+        rollout.iterate(OFF)
+    rollout.spec.keep_trace = True
+    return rollout
+
+
 def trace_step(target, drafter, prompt: list[int], strategy: SpecStrategy, sampling: SamplingConfig,
                context_steps: int = 8, seed: int = 0):
     """Decode ``context_steps`` plain iterations after the prompt, then one traced SD step.
 
     Returns (trace, the response tokens emitted before the step). Uses a one-row rollout of the real engine."""
-    if not strategy.enabled:
-        raise BadInput("trace_step needs a speculative strategy (chain or tree), not 'off'")
-    cfg = RolloutConfig(SamplingConfig(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                                       max_new_tokens=context_steps + strategy.depth + 2), ignore_eos=True)
-    rollout = RolloutEngine(target, cfg, drafter=drafter).start(
-        [prompt], torch.Generator(device=target.embed.weight.device).manual_seed(seed))
-    for _ in range(context_steps):
-        rollout.iterate(OFF)
+    rollout = _traced_rollout(target, drafter, prompt, strategy, sampling, context_steps,
+                              context_steps + strategy.depth + 2, seed, ignore_eos=True, what="trace_step")
     before = rollout.out_tokens[0, : context_steps + 1].tolist()
-    rollout.spec.keep_trace = True
     rollout.iterate(strategy)
     return rollout.spec.trace, before
 
@@ -44,19 +55,10 @@ def trace_steps(target, drafter, prompt: list[int], strategy: SpecStrategy, samp
     """One response decoded with ``strategy`` after ``context_steps`` plain iterations, every SD step traced:
     ``[{"step": k, "before": response tokens before it, "trace": SpecTrace}]`` (at most ``max_steps``; one row of the
     real engine). What notebook 02's step-by-step view flips through: no model call once computed."""
-    if not strategy.enabled:
-        raise BadInput("trace_steps needs a speculative strategy (chain or tree), not 'off'")
     if context_steps < 0 or max_steps < 1:
         raise BadInput(f"trace_steps needs context_steps >= 0 and max_steps >= 1, got {context_steps}, {max_steps}")
-    cfg = RolloutConfig(SamplingConfig(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                                       max_new_tokens=context_steps + max_steps * (strategy.depth + 1) + 1))
-    rollout = RolloutEngine(target, cfg, drafter=drafter).start(
-        [prompt], torch.Generator(device=target.embed.weight.device).manual_seed(seed))
-    for _ in range(context_steps):
-        if not rollout.running:
-            break
-        rollout.iterate(OFF)
-    rollout.spec.keep_trace = True
+    rollout = _traced_rollout(target, drafter, prompt, strategy, sampling, context_steps,
+                              context_steps + max_steps * (strategy.depth + 1) + 1, seed, what="trace_steps")
     steps = []
     while rollout.running and len(steps) < max_steps:
         before = rollout.out_tokens[0, : int(rollout.n_gen[0])].tolist()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..spec.acceptance import chain_speedup, chain_tokens
+from .explain import mass_split
 
 BLUE, ORANGE, GREEN, RED, GREY = "#1F77B4", "#DD8452", "#2CA02C", "#D62728", "#BBBBBB"
 
@@ -27,8 +28,8 @@ def pq_bars(p, q, labels=None, title: str | None = None):
     overlap min(p, q) (the mass a draft keeps: alpha in all). Right: p rebuilt as min(p, q) (drafts kept) stacked
     with max(0, p - q) (what the resample after a rejection supplies); the two stack to p exactly."""
     import matplotlib.pyplot as plt
-    p, q = np.asarray(p, dtype=float), np.asarray(q, dtype=float)
-    keep, rest = np.minimum(p, q), np.maximum(p - q, 0.0)
+    split = mass_split(p, q)
+    p, q, keep, rest = np.asarray(p, dtype=float), np.asarray(q, dtype=float), split["accepted"], split["residual"]
     labels = [str(i) for i in range(len(p))] if labels is None else list(labels)
     x = np.arange(len(p))
     fig, (a, b) = plt.subplots(1, 2, figsize=(10.5, 3.4), sharey=True)
