@@ -198,19 +198,27 @@ def existing_file(text: str) -> str:
 
 
 def use_all_cores() -> None:
-    """torch on every core: the benchmark sets it, the library never does (DESIGN.md)."""
+    """torch on every core: the benchmark sets it, the library never does (DESIGN.md). An explicit
+    ``OMP_NUM_THREADS`` wins (the test tier runs every bench it starts on one thread)."""
     import torch
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1)
 
 
-def load_models(args, drafter: bool = False, device: str | None = None, all_cores: bool = True):
+def load_models(args, drafter: bool = False, device: str | None = None, all_cores: bool = True,
+                kernels: bool = True):
     """tltlib's ``load`` of ``args.model`` (and ``args.drafter``) on ``device`` (default ``args.device``) in
     ``args.dtype``, with torch on every core first when ``all_cores``; returns ``(model, tokenizer, drafter)``
-    (``drafter`` None without one)."""
+    (``drafter`` None without one). ``kernels``: this machine's kernel table measured for their shapes first where it
+    lacks them (CPU float32; a benchmark is a moment the user chose, and a rollout only reads the table)."""
     from tltlib import load
+    from tltlib.kernels import ensure_kernels
     if all_cores:
         use_all_cores()
-    return load(args.model, args.drafter if drafter else None, device=device or args.device, dtype=args.dtype)
+    model, tok, draft = load(args.model, args.drafter if drafter else None, device=device or args.device,
+                             dtype=args.dtype)
+    if kernels:
+        ensure_kernels(model, draft)
+    return model, tok, draft
 
 
 def result_name(bench: str, device: str, dtype: str, suffix: str = "") -> str:
@@ -266,18 +274,19 @@ def _cpu_times() -> tuple[int, int] | None:
     return sum(fields) - idle, sum(fields)
 
 
-def settle_down(seconds: float, limit: float = 3.0, window: float = 0.05, busy: float = 0.1) -> None:
+def settle_down(seconds: float, limit: float = 3.0, window: float = 0.05, busy: float = 0.1,
+                clock=time.perf_counter, sleep=time.sleep) -> None:
     """Idle ``seconds``, then on until the machine is quiet (under ``busy`` of its CPUs in use over ``window`` s)
     or ``limit`` s have passed: a peer in another process (vLLM's worker) may keep its cores busy after its call
     returns, for longer than OpenMP's 200 ms spin, and would slow the next competitor down. Nothing when
-    ``seconds`` is 0."""
+    ``seconds`` is 0. ``clock``, ``sleep``: time's, or a fake clock's in tests."""
     if seconds <= 0:
         return
-    time.sleep(seconds)
-    end = time.perf_counter() + limit
-    while time.perf_counter() < end:
+    sleep(seconds)
+    end = clock() + limit
+    while clock() < end:
         a = _cpu_times()
-        time.sleep(window)
+        sleep(window)
         b = _cpu_times()
         if a is None or b is None or b[1] == a[1] or (b[0] - a[0]) / (b[1] - a[1]) < busy:
             return

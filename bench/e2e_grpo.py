@@ -263,7 +263,7 @@ def _worker(args) -> None:
     from tltlib.rl.world import DistributedWorld
     sched = SchedulerConfig(max_micro_steps=args.spot_max, train_on=args.train_on)
     world = DistributedWorld(args.device, sched.hang_timeout_s)
-    model, tok, drafter = load_models(args, drafter=True, device=world.device, all_cores=False)
+    model, tok, drafter = load_models(args, drafter=True, device=world.device, all_cores=False, kernels=False)
     train, held, probe = _data(args)
     out = compare_workers(model, tok, drafter, train, _grpo(args), _tlt(args), sched, args.steps, probe,
                           args.probe_strategy, world, log=lambda s: print(s, flush=True),

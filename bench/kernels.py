@@ -76,7 +76,7 @@ def main() -> None:
     if not kt.enabled():
         raise BadInput(f"{kt.ENV}=0 turns this machine's kernel table off; unset it (or set it to 1) to measure it")
     args.device, args.dtype = "cpu", "float32"
-    model, _, drafter = load_models(args, drafter=bool(args.drafter))
+    model, _, drafter = load_models(args, drafter=bool(args.drafter), kernels=False)
     config = ks.SearchConfig(rounds=args.rounds, context=args.context)
     start = time.perf_counter()
     linear, attention = ks.search(model, drafter, config=config)

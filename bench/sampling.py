@@ -16,6 +16,7 @@ tokens) with plain sampling by ``torch.multinomial`` and by tltlib's sampler, in
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -35,13 +36,27 @@ from _common import (  # noqa: E402
     write_results,
 )
 
+MAX_SCALE = 1000.0
+"""The largest ``--scale``: already at ~50 every distribution puts all its mass on one token, and far beyond, the
+logits overflow float32 (softmax of inf is NaN)."""
+
+
+def logit_scale(text: str) -> float:
+    """``--scale`` (an argparse ``type``): a number in (0, :data:`MAX_SCALE`]."""
+    value = positive_float(text)
+    if value > MAX_SCALE:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than {MAX_SCALE:g}: the logits would overflow float32 "
+                                         "(every distribution is one token long before that); give e.g. 4")
+    return value
+
 
 def parse_args(argv: list[str] | None = None):
     ap = bench_parser(__doc__)
     ap.add_argument("--vocabs", default="74,49152,151936", type=listed(positive_int, "74,49152"),
                     help="vocabulary sizes (the tiny reasoner's, SmolLM2's, Qwen2.5's)")
     ap.add_argument("--batches", default="1,16,64,128", type=listed(positive_int, "1,16"))
-    ap.add_argument("--scale", default=4.0, type=positive_float, help="logits = scale x standard normal")
+    ap.add_argument("--scale", default=4.0, type=logit_scale, help="logits = scale x standard normal, in (0, "
+                    f"{MAX_SCALE:g}]")
     ap.add_argument("--model", default=None, type=folder("model", "~/.cache/tltlib/models/smollm2-135m"),
                     help="also time a rollout of this model with each plain sampler")
     ap.add_argument("--prompts", default=4, type=positive_int, help="--model: word problems, 8 responses each")

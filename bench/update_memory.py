@@ -176,7 +176,7 @@ def _fits(args) -> list[dict]:
     length."""
     from tltlib.rl.grpo import GRPOConfig
     from tltlib.rl.memory import HEADROOM, grpo_memory
-    model, tok, _ = load_models(args, all_cores=False)
+    model, tok, _ = load_models(args, all_cores=False, kernels=False)
     params = sum(p.numel() for p in model.parameters())
     elem = next(model.parameters()).element_size()
     weights = params * elem

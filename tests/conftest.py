@@ -6,16 +6,24 @@ notebooks and commands they start), not with the machine's kernel table, which i
 a test's numerics depend on the machine's load at the moment it was measured (and would write to the user's cache).
 Every candidate kernel is tested against the defaults explicitly (test_kernel_choice: each one and a model decoding
 the same tokens under tables forcing each; test_packed_weights, test_ragged_attention: theirs forced).
-``TLTLIB_KERNELS=1 pytest`` runs them with the machine's table instead."""
+``TLTLIB_KERNELS=1 pytest`` runs them with the machine's table instead.
+
+Threads: one torch thread per test process (``OMP_NUM_THREADS=1`` unless set, inherited by what a test starts).
+On the 2-core development VM (Intel Xeon) tests/test_specdecode.py took 30 s on one thread against 41 s on two, and
+beside two busy loops (bench/busy.py) 45 s against 112 s: OpenMP's threads wait on each other at every barrier when
+another process shares their cores. The kernels' multi-threaded loops are tested on two threads explicitly
+(test_ragged_attention)."""
 from __future__ import annotations
 
 import os
 
-import pytest
-import torch
-
+os.environ.setdefault("OMP_NUM_THREADS", "1")       # before torch starts its thread pool
 os.environ.setdefault("TLTLIB_KERNELS", "0")
 
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))   # also where torch was imported before this file
 
 CAPTURE_FALLBACK_FAILS = "error:CUDA graph capture:RuntimeWarning"
 """The gpu tier's warning filter: a CUDA graph capture that fails (``GraphPool._build`` warns and runs the key

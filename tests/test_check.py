@@ -13,6 +13,7 @@ import torch
 
 import tltlib.spec.verify as verify
 from tltlib.cli.app import main
+from tltlib.errors import BadInput
 from tltlib.lab.check import CheckConfig, card_numbers, faults, lossless, run_check
 from tltlib.lab.check.drafter import quality
 from tltlib.lab.check.pays import acceptance_rates, recommend
@@ -20,7 +21,8 @@ from tltlib.model import load
 from tltlib.model.sampling import SamplingConfig
 from tltlib.rl.config import TLTConfig
 from tltlib.rl.online import adaptive_controller, alarms_for
-from tltlib.rollout.adaptive import AdaptiveConfig, AdaptiveController, save_prior
+from tltlib.rollout.adaptive import AdaptiveConfig, AdaptiveController
+from tltlib.rollout.prior import save_prior
 from tltlib.sim.measure import measure_costs
 from tltlib.spec.strategy import SpecStrategy
 from tltlib.tasks import encode_prompts, generate_problems
@@ -113,15 +115,52 @@ def test_prior_file_is_what_the_trainer_starts_from(tiny, tmp_path):
                recommended={"threshold": 2, "arms": ["off", "chain-4"], "accept_floor": 2.5})
     started = adaptive_controller(tiny.model, tiny.drafter, TLTConfig(prior=str(tmp_path / "prior.json")), 16, 0)
     assert started.config.threshold == 2 and started.costs.to_dict() == costs.to_dict()
-    alarms = alarms_for(TLTConfig(prior=str(tmp_path / "prior.json")), tiny.drafter)
+    alarms = alarms_for(TLTConfig(prior=str(tmp_path / "prior.json")), tiny.model, tiny.drafter)
     assert alarms.floor == 2.5 and "prior file" in alarms.floor_source           # the check's floor, not the card's
-    assert alarms_for(TLTConfig(prior=str(tmp_path / "prior.json"), accept_floor=3.0), tiny.drafter).floor == 3.0
+    assert alarms_for(TLTConfig(prior=str(tmp_path / "prior.json"), accept_floor=3.0), tiny.model,
+                      tiny.drafter).floor == 3.0
     assert started.accept["learned"].state_dict()["reached"][:2] == [8.0, 7.0]
     retrained = copy.deepcopy(tiny.drafter)
     with torch.no_grad():
         retrained.fc.weight[0, 0] += 1e-3
     with pytest.raises(ValueError, match="measured for another drafter"):
         adaptive_controller(tiny.model, retrained, TLTConfig(prior=str(tmp_path / "prior.json")), 16, 0)
+    # a fixed strategy does not build the tuner, but the alarms read the prior's floor: checked all the same
+    with pytest.raises(ValueError, match="measured for another drafter"):
+        alarms_for(TLTConfig(speculative="chain-4", prior=str(tmp_path / "prior.json")), tiny.model, retrained)
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda d: d.pop("fingerprint"), "has no fingerprint"),
+    (lambda d: d.pop("costs"), "has no costs"),
+    (lambda d: d["costs"].pop("target_s"), "costs are not a measured cost model"),
+    (lambda d: d["costs"].update(target_s="fast"), "costs are not a measured cost model"),
+    (lambda d: d["recommended"].update(threshold="16"), "recommended.threshold must be an integer >= 0, got '16'"),
+    (lambda d: d["recommended"].update(threshold=-2), "recommended.threshold must be an integer >= 0, got -2"),
+    (lambda d: d["recommended"].update(accept_floor="high"), "recommended.accept_floor must be a number >= 0"),
+    (lambda d: d["recommended"].update(accept_floor=0.5), "recommended.accept_floor is 0.5, but an accept floor is "
+                                                           "tokens per row per SD step"),
+    (lambda d: d["recommended"].update(arms=["chain-x"]), "recommended.arms[0]"),
+    (lambda d: d["accept"]["learned"].update(reached=["a"]), "accept.learned.reached[0] must be a number"),
+    (lambda d: d["accept"].update(learned=[1, 2]), "accept.learned needs the lists reached and accepted"),
+])
+def test_a_broken_prior_file_is_one_error_naming_its_part(tiny, tmp_path, change, words):
+    """A hand-edited or truncated prior never reaches the tuner or the alarms: one error naming the file and the
+    part, where it was an internal error (a missing fingerprint or cost model, a threshold, floor or acceptance that
+    is not a number) or silently taken (a floor under 1 token, refused when given as tlt.accept_floor)."""
+    costs = measure_costs(tiny.model, tiny.drafter, rows=(1, 2), tokens=(1, 5), contexts=(8, 32), repeats=1)
+    ctl = AdaptiveController(AdaptiveConfig(threshold=2), costs, tiny.drafter)
+    path = tmp_path / "prior.json"
+    save_prior(path, ctl, tiny.model, tiny.drafter, recommended={"threshold": 2, "arms": ["off", "chain-4"],
+                                                                 "accept_floor": 2.5})
+    d = json.loads(path.read_text())
+    change(d)
+    path.write_text(json.dumps(d))
+    for use in (lambda: adaptive_controller(tiny.model, tiny.drafter, TLTConfig(prior=str(path)), 16, 0),
+                lambda: alarms_for(TLTConfig(prior=str(path)), tiny.model, tiny.drafter)):
+        with pytest.raises(BadInput) as e:
+            use()
+        assert str(path) in str(e.value) and words in str(e.value), str(e.value)
 
 
 def test_recommendation_from_measured_and_predicted_speed():
@@ -153,11 +192,21 @@ def test_check_config_refusals_name_the_fix(kw, words):
     (["--parts", "lossless", "--prior", "PRIOR"], ["--prior is written by the pays part"]),
     (["--strategy", "chain-4", "--drafter", ""], ["drafts with a learned drafter", "--drafter"]),
     (["--rows", "1,x"], ["--rows", "1,4,16"]),
+    (["--temperature", "inf"], ["temperature inf is not a sampling temperature"]),
+    # where the report and the prior go, checked before minutes of tests (their verdicts were lost at the end)
+    (["--out", "FOLDER"], ["the check --out file", "is a folder; name a file"]),
+    (["--prior", "FOLDER"], ["the check --prior file", "is a folder; name a file"]),
+    (["--out", "/proc/tltlib-check.json"], ["cannot write the check --out file", "choose a folder you can write"]),
+    (["--prior", "/proc/tltlib-prior.json"], ["cannot write the check --prior file"]),
+    (["--prior", "BLOCKED"], ["is a file, not a folder"]),
 ])
 def test_check_command_bad_input_is_one_clear_error(argv, words, tmp_path, capsys):
     data = tmp_path / "three.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(3)))
-    argv = [str(data) if a == "DATASET" else str(tmp_path / "p.json") if a == "PRIOR" else a for a in argv]
+    (tmp_path / "blocker").write_text("x")
+    named = {"DATASET": str(data), "PRIOR": str(tmp_path / "p.json"), "FOLDER": str(tmp_path),
+             "BLOCKED": str(tmp_path / "blocker" / "p.json")}
+    argv = [named.get(a, a) for a in argv]
     assert main(["check", "--out", str(tmp_path / "r.json"), *argv]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and all(w in err for w in words), err
@@ -175,6 +224,20 @@ def test_check_command_writes_its_report_and_exits_1_when_not_lossless(tmp_path,
         assert main([*args, "--out", str(tmp_path / "bad.json")]) == 1
     assert "NOT LOSSLESS" in capsys.readouterr().out
     assert json.loads((tmp_path / "bad.json").read_text())["lossless"] is False
+
+
+def test_a_check_without_the_lossless_part_claims_no_losslessness():
+    """``--parts pays`` alone ended "lossless: every test passed" and wrote ``"lossless": true`` with no test run."""
+    from tltlib.lab.check.config import Verdict
+    from tltlib.lab.check.run import CheckReport, screen
+    pays = [Verdict("pays", "speed", "warn", "SD does not pay here")]
+    report = CheckReport(pays, settings={"dtype": "float32"}, machine={"cpu": "x"})
+    assert report.lossless is None and report.to_dict()["lossless"] is None
+    assert "lossless: not tested (--parts without lossless)" in screen(report)
+    assert "every test passed" not in screen(report)
+    tested = CheckReport([Verdict("lossless", "greedy", "pass", "ok"), *pays], settings={"dtype": "float32"})
+    failed = CheckReport([Verdict("lossless", "chi2", "fail", "p=1e-9"), *pays], settings={"dtype": "float32"})
+    assert tested.lossless is True and failed.lossless is False and "NOT LOSSLESS" in screen(failed)
 
 
 def test_check_runs_in_float32_on_cuda_unless_asked_and_its_screen_names_the_dtype(monkeypatch, capsys):

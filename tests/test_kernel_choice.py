@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tltlib.errors import BadInput
 from tltlib.kernels import search as ks
 from tltlib.kernels import table as kt
 from tltlib.kernels.dispatch import attention_with, linear, linear_with
@@ -271,6 +272,112 @@ def test_the_switch_keeps_pytorch_defaults_and_measures_nothing(fresh_tables, mo
                       progress=False)
     assert table is kt.EMPTY and not (fresh_tables / "kernels").exists()
     assert table.linear_kernel(96, 32, 1, True) is None
+
+
+@pytest.mark.parametrize("text, mode", [("0", "off"), ("off", "off"), ("false", "off"), ("No", "off"),
+                                        ("1", "on"), ("on", "on"), ("TRUE", "on"), ("measure", "measure")])
+def test_the_switch_reads_the_words_people_write(monkeypatch, text, mode):
+    monkeypatch.setenv(kt.ENV, text)
+    assert kt.mode() == mode and kt.enabled() == (mode != "off")
+
+
+def test_a_switch_setting_that_is_no_setting_is_one_clear_error(fresh_tables, monkeypatch):
+    monkeypatch.setenv(kt.ENV, "fast")
+    with pytest.raises(BadInput, match=r"TLTLIB_KERNELS='fast' is not a setting: use 0 \(or off.*measure"):
+        kt.current()
+
+
+def test_an_engine_reads_the_table_and_says_once_how_to_measure_what_it_lacks(fresh_tables, capsys):
+    """Nothing is measured inside a rollout (a notebook's teaching cell, a training run): the cells the table lacks
+    run PyTorch's defaults and one quiet line per process names the command; an explicit call measures."""
+    from tltlib.rollout.engine import RolloutEngine
+    model = small_model()
+    never = lambda n, f: pytest.fail("measured inside a rollout engine")              # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ks.ensure(model, config=FAST, timer=never, measure=None, progress=False).size == 0
+        RolloutEngine(model)
+        RolloutEngine(model)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(r"tltlib: this machine's kernel table lacks \d+ cells of these shapes: "
+                                          r"PyTorch's default kernels there; `python -m tltlib kernels` measures them "
+                                          r"once \(~10-30 s\), or set TLTLIB_KERNELS=measure", err[0]), err
+    assert not (fresh_tables / "kernels").exists()
+    table = ks.ensure(model, config=FAST, timer=fake_timer({"linear": "mm", "attention": "matmul"}), progress=False)
+    assert table.size > 0 and ks.missing_cells(table, model) == {"linear": {}, "attention": {}}
+
+
+def test_measure_in_the_switch_measures_when_an_engine_is_made(fresh_tables, monkeypatch):
+    monkeypatch.setenv(kt.ENV, "measure")
+    model = small_model()
+    table = ks.ensure(model, config=FAST, timer=fake_timer({"linear": "mm", "attention": "matmul"}), measure=None,
+                      progress=False)
+    assert ks.missing_cells(table, model) == {"linear": {}, "attention": {}}
+
+
+@pytest.mark.parametrize("bad", [{"linear": []}, {"attention": []}, {"cell": {"ms": [1.0], "spread": {}}},
+                                 {"cell": {"ms": {"mm": "fast"}, "spread": {"mm": 0.1}}}, {"key": "5x5"},
+                                 {"machine": None}])
+def test_a_table_of_the_wrong_shape_is_ignored_with_one_line_naming_the_file(fresh_tables, bad):
+    """A hand-edited or truncated table never reaches a rollout (every rollout on the machine failed without naming
+    the file): one warning naming it, PyTorch's defaults, and the command that measures it again."""
+    model = small_model()
+    here = this_machine()
+    ks.ensure(model, config=FAST, timer=fake_timer({"linear": "mm", "attention": "matmul"}), progress=False)
+    path = kt.cache_path(here)
+    d = json.loads(path.read_text())
+    key = next(iter(d["linear"]))
+    if "cell" in bad:
+        d["linear"][key] = bad["cell"]
+    elif "key" in bad:
+        d["linear"][bad["key"]] = d["linear"].pop(key)
+    else:
+        d.update(bad)
+    path.write_text(json.dumps(d))
+    kt._tables.clear()
+    with pytest.warns(UserWarning, match=f"kernel table {re.escape(str(path))} ignored .*`python -m tltlib kernels` "
+                                         "measures this machine again") as seen:
+        table = kt.current()
+    assert len(seen) == 1 and table.size == 0
+    x, w = torch.randn(3, 32), torch.randn(96, 32)
+    torch.testing.assert_close(linear(x, w), torch.nn.functional.linear(x, w))     # calls still run (the default)
+
+
+def test_the_kernels_command_measures_the_shipped_pair_once(fresh_tables, monkeypatch, capsys):
+    """``python -m tltlib kernels`` (what the set-up runs): the tiny reasoner's and its drafter's cells measured and
+    saved; run again, nothing is measured; switched off, one line."""
+    from tltlib.cli import main
+    monkeypatch.setattr(ks, "WallTimer", lambda sample_s: fake_timer({"linear": "mm", "attention": "matmul"}))
+    assert main(["kernels", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"measured this machine's kernels \(\d+ cells, kept in .*\) for data/tiny-reasoner and "
+                     r"data/tiny-reasoner-drafter", out), out
+    assert kt.cache_path(this_machine()).is_file()
+    monkeypatch.setattr(ks, "WallTimer", lambda sample_s: pytest.fail("measured again"))
+    assert main(["kernels", "--quiet"]) == 0
+    assert "already measured" in capsys.readouterr().out
+    monkeypatch.setenv(kt.ENV, "off")
+    assert main(["kernels"]) == 1
+    assert capsys.readouterr().err.startswith("error: TLTLIB_KERNELS=off turns this machine's kernel table off")
+
+
+def test_the_set_up_says_in_one_line_when_it_could_not_measure_the_kernels(monkeypatch, capsys, tmp_path):
+    """A measurement that fails or runs past its bound leaves the set-up standing, with one line naming the command
+    that measures later."""
+    from tltlib.cli import bootstrap
+    script = tmp_path / "python"
+    script.write_text("#!/bin/sh\nexit 3\n")
+    script.chmod(0o755)
+    monkeypatch.setattr(bootstrap, "_venv_python", lambda: script)
+    monkeypatch.delenv(kt.ENV, raising=False)
+    assert bootstrap.measure_kernels() is False
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "failed (exit status 3" in out[0] and "python -m tltlib kernels" in out[0]
+    script.write_text("#!/bin/sh\nsleep 30\n")
+    assert bootstrap.measure_kernels(timeout_s=0.5) is False
+    assert "did not finish within 0.5 s" in capsys.readouterr().out
+    monkeypatch.setenv(kt.ENV, "0")
+    assert bootstrap.measure_kernels() is False and capsys.readouterr().out == ""
 
 
 def test_the_machine_names_what_differs():

@@ -101,7 +101,7 @@ def test_measured_lengths_round_trip_and_a_wrong_file_is_refused(tmp_path):
     (tmp_path / "bad.json").write_text('{"lengths": [1, 2]}')
     with pytest.raises(ValueError, match="bad.json: a measured-lengths file holds .*notebook 01"):
         MeasuredLengths.load(tmp_path / "bad.json")
-    with pytest.raises(ValueError, match=r"lengths must lie in \[0, max_new_tokens=8\].*got 1..9"):
+    with pytest.raises(ValueError, match=r"lengths must lie in \[1, max_new_tokens=8\].*got 1..9"):
         MeasuredLengths((1, 9), 8)
     with pytest.raises(ValueError, match="at least one length"):
         MeasuredLengths((), 8)
@@ -110,6 +110,7 @@ def test_measured_lengths_round_trip_and_a_wrong_file_is_refused(tmp_path):
             ("long.json", '{"lengths": [1, 9], "max_new_tokens": 8}', "got 1..9; measure"),
             ("empty.json", '{"lengths": [], "max_new_tokens": 8}', "at least one length; measure"),
             ("zero.json", '{"lengths": [0], "max_new_tokens": 0}', "max_new_tokens >= 1"),
+            ("zeros.json", '{"lengths": [0, 0, 0], "max_new_tokens": 8}', "at least its EOS token.*got 0..0"),
             ("text.json", '{"lengths": ["7"], "max_new_tokens": 8}', "holds .*'lengths': \\[ints\\]")):
         (tmp_path / name).write_text(text)
         with pytest.raises(ValueError, match=f"{name}: .*{message}"):

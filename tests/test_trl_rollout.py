@@ -175,6 +175,13 @@ def test_a_drafter_for_another_target_is_refused(tmp_path):
         first_call(rollout, trainer_with(rollout, tmp_path))
 
 
+def test_drafter_settings_without_a_drafter_are_refused_when_the_rollout_is_made():
+    for tlt, words in ((TLTConfig(speculative="ngram-4", drafter_train="on_drift"), "drafter_train: on_drift"),
+                       (TLTConfig(speculative="ngram-4", accept_floor=2.0), "accept_floor: 2.0")):
+        with pytest.raises(ValueError, match=f"tlt_rollout_func: tlt.{words} acts on the learned drafter.*no drafter"):
+            tlt_rollout_func(TINY, tlt=tlt)
+
+
 def test_a_rollout_is_bound_to_one_trainer(tmp_path):
     rollout = tlt_rollout_func(TINY, tlt=TLTConfig(speculative="off", online_drafter=False))
     first_call(rollout, trainer_with(rollout, tmp_path))

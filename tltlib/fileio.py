@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from .errors import AlreadyThere, BadInput, NoPermission, NotAFolder
+from .errors import AlreadyThere, BadInput, NoPermission, NotAFolder, NotFound
 
 ROOT = Path(__file__).resolve().parent.parent
 """The project root (notebooks, params, data, runs live under it)."""
@@ -235,6 +235,30 @@ def check_writable(path: str | os.PathLike, what: str = "output") -> Path:
                            "choose a folder you can write to") from None
     if path.exists() and not path.is_dir():
         raise AlreadyThere(f"the {what} {str(path)!r} exists and is a file, not a folder; choose another path")
+    return path
+
+
+def check_file_writable(path: str | os.PathLike, what: str = "output file") -> Path:
+    """Fail now, not after the work, when the file ``path`` could not be written there later (atomically: a
+    temporary file beside it, renamed over it): ``path`` is a folder, a folder on its way is a file, or the folder
+    cannot be written (a probe file is made and removed). An existing file is fine: it will be replaced."""
+    path = Path(path)
+    if path.is_dir():
+        raise NotAFolder(f"the {what} {str(path)!r} is a folder; name a file (e.g. {str(path / 'out.json')!r})")
+    blocker = next((a for a in path.parents if a.exists() and not a.is_dir()), None)
+    if blocker is not None:
+        raise NotAFolder(f"cannot write the {what} {str(path)!r}: {str(blocker)!r} is a file, not a folder; "
+                         "choose another path")
+    if not path.parent.is_dir():
+        raise NotFound(f"cannot write the {what} {str(path)!r}: its folder {str(path.parent)!r} does not exist; "
+                       "create it or choose another path")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.probe-", dir=path.parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise NoPermission(f"cannot write the {what} {str(path)!r}: {e.strerror or e} in {str(path.parent)!r}; "
+                           "choose a folder you can write to") from None
     return path
 
 

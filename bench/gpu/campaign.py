@@ -38,6 +38,7 @@ import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -95,11 +96,16 @@ class Context:
     carried: Path = ROOT
     """The folder holding the carried ``.gpu/`` and ``.whl/`` (the project root; a test's folder in the tests)."""
     deadline: float = float("inf")
-    """``time.time()`` by which the last step must end (the call's budget less the time to write its tarball)."""
+    """``clock()`` by which the last step must end (the call's budget less the time to write its tarball)."""
+    slack: float = 1.0
+    """The steps' caps and the budget are this many times the GPU's (:data:`REHEARSAL_SLACK` in a CPU rehearsal:
+    it tests what the calls do, not how fast a shared CPU runs them)."""
+    clock: Callable[[], float] = time.time
+    """The clock the budget is read on (a fake one in tests)."""
 
     def seconds_for(self, step: str) -> int:
         """What ``step`` may run: its own cap, cut to what is left before :attr:`deadline`."""
-        return int(min(STEP_TIMEOUT[step], self.deadline - time.time()))
+        return int(min(STEP_TIMEOUT[step] * self.slack, self.deadline - self.clock()))
 
     @property
     def gpu(self) -> Path:
@@ -162,12 +168,16 @@ STEP_TIMEOUT = {"probe": 40, "stash": 30, "gpu_tests": 150, "graphs": 150, "whee
 (:attr:`Context.deadline`), so the tarball is always written."""
 TAR_S = 20
 """Seconds kept at the end of a call's budget for its tarball and tables."""
+REHEARSAL_SLACK = 10.0
+"""A CPU rehearsal (``--tiny``) may take this many times a call's caps and budget: on a busy 2-core machine its
+tiny steps took several times their quiet time and were cut short as if the GPU had been slow."""
 
 
 # ----------------------------------------------------------------------------------------------------- running
 def run(ctx: Context, name: str, cmd: list[str], timeout: int) -> int:
     """``cmd`` from the project root, its output appended to the call's log; raises :class:`StepFailed` on a
     non-zero exit or a timeout (the log keeps the output). ``timeout`` is cut to what the call has left."""
+    timeout = int(timeout * ctx.slack)
     timeout = min(timeout, ctx.seconds_for(name) if name in STEP_TIMEOUT else timeout)
     with open(ctx.log, "a") as f:
         f.write(f"\n=== {name}: $ {shlex.join(cmd)}\n")
@@ -393,7 +403,7 @@ MIN_STEP_S = 10
 
 
 def run_step(ctx: Context, name: str) -> dict:
-    t0 = time.time()
+    t0 = ctx.clock()
     if ctx.seconds_for(name) < MIN_STEP_S:
         return {"step": name, "status": "skipped", "seconds": 0.0,
                 "note": f"{max(0, int(ctx.deadline - t0))} s left in the call's budget: not started"}
@@ -414,7 +424,7 @@ def run_step(ctx: Context, name: str) -> dict:
         status = "ok"
     except StepFailed as e:
         status, note = "failed", str(e)
-    return {"step": name, "status": status, "seconds": round(time.time() - t0, 1), "note": note}
+    return {"step": name, "status": status, "seconds": round(ctx.clock() - t0, 1), "note": note}
 
 
 # ----------------------------------------------------------------------------------------------------- reporting
@@ -506,14 +516,14 @@ def main(argv=None) -> int:
     if scratch.exists():
         shutil.rmtree(scratch)
     ctx = Context(args.call, Path(args.out), scratch, Path(args.stash), args.tiny, env=call_env(),
-                  carried=Path(args.carried))
+                  carried=Path(args.carried), slack=REHEARSAL_SLACK if args.tiny else 1.0)
     if args.no_triton:
         ctx.env["TLTLIB_TRITON_ATTENTION"] = "0"
     ctx.results.mkdir(parents=True)
     ctx.log.touch()
     inputs(ctx)
     t0 = time.time()
-    ctx.deadline = t0 + (args.budget or CALLS[args.call].timeout_s) - TAR_S
+    ctx.deadline = t0 + (args.budget or CALLS[args.call].timeout_s) * ctx.slack - TAR_S
     for name in CALLS[args.call].steps:
         ctx.records.append(run_step(ctx, name))
         r = ctx.records[-1]

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                 "train-drafter": commands.cmd_train_drafter, "train-grpo": commands.cmd_train_grpo,
                 "sample-responses": commands.cmd_sample_responses, "warm-start": commands.cmd_warm_start,
                 "get-model": commands.cmd_get_model, "import-gguf": commands.cmd_import_gguf,
-                "bench": commands.cmd_bench, "simulate": commands.cmd_simulate,
+                "kernels": commands.cmd_kernels, "bench": commands.cmd_bench, "simulate": commands.cmd_simulate,
                 "report": commands.cmd_report, "check": commands.cmd_check,
                 **setups}
     previous = signal.signal(signal.SIGTERM, _terminate)

@@ -119,6 +119,32 @@ def setup(force: bool = False) -> None:
                 _install_cpu_torch()
         _pip(*extra, "-e", f"{ROOT}[{wanted}]")
     stamp.write_text(stamp_text)
+    if not gpu:
+        measure_kernels()
+
+
+KERNELS_TIMEOUT_S = 1800
+"""The set-up's bound on measuring the kernel table (~10-30 s on 2 quiet cores, minutes on busy ones)."""
+
+
+def measure_kernels(timeout_s: float = KERNELS_TIMEOUT_S) -> bool:
+    """Measure this machine's kernel table for the shipped tiny reasoner and its drafter (``python -m tltlib kernels``
+    in ``.venv``), so no rollout measures inside a notebook's cell or a training run; whether it was measured. A
+    failure or ``timeout_s`` is one line: the set-up stands, rollouts use PyTorch's defaults until it is run."""
+    if os.environ.get("TLTLIB_KERNELS", "1").strip().lower() in ("0", "off", "false", "no"):
+        return False
+    cmd = [str(_venv_python()), "-m", "tltlib", "kernels", "--quiet"]
+    try:
+        rc = subprocess.run(cmd, stdin=subprocess.DEVNULL, timeout=timeout_s,
+                            env={**os.environ, "TLTLIB_NO_VENV": "1"}).returncode
+        why = f"failed (exit status {rc}; its error is above)" if rc else ""
+    except subprocess.TimeoutExpired:
+        rc, why = None, f"did not finish within {timeout_s:g} s"
+    done = rc == 0
+    if not done:
+        print(f"measuring this machine's kernel table {why}: rollouts use PyTorch's default kernels until "
+              "`python -m tltlib kernels` measures it", flush=True)
+    return done
 
 
 VLLM_VENV = ROOT / ".venv-vllm"

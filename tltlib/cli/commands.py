@@ -61,11 +61,12 @@ def _shown(path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-TEST_MARKERS = "not gpu and not slow and not browser"
+TEST_MARKERS = "not gpu and not slow and not browser and not timing"
 """The tiers ``python -m tltlib test`` runs (the README's test command; ``bench tests`` times the same)."""
 
 
 def cmd_test(args) -> int:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")      # one torch thread per test process (tests/conftest.py: why)
     import pytest
     notebook_env()
     os.chdir(ROOT)
@@ -114,6 +115,24 @@ def cmd_get_model(args) -> int:
             print(f"{name}: {m.about}\n    {where} ({'imported' if is_imported(where) else 'not imported yet'})")
         return 0
     print(get_model(args.name, args.root, progress=not args.quiet))
+    return 0
+
+
+def cmd_kernels(args) -> int:
+    from ..kernels import search as ks
+    from ..kernels import table as kt
+    from ..model.loading import load
+    if not kt.enabled():
+        raise BadInput(f"{kt.ENV}={os.environ.get(kt.ENV)} turns this machine's kernel table off; unset it (or set it "
+                       "to 1) to measure it")
+    model, _, drafter = load(args.model, args.drafter or None, device="cpu", dtype="float32")
+    before = kt.current().size
+    table = ks.ensure(model, drafter, progress=not args.quiet, measure=True)
+    shapes = f"{args.model}" + (f" and {args.drafter}" if args.drafter else "")
+    if table.size == before:
+        print(f"kernel table for {shapes}: already measured ({table.size} cells in {kt.cache_path(table.machine)})")
+    else:
+        print(ks.summary(table, set(table.linear) | set(table.attention)).removeprefix("tltlib: ") + f" for {shapes}")
     return 0
 
 
@@ -176,13 +195,13 @@ def cmd_check(args) -> int:
     write_report(report, args.out)
     print(screen(report))
     print(f"report: {args.out}")
-    return 0 if report.lossless else 1
+    return 1 if report.lossless is False else 0             # untested (--parts without lossless): 0, said so
 
 
 def cmd_simulate(args) -> int:
     import json
 
-    from ..fileio import atomic_write_text, resolve
+    from ..fileio import atomic_write_text, check_writable, resolve
     from ..lab.calibrate import report, validate
     from ..machine import machine_info
     from ..model.loading import load
@@ -190,6 +209,7 @@ def cmd_simulate(args) -> int:
         raise BadInput("say what to simulate: --validate (check the simulator against runs measured here) or "
                        "--project (the paper's settings, beside its Table 3)")
     vars(args).update(_simulate_workload(args))             # before anything loads or is measured
+    check_writable(resolve(args.out) / "simulate.json", "--out folder's results")   # a file there: refused now
     if args.project:
         return _simulate_project(args)
     model, tok, drafter = load(args.model, args.drafter, device="cpu")

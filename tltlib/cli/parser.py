@@ -137,6 +137,13 @@ def _model_commands(sub) -> None:
     gm.add_argument("--root", help="folder to import into (default $TLTLIB_CACHE/models or ~/.cache/tltlib/models)")
     gm.add_argument("--list", action="store_true", help="list the known models and where they are")
     gm.add_argument("--quiet", action="store_true")
+    kn = sub.add_parser("kernels", help="measure this machine's kernel table for a model's shapes (once per machine "
+                        "and thread count; the set-up does it for the tiny reasoner): CPU float32 rollouts read it")
+    kn.add_argument("--model", default="data/tiny-reasoner", help="the model whose shapes are measured (default "
+                    "%(default)s)")
+    kn.add_argument("--drafter", default="data/tiny-reasoner-drafter", help="its drafter, measured too ('' for none; "
+                    "default %(default)s)")
+    kn.add_argument("--quiet", action="store_true", help="no progress bar")
     ig = sub.add_parser("import-gguf", help="convert a Llama/Qwen2-family GGUF file into a transformers folder")
     ig.add_argument("file", help="the .gguf file")
     ig.add_argument("out", help="output folder (written atomically after a logits check against transformers)")

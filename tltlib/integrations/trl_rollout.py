@@ -90,6 +90,7 @@ class TLTRollout:
             if path is not None and not path.is_dir():
                 raise NotFound(f"tlt_rollout_func({what}=...): no folder {str(path)!r}")
         self.tlt, self.sched, self.kv = tlt or TLTConfig(), scheduler or SchedulerConfig(), kv or KVConfig()
+        self.tlt.check_drafter(self.drafter_path is not None, "tlt_rollout_func")
         self.resume_from, self.progress = resume_from, progress
         self.trainer = None
         self.synced_step: int | None = None
@@ -121,7 +122,7 @@ class TLTRollout:
         self.spot = SpotTrainer(self.world, self.sched, self.drafter_trainer, self.buffer, self.tlt.drafter_batch)
         rows = args.per_device_train_batch_size * args.steps_per_generation
         self.controller = online.adaptive_controller(self.model, self.drafter, self.tlt, rows, args.seed)
-        self.alarms = online.alarms_for(self.tlt, self.drafter)      # SD's and the drafter's silent failures
+        self.alarms = online.alarms_for(self.tlt, self.model, self.drafter)   # SD's and the drafter's silent failures
         self.drift = DriftGate(self.tlt.drafter_train, self.tlt.drift_margin)
         self.source = online.strategy(self.tlt, self.controller, self.alarms)
         self.synced_version, self.due = getattr(self.drafter, "version", None), False

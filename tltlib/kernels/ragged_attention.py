@@ -16,26 +16,25 @@ reads the rows' positions through block tables and takes a mask for several new 
 (:func:`paged_ragged_attention`, :func:`paged_masked_attention`): the paged cache uses it for decode and short
 verifies, where any other kernel would first gather the pages (:mod:`tltlib.kv.paged`).
 
-Building: ``torch.utils.cpp_extension.load_inline`` compiles the source with the machine's C++ compiler into torch's
-extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) on first use (~20 s on 2 cores,
-once per machine and source: the name holds a hash of the source and of the CPU's instruction-set flags, as it is
-built with ``-march=native``), never at import. Without a compiler, or with ``TLTLIB_RAGGED_ATTENTION=0``, the
-matmul path runs instead (same results up to float rounding) and one warning says why.
+Building: :mod:`tltlib.kernels.build` compiles the source with the machine's C++ compiler (``-march=native``) on
+first use, never at import (~20 s on 2 cores), into a folder of its own per source, flags, compiler, CPU, torch and
+venv (``$TLTLIB_CACHE/extensions``), one builder at a time with a bounded wait. Without a compiler, or with
+``TLTLIB_RAGGED_ATTENTION=0``, the matmul path runs instead (same results up to float rounding) and one warning says
+why; past the wait bound, one line.
 
 Departures: none (the same function as the masked matmul path, up to float rounding).
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import threading
-import time
 import warnings
 
 import torch
 
-from ..machine import cpu_flags
+from ..errors import TimedOut, TLTError
+from . import build
 
 ENV = "TLTLIB_RAGGED_ATTENTION"
 """Environment variable: ``0`` keeps the kernel off (the matmul path), anything else or unset: on where built."""
@@ -240,31 +239,14 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
 }
 """
 
+EXTENSION = build.Extension(
+    "tltlib_ragged_attention", _SOURCE, ("ragged_decode_attention", "paged_attention"),
+    cflags=("-O3", "-march=native", "-fopenmp", "-ffast-math"), ldflags=("-fopenmp",),
+    what="the CPU ragged-attention kernel")
+"""The kernel's build (:mod:`tltlib.kernels.build`: one folder per source, flags, compiler, CPU, torch and venv)."""
+
 _lock = threading.Lock()
 _state: dict = {}                                   # "module" (built) or "error" (why not), once per process
-
-STALE_LOCK_S = 600
-"""A build lock older than this is a killed build's (a build takes ~20-30 s on 2 cores): PyTorch's builder would
-wait for it forever."""
-
-
-def clear_stale_lock(build_dir: str, max_age_s: float = STALE_LOCK_S) -> bool:
-    """Remove ``build_dir/lock`` when it is older than ``max_age_s`` (one warning); whether it was removed."""
-    lock = os.path.join(build_dir, "lock")
-    try:
-        age = time.time() - os.path.getmtime(lock)
-    except OSError:
-        return False
-    if age < max_age_s:
-        return False
-    warnings.warn(f"tltlib: removing the build lock {lock}, left {age / 60:.0f} min ago by a killed build of the "
-                  "ragged-attention kernel (it would wait for it forever)", stacklevel=3)
-    try:
-        os.remove(lock)
-    except FileNotFoundError:
-        pass
-    return True
-
 
 def kernel():
     """The built extension module, building it on the first call; None when switched off (``TLTLIB_RAGGED_ATTENTION=0``)
@@ -277,20 +259,14 @@ def kernel():
         if os.environ.get(ENV, "1") == "0":
             _state["error"] = f"{ENV}=0"
             return None
-        name = "tltlib_ragged_attention_" + hashlib.sha1((_SOURCE + cpu_flags() + torch.__version__).encode()
-                                                         ).hexdigest()[:12]
         try:
-            from torch.utils import cpp_extension
-            from torch.utils.cpp_extension import load_inline
-            build_dir = cpp_extension._get_build_directory(name, False)
-            clear_stale_lock(build_dir)
-            built = os.path.join(build_dir, name + ".so")
-            if not os.path.exists(built):
-                print("tltlib: building the CPU ragged-attention kernel (once per machine, ~20 s)", file=sys.stderr,
-                      flush=True)
-            _state["module"] = load_inline(
-                name, cpp_sources=_SOURCE, functions=["ragged_decode_attention", "paged_attention"],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"])
+            _state["module"] = build.load(EXTENSION)
+        except TimedOut as e:                       # another process still building after the bound
+            _state["error"] = str(e)
+            print(f"tltlib: {e}; decode attention uses the matmul path in this process (same results)",
+                  file=sys.stderr, flush=True)
+        except TLTError:
+            raise                                   # a bad setting (TLTLIB_BUILD_WAIT_S): its own clear error
         except Exception as e:                      # no compiler, no ninja, a read-only cache, ...
             _state["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
             warnings.warn(f"tltlib: the CPU ragged-attention kernel could not be built ({_state['error']}); decode "

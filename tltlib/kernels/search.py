@@ -1,10 +1,13 @@
 """The kernel search: time every candidate kernel for the shapes and bands of rows a model's rollout uses, on this
 machine, and keep the fastest per cell in the machine's kernel table (:mod:`tltlib.kernels.table`).
 
-:func:`ensure` runs when a CPU rollout engine is made (and before the cost model and the simulator's calibration time
-forwards): the cells of the model's (and drafter's) shapes that this machine's table lacks are measured once, with a
-progress bar, and saved; later processes read them (tiny reasoner and its drafter ~7 s, SmolLM2-135M 17-30 s,
-once per machine and thread count). ``python -m tltlib bench kernels`` measures them afresh and writes a results table.
+:func:`ensure` measures at a moment the user chooses: ``python -m tltlib setup`` (the shipped tiny reasoner and its
+drafter), ``python -m tltlib kernels --model PATH`` (any model), or a notebook's set-up cell: the cells of the model's
+(and drafter's) shapes that this machine's table lacks are measured once, with a progress bar, and saved; later
+processes read them (tiny reasoner and its drafter ~7 s, SmolLM2-135M 17-30 s, once per machine and thread count).
+A rollout engine (and the cost model) only reads the table: cells it lacks run PyTorch's defaults, with one quiet
+line per process naming the command, unless ``TLTLIB_KERNELS=measure``. ``python -m tltlib bench kernels``
+measures afresh and writes a results table.
 
 How a cell is measured (:func:`measure_cell`): every candidate once as a warm-up, then ``rounds`` interleaved rounds
 (the order rotated each round, so a slow moment hits all alike), each timing a call repeated until ``sample_s`` has
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -290,13 +294,17 @@ _attempted: set[tuple] = set()     # (machine, cell key) measured in this proces
 
 
 def ensure(model, drafter=None, config: SearchConfig = SearchConfig(), progress: bool = True,
-           timer: Timer | None = None) -> kt.KernelTable:
-    """This machine's kernel table with every cell of ``model``'s (and ``drafter``'s) shapes measured: what the table
-    lacks is measured now (once per machine, thread count and shape; a progress bar), saved and used by this process.
-    No effect on CUDA, for other dtypes than float32, or with ``TLTLIB_KERNELS=0``. Cells too noisy to choose keep
-    PyTorch's default: the bar's last line says how many (one quiet line, no warning); they count as measured, so a
-    busy machine's table settles instead of being measured again by every process (``python -m tltlib bench
-    kernels`` measures afresh, on a quiet machine)."""
+           timer: Timer | None = None, measure: bool | None = True) -> kt.KernelTable:
+    """This machine's kernel table for ``model``'s (and ``drafter``'s) shapes.
+
+    ``measure=True`` (an explicit call: the set-up, ``python -m tltlib kernels``, a notebook's set-up cell): what
+    the table lacks is measured now (once per machine, thread count and shape; a progress bar), saved and used by
+    this process. ``measure=None`` (a rollout engine being made): measured only with ``TLTLIB_KERNELS=measure``;
+    otherwise the cells it lacks use PyTorch's defaults and one quiet line per process says how to measure them.
+    No effect on CUDA, for other dtypes than float32, or with ``TLTLIB_KERNELS=0``. A noisy cell is measured up to
+    ``1 + config.retries`` times within the call; if it stays noisy it keeps PyTorch's default and counts as
+    measured, so a busy machine's table settles instead of being measured again by every process (the bar's last
+    line says how many; ``python -m tltlib bench kernels`` measures afresh, on a quiet machine)."""
     if (not kt.enabled() or model.device.type != "cpu" or model.embed.weight.dtype != torch.float32
             or kt._OVERRIDE.get() is not None):
         return kt.current()
@@ -308,9 +316,20 @@ def ensure(model, drafter=None, config: SearchConfig = SearchConfig(), progress:
             todo = [c for c in cells if (table.machine, key_of(*shape, *_tuple(c))) not in _attempted]
             if todo:
                 fresh[part][shape] = todo
-                _attempted.update((table.machine, key_of(*shape, *_tuple(c))) for c in todo)
-    if not (fresh["linear"] or fresh["attention"]):
+    count = sum(map(len, fresh["linear"].values())) + sum(map(len, fresh["attention"].values()))
+    if not count:
         return table
+    if not (measure or (measure is None and kt.mode() == "measure")):
+        said = (table.machine, "unmeasured")
+        if said not in _attempted:
+            _attempted.add(said)
+            print(f"tltlib: this machine's kernel table lacks {count} cells of these shapes: PyTorch's default "
+                  "kernels there; `python -m tltlib kernels` measures them once (~10-30 s), or set "
+                  f"{kt.ENV}=measure", file=sys.stderr, flush=True)
+        return table
+    for part, key_of in (("linear", kt.linear_key), ("attention", kt.attention_key)):
+        for shape, cells in fresh[part].items():
+            _attempted.update((table.machine, key_of(*shape, *_tuple(c))) for c in cells)
     bar = _bar(fresh, progress, leave=True)
     try:
         linear, attention = search(model, drafter, fresh, timer, config, progress, bar)

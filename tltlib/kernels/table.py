@@ -30,7 +30,7 @@ the constants below, measured on the development VM, would pick — stays unless
 Cache: ``$TLTLIB_CACHE/kernels/<cpu>-<threads>t.json`` (default ``~/.cache/tltlib/kernels``), one file per CPU model
 and torch thread count, holding the :class:`tltlib.machine.Machine` it was measured on. A file whose machine differs
 (other CPU flags under the same model name, another torch, other cores) or that this version cannot read is ignored
-with one warning that says why, and measured again (:func:`tltlib.kernels.search.ensure`).
+with one warning that says why; PyTorch's defaults until it is measured again (:func:`tltlib.kernels.search.ensure`).
 
 Departures: none (kernel selection only; every candidate computes the same function up to float rounding).
 """
@@ -54,8 +54,12 @@ from ..machine import Machine, this_machine
 SCHEMA = 1
 """Version of the table file's layout; a file of another version is ignored and measured again."""
 ENV = "TLTLIB_KERNELS"
-"""Environment variable: ``0`` = no table (PyTorch's default kernels, nothing measured); unset or ``1``: the
-machine's table, measured on first use."""
+"""Environment variable (:func:`mode`): ``0``/``off`` = no table (PyTorch's default kernels, nothing read or
+measured); unset or ``1``/``on``: the machine's table as measured (by ``python -m tltlib setup``, ``python -m tltlib
+kernels`` or a notebook's set-up cell), PyTorch's defaults for cells it lacks; ``measure``: also measure what it lacks
+when a rollout engine is made."""
+MODES = {"0": "off", "off": "off", "false": "off", "no": "off", "1": "on", "on": "on", "true": "on", "yes": "on",
+         "": "on", "measure": "measure"}
 
 LINEAR_KERNELS = ("linear", "mm", "mm-pad", "packed")
 ATTENTION_KERNELS = ("sdpa", "matmul", "ragged")
@@ -294,9 +298,20 @@ EMPTY = KernelTable(None)
 """No table: PyTorch's default kernel everywhere."""
 
 
+def mode() -> str:
+    """``TLTLIB_KERNELS`` read (:data:`ENV`): "off", "on" (the default) or "measure"; anything else is refused."""
+    text = os.environ.get(ENV, "1")
+    try:
+        return MODES[text.strip().lower()]
+    except KeyError:
+        raise BadInput(f"{ENV}={text!r} is not a setting: use 0 (or off: PyTorch's default kernels), 1 (or on, the "
+                       "default: this machine's measured table) or measure (also measure missing cells when a "
+                       "rollout engine is made)") from None
+
+
 def enabled() -> bool:
-    """False when ``TLTLIB_KERNELS=0``: PyTorch's defaults, nothing measured or read."""
-    return os.environ.get(ENV, "1") != "0"
+    """False when ``TLTLIB_KERNELS`` is ``0``/``off``: PyTorch's defaults, nothing measured or read."""
+    return mode() != "off"
 
 
 def cache_dir() -> Path:
@@ -317,14 +332,16 @@ def load(path: str | os.PathLike, here: Machine) -> KernelTable | None:
         return None
     try:
         table = KernelTable.from_dict(read_json(path))
-    except (ValueError, KeyError, TypeError) as e:
-        warnings.warn(f"tltlib: kernel table {path} ignored ({str(e).splitlines()[0]}); measuring this machine's "
-                      "kernels again", stacklevel=3)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:     # a file of the wrong shape
+        why = f"{type(e).__name__}: {str(e).splitlines()[0]}" if str(e) else type(e).__name__
+        warnings.warn(f"tltlib: kernel table {path} ignored ({why}); PyTorch's default kernels until `python -m "
+                      "tltlib kernels` measures this machine again (it replaces the file)", stacklevel=3)
         return None
     diff = table.machine.differences(here)
     if diff:
         warnings.warn(f"tltlib: kernel table {path} ignored: measured on another machine or torch ({'; '.join(diff)}"
-                      "); measuring this machine's kernels again", stacklevel=3)
+                      "); PyTorch's default kernels until `python -m tltlib kernels` measures this one (it replaces "
+                      "the file)", stacklevel=3)
         return None
     return table
 

@@ -82,9 +82,10 @@ class KVConfig:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise BadInput(f"KVConfig.kind must be one of {KINDS}, got {self.kind!r}")
-        if isinstance(self.memory, bool) or not self.memory > 0:
-            raise BadInput(f"KVConfig.memory must be a share of free memory in (0, 1] or bytes > 1, "
-                           f"got {self.memory!r}")
+        if isinstance(self.memory, bool) or not isinstance(self.memory, (int, float)) or \
+                not 0 < self.memory < float("inf"):
+            raise BadInput(f"KVConfig.memory must be a number: a share of free memory in (0, 1] or bytes > 1 (e.g. "
+                           f"0.5 or 8e9), got {self.memory!r}")
         check_page_size(self.page_size)
 
     def budget_bytes(self, device: torch.device | str) -> int:

@@ -161,6 +161,8 @@ def read_job(params: str | os.PathLike, overrides: dict | None = None) -> Job:
     tlt = None if values["tlt"] is None else dataclass_from_mapping(TLTConfig, values["tlt"], f"{path}: tlt")
     scheduler = dataclass_from_mapping(SchedulerConfig, values["scheduler"], f"{path}: scheduler")
     _check_strategies(path, tlt, values["drafter"])
+    if tlt is not None:
+        tlt.check_drafter(bool(values["drafter"]), str(path))
     if tlt is not None and tlt.prior:
         _check_path(path, "tlt.prior", tlt.prior, "file")        # its fit to the model is checked when it loads
     return Job(str(path), values["model"], values["drafter"], values["dataset"], values["lengths"], values["task"],

@@ -81,3 +81,22 @@ class TLTConfig:
             raise BadInput("threshold must be >= 0, drafter_batch >= 1 and drafter_lr > 0")
         DriftGate(self.drafter_train, self.drift_margin)          # raises naming the allowed values
         AlarmConfig(accept_floor=self.accept_floor or None, patience=self.alarm_patience)     # the same
+        if self.prior and (self.speculative == "off" or (self.speculative != "adaptive" and not self.alarms)):
+            raise BadInput(f"tlt.prior {self.prior!r} would not be read: the adaptive tuner starts from its costs "
+                           "and the alarms take its accept floor, but this run has "
+                           + ("SD off" if self.speculative == "off" else f"the fixed strategy {self.speculative} "
+                              "and alarms off") + ": drop tlt.prior, or use speculative: adaptive")
+        if self.drafter_train == "on_drift" and not self.online_drafter:
+            raise BadInput("drafter_train: on_drift decides when the online drafter trains, but online_drafter is "
+                           "false (the drafter stays as loaded): drop drafter_train, or set online_drafter: true")
+
+    def check_drafter(self, has_drafter: bool, where: str) -> None:
+        """Refuse the settings that act only on a learned drafter when the run has none (they would be ignored
+        without a word); ``where`` names the run ("params.yaml", "tlt_rollout_func")."""
+        if has_drafter:
+            return
+        for name, set_ in (("drafter_train: on_drift", self.drafter_train == "on_drift"),
+                           (f"accept_floor: {self.accept_floor}", self.accept_floor > 0)):
+            if set_:
+                raise BadInput(f"{where}: tlt.{name} acts on the learned drafter's training or its SD steps, but "
+                               "this run has no drafter: give a drafter, or drop the setting")

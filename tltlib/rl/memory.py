@@ -83,9 +83,10 @@ class MeasuredLengths:
         fix = "; measure them again (notebook 01 writes them)" if self.source else ""
         if not self.lengths:
             raise BadInput(f"{where}needs at least one length{fix}")
-        if self.max_new_tokens < 1 or min(self.lengths) < 0 or max(self.lengths) > self.max_new_tokens:
-            raise BadInput(f"{where}lengths must lie in [0, max_new_tokens={self.max_new_tokens}] (max_new_tokens "
-                           f">= 1), got {min(self.lengths)}..{max(self.lengths)}{fix}")
+        if self.max_new_tokens < 1 or min(self.lengths) < 1 or max(self.lengths) > self.max_new_tokens:
+            raise BadInput(f"{where}lengths must lie in [1, max_new_tokens={self.max_new_tokens}] (every response "
+                           f"holds at least its EOS token; max_new_tokens >= 1), got "
+                           f"{min(self.lengths)}..{max(self.lengths)}{fix}")
 
     def save(self, path) -> None:
         """Write ``{"lengths": [...], "max_new_tokens": N}`` to ``path`` (JSON, through a temporary file)."""

@@ -13,10 +13,11 @@ import time
 from ..drafting.pairs import PairBuffer, PairBufferConfig
 from ..drafting.train import DrafterTrainConfig, DrafterTrainer
 from ..errors import BadInput
-from ..fileio import read_json, resolve
+from ..fileio import resolve
 from ..model.weights import fingerprint
-from ..rollout.adaptive import AdaptiveConfig, AdaptiveController, TunerConfig, default_threshold, load_prior
+from ..rollout.adaptive import AdaptiveConfig, AdaptiveController, TunerConfig, default_threshold
 from ..rollout.alarms import AlarmConfig, Alarms, WatchedSource, card_acceptance, card_floor
+from ..rollout.prior import load_prior
 from ..sim.measure import measure_costs
 from ..spec.strategy import SpecStrategy
 from .config import TLTConfig
@@ -67,27 +68,20 @@ def strategy(tlt: TLTConfig, controller, alarms: Alarms | None = None):
     return WatchedSource(source, alarms) if alarms is not None and source is not None else source
 
 
-def alarms_for(tlt: TLTConfig, drafter) -> Alarms | None:
+def alarms_for(tlt: TLTConfig, model, drafter) -> Alarms | None:
     """The run's alarms (None with ``tlt.alarms`` off or SD off): the accept floor from ``tlt.accept_floor``, else
-    the one ``tlt.prior`` recommends (the check measured it at the run's settings), else from the card of the
-    folder the drafter was loaded from (none without one)."""
+    the one ``tlt.prior`` recommends (the check measured it at the run's settings; the file is checked against this
+    model, drafter and machine, whatever the strategy), else from the card of the folder the drafter was loaded
+    from (none without one)."""
     if not tlt.alarms or tlt.speculative == "off":
         return None
     config = AlarmConfig(accept_floor=tlt.accept_floor or None, patience=tlt.alarm_patience)
-    measured = prior_floor(tlt.prior) if tlt.prior and not tlt.accept_floor else None
-    if measured is not None:
-        return Alarms(config, measured, f"the check's prior file {tlt.prior}")
+    prior = load_prior(resolve(tlt.prior), model, drafter) if tlt.prior else None
+    if prior is not None and prior.accept_floor is not None and not tlt.accept_floor:
+        return Alarms(config, prior.accept_floor, f"the check's prior file {tlt.prior}")
     card = card_acceptance(getattr(drafter, "source", None))
     where = "the drafter's card: " + ", ".join(f"{k} {v:.2f}" for k, v in card.items())
     return Alarms(config, card_floor(card, config.floor_share), where)
-
-
-def prior_floor(path: str) -> float | None:
-    """The accept floor a tuner prior file recommends (``python -m tltlib check``: from the accept length measured at
-    the run's settings), or None when it has none."""
-    d = read_json(resolve(path), "write it again with python -m tltlib check --prior FILE")
-    floor = (d.get("recommended") or {}).get("accept_floor") if isinstance(d, dict) else None
-    return float(floor) if floor else None
 
 
 def watch_drafter(alarms: Alarms | None, held, drafter, version, policy_moved: bool, due: bool, world=None) -> None:

@@ -137,7 +137,7 @@ class GRPOTrainer:
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None  # pi_ref
         self.spot = SpotTrainer(self.world, self.sched, self.drafter_trainer, self.buffer, self.tlt.drafter_batch)
         self.controller = adaptive_controller(model, drafter, self.tlt, args.generation_batch_size, args.seed)
-        self.alarms = online.alarms_for(self.tlt, drafter)     # SD's and the drafter's silent failures (alarm/*)
+        self.alarms = online.alarms_for(self.tlt, model, drafter)     # SD's and the drafter's silent failures (alarm/*)
         self.drift = DriftGate(self.tlt.drafter_train, self.tlt.drift_margin)     # when the online drafter trains
         self._source = online.strategy(self.tlt, self.controller, self.alarms)
         rank_seed = args.seed + 7919 * self.world.rank    # rank 0 samples as one process does

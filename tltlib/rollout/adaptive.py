@@ -19,8 +19,9 @@
   prior. The acceptance starts from ``accept_prior`` and then follows what chain SD steps measure, depth by depth, per
   drafter family and batch-size bucket (a bucket's own measurement shrunk towards the family's: the tail's rows are late
   in their responses, where a drafter can be worse than early on). While the rows are at one length, an SD step is also
-  charged the masked attention every later plain step pays once it has left them ragged. :func:`save_prior` /
-  :func:`load_prior` keep the costs and the measured acceptance for the next run on the same model and machine.
+  charged the masked attention every later plain step pays once it has left them ragged.
+  :func:`tltlib.rollout.prior.save_prior` / :func:`~tltlib.rollout.prior.load_prior` keep the costs and the measured
+  acceptance for the next run on the same model and machine.
 * **Drafter changes.** When the learned drafter's weights change (``drafter.version`` moves) the evidence of the
   arms that use it, and their measured acceptance, keep ``tuner.discount`` of their weight (``"discount"``), or are
   erased (``"reset"``), or kept whole (``"keep"``).
@@ -35,26 +36,21 @@ every running request).
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from ..errors import BadInput
-from ..fileio import atomic_write_text, read_json
-from ..machine import machine_info
-from ..model.weights import fingerprint
 from ..sim.costs import MeasuredCosts, iteration_time, plain_rate, predicted_speedup, switch_cost
 from ..spec.strategy import OFF, SpecStrategy, StrategySource
 from .bandit import BEGMAB, DEFAULT_ARMS, PRIOR_REFRESH, Bandit, TunerConfig
 
 __all__ = ["BEGMAB", "DEFAULT_ARMS", "Bandit", "TunerConfig", "AdaptiveConfig", "AdaptiveController",
-           "default_threshold", "Prior", "save_prior", "load_prior", "timed_rollout"]
+           "default_threshold", "timed_rollout"]
 
 # SD on/off threshold (running rows) by device type. CPU: bench/speculative.py measured that SD with the shipped warm
 # drafter pays at every batch size it tried (up to 512, the GRPO batch of notebook 04), so the tail switch is set at
@@ -331,62 +327,6 @@ class AdaptiveController(StrategySource):
         self.tuner.update(active, strategy, reward)
         for k, v in (("active", active), ("arm", strategy.name), ("reward", reward), ("tokens_per_s", rate)):
             self.log[k].append(v)
-
-
-# ------------------------------------------------------------------------------------------------ prior file
-PRIOR_FORMAT = "tltlib-tuner-prior"
-
-
-class Prior(NamedTuple):
-    """What a tuner prior file holds: the cost model, the measured acceptance states by drafter family and the
-    threshold and arms recommended with them (``python -m tltlib check``; 0 and () when none was)."""
-
-    costs: MeasuredCosts
-    accept: dict
-    threshold: int
-    arms: tuple
-
-
-def _fingerprint(target, drafter, device: str) -> dict:
-    c, m = target.config, machine_info(device)
-    return {"model": {"hidden_size": c.hidden_size, "num_layers": c.num_layers, "vocab_size": c.vocab_size,
-                      "dtype": str(target.embed.weight.dtype)},
-            "drafter": None if drafter is None else {"draft_vocab_size": drafter.config.draft_vocab_size,
-                                                     "weights": fingerprint(drafter)},
-            "machine": {k: m.get(k) for k in ("cpu", "gpu", "threads", "torch")}}
-
-
-def save_prior(path, controller: AdaptiveController, target, drafter=None, recommended: dict | None = None) -> None:
-    """Write the controller's cost model and measured acceptance (JSON, atomically), with the model's shape, the
-    drafter's weights (a digest) and the machine they were measured on, so the next run on the same model, drafter
-    and machine starts from them; ``recommended``: ``{"threshold": int, "arms": [names]}`` measured with them."""
-    if controller.costs is None:
-        raise BadInput("this controller has no cost model to save; build it with costs=measure_costs(...) "
-                       "(tltlib.sim.measure)")
-    d = {"format": PRIOR_FORMAT, "fingerprint": _fingerprint(target, drafter, str(target.embed.weight.device)),
-         "costs": controller.costs.to_dict(), "accept": {f: a.state_dict() for f, a in controller.accept.items()},
-         "recommended": recommended or {"threshold": 0, "arms": []}}
-    atomic_write_text(path, json.dumps(d, indent=1) + "\n")
-
-
-def load_prior(path, target, drafter=None) -> Prior:
-    """The :class:`Prior` of :func:`save_prior`'s file, refused when it was measured for another model, drafter
-    (another architecture or other weights) or machine (its costs and acceptance would mislead the tuner): load it
-    into a controller with ``AdaptiveController(config, prior.costs)`` and
-    ``controller.accept[f].load_state_dict(prior.accept[f])``."""
-    d = read_json(path, "write it again with python -m tltlib check (or tltlib.rollout.adaptive.save_prior)")
-    if not isinstance(d, dict) or d.get("format") != PRIOR_FORMAT:
-        raise BadInput(f"{path} is not a tuner prior file (format {PRIOR_FORMAT!r}); write one with python -m "
-                       "tltlib check --prior FILE")
-    here = _fingerprint(target, drafter, str(target.embed.weight.device))
-    for part in ("model", "drafter", "machine"):
-        if d["fingerprint"].get(part) != here[part]:
-            raise BadInput(f"{path} was measured for another {part} ({d['fingerprint'].get(part)}; this run: "
-                           f"{here[part]}): its costs and acceptance would mislead the tuner. Measure afresh for "
-                           "this setting: python -m tltlib check --model M --drafter D --prior FILE")
-    rec = d.get("recommended") or {}
-    return Prior(MeasuredCosts.from_dict(d["costs"]), d["accept"], int(rec.get("threshold", 0)),
-                 tuple(rec.get("arms", ())))
 
 
 def timed_rollout(engine, prompts, strategy=None, seed: int = 0, progress: bool = False):

@@ -57,7 +57,7 @@ class Kept:
         self.packs = WeightPacks.of(engine.model)  # shared by every engine over this model
         if engine.model.device.type == "cpu":
             ragged_kernel()                       # built or loaded now (once per process), not in the first rollout
-            ensure_kernels(engine.model, engine.drafter)     # this machine's kernel choices for these shapes
+            ensure_kernels(engine.model, engine.drafter, measure=None)   # the table as measured (or env)
 
     def weight_packs(self) -> dict | None:
         """The packed weights a rollout runs with (re-packed when the weights changed), or None."""

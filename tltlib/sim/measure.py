@@ -65,7 +65,7 @@ def measure_costs(model, drafter=None, rows=None, contexts=(64, 512), tokens=(1,
     every forward is a plain call. ``progress``: a bar over the (rows, context) cells of each pass."""
     if passes not in (1, 2):
         raise BadInput(f"passes must be 1 (the tuner's measurement) or 2 (a calibration: the noise), got {passes}")
-    ensure_kernels(model, drafter)                    # the kernels a rollout runs with, chosen before any timing
+    ensure_kernels(model, drafter, measure=None)      # the kernels a rollout runs with (as it reads them)
     rows = tuple(rows) if rows is not None else _powers_of_four(max_batch)
     positions = model.config.max_position_embeddings
     contexts = tuple(sorted({min(c, positions - max(*tokens, *widths) - 2) for c in contexts}))

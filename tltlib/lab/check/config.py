@@ -64,6 +64,10 @@ class CheckConfig:
     threshold and arms, the tuner prior file), ``drafter`` (top-1 by depth, accept length)."""
 
     def __post_init__(self):
+        if self.temperature == float("inf") or self.temperature != self.temperature:
+            raise BadInput(f"check: temperature {self.temperature} is not a sampling temperature (at inf every token "
+                           "is equally likely, whatever the model): give the temperature your RL rollouts sample at "
+                           "(--temperature, GRPOConfig.temperature; e.g. 1.0)")
         if not self.temperature > 0:
             raise BadInput(f"check: temperature {self.temperature} samples greedily, so there is no distribution for "
                            "a χ² test to compare; greedy identity is what applies at temperature 0, and the check "

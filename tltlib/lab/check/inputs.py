@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import BadInput, NotFound
-from ...fileio import ROOT, resolve
+from ...fileio import ROOT, check_file_writable, resolve
 from ...tasks.datasets import generate_task, load_problems
 from ...tasks.prompts import encode_prompts
 from ..rljob import job_problems, read_job
@@ -55,9 +55,9 @@ def check_inputs(args) -> CheckInputs:
     for what, path in (("--model", model), ("--drafter", drafter)):
         if path and not resolve(path).is_dir():
             raise NotFound(f"check: {what} {path!r} is not a folder: pass a local model (drafter) folder")
-    for what, path in (("--out", args.out), ("--prior", args.prior)):
-        if path and not resolve(path).parent.is_dir():
-            raise NotFound(f"check: {what} {path!r}: its folder {str(resolve(path).parent)!r} does not exist")
+    for what, path in (("--out", args.out), ("--prior", args.prior)):   # where it writes, before minutes of tests
+        if path:
+            check_file_writable(path, f"check {what} file")             # the path as the command writes it
     cfg = CheckConfig(
         temperature=pick(args.temperature, g and g.temperature, 1.0), top_p=pick(args.top_p, g and g.top_p, 1.0),
         top_k=pick(args.top_k, g and g.top_k, 0),

@@ -10,9 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 from ...model.sampling import SamplingConfig
-from ...rollout.adaptive import AdaptiveConfig, AdaptiveController, save_prior, timed_rollout
+from ...rollout.adaptive import AdaptiveConfig, AdaptiveController, timed_rollout
 from ...rollout.bandit import TunerConfig
 from ...rollout.engine import RolloutConfig, RolloutEngine
+from ...rollout.prior import save_prior
 from ...sim.costs import predicted_speedup
 from ...sim.measure import measure_costs
 from ...spec.strategy import OFF, FixedStrategy, SpecStrategy
@@ -133,6 +134,10 @@ def pays(model, drafter, prompts, cfg: CheckConfig, prior_path=None, accept_floo
                                                                  "accept_floor": accept_floor})
         verdicts.append(Verdict("pays", "tuner prior", "info", f"tuner prior file written: {prior_path} "
                                 "(tlt.prior in a train-grpo job)", {"path": str(prior_path)}))
+    elif prior_path is not None:                  # asked for, not written: said, never a silent rc 0
+        verdicts.append(Verdict("pays", "tuner prior", "warn", f"tuner prior file NOT written to {prior_path}: no "
+                                "arm pays at any measured row count, so there is no threshold or arm to start a "
+                                "tuner from (keep tlt.speculative: off here)", {"path": None}))
     data = {"measured": {str(k): v for k, v in measured.items()},
             "predicted": {str(k): v for k, v in predicted.items()}, "threshold": threshold, "arms": list(arms)}
     return verdicts, data

@@ -33,9 +33,11 @@ class CheckReport:
     seconds: float = 0.0
 
     @property
-    def lossless(self) -> bool:
-        """Whether every losslessness test passed (the check's exit status)."""
-        return all(v.status != "fail" for v in self.verdicts if v.part == "lossless")
+    def lossless(self) -> bool | None:
+        """Whether every losslessness test passed (the check's exit status); None when none ran (``--parts``
+        without ``lossless``): never a claim of losslessness that no test made."""
+        tests = [v for v in self.verdicts if v.part == "lossless"]
+        return all(v.status != "fail" for v in tests) if tests else None
 
     def to_dict(self) -> dict:
         return {"format": REPORT_FORMAT, "lossless": self.lossless, "seconds": self.seconds,
@@ -106,9 +108,10 @@ def screen(report: CheckReport) -> str:
     token identity is not expected of it)."""
     out = [line(v) for v in report.verdicts]
     dtype = report.settings.get("dtype", "?")
-    out.append(("lossless: every test passed" if report.lossless else "NOT LOSSLESS: a test above failed")
-               + f" ({report.seconds:.0f} s on {report.machine.get('cpu') or report.machine.get('gpu') or '?'}, "
-               f"{dtype})")
+    verdict = {True: "lossless: every test passed", False: "NOT LOSSLESS: a test above failed",
+               None: "lossless: not tested (--parts without lossless)"}[report.lossless]
+    where = report.machine.get("cpu") or report.machine.get("gpu") or "?"
+    out.append(verdict + f" ({report.seconds:.0f} s on {where}, {dtype})")
     if dtype in ("bfloat16", "float16"):
         out.append(f"note: in {dtype} the verify and decode forwards round differently, so token identity is not "
                    "expected: a greedy or χ² failure may be rounding, not a loss; --dtype float32 (the default) "

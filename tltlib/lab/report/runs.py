@@ -47,8 +47,29 @@ def test_suite(r) -> str:
     return md_table(["machine", "tiers", "passed", "skipped", "failed", "wall time", ""], rows)
 
 
+def busy_suite(r) -> str:
+    """The default tier beside busy loops against its quiet time (``bench tests --busy N``:
+    ``bench/results/busy_tests-<cpu>.json``); a failing or too slow run is refused."""
+    stems = sorted(p.stem for p in r.folder.glob("busy_tests-*.json"))
+    if not stems:
+        raise ReportError(f"{r.folder}: no busy_tests-<cpu>.json; run python -m tltlib bench tests --busy 2")
+    rows = []
+    for stem in stems:
+        d = r.json(stem)
+        m, c = d["machine"], d["counts"]
+        if d["returncode"] != 0 or d["ratio"] > d["limit"]:
+            raise ReportError(f"{r.folder / stem}.json records a busy run that failed or took {d['ratio']:.2f}x its "
+                              "quiet time: fix the tests, then run python -m tltlib bench tests --busy 2 again")
+        rows.append([f"{m['cpu']} ({m['threads']} threads), torch {m['torch']}", d["busy"],
+                     f"{d['load_average'][0]:.1f}", c.get("passed", 0), c.get("failed", 0),
+                     minutes(d["quiet_seconds"]), minutes(d["seconds"]), f"{d['ratio']:.2f}x",
+                     r.link(stem, "slowest tests")])
+    return md_table(["machine", "busy loops", "load", "passed", "failed", "quiet", "busy", "ratio", ""], rows)
+
+
 RENDERERS: dict[str, Callable] = {
     "run_times": run_times,
     "test_suite": test_suite,
+    "busy_suite": busy_suite,
 }
 """The run-time renderers a doc can name (``<!-- report: NAME -->``)."""
