@@ -19,11 +19,10 @@ from tltlib.rollout.adaptive import (
     DepthAcceptance,
     TunerConfig,
     default_threshold,
-    load_prior,
-    save_prior,
     timed_rollout,
 )
 from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+from tltlib.rollout.prior import load_prior, save_prior
 from tltlib.sim.costs import MeasuredCosts, iteration_time, plain_rate, predicted_speedup, switch_cost
 from tltlib.sim.measure import measure_costs
 from tltlib.spec.acceptance import expected_tokens
@@ -290,9 +289,9 @@ def test_prior_file_round_trip_and_refusals(tmp_path, small_pair):
     ctl = AdaptiveController(AdaptiveConfig(threshold=4), cm, drafter)
     ctl.accept["learned"].update(np.array([1, 2, 5]))
     save_prior(tmp_path / "prior.json", ctl, target, drafter, recommended={"threshold": 4, "arms": ["off", "chain-4"]})
-    costs, accept, threshold, arms = load_prior(tmp_path / "prior.json", target, drafter)
+    costs, accept, threshold, arms, floor = load_prior(tmp_path / "prior.json", target, drafter)
     assert costs.to_dict() == cm.to_dict() and accept["learned"]["reached"][:2] == [8.0, 7.0]
-    assert (threshold, arms) == (4, ("off", "chain-4"))
+    assert (threshold, arms, floor) == (4, ("off", "chain-4"), None)
     retrained = copy.deepcopy(drafter)                       # the same shape, other weights: another drafter
     with torch.no_grad():
         retrained.fc.weight[0, 0] += 1e-3
