@@ -125,10 +125,10 @@ def test_the_floor_comes_from_the_card():
     acc = card_acceptance("data/tiny-reasoner-drafter")
     assert acc["chain-4"] == pytest.approx(4.85, abs=0.01) and card_floor(acc, 0.3) == pytest.approx(2.15, abs=0.01)
     assert card_acceptance("data") == {} and card_acceptance(None) == {} and card_floor({}, 0.3) is None
-    alarms = online.alarms_for(TLTConfig(), type("D", (), {"source": "data/tiny-reasoner-drafter"})())
+    alarms = online.alarms_for(TLTConfig(), None, type("D", (), {"source": "data/tiny-reasoner-drafter"})())
     assert alarms.floor == pytest.approx(2.15, abs=0.01) and "chain-4 4.85" in alarms.floor_source
-    assert online.alarms_for(TLTConfig(accept_floor=3.0), None).floor == 3.0
-    assert online.alarms_for(TLTConfig(alarms=False), None) is None
+    assert online.alarms_for(TLTConfig(accept_floor=3.0), None, None).floor == 3.0
+    assert online.alarms_for(TLTConfig(alarms=False), None, None) is None
     with pytest.raises(ValueError, match="accept_floor.*>= 1"):
         TLTConfig(accept_floor=0.5)
 
