@@ -64,6 +64,69 @@ def verify_chain(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
     return accepted, sample(dist, generator)
 
 
+def block_weights(p_d: torch.Tensor, q_d: torch.Tensor) -> torch.Tensor:
+    """Block verification's running weights ``w_i = min(w_{i-1} p_i(d_i) / q_i(d_i), 1)``, ``w_0 = 1``.
+
+    Args: p_d, q_d: ``[B, G]`` the target's and the drafter's probabilities of the drafts (float64).
+    Returns: ``[B, G+1]`` float64 (column i: the weight after the first i drafts)."""
+    ratio = p_d / q_d.clamp_min(1e-300)
+    w = [torch.ones_like(ratio[:, 0])]
+    for i in range(ratio.shape[1]):
+        w.append(torch.minimum(w[-1] * ratio[:, i], torch.ones_like(w[-1])))
+    return torch.stack(w, 1)
+
+
+def block_residuals(w: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The unnormalised residuals ``max(w_i p_{i+1} - q_{i+1}, 0)`` after each prefix of i < G drafts.
+
+    Args: w: ``[B, G+1]`` :func:`block_weights`; p: ``[B, G+1, V]``; q: ``[B, G, V]``.
+    Returns: ``[B, G, V]`` float64."""
+    g = q.shape[1]
+    return (w[:, :g, None] * p[:, :g].double() - q.double()).clamp_min(0.0)
+
+
+def block_stop_probs(w: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """Each prefix's chance ``h_i`` to be the one kept if no longer one is: ``mass_i / (mass_i + 1 - w_i)`` for
+    i < G (1 where both are 0: ``w_0 = 1`` with p == q), ``w_G`` for the whole block.
+
+    Args: w: ``[B, G+1]``; mass: ``[B, G]`` the residuals' sums. Returns: ``[B, G+1]`` float64 in [0, 1]."""
+    g = mass.shape[1]
+    den = mass + 1.0 - w[:, :g]
+    h = torch.where(den > 0, mass / den.clamp_min(1e-300), torch.ones_like(mass))
+    return torch.cat([h, w[:, g:]], 1)
+
+
+def verify_chain_block(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
+                       generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block verification (Sun et al. 2024, "Block Verification Accelerates Speculative Decoding") of a batch of
+    drafted chains: the whole block is judged jointly, so a prefix may be kept past a draft that token-wise
+    verification would have rejected; lossless, and it keeps at least as many drafts in expectation.
+
+    Each prefix length i gets an independent uniform; the longest i whose uniform is under :func:`block_stop_probs`
+    ``h_i`` is kept (i = 0 always qualifies), then the next token is drawn from the normalised residual
+    ``max(w_i p_{i+1} - q_{i+1}, 0)`` (:func:`block_residuals`), or from the bonus distribution when the whole block
+    is kept. With one draft this is Leviathan's rule.
+
+    Args / Returns: as :func:`verify_chain` (``p [B, G+1, V]``, ``q [B, G, V]``, ``drafts [B, G]``; ``(accepted
+    [B], next [B])``)."""
+    b, g = drafts.shape
+    p_d = p[:, :g].gather(-1, drafts[..., None])[..., 0].double()
+    q_d = q.gather(-1, drafts[..., None])[..., 0].double()
+    w = block_weights(p_d, q_d)
+    res = block_residuals(w, p, q)
+    h = block_stop_probs(w, res.sum(-1))
+    u = uniforms(b, g, generator=generator, device=p.device)
+    ok = torch.cat([torch.ones(b, 1, dtype=torch.bool, device=p.device), u < h[:, 1:]], 1)      # [B, G+1]
+    accepted = (ok.long() * torch.arange(g + 1, device=p.device)).amax(-1)                      # the longest kept
+    rows = torch.arange(b, device=p.device)
+    at = accepted.clamp(max=g - 1)
+    r = res[rows, at]
+    mass = r.sum(-1, keepdim=True)
+    dist = torch.where(mass > 0, r / mass.clamp_min(1e-300), p[rows, at].double())
+    dist = torch.where((accepted == g)[:, None], p[:, g].double(), dist)
+    return accepted, sample(dist, generator)
+
+
 def verify_chain_point(p: torch.Tensor, drafts: torch.Tensor,
                        generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Leviathan rejection for *deterministic* drafts (q a point mass on each draft, e.g. n-gram proposals):
