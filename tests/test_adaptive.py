@@ -160,6 +160,22 @@ def test_adaptive_rollout_is_token_identical_to_plain_at_temperature_zero(small_
     assert len(ctl.log["reward"]) > 0
 
 
+def test_the_tuner_may_choose_block_verification_as_an_arm_of_its_own(small_pair):
+    """``chain-3:block`` beside ``chain-3``: two arms, each rewarded for what it measured, and at T=0 the rollout
+    stays the plain one whichever verifies."""
+    target, drafter = small_pair
+    prompts = [[1, 5, 6], [1, 7], [1, 3, 4, 5, 6, 8, 9], [1, 10, 11, 12]]
+    eng = RolloutEngine(target, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=40), num_generations=2),
+                        drafter=drafter)
+    plain = eng.generate(prompts)
+    arms = ("off", "chain-3", "chain-3:block")
+    ctl = AdaptiveController(AdaptiveConfig(threshold=8, tuner=TunerConfig(arms=arms, buckets=(1, 4, 8),
+                                                                           rule="epsilon-greedy", epsilon=0.5)))
+    res = eng.generate(prompts, strategy=ctl)
+    assert torch.equal(plain.tokens, res.tokens)
+    assert {"chain-3", "chain-3:block"} <= set(res.timeline["strategy"]) and set(ctl.log["arm"]) <= set(arms)
+
+
 def test_reward_counts_only_rows_that_keep_running():
     ctl = AdaptiveController(AdaptiveConfig(threshold=8, tuner=TunerConfig(arms=("chain-4",), buckets=(1,))))
     arm = ctl.choose(0, 4)

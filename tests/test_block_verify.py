@@ -19,6 +19,7 @@ from tltlib.spec.verify import (
     block_residuals,
     block_stop_probs,
     block_weights,
+    expected_accepted,
     verify_chain,
     verify_chain_block,
 )
@@ -202,3 +203,29 @@ def test_one_draft_is_leviathans_rule_and_greedy_ties_are_kept():
     same = torch.softmax(torch.randn(1, 4, V, generator=torch.Generator().manual_seed(1), dtype=torch.float64), -1)
     accepted, _ = verify_chain_block(same, same[:, :3], torch.tensor([[0, 1, 2]]), torch.Generator().manual_seed(2))
     assert accepted.item() == 3
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_expected_drafts_kept_are_the_enumerations_for_both_rules(seed):
+    """expected_accepted (what bench block_verify compares the two rules by, on the same drafts) equals the exact
+    expectation of each rule for every chain, and block's is never below token-wise's."""
+    dist = _dists(seed, 1.0, close=0.5)
+    g = 3
+    for drafts in itertools.product(range(V), repeat=g):
+        p, q, d = _tensors(dist, drafts)
+        p_d, q_d = (x.gather(-1, d[..., None])[..., 0].double() for x in (p[:, :g], q))
+        w = block_weights(p_d, q_d)
+        h = block_stop_probs(w, block_residuals(w, p, q).sum(-1))[0].numpy()
+        block = sum(j * h[j] * np.prod([1 - h[i] for i in range(j + 1, g + 1)]) for j in range(1, g + 1))
+        run, token = 1.0, 0.0
+        for i in range(g):
+            run *= min(1.0, dist("p", drafts[:i])[drafts[i]] / dist("q", drafts[:i])[drafts[i]])
+            token += run
+        assert expected_accepted(p, q, d, "block").item() == pytest.approx(block, abs=1e-12)
+        assert expected_accepted(p, q, d, "token").item() == pytest.approx(token, abs=1e-12)
+    n = 50_000
+    p, q, d = _tensors(dist, _likely_chains(dist, g, 1)[0])
+    accepted, _ = verify_chain_block(p.expand(n, -1, -1), q.expand(n, -1, -1), d.expand(n, -1),
+                                     torch.Generator().manual_seed(seed))
+    want = expected_accepted(p, q, d, "block").item()
+    assert abs(accepted.double().mean().item() - want) < 5 * accepted.double().std().item() / n ** 0.5 + 1e-9

@@ -24,7 +24,7 @@ def pair():
     return target, drafter
 
 
-@pytest.mark.parametrize("strategy", [None, "chain-3", "tree-3x2-5"])
+@pytest.mark.parametrize("strategy", [None, "chain-3", "chain-3:block", "tree-3x2-5"])
 @pytest.mark.parametrize("sampling", [dict(temperature=0.8, top_k=10, top_p=0.9), dict(temperature=1.0),
                                       dict(temperature=0.0)], ids=["topk-topp", "t1", "greedy"])
 def test_training_logprobs_equal_the_rollouts(pair, strategy, sampling):

@@ -22,7 +22,7 @@ CFG = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layer
                   eos_token_ids=(2,), pad_token_id=0, bos_token_id=1, max_position_embeddings=160)
 PROMPTS = [[1, 5, 6], [1, 7], [1, 3, 4, 5, 6, 8, 9], [1, 10, 11, 12], [1, 13]]
 STRATEGIES = [SpecStrategy("chain", 1), SpecStrategy("chain", 4), SpecStrategy("tree", 3, 2),
-              SpecStrategy("tree", 4, 3, 8)]
+              SpecStrategy("tree", 4, 3, 8), SpecStrategy("chain", 4, rule="block")]
 
 
 def _model(seed=0, eos_boost=2.0, cfg=CFG):
@@ -207,7 +207,8 @@ def _sd_joint_pvalue(strategy, temperature, top_k, top_p, rows=12000, seed=0, dr
 
 @pytest.mark.parametrize("strategy,temperature,top_k,top_p", [
     (SpecStrategy("chain", 2), 1.0, 0, 1.0), (SpecStrategy("chain", 3), 0.8, 4, 1.0),
-    (SpecStrategy("tree", 2, 2), 1.1, 0, 0.9), (SpecStrategy("tree", 3, 2, 4), 0.9, 5, 0.95)],
+    (SpecStrategy("tree", 2, 2), 1.1, 0, 0.9), (SpecStrategy("tree", 3, 2, 4), 0.9, 5, 0.95),
+    (SpecStrategy("chain", 3, rule="block"), 0.9, 0, 1.0), (SpecStrategy("chain", 2, rule="block"), 1.0, 4, 0.9)],
     ids=lambda x: getattr(x, "name", str(x)))
 def test_sd_sampling_distribution_equals_plain(strategy, temperature, top_k, top_p):
     assert _sd_joint_pvalue(strategy, temperature, top_k, top_p) > 1e-3
@@ -239,6 +240,18 @@ def test_greedy_sd_with_a_draft_vocabulary_is_token_identical(target, good, stra
 def test_sd_chi_square_detects_a_missing_residual(monkeypatch):
     monkeypatch.setattr(verify, "residual", lambda p, q: p)
     assert _sd_joint_pvalue(SpecStrategy("chain", 2), 1.0, 0, 1.0) < 1e-6
+
+
+def test_sd_block_chi_square_detects_a_stop_probability_without_the_residuals_mass(monkeypatch):
+    """The controls for block verification: judging each prefix by its weight alone (h_i = w_i, a subtle bias the
+    exact enumeration of tests/test_block_verify.py also shows) and sampling p instead of the residual are both
+    lossy, and the rollout's chi-square test catches each (the subtle one at 40,000 rows)."""
+    block = SpecStrategy("chain", 3, rule="block")
+    with monkeypatch.context() as m:
+        m.setattr(verify, "block_stop_probs", lambda w, mass: w)
+        assert _sd_joint_pvalue(block, 1.0, 0, 1.0, rows=40_000) < 1e-6
+    monkeypatch.setattr(verify, "block_residuals", lambda w, p, q: p[:, :q.shape[1]].double())
+    assert _sd_joint_pvalue(block, 1.0, 0, 1.0) < 1e-6
 
 
 def test_sd_tree_chi_square_detects_a_missing_residual(monkeypatch):

@@ -205,3 +205,20 @@ def test_strategy_names_round_trip_and_bad_names():
             S.SpecStrategy.parse(bad)
     with pytest.raises(ValueError, match="depth must be >= 1"):
         S.SpecStrategy.parse("ngram-0")
+    block = S.SpecStrategy.parse("chain-4:block")
+    assert block == S.SpecStrategy("chain", 4, rule="block") and block.name == "chain-4:block"
+    assert block != S.SpecStrategy("chain", 4) and hash(block) != hash(S.SpecStrategy("chain", 4))
+    assert S.SpecStrategy.parse(" chain-2 : block ").name == "chain-2:block"
+
+
+@pytest.mark.parametrize("name, words", [
+    ("tree-4x2-8:block", "tree-4x2-8:block: block verification judges a chain .* does not apply to a tree"),
+    ("hybrid-3x2-6:block", "does not apply to a tree"),
+    ("suffix-4-8:block", "does not apply to a tree"),
+    ("ngram-4:block", "does not apply to ngram drafts \\(not sampled from a drafter's distribution\\)"),
+    ("chain-4:fast", "unknown verification rule 'fast'; choose token .* or block"),
+    ("chain-x:block", "cannot read speculative strategy 'chain-x'"),
+])
+def test_a_verification_rule_that_does_not_exist_or_apply_is_one_clear_error(name, words):
+    with pytest.raises(ValueError, match=words):
+        S.SpecStrategy.parse(name)

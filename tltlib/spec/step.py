@@ -46,7 +46,15 @@ from ..model.sampling import SamplingConfig, inverse_cdf, probs_from_logits, tok
 from .records import Emitted, SpecTrace
 from .strategy import SpecStrategy
 from .trees import DraftTree, chain_tree, select_nodes
-from .verify import drop_children, residual, verify_chain, verify_chain_greedy, verify_chain_point, verify_tree
+from .verify import (
+    drop_children,
+    residual,
+    verify_chain,
+    verify_chain_block,
+    verify_chain_greedy,
+    verify_chain_point,
+    verify_tree,
+)
 
 BACKLOG_BYTES = 256 << 20
 """Hidden states a rollout's drafter backlog may hold before plain iterations feed it (see ``SpecDecoder``)."""
@@ -220,6 +228,9 @@ class SpecDecoder:
         t0 = time.perf_counter()
         if strategy.kind in ("ngram", "suffix", "hybrid") and propose is None:
             raise BadInput(f"a {strategy.kind} step needs propose=...: run it through RolloutEngine.generate")
+        if self.keep_trace and strategy.rule == "block":
+            raise BadInput(f"a trace shows token-wise verification, draft by draft; {strategy.name} judges the "
+                           "chain jointly: trace chain-D")
         if self.keep_trace and strategy.kind in ("ngram", "suffix", "hybrid"):
             raise BadInput(f"a trace shows the learned drafter's chain or tree step; {strategy.name} has no "
                            "drafter probabilities for every node: trace a chain-D or tree-DxK-N step")
@@ -237,7 +248,8 @@ class SpecDecoder:
                 accepted, nxt = verify_chain_greedy(logits.argmax(-1), drafts)
             else:
                 p = probs_from_logits(logits, s.temperature, s.top_k, s.top_p)
-                accepted, nxt = verify_chain(p, qs, drafts, generator)
+                verify = verify_chain_block if strategy.rule == "block" else verify_chain
+                accepted, nxt = verify(p, qs, drafts, generator)
                 probs = p
             path = _chain_path(drafts)
         else:

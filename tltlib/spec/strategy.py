@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from ..errors import BadInput, WrongType
 
 KINDS = ("off", "chain", "tree", "ngram", "suffix", "hybrid")
+RULES = ("token", "block")
+"""How a chain's drafts are verified: ``token`` (Leviathan et al.'s rule, draft by draft) or ``block`` (Sun et al.
+2024: the block judged jointly; lossless too, and keeps at least as many drafts; chains of a learned drafter only)."""
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,8 @@ class SpecStrategy:
     drafts both the ``tree`` and a ``suffix`` tree of the same size and verifies, per row, the one with more expected
     accepted tokens (the drafter's path probabilities vs the suffix tree's empirical ones).
 
-    Names round-trip: ``SpecStrategy.parse("tree-8x4-32") == SpecStrategy("tree", 8, 4, 32)``."""
+    Names round-trip: ``SpecStrategy.parse("tree-8x4-32") == SpecStrategy("tree", 8, 4, 32)``,
+    ``SpecStrategy.parse("chain-4:block") == SpecStrategy("chain", 4, rule="block")``."""
 
     kind: str = "off"
     """``"off"``, ``"chain"``, ``"tree"``, ``"ngram"``, ``"suffix"`` or ``"hybrid"``."""
@@ -43,14 +47,27 @@ class SpecStrategy:
     budget: int = 0
     """Tree: draft tokens verified per step (0 = every drafted node); suffix: at most this many (>= 1). Chains
     verify ``depth``."""
+    rule: str = "token"
+    """How the drafts are verified (:data:`RULES`): ``token`` for every kind; ``block`` for ``chain`` (named
+    ``chain-D:block``)."""
 
     def __hash__(self) -> int:                  # kept: strategies key the tuner's tables every decode iteration
         return self._hash
 
     def __post_init__(self):
-        object.__setattr__(self, "_hash", hash((self.kind, self.depth, self.branch, self.budget)))
+        object.__setattr__(self, "_hash", hash((self.kind, self.depth, self.branch, self.budget, self.rule)))
         if self.kind not in KINDS:
             raise BadInput(f"unknown speculative strategy kind {self.kind!r}; choose one of {KINDS}")
+        if self.rule not in RULES:
+            raise BadInput(f"unknown verification rule {self.rule!r}; choose token (draft by draft) or block (the "
+                           "chain judged jointly: chain-D:block)")
+        if self.rule == "block" and self.kind != "chain":
+            raise BadInput(f"{self.name}:block: block verification judges a chain of a learned drafter's sampled "
+                           "drafts jointly, and does not apply to " + (
+                               "a tree (verified by target-only sampling over its siblings)"
+                               if self.kind in ("tree", "hybrid", "suffix") else
+                               f"{self.kind} drafts (not sampled from a drafter's distribution)")
+                           + ": use chain-D:block, or drop ':block'")
         if self.depth < 1:
             raise BadInput(f"draft depth must be >= 1, got {self.depth}")
         if self.branch < 1:
@@ -70,7 +87,9 @@ class SpecStrategy:
         ``hybrid-DxK-N`` (a strategy is returned as it is)."""
         if isinstance(name, cls):
             return name
-        text = str(name).strip()
+        text, _, rule = str(name).strip().partition(":")
+        if rule:
+            return cls.parse(text).with_rule(rule.strip())
         try:
             if text == "off":
                 return cls()
@@ -89,7 +108,12 @@ class SpecStrategy:
                 raise
         raise BadInput(f"cannot read speculative strategy {name!r}: write off, chain-DEPTH, ngram-DEPTH, "
                        "tree-DEPTHxTOPK-BUDGET, suffix-DEPTH-BUDGET or hybrid-DEPTHxTOPK-BUDGET (e.g. chain-4, "
-                       "ngram-8, tree-8x4-32, suffix-8-16, hybrid-6x4-24)")
+                       "ngram-8, tree-8x4-32, suffix-8-16, hybrid-6x4-24), a chain with :block for block "
+                       "verification (chain-4:block)")
+
+    def with_rule(self, rule: str) -> "SpecStrategy":
+        """This strategy verified by ``rule`` (:data:`RULES`; refused where it does not apply)."""
+        return SpecStrategy(self.kind, self.depth, self.branch, self.budget, rule)
 
     @property
     def uses_drafter(self) -> bool:
@@ -125,7 +149,7 @@ class SpecStrategy:
         if self.kind == "off":
             return "off"
         if self.kind in ("chain", "ngram"):
-            return f"{self.kind}-{self.depth}"
+            return f"{self.kind}-{self.depth}" + (":block" if self.rule == "block" else "")
         if self.kind == "suffix":
             return f"suffix-{self.depth}-{self.budget}"
         return f"{self.kind}-{self.depth}x{self.branch}-{self.verify_tokens}"

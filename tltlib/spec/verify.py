@@ -6,6 +6,9 @@ Verification keeps the output distribution *identical* to plain sampling from th
 * **chains** (drafts sampled from the drafter's distribution q) use Leviathan et al.'s rule: accept draft d with
   probability min(1, p(d)/q(d)); at the first rejection sample from norm(max(0, p - q)); if all are accepted sample
   a bonus token from p (:func:`verify_chain`);
+* **chains** verified as a **block** (``chain-D:block``; Sun et al. 2024, "Block Verification Accelerates Speculative
+  Decoding"): the longest prefix is kept by a joint rule over the whole block, then the next token drawn from a
+  weighted residual (:func:`verify_chain_block`); lossless, and keeps at least as many drafts in expectation;
 * **trees** (children chosen deterministically, top-k) use target-only inverse-CDF sampling over the siblings: draw
   u ~ U[0, 1), walk the children's target probabilities in order and take the first child whose running sum exceeds
   u; if none, sample from p with the children removed (the residual); at a leaf, sample from p
@@ -125,6 +128,25 @@ def verify_chain_block(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
     dist = torch.where(mass > 0, r / mass.clamp_min(1e-300), p[rows, at].double())
     dist = torch.where((accepted == g)[:, None], p[:, g].double(), dist)
     return accepted, sample(dist, generator)
+
+
+def expected_accepted(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, rule: str = "token") -> torch.Tensor:
+    """The expected number of drafts kept by ``rule`` ("token": :func:`verify_chain`; "block":
+    :func:`verify_chain_block`) on these very drafts, exactly (no sampling): what the two rules are compared by on
+    the same drafts.
+
+    Args: p ``[B, G+1, V]``, q ``[B, G, V]``, drafts ``[B, G]`` as :func:`verify_chain`. Returns: ``[B]`` float64."""
+    g = drafts.shape[1]
+    p_d = p[:, :g].gather(-1, drafts[..., None])[..., 0].double()
+    q_d = q.gather(-1, drafts[..., None])[..., 0].double()
+    if rule == "token":
+        return torch.minimum(p_d / q_d.clamp_min(1e-300), torch.ones_like(p_d)).cumprod(-1).sum(-1)
+    w = block_weights(p_d, q_d)
+    h = block_stop_probs(w, block_residuals(w, p, q).sum(-1))
+    # P(tau = j) = h_j * prod_{i > j} (1 - h_i) for j >= 1 (tau = 0 takes the rest)
+    later = torch.cat([torch.flip(torch.cumprod(torch.flip(1 - h[:, 1:], [1]), 1), [1])[:, 1:],
+                       torch.ones_like(h[:, :1])], 1)                         # [B, G]: prod_{i > j} (1 - h_i)
+    return (h[:, 1:] * later * torch.arange(1, g + 1, dtype=torch.float64, device=p.device)).sum(-1)
 
 
 def verify_chain_point(p: torch.Tensor, drafts: torch.Tensor,
