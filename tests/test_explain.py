@@ -108,6 +108,8 @@ def test_traced_steps_of_a_response_find_a_rejection_and_its_residual():
     torch.testing.assert_close(tr.final_dist.sum(-1), torch.ones(1))
     with pytest.raises(ValueError, match="needs a speculative strategy"):
         trace_steps(target, drafter, [1, 4], OFF, SamplingConfig())
+    with pytest.raises(ValueError, match="trace_steps shows token-wise verification.*trace chain-3"):
+        trace_steps(target, drafter, [1, 4], SpecStrategy.parse("chain-3:block"), SamplingConfig())
 
 
 def test_sample_categories_in_chunks_counts_every_sample():

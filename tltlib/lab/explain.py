@@ -26,6 +26,9 @@ def _traced_rollout(target, drafter, prompt: list[int], strategy: SpecStrategy, 
     its SD steps traced from now on (``rollout.spec.trace`` after each)."""
     if not strategy.enabled:
         raise BadInput(f"{what} needs a speculative strategy (chain or tree), not 'off'")
+    if strategy.rule == "block":
+        raise BadInput(f"{what} shows token-wise verification, draft by draft; {strategy.name} judges the chain "
+                       f"jointly: trace chain-{strategy.depth}")
     cfg = RolloutConfig(SamplingConfig(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                                        max_new_tokens=max_new_tokens), ignore_eos=ignore_eos)
     rollout = RolloutEngine(target, cfg, drafter=drafter).start(
