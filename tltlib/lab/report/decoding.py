@@ -169,6 +169,22 @@ def sampling(stem: str) -> Callable:
 
 
 
+def block_verify(stem: str) -> Callable:
+    """Block vs token-wise verification on the same drafts (``bench block_verify``): tokens per target forward."""
+    def render(r) -> str:
+        d = r.json(stem)
+        rows = [[f"chain-{v['depth']}", n(v["row_steps"]), f"{v['tokens_per_forward']['token']:.3f}",
+                 f"{v['tokens_per_forward']['block']:.3f}", x(v["block_over_token"], 3),
+                 f"{v['measured_accept_len']['token']:.2f}", f"{v['measured_accept_len']['block']:.2f}"]
+                for v in d["results"]]
+        s = d["settings"]
+        return (md_table(["strategy", "row-steps", "token-wise tokens / forward", "block tokens / forward",
+                          "block / token-wise", "accept length measured, token-wise", "block"], rows)
+                + f"\n\n{s['prompts']} {s['task']} prompts x {s['num_generations']}, T={s['temperature']}, up to "
+                f"{s['max_new']} new tokens, {d['machine']['cpu']} ({r.link(stem, 'results')}).")
+    return render
+
+
 SMOLLM2_DECODE = (("AMD EPYC", "decode-cpu-float32-smollm2-135m"),
                   ("Intel Xeon", "decode-cpu-float32-smollm2-135m-intel-xeon"))
 
@@ -201,5 +217,6 @@ RENDERERS: dict[str, Callable] = {
     "h100_decode": decode_table("decode-cuda-bfloat16"),
     "h100_sd": sd_grid("speculative-cuda-bfloat16", 0.9),
     "sampling": sampling("sampling-cpu"),
+    "smollm2_block_verify": block_verify("block_verify-cpu-float32"),
 }
 """The decoding renderers a doc can name (``<!-- report: NAME -->``)."""
