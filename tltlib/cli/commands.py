@@ -66,7 +66,6 @@ TEST_MARKERS = "not gpu and not slow and not browser and not timing"
 
 
 def cmd_test(args) -> int:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")      # one torch thread per test process (tests/conftest.py: why)
     import pytest
     notebook_env()
     os.chdir(ROOT)
