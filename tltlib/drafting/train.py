@@ -327,8 +327,10 @@ def train_offline(drafter, data, cfg: DrafterTrainConfig, eval_data=None, eval_e
         step += 1
         log["step"].append(step), log["loss"].append(stats["drafter/loss"])
         log["acc_1"].append(stats["drafter/acc_1"])
+        # refresh=False: the bar redraws at tqdm's own interval, not at every step (in JupyterLab a widget message
+        # per step, 10 a second, kept the browser busy on the cores the training needs)
+        bar.set_postfix(loss=f"{stats['drafter/loss']:.3f}", acc=f"{stats['drafter/acc_1']:.2f}", refresh=False)
         bar.update(1)
-        bar.set_postfix(loss=f"{stats['drafter/loss']:.3f}", acc=f"{stats['drafter/acc_1']:.2f}")
         if cfg.minutes and step == BUDGET_PROBE_STEPS:
             elapsed = time.perf_counter() - t0
             evals_left = -(-(cfg.steps - step) // eval_every) if eval_batch is not None else 0

@@ -34,15 +34,28 @@ class BrowserConfig:
     """Bound of each start-up wait: JupyterLab answering, the notebook opening, its kernel becoming idle."""
     redraw_seconds: float = 90.0
     """Bound of the wait for the figure to change after the slider moved."""
+    threads: int | None = None
+    """Torch threads of the notebook's kernel (``OMP_NUM_THREADS`` in JupyterLab's environment); None: unset, as in
+    a reader's JupyterLab (torch takes every core; torchrun gives each of its workers one thread). Never inherited:
+    the test command runs one thread per test process (tests/conftest.py), which would run every notebook on half a
+    2-core laptop, and a value of 2 would run each of notebook 06's two torchrun workers on both cores (5x slower)."""
     width: int = 1400
     """Browser viewport width, pixels."""
     height: int = 1000
     """Browser viewport height, pixels (the whole-notebook screenshot grows it to the notebook's height)."""
 
     def __post_init__(self):
+        if self.threads is not None and not (isinstance(self.threads, int) and self.threads >= 1):
+            raise BadInput(f"BrowserConfig.threads is {self.threads!r}; give a whole number >= 1, or None for every "
+                           f"core ({os.cpu_count()})")
         for name in ("slack", "start_seconds", "redraw_seconds", "width", "height"):
             if not getattr(self, name) > 0:
                 raise BadInput(f"BrowserConfig.{name} is {getattr(self, name)!r}; it must be positive")
+
+
+def kernel_threads(config: BrowserConfig) -> int | None:
+    """The torch threads the notebook's kernel is given: ``config.threads``, or None (unset: torch's default)."""
+    return config.threads
 
 
 def check_browser(chromium: str | os.PathLike = CHROMIUM) -> None:

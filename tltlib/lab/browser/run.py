@@ -23,7 +23,7 @@ from ...errors import TLTError
 from ...fileio import atomic_write_text
 from ...machine import cpu_name
 from ..notebook import JupyterLabProfile, jupyterlab_profile
-from .config import OUT_ROOT, BrowserConfig, check_browser
+from .config import OUT_ROOT, BrowserConfig, check_browser, kernel_threads
 from .page import has_slider, move_slider, open_notebook, problems, run_all, save, saved_errors, whole_notebook
 from .server import JupyterLab, RunMeter
 
@@ -60,7 +60,7 @@ class BrowserRun:
     versions: dict = field(default_factory=dict)
     """Chromium, JupyterLab, ipywidgets, playwright."""
     machine: dict = field(default_factory=dict)
-    """The CPU, its load before and after the run, ``TLTLIB_KERNELS``, the date."""
+    """The CPU, its load before and after the run, the kernel's torch threads, ``TLTLIB_KERNELS``, the date."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1) + "\n"
@@ -72,12 +72,12 @@ def _versions(browser) -> dict:
             "ipywidgets": md.version("ipywidgets"), "playwright": md.version("playwright")}
 
 
-def _machine(load_before: float) -> dict:
+def _machine(load_before: float, threads: int | None) -> dict:
     """The CPU, and how loaded it was: the 1-minute load average before Run All Cells and after the run (2 on 2
     cores means the kernel shared them with a second busy process)."""
     return {"cpu": cpu_name(), "cpus": os.cpu_count(), "load_before": round(load_before, 2),
-            "load_after": round(os.getloadavg()[0], 2), "TLTLIB_KERNELS": os.environ.get("TLTLIB_KERNELS", ""),
-            "date": time.strftime("%Y-%m-%d %H:%M")}
+            "load_after": round(os.getloadavg()[0], 2), "kernel_threads": threads or "unset",
+            "TLTLIB_KERNELS": os.environ.get("TLTLIB_KERNELS", ""), "date": time.strftime("%Y-%m-%d %H:%M")}
 
 
 def run_in_browser(browser, lab: JupyterLab, profile: JupyterLabProfile, out_root: Path = OUT_ROOT,
@@ -119,7 +119,7 @@ def run_in_browser(browser, lab: JupyterLab, profile: JupyterLabProfile, out_roo
     errors += saved_errors(out / nb.name, errors)
     run = BrowserRun(nb.name, round(wall, 1), profile.seconds, round(meter.peak_gb, 3), profile.rss_gb,
                      round(meter.kernel_cpu, 1), round(meter.tier_cpu, 1), tuple(errors), tuple(stderr), widget,
-                     cell_seconds, str(out), _versions(browser), _machine(load_before))
+                     cell_seconds, str(out), _versions(browser), _machine(load_before, lab.threads))
     atomic_write_text(out / "result.json", run.to_json())
     return run
 
@@ -133,7 +133,8 @@ class BrowserSession:
     def __enter__(self) -> BrowserSession:
         check_browser(self.config.chromium)
         from playwright.sync_api import sync_playwright
-        self._lab = JupyterLab(start_seconds=self.config.start_seconds, log=self.out_root / "jupyterlab.log")
+        self._lab = JupyterLab(start_seconds=self.config.start_seconds, log=self.out_root / "jupyterlab.log",
+                               threads=kernel_threads(self.config))
         self._lab.__enter__()
         try:
             self._pw = sync_playwright().start()

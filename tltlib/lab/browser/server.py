@@ -5,6 +5,8 @@ Paper: none (tooling). Departures:
 
 1. ``MPLBACKEND`` (``Agg`` under the test command) is removed from JupyterLab's environment, so the kernel draws
    figures inline as in a reader's JupyterLab.
+2. ``OMP_NUM_THREADS`` is not inherited (the test command's one thread per test process would halve a notebook's
+   cores): unset as in a reader's JupyterLab, or the config's :attr:`.config.BrowserConfig.threads`.
 """
 from __future__ import annotations
 
@@ -39,12 +41,24 @@ def _lab_settings(folder: Path) -> None:
     path.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
 
 
+def lab_environment(environ, state: Path, threads: int | None) -> dict:
+    """JupyterLab's environment: ``environ`` without ``MPLBACKEND`` and ``OMP_NUM_THREADS`` (set to ``threads`` when
+    given), with the tier's own settings and workspaces folders under ``state``."""
+    env = {k: v for k, v in environ.items() if k not in ("MPLBACKEND", "OMP_NUM_THREADS")}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    env.update(JUPYTERLAB_SETTINGS_DIR=str(state / "settings"), JUPYTERLAB_WORKSPACES_DIR=str(state / "ws"))
+    return env
+
+
 class JupyterLab:
     """JupyterLab from this venv on 127.0.0.1 (a free port and a random token), rooted at the project; a context
     manager: started (bounded wait for it to answer) on entry, stopped with its kernels on exit."""
 
-    def __init__(self, root: Path = ROOT, start_seconds: float = 120.0, log: Path | None = None):
+    def __init__(self, root: Path = ROOT, start_seconds: float = 120.0, log: Path | None = None,
+                 threads: int | None = None):
         self.root, self.start_seconds = root, start_seconds
+        self.threads = threads
         self.log = log or OUT_ROOT / "jupyterlab.log"
         self.port, self.token = _free_port(), secrets.token_hex(16)
         self.process: subprocess.Popen | None = None
@@ -54,8 +68,7 @@ class JupyterLab:
         self._state = tempfile.TemporaryDirectory(prefix="tltlib-jupyterlab-")
         state = Path(self._state.name)
         _lab_settings(state / "settings")
-        env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
-        env.update(JUPYTERLAB_SETTINGS_DIR=str(state / "settings"), JUPYTERLAB_WORKSPACES_DIR=str(state / "ws"))
+        env = lab_environment(os.environ, state, self.threads)
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("w") as log:
             self.process = subprocess.Popen(
