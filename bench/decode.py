@@ -8,10 +8,16 @@ the tltlib/transformers and tltlib/vLLM ratios. vLLM runs in-process when import
 
     python -m tltlib bench decode                       # CPU, fp32, the tiny reasoner
     python -m tltlib bench decode --device cuda --dtype bfloat16 --model /path/to/Qwen2.5-7B
+    python -m tltlib bench decode --model ~/.cache/tltlib/models/smollm2-135m --task words --compile --vllm off
+
+``--compile`` adds tltlib with its decoder layers compiled (``RolloutConfig(compile_layers=True)``,
+:mod:`tltlib.model.fused`) as a fourth engine, interleaved with the others: its speed, its ratio to tltlib eager, its
+tokens against transformers', and the seconds its first call spent compiling (in the warm-up, not timed).
 """
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,6 +50,8 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--batches", default="1,16,64", type=listed(positive_int, "1,16,64"))
     ap.add_argument("--task", default="chain", choices=["chain", "words"], help=TASK_HELP)
     ap.add_argument("--new-tokens", type=positive_int, default=128)
+    ap.add_argument("--compile", action="store_true",
+                    help="also tltlib with its decoder layers compiled by torch.compile (CPU), side by side")
     ap.add_argument("--vllm", default="auto", choices=["auto", "compiled", "eager", "off"],
                     help="vLLM column: auto = compiled when vLLM is installed (in .venv-vllm or here), else none")
     add_output_flags(ap, repeats=7, out_help="results folder (default bench/results)")
@@ -59,11 +67,13 @@ def main() -> None:
     device, dtype, path = str(ours.device), ours.embed.weight.dtype, resolve(args.model)
     hf = _hf_model(path, dtype, device, tok)
     n = args.new_tokens
-    engine = RolloutEngine(ours, RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=n), ignore_eos=True))
+    config = RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=n), ignore_eos=True)
+    engine = RolloutEngine(ours, config)
+    compiled = RolloutEngine(ours, replace(config, compile_layers=True)) if args.compile else None
     vllm, note = vllm_peer(args.vllm, path, args.dtype, n,     # the model's context, at most 2,048 (vLLM refuses more)
                            max_model_len=min(2048, ours.config.max_position_embeddings))
     try:
-        measured = [_measure_batch(b, args, tok, engine, hf, vllm, device) for b in args.batches.items]
+        measured = [_measure_batch(b, args, tok, engine, hf, vllm, device, compiled) for b in args.batches.items]
     finally:
         if vllm is not None and hasattr(vllm, "close"):
             vllm.close()
@@ -71,9 +81,17 @@ def main() -> None:
     header = ["batch", "tltlib tok/s", "transformers tok/s", "tltlib / transformers", "identical tokens"]
     if vllm is not None:
         header[3:3] = ["vLLM tok/s", "tltlib / vLLM"]
+    if compiled is not None:
+        from tltlib.model.fused import compile_seconds
+        header += ["compiled tok/s", "compiled / eager", "compiled identical"]
     payload = {"bench": "decode", "machine": machine_info(device), "model": str(args.model), "dtype": args.dtype,
                "settings": vars(args), "vllm": note, "results": results}
-    write_results(result_name("decode", device, args.dtype, model_suffix(args.model)), payload,
+    if compiled is not None:
+        payload["compile_seconds"] = compile_seconds()
+        note = (note + "; " if note else "") + (f"compiled layers: {compile_seconds():.1f} s compiling in the "
+                                                "warm-ups (not timed)")
+    suffix = model_suffix(args.model) + ("-compile" if compiled is not None else "")
+    write_results(result_name("decode", device, args.dtype, suffix), payload,
                   f"Plain greedy decoding, model {args.model}, {args.task} prompts, {n} new tokens per row, "
                   f"{args.dtype} on {device} (median of {args.repeats} after a warm-up)"
                   + (f"; {note}" if note else "") + "\n\n" + markdown_table(header, rows), args.out)
@@ -88,7 +106,7 @@ def _hf_model(path: Path, dtype, device: str, tok):
     return hf
 
 
-def _measure_batch(b: int, args, tok, engine, hf, vllm, device: str) -> tuple[dict, list]:
+def _measure_batch(b: int, args, tok, engine, hf, vllm, device: str, compiled=None) -> tuple[dict, list]:
     """Every engine on ``b`` prompts, interleaved: the result record and its table row."""
     import torch
     n = args.new_tokens
@@ -104,6 +122,8 @@ def _measure_batch(b: int, args, tok, engine, hf, vllm, device: str) -> tuple[di
         run_hf = lambda: out.__setitem__("hf", hf.generate(ids, attention_mask=mask, do_sample=False,
                                                            max_new_tokens=n, min_new_tokens=n)[:, width:])
         fns = {"ours": run_ours, "hf": run_hf}
+        if compiled is not None:
+            fns["compiled"] = lambda: out.__setitem__("compiled", compiled.generate(prompts).tokens)
         if vllm is not None:
             fns["vllm"] = lambda: out.__setitem__("vllm", vllm(prompts))
         # vLLM's worker keeps cores busy after its call returns (Intel OpenMP spins 200 ms, its engine longer): the next
@@ -122,6 +142,11 @@ def _measure_batch(b: int, args, tok, engine, hf, vllm, device: str) -> tuple[di
         rec["vllm_runs"] = timing["vllm"][1]
         rec["ratio_vllm"] = timing["vllm"][0] / t_ours
         row[3:3] = [rec["vllm_tok_s"], f"{rec['ratio_vllm']:.2f}x"]
+    if compiled is not None:
+        t_c, all_c = timing["compiled"]
+        rec.update(compiled_tok_s=b * n / t_c, compiled_runs=all_c, ratio_compiled=t_ours / t_c,
+                   compiled_identical=bool(torch.equal(out["compiled"].cpu(), out["hf"].cpu())))
+        row += [rec["compiled_tok_s"], f"{rec['ratio_compiled']:.2f}x", rec["compiled_identical"]]
     return rec, row
 
 

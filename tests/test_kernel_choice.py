@@ -361,6 +361,19 @@ def test_the_kernels_command_measures_the_shipped_pair_once(fresh_tables, monkey
     assert capsys.readouterr().err.startswith("error: TLTLIB_KERNELS=off turns this machine's kernel table off")
 
 
+def test_the_kernels_command_pairs_the_tiny_drafter_only_with_the_tiny_reasoner():
+    """``kernels --model OTHER`` measured OTHER with the tiny reasoner's drafter and failed (hidden 192 against
+    SmolLM2's 576); now another model has no drafter unless one is given."""
+    from tltlib.cli.commands import kernels_drafter
+    from tltlib.cli.parser import build_parser
+    args = build_parser().parse_args(["kernels", "--model", "/models/smollm2-135m"])
+    assert kernels_drafter(args.model, args.drafter) is None
+    args = build_parser().parse_args(["kernels"])
+    assert kernels_drafter(args.model, args.drafter) == "data/tiny-reasoner-drafter"
+    assert kernels_drafter("data/tiny-reasoner", "") is None
+    assert kernels_drafter("/m", "/m-drafter") == "/m-drafter"
+
+
 def test_the_set_up_says_in_one_line_when_it_could_not_measure_the_kernels(monkeypatch, capsys, tmp_path):
     """A measurement that fails or runs past its bound leaves the set-up standing, with one line naming the command
     that measures later."""

@@ -117,6 +117,17 @@ def cmd_get_model(args) -> int:
     return 0
 
 
+TINY_MODEL, TINY_DRAFTER = "data/tiny-reasoner", "data/tiny-reasoner-drafter"
+
+
+def kernels_drafter(model: str, drafter: str | None) -> str | None:
+    """The drafter ``python -m tltlib kernels`` measures beside ``model``: the one given ('' for none), else the tiny
+    reasoner's with the tiny reasoner, none with another model (the tiny drafter fits no other target)."""
+    if drafter is not None:
+        return drafter or None
+    return TINY_DRAFTER if model == TINY_MODEL else None
+
+
 def cmd_kernels(args) -> int:
     from ..kernels import search as ks
     from ..kernels import table as kt
@@ -124,10 +135,11 @@ def cmd_kernels(args) -> int:
     if not kt.enabled():
         raise BadInput(f"{kt.ENV}={os.environ.get(kt.ENV)} turns this machine's kernel table off; unset it (or set it "
                        "to 1) to measure it")
-    model, _, drafter = load(args.model, args.drafter or None, device="cpu", dtype="float32")
+    drafter_path = kernels_drafter(args.model, args.drafter)
+    model, _, drafter = load(args.model, drafter_path, device="cpu", dtype="float32")
     before = kt.current().size
     table = ks.ensure(model, drafter, progress=not args.quiet, measure=True)
-    shapes = f"{args.model}" + (f" and {args.drafter}" if args.drafter else "")
+    shapes = f"{args.model}" + (f" and {drafter_path}" if drafter_path else "")
     if table.size == before:
         print(f"kernel table for {shapes}: already measured ({table.size} cells in {kt.cache_path(table.machine)})")
     else:

@@ -141,8 +141,8 @@ def _model_commands(sub) -> None:
                         "and thread count; the set-up does it for the tiny reasoner): CPU float32 rollouts read it")
     kn.add_argument("--model", default="data/tiny-reasoner", help="the model whose shapes are measured (default "
                     "%(default)s)")
-    kn.add_argument("--drafter", default="data/tiny-reasoner-drafter", help="its drafter, measured too ('' for none; "
-                    "default %(default)s)")
+    kn.add_argument("--drafter", default=None, help="its drafter, measured too ('' for none; default: the tiny "
+                    "reasoner's drafter with the default model, none with another --model)")
     kn.add_argument("--quiet", action="store_true", help="no progress bar")
     ig = sub.add_parser("import-gguf", help="convert a Llama/Qwen2-family GGUF file into a transformers folder")
     ig.add_argument("file", help="the .gguf file")

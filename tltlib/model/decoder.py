@@ -21,6 +21,7 @@ Departures from transformers' implementation:
 from __future__ import annotations
 
 import math
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
 import torch
@@ -29,7 +30,7 @@ from torch import nn
 
 from ..errors import BadInput
 from ..kernels.dispatch import linear
-from ..kv.dense import CacheWrite, KVCache
+from ..kv.dense import KVCache
 from ..kv.paged import KVConfig, make_cache
 
 SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -264,6 +265,48 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)   # 4 kernels instead of 8
 
 
+def pre_attention(x: torch.Tensor, norm_w: torch.Tensor | None, eps: float, qkv_w: torch.Tensor,
+                  qkv_b: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                  head_dim: int, lin=linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decoder layer up to its attention: the input RMSNorm (none when ``norm_w`` is None: EAGLE's drafter layer),
+    the fused q/k/v projection by ``lin`` and the rotary embedding of q and k together.
+
+    x ``[B, T, H]``; cos, sin ``[B, T, 1, head_dim]`` (:func:`rope_cos_sin`). Returns q ``[B, heads, T, d]``, k and v
+    ``[B, T, kv_heads, d]`` (the layout a cache writes)."""
+    b, t, _ = x.shape
+    h = rms_norm(x, norm_w, eps) if norm_w is not None else x
+    qkv = lin(h, qkv_w, qkv_b).view(b, t, heads + 2 * kv_heads, head_dim)
+    qk = apply_rope(qkv[:, :, : heads + kv_heads], cos, sin)       # q and k rotated together
+    return qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:], qkv[:, :, heads + kv_heads:]
+
+
+def post_attention(x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None,
+                   norm_w: torch.Tensor, eps: float, gate_up_w: torch.Tensor, gate_up_b: torch.Tensor | None,
+                   down_w: torch.Tensor, down_b: torch.Tensor | None, lin=linear) -> torch.Tensor:
+    """A decoder layer after its attention: the output projection and residual, the post-attention RMSNorm, SwiGLU
+    with the fused gate/up projection, the second residual; projections by ``lin``.
+
+    x ``[B, T, H]`` (the layer's input), attn ``[B, heads, T, d]``. Returns the layer's output ``[B, T, H]``."""
+    b, _, t, _ = attn.shape
+    x = x + lin(attn.transpose(1, 2).reshape(b, t, -1), o_w, o_b)
+    gate, up = lin(rms_norm(x, norm_w, eps), gate_up_w, gate_up_b).split(gate_up_w.shape[0] // 2, dim=-1)
+    return x + lin(F.silu(gate) * up, down_w, down_b)
+
+
+_SEGMENTS: ContextVar[tuple | None] = ContextVar("tltlib_layer_segments", default=None)
+"""(pre, post, lin) replacing :func:`pre_attention`, :func:`post_attention` and the projections in the cached
+forwards of :class:`DecoderLayer` (set by :func:`tltlib.model.fused.compiled_layers`); None: the eager ones."""
+
+
+def use_segments(segments: tuple | None):
+    """Set the cached forwards' layer segments (``(pre, post, lin)`` or None); returns the token to reset with."""
+    return _SEGMENTS.set(segments)
+
+
+def reset_segments(token) -> None:
+    _SEGMENTS.reset(token)
+
+
 # ---------------------------------------------------------------------------------------------------- modules
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
@@ -276,7 +319,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with fused q/k/v projection."""
+    """Grouped-query self-attention's weights: the fused q/k/v projection and the output projection (the maths is in
+    :func:`pre_attention`, the cache's ``attend`` and :func:`post_attention`)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -284,32 +328,15 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.qkv_bias)
         self.o = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0, write: CacheWrite | None = None):
-        b, t, _ = x.shape
-        h, kvh = self.h, self.kvh
-        qkv = linear(x, self.qkv.weight, self.qkv.bias).view(b, t, h + 2 * kvh, self.d)
-        qk = apply_rope(qkv[:, :, : h + kvh], cos, sin)       # q and k rotated together: [B, T, h + kvh, d]
-        q, k, v = qk[:, :, :h].transpose(1, 2), qk[:, :, h:], qkv[:, :, h + kvh:]
-        if cache is None:
-            out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                                 enable_gqa=kvh != h)
-        else:
-            out = cache.attend(layer, write, q, k, v)
-        return linear(out.transpose(1, 2).reshape(b, t, h * self.d), self.o.weight, self.o.bias)
-
 
 class MLP(nn.Module):
-    """SwiGLU with fused gate/up projection."""
+    """SwiGLU's weights: the fused gate/up projection and the down projection (the maths: :func:`post_attention`)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.i = cfg.intermediate_size
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * self.i, bias=cfg.mlp_bias)
         self.down = nn.Linear(self.i, cfg.hidden_size, bias=cfg.mlp_bias)
-
-    def forward(self, x):
-        gate, up = linear(x, self.gate_up.weight, self.gate_up.bias).split(self.i, dim=-1)
-        return linear(F.silu(gate) * up, self.down.weight, self.down.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -324,9 +351,18 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, cache=None, layer=0, write=None):
-        h = rms_norm(x, self.input_norm.weight, self.eps) if self.input_norm is not None else x
-        x = x + self.attn(h, cos, sin, cache, layer, write)
-        return x + self.mlp(rms_norm(x, self.post_norm.weight, self.eps))
+        a, m = self.attn, self.mlp
+        segments = _SEGMENTS.get() if cache is not None else None
+        pre, post, lin = segments or (pre_attention, post_attention, linear)
+        norm_w = self.input_norm.weight if self.input_norm is not None else None
+        q, k, v = pre(x, norm_w, self.eps, a.qkv.weight, a.qkv.bias, cos, sin, a.h, a.kvh, a.d, lin=lin)
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                                 enable_gqa=a.kvh != a.h)
+        else:
+            out = cache.attend(layer, write, q, k, v)
+        return post(x, out, a.o.weight, a.o.bias, self.post_norm.weight, self.eps, m.gate_up.weight, m.gate_up.bias,
+                    m.down.weight, m.down.bias, lin=lin)
 
 
 class Transformer(nn.Module):

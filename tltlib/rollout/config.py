@@ -41,6 +41,13 @@ class RolloutConfig:
     """On a CPU in float32: projections of 3+ rows through oneDNN on a packed copy of the target's weights, kept
     between rollouts and re-made when a weight changed (1.2-2x faster projections for a second copy of the weights;
     :class:`tltlib.kernels.dispatch.WeightPacks`). No effect elsewhere."""
+    compile_layers: bool = False
+    """On a CPU: decode, verify and draft forwards run each decoder layer's segments around the cached attention
+    compiled by ``torch.compile`` (:mod:`tltlib.model.fused`: the small ops fused by Inductor). The first rollout of
+    a process compiles (20-40 s on 2 cores, seconds from Inductor's cache later); where compilation is unavailable
+    the eager layers run with one warning. Off by default until the kernel table chooses it by measurement
+    (SmolLM2-135M, Intel Xeon, 2 threads: 1.05-1.17x; ``python -m tltlib bench decode --compile``). No effect on
+    CUDA (CUDA graphs there)."""
 
     def __post_init__(self):
         if self.num_generations < 1:

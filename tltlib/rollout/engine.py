@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from ..errors import BadInput
 from ..kernels.dispatch import packed_weights
 from ..kv.paged import kv_stats
+from ..model.fused import compiled_layers
 from ..model.logprobs import pad_right
 from ..model.sampling import sample_from_logits
 from ..spec.ngram import NgramConfig, NgramDrafter
@@ -212,6 +213,7 @@ class Rollout:
 
         self.t0 = time.perf_counter()
         self.packs = engine.kept.weight_packs()
+        self.compile_layers = engine.config.compile_layers and engine.model.device.type == "cpu"
         with packed_weights(self.packs):
             first = self._prefill(plen, order, chunks)
         self.prefill_s = time.perf_counter() - self.t0
@@ -298,7 +300,7 @@ class Rollout:
         self._admit_s = admit_s + time.perf_counter() - t_fit
         # rows that finished but are not compacted away yet are computed and commit nothing
         commit = 1 if self.active == int(self.seq.numel()) else self.alive.long()
-        with packed_weights(self.packs):
+        with packed_weights(self.packs), compiled_layers(self.compile_layers):
             out = self._decode(commit) if not st.enabled else self._speculate(st, commit)
             if st.enabled:
                 self.uniform_broken()
