@@ -479,3 +479,49 @@ def test_kv_cache_attention_grid_checks_the_paged_kernels_against_the_gathered_p
     cells = {(r["rows"], r["new_tokens"]) for r in d["results"]}
     assert (2, 1) in cells and (128, 33) in cells and (d["heads"], d["kv_heads"], d["head_dim"]) == (6, 3, 32)
     assert all(r["paged_us"] > 0 and r["gathered_us"] > 0 for r in d["results"])
+
+
+def test_decode_breakdown_adds_up_and_names_its_floor(tmp_path):
+    """``bench decode_breakdown`` on the tiny reasoner: each part of a step is non-negative, the parts add up to the
+    step (outside the layers is the rest), the memory floor is the weights plus the K/V read at the bandwidth
+    measured in the same run; with ``--compile`` the compiled step is reported beside the eager one."""
+    out = bench(tmp_path, "decode_breakdown", "--model", "data/tiny-reasoner", "--task", "chain", "--rows", "1,3",
+                "--new-tokens", "16", "--repeats", "1", "--compile")
+    assert out.returncode == 0, out.stderr
+    d = json.loads((tmp_path / "decode_breakdown-cpu-float32.json").read_text())
+    assert [r["rows"] for r in d["results"]] == [1, 3] and d["bandwidth_gb_s"] > 0
+    for r in d["results"]:
+        parts = [r[k] for k in ("attention_ms", "projections_ms", "small_ops_ms", "outside_ms")]
+        assert r["step_ms"] > 0 and r["projections_ms"] > 0 and r["outside_ms"] >= 0
+        assert sum(parts) == pytest.approx(r["step_ms"], rel=1e-6) or r["outside_ms"] == 0   # the rest, if any
+        assert r["step_over_floor"] == pytest.approx(r["step_ms"] / r["floor_ms"])
+        assert r["compiled_speedup"] == pytest.approx(r["step_ms"] / r["compiled_step_ms"])
+    assert "memory floor at" in (tmp_path / "decode_breakdown-cpu-float32.md").read_text()
+
+
+def test_step_bytes_counts_the_weights_once_and_the_cached_kv_per_row():
+    """The weights a step reads once (an untied input embedding is a gather of a few rows: not counted) plus each
+    row's K/V at the mean length."""
+    import decode_breakdown as bd
+    from tltlib.model.decoder import ModelConfig, Transformer
+    kv_per_token = 2 * 2 * 2 * 8 * 4                                 # K and V, 2 layers, 2 KV heads, 8 dims, float32
+    for tied in (True, False):
+        cfg = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                          num_kv_heads=2, tie_word_embeddings=tied)
+        model = Transformer(cfg)
+        weights = sum(p.numel() for p in model.parameters()) * 4 - (0 if tied else 50 * 32 * 4)
+        assert bd.step_bytes(model, rows=3, mean_len=10) == weights + 3 * 10 * kv_per_token
+
+
+def test_decode_with_compile_runs_the_compiled_layers_side_by_side(tmp_path):
+    """``bench decode --compile``: a fourth column, the compiled layers' speed and its ratio to tltlib eager, with
+    tokens identical to transformers'; its own results file, the compile seconds recorded."""
+    out = bench(tmp_path, "decode", "--batches", "1,2", "--new-tokens", "8", "--repeats", "1", "--vllm", "off",
+                "--compile")
+    assert out.returncode == 0, out.stderr
+    d = json.loads((tmp_path / "decode-cpu-float32-compile.json").read_text())
+    for r in d["results"]:
+        assert r["compiled_identical"] and r["identical_tokens"]
+        compiled_s = r["batch"] * r["new_tokens"] / r["compiled_tok_s"]
+        assert r["ratio_compiled"] == pytest.approx(r["tltlib_s"] / compiled_s)
+    assert d["compile_seconds"] > 0

@@ -11,7 +11,7 @@ import torch
 
 from tltlib.errors import BadInput
 from tltlib.model import fused
-from tltlib.model.decoder import ModelConfig, Transformer, _SEGMENTS, post_attention, pre_attention
+from tltlib.model.decoder import _SEGMENTS, ModelConfig, Transformer, post_attention, pre_attention
 from tltlib.model.loading import load
 from tltlib.model.sampling import SamplingConfig
 from tltlib.rollout.engine import RolloutConfig, RolloutEngine
@@ -43,7 +43,7 @@ def test_compiled_layers_decode_the_same_tokens_plain_and_speculative(reasoner, 
         compiled = RolloutEngine(model, replace(config, compile_layers=True), drafter=drafter).generate(
             prompts, strategy=strategy)
         assert torch.equal(eager.tokens, compiled.tokens), strategy
-    assert fresh_state.get("compiled") == {"pre", "post"} and fused.compile_seconds() > 0
+    assert fresh_state.get("compiled") == {"pre", "pre-drafter", "post"} and fused.compile_seconds() > 0
     assert "unavailable" not in fresh_state
 
 

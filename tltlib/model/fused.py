@@ -60,10 +60,23 @@ def compiled_segments() -> tuple | None:
             from torch import compile as torch_compile
         except Exception as e:                  # pragma: no cover - every torch wheel we pin has it
             return _unavailable(f"torch.compile's Inductor does not import ({e})")
-        pre = torch_compile(pre_attention, dynamic=True)
-        post = torch_compile(post_attention, dynamic=True)
-        _STATE["segments"] = (_guarded(pre, "pre"), _guarded(post, "post"), F.linear)
+        pre = {True: _guarded(torch_compile(_pre_with_norm, dynamic=True), "pre"),
+               False: _guarded(torch_compile(_pre_without_norm, dynamic=True), "pre-drafter")}
+        pre_by_norm = lambda x, norm_w, *args, **kw: pre[norm_w is not None](x, norm_w, *args, **kw)
+        _STATE["segments"] = (pre_by_norm, _guarded(torch_compile(post_attention, dynamic=True), "post"), F.linear)
     return _STATE["segments"]
+
+
+# Two code objects for the two kinds of layer (the target's, with an input norm; the drafter's, without): dynamo
+# counts recompilations per code object, and each segment already compiles up to four graphs (one row or more, one
+# new token or more: dynamic shapes still specialise sizes of 1), so one shared code object could reach dynamo's
+# recompile limit (8) and silently run eagerly from there.
+def _pre_with_norm(*args, **kw):
+    return pre_attention(*args, **kw)
+
+
+def _pre_without_norm(*args, **kw):
+    return pre_attention(*args, **kw)
 
 
 def _unavailable(why: str) -> None:
@@ -75,7 +88,7 @@ def _unavailable(why: str) -> None:
 def _guarded(fn, name: str):
     """``fn`` (a compiled segment) timed on its first call; an Inductor failure turns compilation off for the
     process with one warning and computes that call eagerly."""
-    eager = pre_attention if name == "pre" else post_attention
+    eager = pre_attention if name.startswith("pre") else post_attention
 
     def call(*args, **kw):
         if "unavailable" in _STATE:

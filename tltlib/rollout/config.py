@@ -43,11 +43,11 @@ class RolloutConfig:
     :class:`tltlib.kernels.dispatch.WeightPacks`). No effect elsewhere."""
     compile_layers: bool = False
     """On a CPU: decode, verify and draft forwards run each decoder layer's segments around the cached attention
-    compiled by ``torch.compile`` (:mod:`tltlib.model.fused`: the small ops fused by Inductor). The first rollout of
-    a process compiles (20-40 s on 2 cores, seconds from Inductor's cache later); where compilation is unavailable
-    the eager layers run with one warning. Off by default until the kernel table chooses it by measurement
-    (SmolLM2-135M, Intel Xeon, 2 threads: 1.05-1.17x; ``python -m tltlib bench decode --compile``). No effect on
-    CUDA (CUDA graphs there)."""
+    compiled by ``torch.compile`` (:mod:`tltlib.model.fused`: the small ops fused by Inductor, the projections by
+    ``F.linear``). The first rollout of a process compiles (20-40 s on 2 cores, seconds from Inductor's cache
+    later); where compilation is unavailable the eager layers run with one warning. Off by default: on the
+    development VM (Intel Xeon, 2 threads, SmolLM2-135M) it ran 1.02x / 0.89x / 0.99x the eager layers at 1 / 16 /
+    64 rows (``python -m tltlib bench decode_breakdown --compile``; docs/results.md). No effect on CUDA."""
 
     def __post_init__(self):
         if self.num_generations < 1:

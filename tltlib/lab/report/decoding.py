@@ -185,6 +185,25 @@ def block_verify(stem: str) -> Callable:
     return render
 
 
+def decode_breakdown(stem: str) -> Callable:
+    """Where a plain decode step goes (``bench decode_breakdown``): each part's ms and share, the memory floor, and
+    the compiled layers' step beside it."""
+    def render(r) -> str:
+        d = r.json(stem)
+        share = lambda v, k: f"{v[k]:.2f} ({v[k] / v['step_ms']:.0%})"
+        rows = [[v["rows"], f"{v['step_ms']:.2f}", share(v, "attention_ms"), share(v, "projections_ms"),
+                 share(v, "small_ops_ms"), share(v, "outside_ms"), f"{v['floor_ms']:.2f}", x(v["step_over_floor"]),
+                 f"{v['compiled_step_ms']:.2f} ({x(v['compiled_speedup'])})" if "compiled_step_ms" in v else "—"]
+                for v in d["results"]]
+        s, m = d["settings"], d["machine"]
+        return (md_table(["rows", "step ms", "attention", "projections", "small ops and dispatch",
+                          "outside the layers", "memory floor ms", "step / floor", "compiled layers: step ms"], rows)
+                + f"\n\n{s['task']} prompts, {s['new_tokens']} new tokens per row, median of {s['repeats']} "
+                f"interleaved rounds; memory floor at {d['bandwidth_gb_s']:.1f} GB/s measured in the same run; "
+                f"{m['cpu']} ({m['threads']} threads) ({r.link(stem, 'results')}).")
+    return render
+
+
 SMOLLM2_DECODE = (("AMD EPYC", "decode-cpu-float32-smollm2-135m"),
                   ("Intel Xeon", "decode-cpu-float32-smollm2-135m-intel-xeon"))
 
@@ -218,5 +237,6 @@ RENDERERS: dict[str, Callable] = {
     "h100_sd": sd_grid("speculative-cuda-bfloat16", 0.9),
     "sampling": sampling("sampling-cpu"),
     "smollm2_block_verify": block_verify("block_verify-cpu-float32"),
+    "smollm2_decode_breakdown": decode_breakdown("decode_breakdown-cpu-float32-smollm2-135m"),
 }
 """The decoding renderers a doc can name (``<!-- report: NAME -->``)."""

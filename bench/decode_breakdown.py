@@ -1,0 +1,204 @@
+"""Where a plain decode step's time goes on this machine, beside its memory floor, for tltlib eager (and its compiled
+layers' step time beside it).
+
+Greedy decoding of ``--rows`` prompts (EOS ignored, every row decodes ``--new-tokens``), timed by wall clocks wrapped
+around what a step calls: the cached **attention** (the paged cache's ``attend``: K/V written into the pages and the
+attention kernel), the **projections** (every ``linear`` of the layers and the LM head, by the kernel table's
+choices), the rest of each decoder layer (**small ops and dispatch**: RMSNorm, RoPE, SiLU-and-multiply, residual
+adds, views, the Python that calls them) and everything **outside the layers** (embedding, rotary tables, the cache's
+bookkeeping, sampling, the engine). The timers themselves cost ~1 us per call (about 0.2 ms of a SmolLM2 step: in the
+small-ops share). A step is the difference between a rollout of ``--new-tokens`` and one of a single token (the
+prefill), divided by the steps between; median over ``--repeats`` interleaved rounds.
+
+The **memory floor** is what one step must read divided by this machine's bandwidth: every weight the step uses
+once (the layers, the final norm and the LM head; the embedding only where it is the head) plus each row's cached
+K/V at the step's mean length, at the bandwidth measured here (the median of 5 sums over a 1 GiB float32 tensor on
+all threads). A one-row step cannot beat it.
+
+    python -m tltlib bench decode_breakdown                         # SmolLM2-135M, 1 / 16 / 64 rows
+    python -m tltlib bench decode_breakdown --model data/tiny-reasoner --task chain
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    TASK_HELP,
+    add_model_flags,
+    add_output_flags,
+    bench_parser,
+    listed,
+    load_models,
+    machine_info,
+    markdown_table,
+    model_suffix,
+    parse_bench_args,
+    positive_int,
+    task_prompts,
+    write_results,
+)
+
+SMOLLM2 = str(Path.home() / ".cache" / "tltlib" / "models" / "smollm2-135m")
+PARTS = ("attention", "projections", "small ops and dispatch", "outside the layers")
+
+
+def parse_args(argv: list[str] | None = None):
+    ap = bench_parser(__doc__)
+    add_model_flags(ap, model=SMOLLM2,
+                    model_help="model folder (default SmolLM2-135M: python -m tltlib get-model smollm2-135m)")
+    ap.add_argument("--task", default="words", choices=["chain", "words"], help=TASK_HELP)
+    ap.add_argument("--rows", default="1,16,64", type=listed(positive_int, "1,16,64"))
+    ap.add_argument("--new-tokens", type=positive_int, default=64)
+    ap.add_argument("--compile", action="store_true", help="also the compiled layers' step time (side by side)")
+    add_output_flags(ap, repeats=5)
+    ap.set_defaults(device="cpu", dtype="float32")          # the breakdown is of a CPU float32 step
+    return parse_bench_args(ap, argv)
+
+
+class Timers:
+    """Seconds spent inside wrapped functions, by part; nested calls are charged to the innermost part only (a
+    projection inside a layer counts as a projection, not as the layer's small ops)."""
+
+    def __init__(self):
+        self.spent = dict.fromkeys(("attention", "projections", "layer"), 0.0)
+        self._inner = [0.0]
+
+    def wrap(self, part: str, fn):
+        def timed(*args, **kw):
+            self._inner.append(0.0)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                took = time.perf_counter() - t0
+                inner = self._inner.pop()
+                self.spent[part] += took - inner
+                self._inner[-1] += took
+        return timed
+
+
+@contextmanager
+def instrumented(timers: Timers):
+    """The decoder's projections, the paged cache's attention and the decoder layers wrapped by ``timers``."""
+    from tltlib.kv.paged import PagedKVCache
+    from tltlib.model import decoder
+    saved = decoder.linear, PagedKVCache.attend, decoder.DecoderLayer.forward
+    decoder.linear = timers.wrap("projections", saved[0])
+    PagedKVCache.attend = timers.wrap("attention", saved[1])
+    decoder.DecoderLayer.forward = timers.wrap("layer", saved[2])
+    try:
+        yield
+    finally:
+        decoder.linear, PagedKVCache.attend, decoder.DecoderLayer.forward = saved
+
+
+def bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes per second this machine reads: the median of ``repeats`` sums over ``gib`` GiB of float32."""
+    import torch
+    x = torch.ones(int(gib * 2 ** 30 / 4))
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(times)
+
+
+def step_bytes(model, rows: int, mean_len: float) -> float:
+    """Bytes one decode step reads at least: the weights it uses once (no untied input embedding: a gather) plus
+    ``rows`` rows of cached K/V at ``mean_len`` tokens."""
+    cfg = model.config
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                  if not (n.startswith("embed") and model.lm_head is not None))
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.dim_head * model.embed.weight.element_size()
+    return weights + rows * mean_len * kv
+
+
+def _timed_rollout(engine, prompts, timers: Timers | None = None) -> tuple[float, dict]:
+    """Seconds of one rollout and (with ``timers``) the seconds of each part within it."""
+    timers = timers or Timers()
+    with instrumented(timers):
+        t0 = time.perf_counter()
+        engine.generate(prompts)
+        return time.perf_counter() - t0, dict(timers.spent)
+
+
+def measure_rows(rows: int, args, tok, engines: dict, bw: float) -> dict:
+    """One row count: the decode step's parts (eager), its memory floor and, with compiled engines, the compiled
+    step. A step is the difference of a rollout of ``--new-tokens`` and one of a single token (the prefill and its
+    first token), divided by the steps between: the prefill's own attention and projections drop out."""
+    prompts = task_prompts(args.task, tok, rows, seed=rows)
+    steps = args.new_tokens - 1
+    for engine in engines.values():                              # warm-up (and the compile, for compiled)
+        engine.generate(prompts)
+    eager, parts, compiled = [], [], []
+    for _ in range(args.repeats):                                  # interleaved rounds
+        wall_n, spent_n = _timed_rollout(engines["eager"], prompts, Timers())
+        wall_1, spent_1 = _timed_rollout(engines["eager-1"], prompts, Timers())
+        eager.append((wall_n - wall_1) / steps)
+        parts.append({k: (spent_n[k] - spent_1[k]) / steps for k in spent_n})
+        if "compiled" in engines:
+            wall_c = _timed_rollout(engines["compiled"], prompts)[0]
+            wall_c1 = _timed_rollout(engines["compiled-1"], prompts)[0]
+            compiled.append((wall_c - wall_c1) / steps)
+    step = statistics.median(eager)
+    part = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+    outside = max(step - part["attention"] - part["projections"] - part["layer"], 0.0)
+    mean_len = statistics.mean(map(len, prompts)) + args.new_tokens / 2
+    floor = step_bytes(engines["eager"].model, rows, mean_len) / bw
+    rec = {"rows": rows, "step_ms": step * 1e3, "attention_ms": part["attention"] * 1e3,
+           "projections_ms": part["projections"] * 1e3, "small_ops_ms": part["layer"] * 1e3,
+           "outside_ms": outside * 1e3, "floor_ms": floor * 1e3, "step_over_floor": step / floor,
+           "eager_steps_ms": [s * 1e3 for s in eager]}
+    if compiled:
+        rec.update(compiled_step_ms=statistics.median(compiled) * 1e3, compiled_steps_ms=[s * 1e3 for s in compiled],
+                   compiled_speedup=step / statistics.median(compiled))
+    return rec
+
+
+def main() -> None:
+    args = parse_args()
+    from tltlib.model.sampling import SamplingConfig
+    from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+    model, tok, _ = load_models(args)
+    config = RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=args.new_tokens), ignore_eos=True)
+    one = replace(config, sampling=replace(config.sampling, max_new_tokens=1))
+    engines = {"eager": RolloutEngine(model, config), "eager-1": RolloutEngine(model, one)}
+    if args.compile:
+        engines.update(compiled=RolloutEngine(model, replace(config, compile_layers=True)),
+                       **{"compiled-1": RolloutEngine(model, replace(one, compile_layers=True))})
+    compiled = args.compile or None
+    bw = bandwidth()
+    results = [measure_rows(r, args, tok, engines, bw) for r in args.rows.items]
+    header = ["rows", "step ms", *(f"{p} ms (share)" for p in PARTS), "memory floor ms", "step / floor"]
+    if compiled is not None:
+        header += ["compiled step ms", "compiled speedup"]
+    rows = []
+    for r in results:
+        share = lambda ms: f"{ms:.2f} ({ms / r['step_ms']:.0%})"
+        row = [r["rows"], r["step_ms"], share(r["attention_ms"]), share(r["projections_ms"]),
+               share(r["small_ops_ms"]), share(r["outside_ms"]), r["floor_ms"], f"{r['step_over_floor']:.2f}x"]
+        if compiled is not None:
+            row += [r["compiled_step_ms"], f"{r['compiled_speedup']:.2f}x"]
+        rows.append(row)
+    payload = {"bench": "decode_breakdown", "machine": machine_info("cpu"), "model": str(args.model),
+               "settings": vars(args), "bandwidth_gb_s": bw / 1e9, "results": results}
+    write_results(result_name(args), payload,
+                  f"Where a plain decode step goes, model {args.model}, {args.task} prompts, {args.new_tokens} new "
+                  f"tokens per row, float32 on this CPU (median of {args.repeats} rollouts after a warm-up); memory "
+                  f"floor at {bw / 1e9:.1f} GB/s measured here\n\n" + markdown_table(header, rows), args.out)
+
+
+def result_name(args) -> str:
+    return "decode_breakdown-cpu-float32" + model_suffix(args.model)
+
+
+if __name__ == "__main__":
+    main()
