@@ -91,8 +91,8 @@ def _guarded(fn, name: str):
     eager = pre_attention if name.startswith("pre") else post_attention
 
     def call(*args, **kw):
-        if "unavailable" in _STATE:
-            return eager(*args, **kw)
+        if "unavailable" in _STATE:                 # turned off earlier in this process: the eager layer as it is
+            return eager(*args, **{**kw, "lin": _linear()})
         first = name not in _STATE.get("compiled", ())
         t0 = time.perf_counter()
         try:
