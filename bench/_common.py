@@ -22,6 +22,8 @@ RESULTS = ROOT / "bench" / "results"
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
 MODEL = "data/tiny-reasoner"
 DRAFTER = "data/tiny-reasoner-drafter"
+SMOLLM2 = str(Path.home() / ".cache" / "tltlib" / "models" / "smollm2-135m")
+"""Where ``python -m tltlib get-model smollm2-135m`` puts SmolLM2-135M (the default model of the SmolLM2 benches)."""
 
 
 def ensure_malloc_env() -> None:
@@ -272,6 +274,30 @@ def _cpu_times() -> tuple[int, int] | None:
         return None
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)      # idle + iowait
     return sum(fields) - idle, sum(fields)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the weights a decode forward reads once: every parameter, less an untied input embedding (looked up
+    a row at a time, not read whole)."""
+    size = lambda p: p.numel() * p.element_size()
+    total = sum(size(p) for p in model.parameters())
+    return total - (size(model.embed.weight) if model.lm_head is not None else 0)
+
+
+def read_bandwidth(repeats: int = 5) -> tuple[float, int]:
+    """Bytes per second this CPU's memory is read at, and the buffer's bytes: the median of ``repeats`` sums over a
+    float32 buffer of 4x the last-level cache (at least 1 GiB)."""
+    import torch
+
+    from tltlib.machine import llc_bytes
+    buffer = torch.ones(max(1 << 30, 4 * llc_bytes()) // 4)
+    buffer.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - t0)
+    return buffer.numel() * 4 / statistics.median(times), buffer.numel() * 4
 
 
 def settle_down(seconds: float, limit: float = 3.0, window: float = 0.05, busy: float = 0.1,

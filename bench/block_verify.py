@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    SMOLLM2,
     TASK_HELP,
     add_model_flags,
     add_output_flags,
@@ -33,8 +34,6 @@ from _common import (  # noqa: E402
     temperature,
     write_results,
 )
-
-SMOLLM2 = str(Path.home() / ".cache" / "tltlib" / "models" / "smollm2-135m")
 
 
 def parse_args(argv: list[str] | None = None):

@@ -12,8 +12,8 @@ prefill), divided by the steps between; median over ``--repeats`` interleaved ro
 
 The **memory floor** is what one step must read divided by this machine's bandwidth: every weight the step uses
 once (the layers, the final norm and the LM head; the embedding only where it is the head) plus each row's cached
-K/V at the step's mean length, at the bandwidth measured here (the median of 5 sums over a 1 GiB float32 tensor on
-all threads). A one-row step cannot beat it.
+K/V at the step's mean length, at the read bandwidth measured here (``_common.read_bandwidth``, as ``bench kernels``
+measures its one-row floor). A one-row step cannot beat it.
 
     python -m tltlib bench decode_breakdown                         # SmolLM2-135M, 1 / 16 / 64 rows
     python -m tltlib bench decode_breakdown --model data/tiny-reasoner --task chain
@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    SMOLLM2,
     TASK_HELP,
     add_model_flags,
     add_output_flags,
@@ -40,11 +41,13 @@ from _common import (  # noqa: E402
     model_suffix,
     parse_bench_args,
     positive_int,
+    read_bandwidth,
+    result_name,
     task_prompts,
+    weight_bytes,
     write_results,
 )
 
-SMOLLM2 = str(Path.home() / ".cache" / "tltlib" / "models" / "smollm2-135m")
 PARTS = ("attention", "projections", "small ops and dispatch", "outside the layers")
 
 
@@ -98,27 +101,12 @@ def instrumented(timers: Timers):
         decoder.linear, PagedKVCache.attend, decoder.DecoderLayer.forward = saved
 
 
-def bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Bytes per second this machine reads: the median of ``repeats`` sums over ``gib`` GiB of float32."""
-    import torch
-    x = torch.ones(int(gib * 2 ** 30 / 4))
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t0)
-    return x.numel() * 4 / statistics.median(times)
-
-
 def step_bytes(model, rows: int, mean_len: float) -> float:
     """Bytes one decode step reads at least: the weights it uses once (no untied input embedding: a gather) plus
     ``rows`` rows of cached K/V at ``mean_len`` tokens."""
     cfg = model.config
-    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                  if not (n.startswith("embed") and model.lm_head is not None))
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.dim_head * model.embed.weight.element_size()
-    return weights + rows * mean_len * kv
+    return weight_bytes(model) + rows * mean_len * kv
 
 
 def _timed_rollout(engine, prompts, timers: Timers | None = None) -> tuple[float, dict]:
@@ -174,30 +162,25 @@ def main() -> None:
     if args.compile:
         engines.update(compiled=RolloutEngine(model, replace(config, compile_layers=True)),
                        **{"compiled-1": RolloutEngine(model, replace(one, compile_layers=True))})
-    compiled = args.compile or None
-    bw = bandwidth()
+    bw = read_bandwidth()[0]
     results = [measure_rows(r, args, tok, engines, bw) for r in args.rows.items]
     header = ["rows", "step ms", *(f"{p} ms (share)" for p in PARTS), "memory floor ms", "step / floor"]
-    if compiled is not None:
+    if args.compile:
         header += ["compiled step ms", "compiled speedup"]
     rows = []
     for r in results:
         share = lambda ms: f"{ms:.2f} ({ms / r['step_ms']:.0%})"
         row = [r["rows"], r["step_ms"], share(r["attention_ms"]), share(r["projections_ms"]),
                share(r["small_ops_ms"]), share(r["outside_ms"]), r["floor_ms"], f"{r['step_over_floor']:.2f}x"]
-        if compiled is not None:
+        if args.compile:
             row += [r["compiled_step_ms"], f"{r['compiled_speedup']:.2f}x"]
         rows.append(row)
     payload = {"bench": "decode_breakdown", "machine": machine_info("cpu"), "model": str(args.model),
                "settings": vars(args), "bandwidth_gb_s": bw / 1e9, "results": results}
-    write_results(result_name(args), payload,
+    write_results(result_name("decode_breakdown", "cpu", "float32", model_suffix(args.model)), payload,
                   f"Where a plain decode step goes, model {args.model}, {args.task} prompts, {args.new_tokens} new "
                   f"tokens per row, float32 on this CPU (median of {args.repeats} rollouts after a warm-up); memory "
                   f"floor at {bw / 1e9:.1f} GB/s measured here\n\n" + markdown_table(header, rows), args.out)
-
-
-def result_name(args) -> str:
-    return "decode_breakdown-cpu-float32" + model_suffix(args.model)
 
 
 if __name__ == "__main__":

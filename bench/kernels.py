@@ -31,6 +31,8 @@ from _common import (  # noqa: E402
     model_suffix,
     parse_bench_args,
     positive_int,
+    read_bandwidth,
+    weight_bytes,
     write_results,
 )
 
@@ -148,29 +150,12 @@ def decode_forward(model, rounds: int) -> list[dict]:
 
 
 def weights_floor(model, repeats: int = 5) -> dict:
-    """What bounds a one-row decode forward from below on this machine: every weight it reads once (the projections
-    and the LM head; of the embedding only one row, unless it is the head) over the memory's read rate, the median
-    of ``repeats`` sums over a buffer of 4x the last-level cache (at least 1 GiB). Returns ``{weight_bytes,
-    read_gb_s, buffer_bytes, floor_ms}``."""
-    import statistics
-
-    import torch
-
-    from tltlib.machine import llc_bytes
-    size = lambda p: p.numel() * p.element_size()
-    weight_bytes = sum(size(p) for p in model.parameters())
-    if model.lm_head is not None:                       # an untied embedding is looked up, not read whole
-        weight_bytes -= size(model.embed.weight)
-    buffer = torch.ones(max(1 << 30, 4 * llc_bytes()) // 4)
-    buffer.sum()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        buffer.sum()
-        times.append(time.perf_counter() - t0)
-    rate = buffer.numel() * 4 / statistics.median(times)
-    return {"weight_bytes": weight_bytes, "read_gb_s": rate / 1e9, "buffer_bytes": buffer.numel() * 4,
-            "floor_ms": 1e3 * weight_bytes / rate}
+    """What bounds a one-row decode forward from below on this machine: every weight it reads once
+    (:func:`_common.weight_bytes`) over the memory's read rate (:func:`_common.read_bandwidth`). Returns
+    ``{weight_bytes, read_gb_s, buffer_bytes, floor_ms}``."""
+    weights = weight_bytes(model)
+    rate, buffer = read_bandwidth(repeats)
+    return {"weight_bytes": weights, "read_gb_s": rate / 1e9, "buffer_bytes": buffer, "floor_ms": 1e3 * weights / rate}
 
 
 def _forward_table(forward: list[dict]) -> str:

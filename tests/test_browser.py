@@ -188,11 +188,10 @@ def test_notebook_runs_in_jupyterlab_within_its_profile(session, notebook):
 
 def test_the_notebook_kernel_gets_every_core_not_the_test_commands_one_thread(tmp_path):
     from tltlib.lab.browser import server
-    from tltlib.lab.browser.config import kernel_threads
     environ = {"OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg", "PATH": "/usr/bin"}   # as under tests/conftest.py
-    env = server.lab_environment(environ, tmp_path, kernel_threads(BrowserConfig()))
+    env = server.lab_environment(environ, tmp_path, BrowserConfig().threads)
     assert "OMP_NUM_THREADS" not in env and "MPLBACKEND" not in env and env["PATH"] == "/usr/bin"   # a reader's
-    assert server.lab_environment(environ, tmp_path, kernel_threads(BrowserConfig(threads=3)))["OMP_NUM_THREADS"] == "3"
+    assert server.lab_environment(environ, tmp_path, BrowserConfig(threads=3).threads)["OMP_NUM_THREADS"] == "3"
     for bad in (0, 1.5, "2"):
         with pytest.raises(BadInput, match=r"BrowserConfig.threads is .*give a whole number >= 1, or None"):
             BrowserConfig(threads=bad)

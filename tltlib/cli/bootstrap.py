@@ -127,6 +127,10 @@ KERNELS_TIMEOUT_S = 1800
 """The set-up's bound on measuring the kernel table (~10-30 s on 2 quiet cores, minutes on busy ones)."""
 
 
+TINY_MODEL, TINY_DRAFTER = "data/tiny-reasoner", "data/tiny-reasoner-drafter"
+"""The shipped tiny reasoner and its drafter: the default model of ``python -m tltlib kernels`` (and the set-up's)."""
+
+
 def measure_kernels(timeout_s: float = KERNELS_TIMEOUT_S) -> bool:
     """Measure this machine's kernel table for the shipped tiny reasoner and its drafter (``python -m tltlib kernels``
     in ``.venv``), so no rollout measures inside a notebook's cell or a training run; whether it was measured. A

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from ..errors import BadInput
-from .bootstrap import ROOT, notebook_env
+from .bootstrap import ROOT, TINY_DRAFTER, TINY_MODEL, notebook_env
 
 
 def cmd_run_notebooks(args) -> int:
@@ -115,9 +115,6 @@ def cmd_get_model(args) -> int:
         return 0
     print(get_model(args.name, args.root, progress=not args.quiet))
     return 0
-
-
-TINY_MODEL, TINY_DRAFTER = "data/tiny-reasoner", "data/tiny-reasoner-drafter"
 
 
 def kernels_drafter(model: str, drafter: str | None) -> str | None:

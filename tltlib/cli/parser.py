@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from .bootstrap import ROOT
+from .bootstrap import ROOT, TINY_MODEL
 
 DESCRIPTION = "python -m tltlib ...: set-up, the main job (notebooks), tests, benchmarks and training commands."
 
@@ -139,7 +139,7 @@ def _model_commands(sub) -> None:
     gm.add_argument("--quiet", action="store_true")
     kn = sub.add_parser("kernels", help="measure this machine's kernel table for a model's shapes (once per machine "
                         "and thread count; the set-up does it for the tiny reasoner): CPU float32 rollouts read it")
-    kn.add_argument("--model", default="data/tiny-reasoner", help="the model whose shapes are measured (default "
+    kn.add_argument("--model", default=TINY_MODEL, help="the model whose shapes are measured (default "
                     "%(default)s)")
     kn.add_argument("--drafter", default=None, help="its drafter, measured too ('' for none; default: the tiny "
                     "reasoner's drafter with the default model, none with another --model)")

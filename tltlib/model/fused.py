@@ -26,6 +26,7 @@ from contextlib import contextmanager
 import torch.nn.functional as F
 
 from ..errors import BadInput
+from ..kernels.dispatch import linear
 from .decoder import post_attention, pre_attention, reset_segments, use_segments
 
 ENV = "TLTLIB_COMPILE"
@@ -92,7 +93,7 @@ def _guarded(fn, name: str):
 
     def call(*args, **kw):
         if "unavailable" in _STATE:                 # turned off earlier in this process: the eager layer as it is
-            return eager(*args, **{**kw, "lin": _linear()})
+            return eager(*args, **{**kw, "lin": linear})
         first = name not in _STATE.get("compiled", ())
         t0 = time.perf_counter()
         try:
@@ -100,18 +101,13 @@ def _guarded(fn, name: str):
         except Exception as e:        # a C++ compiler missing or failing, an Inductor bug on this machine
             _unavailable(f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                          f"set {ENV}=0 to skip it")
-            return eager(*args, **{**kw, "lin": _linear()})
+            return eager(*args, **{**kw, "lin": linear})
         if first:
             _STATE.setdefault("compiled", set()).add(name)
             _STATE["seconds"] = _STATE.get("seconds", 0.0) + time.perf_counter() - t0
         return out
 
     return call
-
-
-def _linear():
-    from ..kernels.dispatch import linear
-    return linear
 
 
 def compile_seconds() -> float:
@@ -122,8 +118,12 @@ def compile_seconds() -> float:
 @contextmanager
 def compiled_layers(on: bool = True):
     """Within this block the model's cached forwards (rollouts, SD steps, drafter levels) run the compiled layer
-    segments (when ``on`` and compilation is available on this machine; else the eager ones)."""
-    token = use_segments(compiled_segments() if on else None)
+    segments where compilation is available on this machine (else the eager ones). ``on=False``: no effect (what
+    the block's caller already runs; a rollout without ``compile_layers`` pays nothing per iteration)."""
+    if not on:
+        yield
+        return
+    token = use_segments(compiled_segments())
     try:
         yield
     finally:

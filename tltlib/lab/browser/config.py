@@ -46,16 +46,11 @@ class BrowserConfig:
 
     def __post_init__(self):
         if self.threads is not None and not (isinstance(self.threads, int) and self.threads >= 1):
-            raise BadInput(f"BrowserConfig.threads is {self.threads!r}; give a whole number >= 1, or None for every "
-                           f"core ({os.cpu_count()})")
+            raise BadInput(f"BrowserConfig.threads is {self.threads!r}; give a whole number >= 1, or None to leave "
+                           "OMP_NUM_THREADS unset (torch takes every core)")
         for name in ("slack", "start_seconds", "redraw_seconds", "width", "height"):
             if not getattr(self, name) > 0:
                 raise BadInput(f"BrowserConfig.{name} is {getattr(self, name)!r}; it must be positive")
-
-
-def kernel_threads(config: BrowserConfig) -> int | None:
-    """The torch threads the notebook's kernel is given: ``config.threads``, or None (unset: torch's default)."""
-    return config.threads
 
 
 def check_browser(chromium: str | os.PathLike = CHROMIUM) -> None:

@@ -23,7 +23,7 @@ from ...errors import TLTError
 from ...fileio import atomic_write_text
 from ...machine import cpu_name
 from ..notebook import JupyterLabProfile, jupyterlab_profile
-from .config import OUT_ROOT, BrowserConfig, check_browser, kernel_threads
+from .config import OUT_ROOT, BrowserConfig, check_browser
 from .page import has_slider, move_slider, open_notebook, problems, run_all, save, saved_errors, whole_notebook
 from .server import JupyterLab, RunMeter
 
@@ -134,7 +134,7 @@ class BrowserSession:
         check_browser(self.config.chromium)
         from playwright.sync_api import sync_playwright
         self._lab = JupyterLab(start_seconds=self.config.start_seconds, log=self.out_root / "jupyterlab.log",
-                               threads=kernel_threads(self.config))
+                               threads=self.config.threads)
         self._lab.__enter__()
         try:
             self._pw = sync_playwright().start()
