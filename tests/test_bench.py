@@ -499,6 +499,23 @@ def test_decode_breakdown_adds_up_and_names_its_floor(tmp_path):
     assert "memory floor at" in (tmp_path / "decode_breakdown-cpu-float32.md").read_text()
 
 
+def test_the_breakdown_times_every_projection_attention_and_layer_of_a_step():
+    """One cached forward of the tiny reasoner under the breakdown's timers: each layer's four projections and the
+    LM head charged as projections, each layer's attention and the layer itself counted once (a timer the model
+    bypasses would charge the projections' time to the small ops)."""
+    import torch
+
+    import decode_breakdown as bd
+    from tltlib.model.loading import load
+    model = load("data/tiny-reasoner").model
+    layers = model.config.num_layers
+    timers = bd.Timers()
+    with torch.no_grad(), bd.instrumented(timers):
+        model.forward_cached(torch.tensor([[1, 5, 6], [2, 7, 8]]), model.new_cache(2, 8))
+    assert timers.calls == {"projections": 4 * layers + 1, "attention": layers, "layer": layers}
+    assert all(v > 0 for v in timers.spent.values())
+
+
 def test_step_bytes_counts_the_weights_once_and_the_cached_kv_per_row():
     """The weights a step reads once (an untied input embedding is a gather of a few rows: not counted) plus each
     row's K/V at the mean length."""

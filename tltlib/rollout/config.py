@@ -42,12 +42,13 @@ class RolloutConfig:
     between rollouts and re-made when a weight changed (1.2-2x faster projections for a second copy of the weights;
     :class:`tltlib.kernels.dispatch.WeightPacks`). No effect elsewhere."""
     compile_layers: bool = False
-    """On a CPU: decode, verify and draft forwards run each decoder layer's segments around the cached attention
-    compiled by ``torch.compile`` (:mod:`tltlib.model.fused`: the small ops fused by Inductor, the projections by
-    ``F.linear``). The first rollout of a process compiles (20-40 s on 2 cores, seconds from Inductor's cache
-    later); where compilation is unavailable the eager layers run with one warning. Off by default: on the
-    development VM (Intel Xeon, 2 threads, SmolLM2-135M) it ran 1.02x / 0.89x / 0.99x the eager layers at 1 / 16 /
-    64 rows (``python -m tltlib bench decode_breakdown --compile``; docs/results.md). No effect on CUDA."""
+    """On a CPU: the target's decode and verify forwards run its whole stack of decoder layers compiled by
+    ``torch.compile`` into one graph (:mod:`tltlib.model.fused`: the small ops fused by Inductor, the projections and
+    the paged attention opaque calls to the kernel table's choices; the weights stay inputs, so GRPO's updates need
+    no recompile). The first rollout of a process compiles (about 30 s per shape family for SmolLM2 on 2 cores,
+    seconds from the cache later); where compilation is unavailable the eager layers run with one warning. Off by
+    default: it gains only a few percent (``python -m tltlib bench decode_breakdown --compile``; docs/results.md).
+    No effect on CUDA."""
 
     def __post_init__(self):
         if self.num_generations < 1:
