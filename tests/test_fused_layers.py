@@ -84,10 +84,8 @@ def test_the_compiled_stack_computes_the_eager_forward_within_rounding(fresh_sta
         model.layers[1].mlp.down.weight.mul_(-2.0)
         model.layers[0].attn.qkv.bias.add_(0.5)
         want = _cached_logits(model, tokens, 3)
-        seconds = fused.compile_seconds()
-        with fused.compiled_layers():
-            got = _cached_logits(model, tokens, 3)
-        assert fused.compile_seconds() == seconds          # the same graphs, the new weights
+        with fused.compiled_layers(), torch._dynamo.config.patch(error_on_recompile=True):
+            got = _cached_logits(model, tokens, 3)           # the same graphs (a recompile raises), the new weights
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
