@@ -198,3 +198,22 @@ def test_a_users_compile_cache_of_another_version_is_left_in_place(tmp_path):
     lines = _quiet_cache_folder(folder, version="2.13.0+cpu", own=False)
     assert len(lines) == 1 and "made by torch (unknown)" in lines[0] and "its entries are not used" in lines[0]
     assert (folder / "fxgraph").is_dir() and (folder / "torch-version").read_text().strip() == "2.13.0+cpu"
+
+
+def test_a_refusal_inside_the_compiled_stack_is_raised_not_taken_for_a_compiler_failure(fresh_state, monkeypatch):
+    """A refusal of ours raised by an opaque call (a stale packed weight, a full cache) reaches the caller as it is:
+    no warning, compilation stays on."""
+    from tltlib.errors import Refused
+    cfg = ModelConfig(vocab_size=50, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2)
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+
+    def refuse(*a, **k):
+        raise Refused("a weight changed in place after it was packed for this rollout")
+
+    monkeypatch.setattr(fused, "linear", refuse)
+    with torch.no_grad(), fused.compiled_layers(), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with pytest.raises(Refused, match="changed in place"):
+            model.forward_cached(torch.tensor([[1, 2, 3]]), model.new_cache(1, 8))
+    assert "unavailable" not in fresh_state

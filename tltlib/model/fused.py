@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import BadInput
+from ..errors import BadInput, TLTError
 from ..kernels.dispatch import linear
 from .decoder import reset_stack, use_stack
 
@@ -185,8 +185,8 @@ def _run_stack(model, x, cos, sin, cache, write):
     try:
         out = fn(model.layers, x, cos, sin)
     except Exception as e:        # a C++ compiler missing or failing, an Inductor bug on this machine
-        if calls:                 # it failed while running, not compiling: the cache holds some of its keys
-            raise
+        if calls or isinstance(e, TLTError):   # it failed while running, not compiling (the cache may hold some
+            raise                               # of its keys), or a refusal of ours (a stale packed weight)
         _unavailable(f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
                      f"set {ENV}=0 to skip it")
         return _eager(model, x, cos, sin, cache, write)
