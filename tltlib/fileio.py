@@ -28,6 +28,12 @@ ROOT = Path(__file__).resolve().parent.parent
 """The project root (notebooks, params, data, runs live under it)."""
 
 
+def cache_root() -> Path:
+    """tltlib's cache outside the repo (built extensions, kernel tables, imported models, compiled code):
+    ``$TLTLIB_CACHE``, default ``~/.cache/tltlib``."""
+    return Path(os.environ.get("TLTLIB_CACHE") or Path.home() / ".cache" / "tltlib")
+
+
 def resolve(path: str | os.PathLike) -> Path:
     """A path as given if it exists (or is absolute), else relative to the project root (so notebooks work from
     ``notebooks/`` in JupyterLab and from the root under papermill)."""

@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 
 from ..errors import BadInput, TimedOut
-from ..fileio import atomic_folder
+from ..fileio import atomic_folder, cache_root
 from ..machine import cpu_flags, cpu_name
 
 WAIT_ENV = "TLTLIB_BUILD_WAIT_S"
@@ -103,7 +103,7 @@ def key_of(ext: Extension, context: dict[str, str]) -> str:
 
 def cache_dir() -> Path:
     """Where built extensions live: ``$TLTLIB_CACHE/extensions`` (default ``~/.cache/tltlib/extensions``)."""
-    return Path(os.environ.get("TLTLIB_CACHE") or Path.home() / ".cache" / "tltlib") / "extensions"
+    return cache_root() / "extensions"
 
 
 def wait_bound() -> float:

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from ..errors import BadInput
-from ..fileio import atomic_write_text, read_json
+from ..fileio import atomic_write_text, cache_root, read_json
 from ..machine import Machine, this_machine
 
 SCHEMA = 1
@@ -316,7 +316,7 @@ def enabled() -> bool:
 
 def cache_dir() -> Path:
     """Where kernel tables live: ``$TLTLIB_CACHE/kernels`` or ``~/.cache/tltlib/kernels`` (never in the repo)."""
-    return Path(os.environ.get("TLTLIB_CACHE") or Path.home() / ".cache" / "tltlib") / "kernels"
+    return cache_root() / "kernels"
 
 
 def cache_path(machine: Machine) -> Path:

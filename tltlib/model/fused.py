@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from ..errors import BadInput, TLTError
+from ..fileio import atomic_write_text, cache_root
 from ..kernels.dispatch import linear
 from .decoder import reset_stack, use_stack
 
@@ -56,7 +57,7 @@ _USER_CACHE = os.environ.get(CACHE_ENV)
 
 _STATE: dict = {}
 """This process's compile state: ``"unavailable"`` (why compilation is off), ``"seconds"`` (spent in compiling
-calls), ``"compiled"`` (the shape families compiled, as ``(model name, rows == 1, tokens == 1)``)."""
+calls), ``"compiled"`` (the shape families compiled, as ``(id(model), rows == 1, tokens == 1)``)."""
 
 _OPS: dict = {}
 """The two custom ops, registered with torch's dispatcher on the first compile of the process (never at import)."""
@@ -81,9 +82,8 @@ def enabled() -> bool:
 
 # ------------------------------------------------------------------------------------------------ the cache folder
 def default_cache_folder() -> Path:
-    """``~/.cache/tltlib/inductor`` (``XDG_CACHE_HOME`` respected)."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "tltlib" / "inductor"
+    """``$TLTLIB_CACHE/inductor`` (default ``~/.cache/tltlib/inductor``)."""
+    return cache_root() / "inductor"
 
 
 def cache_folder(folder: Path | None = None, version: str | None = None, own: bool | None = None) -> Path:
@@ -112,7 +112,7 @@ def cache_folder(folder: Path | None = None, version: str | None = None, own: bo
             shutil.rmtree(folder)
     if found != version:
         folder.mkdir(parents=True, exist_ok=True)
-        stamp.write_text(version + "\n")
+        atomic_write_text(stamp, version + "\n")
     return folder
 
 
@@ -177,7 +177,7 @@ def _run_stack(model, x, cos, sin, cache, write):
     if fn is None:
         fn = _COMPILED[model] = torch.compile(_stack_function(f"tltlib_layers_{id(model):x}", *_STATE["ops"]),
                                               dynamic=True)
-    family = (type(model).__name__, x.shape[0] == 1, x.shape[1] == 1, id(model))
+    family = (id(model), x.shape[0] == 1, x.shape[1] == 1)
     first = family not in _STATE.get("compiled", set())
     calls: list[int] = []
     token = _ATTEND.set((cache, write, calls))

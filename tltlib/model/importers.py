@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from ..errors import BadInput, MissingDependency, NotFound, Refused
-from ..fileio import atomic_folder, check_output_folder, file_sha256
+from ..fileio import atomic_folder, cache_root, check_output_folder, file_sha256
 
 SUPPORTED_GGUF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 RECORD = "tltlib-import.json"
@@ -67,8 +67,7 @@ MODELS = {
 
 def cache_dir() -> Path:
     """Where imported models live: ``$TLTLIB_CACHE/models`` or ``~/.cache/tltlib/models`` (never in the repo)."""
-    root = os.environ.get("TLTLIB_CACHE") or Path.home() / ".cache" / "tltlib"
-    return Path(root) / "models"
+    return cache_root() / "models"
 
 
 def is_imported(path: str | os.PathLike) -> bool:
