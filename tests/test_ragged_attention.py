@@ -23,8 +23,11 @@ def _reference(q, k, v, limit):
 
 
 @needs_compiler
-@pytest.mark.parametrize("heads,kv_heads,d", [(4, 4, 8), (6, 3, 32), (9, 3, 64)])
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 4, 8), (6, 3, 32), (9, 3, 64), (5, 1, 64), (6, 3, 16), (4, 2, 128),
+                                              (3, 1, 48)])
 def test_kernel_equals_masked_attention_over_each_rows_own_length(heads, kv_heads, d):
+    """Head widths of the vector kernel (16, 32, 64, 128: query blocks of three, of two, a last block of one) and of
+    the scalar loop (8, 48)."""
     assert ra.kernel() is not None, "the kernel did not build although a compiler is present"
     g = torch.Generator().manual_seed(heads)
     rows, span, max_len = 7, 23, 40
@@ -83,14 +86,14 @@ def test_paged_kernel_reads_runs_of_pages_and_scattered_pages_alike():
 
 
 @needs_compiler
-@pytest.mark.parametrize("new", [2, 5])
-def test_paged_masked_kernel_equals_masked_attention_over_gathered_pages(new):
+@pytest.mark.parametrize("new,heads,d", [(2, 6, 8), (5, 6, 8), (2, 9, 64), (5, 9, 64), (3, 6, 32)])
+def test_paged_masked_kernel_equals_masked_attention_over_gathered_pages(new, heads, d):
     """Several new tokens per row under a tree mask (each sees its row's committed positions, itself and a random
     set of the other new ones; columns before ``mask_from`` all seen): equal to SDPA over the gathered pages, and a
-    hidden position is really hidden."""
+    hidden position is really hidden; by the scalar loop (d 8) and the vector kernel (d 32, 64)."""
     assert ra.kernel() is not None
     g = torch.Generator().manual_seed(new)
-    kv_heads, pages, ps, d, heads, rows, width = 3, 48, 4, 8, 6, 4, 8
+    kv_heads, pages, ps, rows, width = 3, 48, 4, 4, 8
     k_pages, v_pages = (torch.randn(kv_heads, pages, ps, d, generator=g) for _ in range(2))
     table = torch.randperm(pages - 1, generator=g)[: rows * width].view(rows, width).contiguous()
     committed = torch.tensor([3, 11, 4, 20])
