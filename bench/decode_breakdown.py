@@ -3,9 +3,10 @@ layers' step time beside it).
 
 Greedy decoding of ``--rows`` prompts (EOS ignored, every row decodes ``--new-tokens``), timed by wall clocks wrapped
 around what a step calls: the cached **attention** (the paged cache's ``attend``: K/V written into the pages and the
-attention kernel), the **projections** (every ``linear`` of the layers and the LM head, by the kernel table's
-choices), the rest of each decoder layer (**small ops and dispatch**: RMSNorm, RoPE, SiLU-and-multiply, residual
-adds, views, the Python that calls them) and everything **outside the layers** (embedding, rotary tables, the cache's
+attention kernel; or its ``attend_qkv``, the same and the rotary of q and k in one C++ call), the **projections**
+(every ``linear`` of the layers and the LM head, by the kernel table's choices), the rest of each decoder layer
+(**small ops and dispatch**: RMSNorm, RoPE where the attention did not, SiLU-and-multiply, residual adds, views, the
+Python that calls them) and everything **outside the layers** (embedding, rotary tables, the cache's
 bookkeeping, sampling, the engine). The timers themselves cost ~1 us per call (about 0.2 ms of a SmolLM2 step: in the
 small-ops share). A step is the difference between a rollout of ``--new-tokens`` and one of a single token (the
 prefill), divided by the steps between; median over ``--repeats`` interleaved rounds.
@@ -90,17 +91,19 @@ class Timers:
 
 @contextmanager
 def instrumented(timers: Timers):
-    """The decoder's projections, the paged cache's attention and the decoder layers wrapped by ``timers``."""
+    """The decoder's projections, the paged cache's attention (``attend``, and ``attend_qkv``, its one-call step with
+    the rotary: a declined call costs ~1 us, charged to attention) and the decoder layers wrapped by ``timers``."""
     from tltlib.kv.paged import PagedKVCache
     from tltlib.model import decoder
-    saved = decoder.linear, PagedKVCache.attend, decoder.DecoderLayer.forward
+    saved = decoder.linear, PagedKVCache.attend, PagedKVCache.attend_qkv, decoder.DecoderLayer.forward
     decoder.linear = timers.wrap("projections", saved[0])
     PagedKVCache.attend = timers.wrap("attention", saved[1])
-    decoder.DecoderLayer.forward = timers.wrap("layer", saved[2])
+    PagedKVCache.attend_qkv = timers.wrap("attention", saved[2])
+    decoder.DecoderLayer.forward = timers.wrap("layer", saved[3])
     try:
         yield
     finally:
-        decoder.linear, PagedKVCache.attend, decoder.DecoderLayer.forward = saved
+        decoder.linear, PagedKVCache.attend, PagedKVCache.attend_qkv, decoder.DecoderLayer.forward = saved
 
 
 def step_bytes(model, rows: int, mean_len: float) -> float:

@@ -131,9 +131,10 @@ def test_kernel_refuses_limits_outside_the_span():
 @pytest.mark.parametrize("kind", ["dense", "paged"])
 def test_one_token_forwards_use_the_kernel_and_give_the_matmul_paths_logits(monkeypatch, kind):
     """A decode forward over rows of unequal lengths where the table picks the kernel (on a paged cache: its twin
-    reading the pages in place): it is called once per layer and the logits equal the masked path's (the kernel
-    off: the table's choice falls back); where the table picks the matmuls for many uniform rows, a dense cache
-    does not call the kernel, a paged one still does (any other kernel would gather the pages first)."""
+    reading the pages in place, called with the rotary and the write in one call): it is called once per layer and
+    the logits equal the masked path's (the kernel off: the table's choice falls back); where the table picks the
+    matmuls for many uniform rows, a dense cache does not call the kernel, a paged one still does (any other kernel
+    would gather the pages first)."""
     from tltlib.kernels import table as kt
     from tltlib.kv import paged as paged_cache
     from tltlib.model.decoder import ModelConfig, Transformer
@@ -144,9 +145,10 @@ def test_one_token_forwards_use_the_kernel_and_give_the_matmul_paths_logits(monk
     model = Transformer(cfg, init_std=0.2).eval()
     kv = paged_cache.KVConfig(kind=kind, memory=1 << 26, page_size=4)
     calls = []
-    module, name = (kernels, "ragged_attention") if kind == "dense" else (paged_cache, "paged_ragged_attention")
+    module, name = (kernels, "ragged_attention") if kind == "dense" else (paged_cache, "paged_rope_attention")
     real = getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or real(*a))
+    new_tokens = 2 if kind == "dense" else 1                     # q [B, H, T, d] (dense), qkv [B, T, n] (paged)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(a[0].shape[new_tokens]) or real(*a))
     lens = torch.tensor([3, 9, 1, 14, 6, 6, 11, 2, 8, 13])
     prompt = torch.randint(0, 61, (10, 14), generator=torch.Generator().manual_seed(1))
     step = torch.randint(0, 61, (10, 1), generator=torch.Generator().manual_seed(2))
@@ -158,7 +160,7 @@ def test_one_token_forwards_use_the_kernel_and_give_the_matmul_paths_logits(monk
             model.forward_cached(prompt, cache, logits_at=lens - 1)
             cache.advance(lens)
             out[on] = model.forward_cached(step, cache)[0]
-    assert len(calls) == cfg.num_layers
+    assert calls == [1] * cfg.num_layers                          # the decode step's layers (the prefill: too long)
     torch.testing.assert_close(out[True], out[False], atol=1e-4, rtol=1e-5)
     calls.clear()
     monkeypatch.setattr(module, "ragged_kernel", ra.kernel)
@@ -167,7 +169,7 @@ def test_one_token_forwards_use_the_kernel_and_give_the_matmul_paths_logits(monk
         model.forward_cached(torch.randint(0, 61, (40, 5)), cache, logits_at=torch.full((40,), 4))
         cache.advance(5)
         model.forward_cached(torch.randint(0, 61, (40, 1)), cache)
-    assert len(calls) == (0 if kind == "dense" else cfg.num_layers)
+    assert calls.count(1) == (0 if kind == "dense" else cfg.num_layers)   # the prefill's 5 tokens: the masked one
 
 
 def test_a_kernel_that_cannot_be_built_falls_back_with_one_warning(monkeypatch, tmp_path):
@@ -198,3 +200,63 @@ def test_the_switch_keeps_the_kernel_off_without_building(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert ra.kernel() is None
+
+
+@needs_compiler
+def test_the_one_call_attention_step_equals_the_pytorch_path(monkeypatch):
+    """On a paged cache the rotary, the write and the attention of a decode (ragged) and of a chain and a tree verify
+    (masked) run in one C++ call per layer: the logits and the cache's keys and values equal the PyTorch path's
+    (rotary, index copies, the paged kernel)."""
+    from tltlib.kv import paged as paged_cache
+    from tltlib.model.decoder import ModelConfig, Transformer
+    assert ra.kernel() is not None
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=61, hidden_size=96, intermediate_size=64, num_layers=2, num_heads=6, num_kv_heads=3,
+                      max_position_embeddings=128)                   # head width 16: the vector kernel
+    model = Transformer(cfg, init_std=0.2).eval()
+    kv = paged_cache.KVConfig(kind="paged", memory=1 << 26, page_size=4)
+    lens = torch.tensor([3, 9, 1, 7, 6])
+    g = torch.Generator().manual_seed(1)
+    prompt, step, chain = (torch.randint(0, 61, (5, t), generator=g) for t in (9, 1, 4))
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool).expand(5, 4, 4)
+    calls = []
+    real = paged_cache.paged_rope_attention
+    monkeypatch.setattr(paged_cache, "paged_rope_attention", lambda *a: calls.append(a[0].shape[1]) or real(*a))
+    out = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(paged_cache.PagedKVCache, "attend_qkv", lambda self, *a: None)
+        cache = model.new_cache(5, 32, kv)
+        with torch.no_grad():
+            model.forward_cached(prompt, cache, logits_at=lens - 1)
+            cache.advance(lens)
+            logits = [model.forward_cached(step, cache)[0]]
+            cache.advance(1)
+            logits.append(model.forward_cached(chain, cache)[0])
+            logits.append(model.forward_cached(chain, cache, tree_mask=tree)[0])
+        out[fused] = logits, cache.k.clone(), cache.v.clone()
+    assert calls == [9] * 2 + [1] * 2 + [4] * 4                      # prefill (9 tokens), decode, chain, tree
+    for got, want in zip(out[True][0], out[False][0]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for fused, unfused in zip(out[True][1:], out[False][1:]):            # keys, values
+        torch.testing.assert_close(fused, unfused, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[True][2][0], out[False][2][0])               # layer 0's values: copied, not computed
+
+
+@needs_compiler
+def test_the_one_call_attention_step_leaves_a_gradient_to_pytorch():
+    """Where autograd records (a projection output that needs a gradient), the paged cache declines the C++ call,
+    which would drop the gradient: the caller's PyTorch path runs. Without a gradient the call is taken."""
+    from tltlib.kv import paged as paged_cache
+    from tltlib.model.decoder import ModelConfig
+    assert ra.kernel() is not None
+    cfg = ModelConfig(vocab_size=11, hidden_size=16, intermediate_size=16, num_layers=1, num_heads=2, num_kv_heads=1)
+    kv = paged_cache.KVConfig(kind="paged", memory=1 << 22, page_size=4)
+    cos, sin = torch.ones(2, 1, 1, 8), torch.zeros(2, 1, 1, 8)
+    for grad in (True, False):
+        cache = paged_cache.make_cache(cfg, 2, 16, kv)
+        where = cache.prepare(1)
+        qkv = torch.randn(2, 1, 4 * 8, requires_grad=grad)
+        with torch.set_grad_enabled(grad):
+            out = cache.attend_qkv(0, where, qkv, cos, sin, 2)
+        assert (out is None) == grad

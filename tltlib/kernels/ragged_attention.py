@@ -341,10 +341,64 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                            });
   });
 }
+
+// A decoder layer's whole attention step over the paged cache, from the fused q/k/v projection's output: qkv
+// [B, T, (H + 2 KVH) d] float32 contiguous; cos, sin [B, T, d] contiguous (sin sign-folded as in
+// tltlib.model.decoder.rope_cos_sin): q and k rotated (x cos + (x[half:], x[:half]) sin), k and v written at index
+// ([B, T, KVH] int64: each entry's slot in a layer's KVH x pages x page_size storage), then paged_attention.
+// Returns [B, T, H d], the output projection's input: one call where the PyTorch path makes ~15 (the rotary's
+// multiplies, slices and concatenation, the cache's two index copies, the transposes and the output's copy).
+torch::Tensor paged_rope_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k,
+                                   torch::Tensor v, torch::Tensor index, torch::Tensor table, torch::Tensor limit,
+                                   torch::Tensor mask, int64_t mask_from, int64_t H, double scale) {
+  TORCH_CHECK(k.scalar_type() == at::kFloat && k.dim() == 4 && k.is_contiguous() && v.sizes() == k.sizes() &&
+              v.scalar_type() == at::kFloat && v.is_contiguous(), "paged_rope_attention: k, v [KVH, pages, "
+              "page_size, d] contiguous float32");
+  const int64_t KVH = k.size(0), d = k.size(3), half = d / 2, N = (H + 2 * KVH) * d;
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 3 && qkv.is_contiguous() && qkv.size(2) == N &&
+              d % 2 == 0 && H > 0 && H % KVH == 0, "paged_rope_attention: qkv [B, T, (H + 2 KVH) d] contiguous "
+              "float32 with H a multiple of KVH and d even");
+  const int64_t B = qkv.size(0), T = qkv.size(1), slots = KVH * k.size(1) * k.size(2);
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.numel() == B * T * d && sin.numel() == B * T * d,
+              "paged_rope_attention: cos, sin [B, T, d] contiguous float32");
+  TORCH_CHECK(index.scalar_type() == at::kLong && index.is_contiguous() && index.numel() == B * T * KVH,
+              "paged_rope_attention: index [B, T, KVH] contiguous int64");
+  const int64_t* ip = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * T * KVH; ++i)          // every slot checked before anything is written
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < slots, "paged_rope_attention: a write slot is outside the pool");
+  auto q = torch::empty({B, H, T, d}, qkv.options());
+  const float* xp = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  auto rotate = [=](const float* x, const float* c, const float* s, float* out) {
+    for (int64_t i = 0; i < half; ++i) {
+      out[i] = x[i] * c[i] + x[i + half] * s[i];
+      out[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+    }
+  };
+  for (int64_t bt = 0; bt < B * T; ++bt) {
+    const int64_t b = bt / T, t = bt % T;
+    const float* x = xp + bt * N;
+    const float* c = cp + bt * d;
+    const float* s = sp + bt * d;
+    for (int64_t h = 0; h < H; ++h) rotate(x + h * d, c, s, qp + ((b * H + h) * T + t) * d);
+    for (int64_t kh = 0; kh < KVH; ++kh) {
+      const int64_t slot = ip[bt * KVH + kh];
+      rotate(x + (H + kh) * d, c, s, kp + slot * d);
+      std::copy(x + (H + KVH + kh) * d, x + (H + KVH + kh + 1) * d, vp + slot * d);
+    }
+  }
+  auto out = paged_attention(q, k, v, table, limit, mask, mask_from, scale);
+  return T == 1 ? out.view({B, 1, H * d}) : out.transpose(1, 2).reshape({B, T, H * d});
+}
 """
 
 EXTENSION = build.Extension(
-    "tltlib_ragged_attention", _SOURCE, ("ragged_decode_attention", "paged_attention"),
+    "tltlib_ragged_attention", _SOURCE, ("ragged_decode_attention", "paged_attention", "paged_rope_attention"),
     cflags=("-O3", "-march=native", "-fopenmp", "-ffast-math"), ldflags=("-fopenmp",),
     what="the CPU ragged-attention kernel")
 """The kernel's build (:mod:`tltlib.kernels.build`: one folder per source, flags, compiler, CPU, torch and venv)."""
@@ -417,3 +471,18 @@ def paged_masked_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torc
     mask_from`` or ``mask[b, t, j]``. Returns ``[B, H, T, d]``, equal to the masked attention over each row's
     positions gathered into a dense cache, up to float rounding."""
     return _state["module"].paged_attention(q, k_pages, v_pages, table, limit, mask, mask_from, q.shape[-1] ** -0.5)
+
+
+def paged_rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pages: torch.Tensor,
+                         v_pages: torch.Tensor, index: torch.Tensor, table: torch.Tensor, limit: torch.Tensor,
+                         heads: int, mask: torch.Tensor | None = None, mask_from: int = 0) -> torch.Tensor:
+    """A decoder layer's attention step in one call (the C++ kernel; call only where :func:`kernel` returned a
+    module): rotates the new q and k of ``qkv`` (``[B, T, (heads + 2 KVH) d]`` float32 contiguous, the fused
+    projection's output) by ``cos``, ``sin`` (``[B, T, 1, d]``, :func:`tltlib.model.decoder.rope_cos_sin`), writes k
+    and v into ``k_pages``, ``v_pages`` (``[KVH, pages, page_size, d]``) at ``index`` (``[B, T, KVH]`` int64 flat
+    slots, :attr:`tltlib.kv.dense.CacheWrite.index`), then attends as :func:`paged_ragged_attention` (``mask`` None:
+    one new token per row) or :func:`paged_masked_attention`. Returns ``[B, T, heads * d]`` (the output projection's
+    input), equal to the PyTorch path's up to float rounding."""
+    return _state["module"].paged_rope_attention(qkv, cos, sin, k_pages, v_pages, index, table, limit,
+                                                 _NO_MASK if mask is None else mask, mask_from, heads,
+                                                 k_pages.shape[-1] ** -0.5)

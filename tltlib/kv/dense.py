@@ -170,6 +170,14 @@ class KVCache:
         k, v = self.write(layer, where, k_new, v_new)
         return cached_attention(q, k, v, where.mask, where.mask_from, where.memo, where.limits)
 
+    def attend_qkv(self, layer: int, where: CacheWrite, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   heads: int) -> torch.Tensor | None:
+        """A layer's whole attention step from its fused projection's output ``qkv [rows, T, (heads + 2 kv_heads)
+        head_dim]`` (rotary by ``cos``, ``sin``, the write, the attention) in one kernel call, ``[rows, T, heads *
+        head_dim]``, where the cache has such a kernel for this forward; None where not (the caller rotates and calls
+        :meth:`attend`): the dense cache never has (:meth:`tltlib.kv.paged.PagedKVCache.attend_qkv`)."""
+        return None
+
     @property
     def capacity(self) -> int:
         """Rows the cache was allocated for (the most :attr:`rows` can be)."""

@@ -50,7 +50,7 @@ from ..errors import BadInput, Refused
 from ..kernels import triton_attention
 from ..kernels.dispatch import cached_attention
 from ..kernels.ragged_attention import kernel as ragged_kernel
-from ..kernels.ragged_attention import paged_masked_attention, paged_ragged_attention
+from ..kernels.ragged_attention import paged_masked_attention, paged_ragged_attention, paged_rope_attention
 from ..machine import available_bytes
 from .dense import CacheWrite, KVCache, attention_mask, check_fixed_span
 from .pages import BlockTables, PagePool, check_page_size, kv_bytes_per_token, pages_for, pages_in_budget
@@ -342,6 +342,31 @@ class PagedKVCache:
                                           where.memo["paged_mask"], where.mask_from)
         k, v = self._gather(self.k[layer], where), self._gather(self.v[layer], where)
         return cached_attention(q, k, v, where.mask, where.mask_from, where.memo, where.limits)
+
+    def attend_qkv(self, layer: int, where: CacheWrite, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   heads: int) -> torch.Tensor | None:
+        """As :meth:`tltlib.kv.dense.KVCache.attend_qkv`: where :meth:`attend` would run the CPU's paged kernels
+        (``ragged`` or ``masked``), the rotary, the write and the attention in one C++ call
+        (:func:`tltlib.kernels.ragged_attention.paged_rope_attention`); None elsewhere (CUDA, prefills, another
+        dtype), and the caller takes the PyTorch path. Intel Xeon, 2 threads, SmolLM2 decode: ~15 PyTorch calls per
+        layer fewer (bench decode_breakdown)."""
+        if qkv.is_cuda or not (qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()) or (
+                torch.is_grad_enabled() and qkv.requires_grad):   # the C++ call would drop the gradient
+            return None
+        kind = where.memo.get("paged")
+        if kind is None:
+            b, t, n = qkv.shape
+            d = self.k.shape[-1]
+            kind = where.memo["paged"] = self._kernel(qkv.view(b, t, n // d, d).transpose(1, 2), where)
+        if kind == "ragged":
+            return paged_rope_attention(qkv, cos, sin, self.k[layer], self.v[layer], where.index, where.table,
+                                        where.limits, heads)
+        if kind == "masked":
+            if "paged_mask" not in where.memo:
+                where.memo["paged_mask"] = where.mask[:, 0].contiguous()
+            return paged_rope_attention(qkv, cos, sin, self.k[layer], self.v[layer], where.index, where.table,
+                                        where.ends, heads, where.memo["paged_mask"], where.mask_from)
+        return None
 
     @staticmethod
     def _kernel(q: torch.Tensor, where: CacheWrite) -> str:

@@ -273,10 +273,24 @@ def pre_attention(x: torch.Tensor, norm_w: torch.Tensor | None, eps: float, qkv_
 
     x ``[B, T, H]``; cos, sin ``[B, T, 1, head_dim]`` (:func:`rope_cos_sin`). Returns q ``[B, heads, T, d]``, k and v
     ``[B, T, kv_heads, d]`` (the layout a cache writes)."""
-    b, t, _ = x.shape
+    return split_rotate(qkv_projection(x, norm_w, eps, qkv_w, qkv_b, lin), cos, sin, heads, kv_heads, head_dim)
+
+
+def qkv_projection(x: torch.Tensor, norm_w: torch.Tensor | None, eps: float, qkv_w: torch.Tensor,
+                   qkv_b: torch.Tensor | None, lin=linear) -> torch.Tensor:
+    """The input RMSNorm (none when ``norm_w`` is None) and the fused q/k/v projection: x ``[B, T, H]`` -> ``[B, T,
+    (heads + 2 kv_heads) head_dim]``."""
     h = rms_norm(x, norm_w, eps) if norm_w is not None else x
-    qkv = lin(h, qkv_w, qkv_b).view(b, t, heads + 2 * kv_heads, head_dim)
-    qk = apply_rope(qkv[:, :, : heads + kv_heads], cos, sin)       # q and k rotated together
+    return lin(h, qkv_w, qkv_b)
+
+
+def split_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused projection's output ``[B, T, (heads + 2 kv_heads) head_dim]`` split into q ``[B, heads, T, d]``,
+    k and v ``[B, T, kv_heads, d]``, q and k rotated together (:func:`apply_rope`)."""
+    b, t, _ = qkv.shape
+    qkv = qkv.view(b, t, heads + 2 * kv_heads, head_dim)
+    qk = apply_rope(qkv[:, :, : heads + kv_heads], cos, sin)
     return qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:], qkv[:, :, heads + kv_heads:]
 
 
@@ -286,9 +300,12 @@ def post_attention(x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, o_b: 
     """A decoder layer after its attention: the output projection and residual, the post-attention RMSNorm, SwiGLU
     with the fused gate/up projection, the second residual; projections by ``lin``.
 
-    x ``[B, T, H]`` (the layer's input), attn ``[B, heads, T, d]``. Returns the layer's output ``[B, T, H]``."""
-    b, _, t, _ = attn.shape
-    x = x + lin(attn.transpose(1, 2).reshape(b, t, -1), o_w, o_b)
+    x ``[B, T, H]`` (the layer's input), attn ``[B, heads, T, d]`` (or ``[B, T, heads * d]``, the output
+    projection's input already). Returns the layer's output ``[B, T, H]``."""
+    if attn.dim() == 4:
+        b, _, t, _ = attn.shape
+        attn = attn.transpose(1, 2).reshape(b, t, -1)
+    x = x + lin(attn, o_w, o_b)
     gate, up = lin(rms_norm(x, norm_w, eps), gate_up_w, gate_up_b).split(gate_up_w.shape[0] // 2, dim=-1)
     return x + lin(F.silu(gate) * up, down_w, down_b)
 
@@ -358,7 +375,12 @@ class DecoderLayer(nn.Module):
         a, m = self.attn, self.mlp
         lin = lin or linear
         norm_w = self.input_norm.weight if self.input_norm is not None else None
-        q, k, v = pre_attention(x, norm_w, self.eps, a.qkv.weight, a.qkv.bias, cos, sin, a.h, a.kvh, a.d, lin=lin)
+        qkv = qkv_projection(x, norm_w, self.eps, a.qkv.weight, a.qkv.bias, lin=lin)
+        out = cache.attend_qkv(layer, write, qkv, cos, sin, a.h) if cache is not None and attend is None else None
+        if out is not None:                            # the cache's one-call kernel did the rest of the attention
+            return post_attention(x, out, a.o.weight, a.o.bias, self.post_norm.weight, self.eps, m.gate_up.weight,
+                                  m.gate_up.bias, m.down.weight, m.down.bias, lin=lin)
+        q, k, v = split_rotate(qkv, cos, sin, a.h, a.kvh, a.d)
         if attend is not None:
             out = attend(q, k, v, layer)
         elif cache is None:
