@@ -57,6 +57,23 @@ static inline void prefetch_rows(const float* p, int64_t rows, int64_t step) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
 }
 
+// Softmax of each of the Q rows of n scores in s, in place (over the row's own positions).
+static void softmax_rows(float* s, int64_t Q, int64_t n) {
+  for (int64_t g = 0; g < Q; ++g) {
+    float* sg = s + g * n;
+    float m = sg[0];
+    for (int64_t j = 1; j < n; ++j) m = std::max(m, sg[j]);
+    float z = 0.f;
+#pragma omp simd reduction(+ : z)
+    for (int64_t j = 0; j < n; ++j) {
+      sg[j] = std::exp(sg[j] - m);
+      z += sg[j];
+    }
+    const float inv = 1.f / z;
+    for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+  }
+}
+
 // One (row, KV head): the Q queries at qb (d apart: the G query heads of the KV head, each with its T new tokens)
 // attend to positions 0 .. n - 1, stored in runs: key(j0), value(j0) point at the key and value rows of position j0
 // (the start of a run), the next ones step apart, and run(j0, n) is the length of the run from j0, at least up to n
@@ -82,21 +99,8 @@ static void attend_one(const float* qb, float* ob, int64_t Q, int64_t d, int64_t
     }
   }
   hide(s, n);
-  for (int64_t g = 0; g < Q; ++g) {                  // softmax over the row's own positions
-    float* sg = s + g * n;
-    float m = sg[0];
-    for (int64_t j = 1; j < n; ++j) m = std::max(m, sg[j]);
-    float z = 0.f;
-#pragma omp simd reduction(+ : z)
-    for (int64_t j = 0; j < n; ++j) {
-      sg[j] = std::exp(sg[j] - m);
-      z += sg[j];
-    }
-    const float inv = 1.f / z;
-    float* og = ob + g * d;
-    for (int64_t i = 0; i < d; ++i) og[i] = 0.f;
-    for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
-  }
+  softmax_rows(s, Q, n);
+  std::fill(ob, ob + Q * d, 0.f);
   for (int64_t j0 = 0, cnt; j0 < n; j0 += cnt) {     // weighted values: each value read once for the Q queries
     const float* vb = value(j0);
     cnt = std::min(run(j0, n), n - j0);
@@ -164,19 +168,7 @@ static void attend_vec(const float* qb, float* ob, int64_t Q, int64_t n, float s
     }
   }
   hide(s, n);
-  for (int64_t g = 0; g < Q; ++g) {                  // softmax over the row's own positions
-    float* sg = s + g * n;
-    float m = sg[0];
-    for (int64_t j = 1; j < n; ++j) m = std::max(m, sg[j]);
-    float z = 0.f;
-#pragma omp simd reduction(+ : z)
-    for (int64_t j = 0; j < n; ++j) {
-      sg[j] = std::exp(sg[j] - m);
-      z += sg[j];
-    }
-    const float inv = 1.f / z;
-    for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
-  }
+  softmax_rows(s, Q, n);
   for (int64_t g0 = 0; g0 < Q; g0 += GB) {          // weighted values, the block's GB x C outputs in registers
     const int64_t gn = std::min<int64_t>(GB, Q - g0);
     vec_t acc[GB][C];

@@ -323,9 +323,7 @@ class PagedKVCache:
         tree levels); other forwards (prefills) attend over the rows' gathered pages by
         :func:`tltlib.kernels.dispatch.cached_attention`."""
         self._store(layer, where, k_new, v_new)
-        kind = where.memo.get("paged")                 # chosen on the first layer, for the forward's every layer
-        if kind is None:
-            kind = where.memo["paged"] = self._kernel(q, where)
+        kind = self._chosen(q, where)
         if kind == "triton":
             out = triton_attention.cached_paged_attention(q, self.k[layer], self.v[layer], where.table,
                                                           self.lengths[: self.rows], where.mask, where.span,
@@ -336,10 +334,8 @@ class PagedKVCache:
         if kind == "ragged":
             return paged_ragged_attention(q, self.k[layer], self.v[layer], where.table, where.limits)
         if kind == "masked":
-            if "paged_mask" not in where.memo:
-                where.memo["paged_mask"] = where.mask[:, 0].contiguous()
             return paged_masked_attention(q, self.k[layer], self.v[layer], where.table, where.ends,
-                                          where.memo["paged_mask"], where.mask_from)
+                                          self._kernel_mask(where), where.mask_from)
         k, v = self._gather(self.k[layer], where), self._gather(self.v[layer], where)
         return cached_attention(q, k, v, where.mask, where.mask_from, where.memo, where.limits)
 
@@ -350,23 +346,34 @@ class PagedKVCache:
         (:func:`tltlib.kernels.ragged_attention.paged_rope_attention`); None elsewhere (CUDA, prefills, another
         dtype), and the caller takes the PyTorch path. Intel Xeon, 2 threads, SmolLM2 decode: ~15 PyTorch calls per
         layer fewer (bench decode_breakdown)."""
-        if qkv.is_cuda or not (qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()) or (
-                torch.is_grad_enabled() and qkv.requires_grad):   # the C++ call would drop the gradient
+        if torch.is_grad_enabled() and qkv.requires_grad:   # the C++ call would drop the gradient
             return None
-        kind = where.memo.get("paged")
-        if kind is None:
-            b, t, n = qkv.shape
-            d = self.k.shape[-1]
-            kind = where.memo["paged"] = self._kernel(qkv.view(b, t, n // d, d).transpose(1, 2), where)
+        b, t, n = qkv.shape                            # q's shape for the first layer's choice: a view
+        kind = where.memo.get("paged") or self._chosen(qkv.view(b, t, n // self.k.shape[-1], -1).transpose(1, 2),
+                                                       where)
+        if kind not in ("ragged", "masked") or not (qkv.is_contiguous() and cos.is_contiguous()
+                                                    and sin.is_contiguous()):
+            return None
         if kind == "ragged":
             return paged_rope_attention(qkv, cos, sin, self.k[layer], self.v[layer], where.index, where.table,
                                         where.limits, heads)
-        if kind == "masked":
-            if "paged_mask" not in where.memo:
-                where.memo["paged_mask"] = where.mask[:, 0].contiguous()
-            return paged_rope_attention(qkv, cos, sin, self.k[layer], self.v[layer], where.index, where.table,
-                                        where.ends, heads, where.memo["paged_mask"], where.mask_from)
-        return None
+        return paged_rope_attention(qkv, cos, sin, self.k[layer], self.v[layer], where.index, where.table,
+                                    where.ends, heads, self._kernel_mask(where), where.mask_from)
+
+    def _chosen(self, q: torch.Tensor, where: CacheWrite) -> str:
+        """The forward's attention kernel (:meth:`_kernel`), chosen on its first layer for its every layer."""
+        kind = where.memo.get("paged")
+        if kind is None:
+            kind = where.memo["paged"] = self._kernel(q, where)
+        return kind
+
+    @staticmethod
+    def _kernel_mask(where: CacheWrite) -> torch.Tensor:
+        """The forward's mask in the masked paged kernel's layout (``[rows, T, span]`` contiguous), made once."""
+        mask = where.memo.get("paged_mask")
+        if mask is None:
+            mask = where.memo["paged_mask"] = where.mask[:, 0].contiguous()
+        return mask
 
     @staticmethod
     def _kernel(q: torch.Tensor, where: CacheWrite) -> str:

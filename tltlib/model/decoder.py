@@ -265,17 +265,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)   # 4 kernels instead of 8
 
 
-def pre_attention(x: torch.Tensor, norm_w: torch.Tensor | None, eps: float, qkv_w: torch.Tensor,
-                  qkv_b: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
-                  head_dim: int, lin=linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A decoder layer up to its attention: the input RMSNorm (none when ``norm_w`` is None: EAGLE's drafter layer),
-    the fused q/k/v projection by ``lin`` and the rotary embedding of q and k together.
-
-    x ``[B, T, H]``; cos, sin ``[B, T, 1, head_dim]`` (:func:`rope_cos_sin`). Returns q ``[B, heads, T, d]``, k and v
-    ``[B, T, kv_heads, d]`` (the layout a cache writes)."""
-    return split_rotate(qkv_projection(x, norm_w, eps, qkv_w, qkv_b, lin), cos, sin, heads, kv_heads, head_dim)
-
-
 def qkv_projection(x: torch.Tensor, norm_w: torch.Tensor | None, eps: float, qkv_w: torch.Tensor,
                    qkv_b: torch.Tensor | None, lin=linear) -> torch.Tensor:
     """The input RMSNorm (none when ``norm_w`` is None) and the fused q/k/v projection: x ``[B, T, H]`` -> ``[B, T,
@@ -337,7 +326,7 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Grouped-query self-attention's weights: the fused q/k/v projection and the output projection (the maths is in
-    :func:`pre_attention`, the cache's ``attend`` and :func:`post_attention`)."""
+    :func:`qkv_projection`, :func:`split_rotate`, the cache's ``attend`` and :func:`post_attention`)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
