@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tltlib.errors import BadInput
+from tltlib.kernels import dispatch as K
 from tltlib.kernels import search as ks
 from tltlib.kernels import table as kt
 from tltlib.kernels.dispatch import attention_with, linear, linear_with
@@ -83,8 +84,11 @@ def test_the_search_over_a_model_picks_what_the_timer_says_is_fastest(fresh_tabl
     # without a packed copy at hand (or the ragged kernel for several queries) the rest cost 2 us but PyTorch's
     # defaults 3 us: the starting point stays where it is one of the 2 us ones, else the fastest (mm) replaces it
     unpacked = {1: "mm-pad", 2: "mm", 5: "mm", 64: "mm", 300: "mm", 5000: "mm"}
-    for want_linear, want_attention in (("mm", "matmul"), ("packed", "ragged"), ("linear", "sdpa")):
+    for want_linear, want_attention in (("mm", "matmul"), ("packed", "ragged"), ("linear", "sdpa"),
+                                        ("mkl-packed", "sdpa")):
         if want_attention == "ragged" and ks.ragged_kernel() is None:
+            continue
+        if want_linear == "mkl-packed" and not K.mkl_packing_available():
             continue
         lin, att = ks.search(model, None, timer=fake_timer({"linear": want_linear, "attention": want_attention}),
                              config=FAST, progress=False)
@@ -94,7 +98,7 @@ def test_the_search_over_a_model_picks_what_the_timer_says_is_fastest(fresh_tabl
             for rows in unpacked:
                 assert table.linear_kernel(n, k, rows, packed=True) == want_linear
                 assert table.linear_kernel(n, k, rows, packed=False) == (
-                    want_linear if want_linear != "packed" else unpacked[rows])
+                    want_linear if want_linear not in kt.PACKED else unpacked[rows])
         for rows, queries, ragged in ((1, 1, False), (40, 1, True), (8, 5, True)):
             got = table.attention_kernel(4, 2, 8, queries, rows, ragged, kernel=True)
             assert got == (want_attention if want_attention != "ragged" or queries == 1 else "matmul")
@@ -136,9 +140,9 @@ def test_every_projection_kernel_computes_f_linear(rows, bias):
     entry = ks.pack_weights_of([w])
     with torch.inference_mode():
         for kind in kt.LINEAR_KERNELS:
-            if kind == "packed" and not entry:
+            if kind in kt.PACKED and not entry or kind == "mkl-packed" and not K.mkl_packing_available():
                 continue
-            got = linear_with(kind, x.view(rows, 1, 20), w, b, entry[0] if kind == "packed" else None)
+            got = linear_with(kind, x.view(rows, 1, 20), w, b, entry[0] if kind in kt.PACKED else None)
             assert got.shape == (rows, 1, 33) and got.is_contiguous(), kind
             torch.testing.assert_close(got.view(rows, 33), want, atol=1e-5, rtol=1e-5, msg=kind)
     with pytest.raises(ValueError, match="unknown projection kernel 'fast'"):
@@ -189,7 +193,10 @@ def test_the_model_decodes_the_same_tokens_whatever_the_table_picked(fresh_table
     prompts = encode_prompts(generate_problems(ChainTaskConfig(), 3, seed=5), tok)
     config = RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=48), num_generations=2)
     tokens = []
-    for lin, att in (("linear", "sdpa"), ("mm", "matmul"), ("mm-pad", "ragged"), ("packed", "ragged")):
+    kinds = (("linear", "sdpa"), ("mm", "matmul"), ("mm-pad", "ragged"), ("packed", "ragged"), ("mkl-packed", "sdpa"))
+    for lin, att in kinds:
+        if lin == "mkl-packed" and not K.mkl_packing_available():
+            continue
         lin_t, att_t = ks.search(model, None, timer=fake_timer({"linear": lin, "attention": att}), config=FAST,
                                  progress=False)
         with kt.using(kt.KernelTable(this_machine(), lin_t, att_t)):
@@ -197,6 +204,63 @@ def test_the_model_decodes_the_same_tokens_whatever_the_table_picked(fresh_table
         tokens.append(out.tokens)
     assert all(torch.equal(tokens[0], t) for t in tokens[1:])
     assert not (fresh_tables / "kernels").exists()              # a forced table is neither measured nor written
+
+
+@pytest.mark.skipif(not K.mkl_packing_available(), reason="no MKL in this torch build")
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 16, 17, 64, 65, 200])
+def test_mkl_packed_serves_every_row_count_from_one_copy(rows, monkeypatch):
+    """One copy packed for MKL_PACK_ROWS rows, run at other row counts: F.linear's result within float rounding, and
+    the first call's check passes (no fallback recorded)."""
+    monkeypatch.setattr(K, "_MKL_CHECKED", {})
+    g = torch.Generator().manual_seed(rows)
+    for n, k in ((96, 64), (57, 131)):
+        w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
+        entry = K.PackedWeight(w)
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = linear_with("mkl-packed", x.view(1, rows, k), w, None, entry)
+        torch.testing.assert_close(got.view(rows, n), torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-4)
+        assert K._MKL_CHECKED[(n, k, rows)] is True
+
+
+@pytest.mark.skipif(not K.mkl_packing_available(), reason="no MKL in this torch build")
+def test_an_mkl_copy_that_does_not_serve_the_rows_falls_back_to_f_linear_with_one_warning(monkeypatch):
+    """Stands in for an MKL whose packing depends on the rows: a copy that computes another product is caught by the
+    first call's check; that call and every later one of the shape and rows give F.linear's result, one warning."""
+    monkeypatch.setattr(K, "_MKL_CHECKED", {})
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(48, 32, generator=g), torch.randn(4, 32, generator=g)
+    entry = K.PackedWeight(w)
+    entry._mkl = torch.ops.mkl._mkl_reorder_linear_weight(torch.randn(48, 32, generator=g), K.MKL_PACK_ROWS)
+    with torch.inference_mode():
+        with pytest.warns(UserWarning, match=r"MKL's packed product for a \(48, 32\) weight at 4 rows differs"):
+            first = linear_with("mkl-packed", x, w, None, entry)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            second = linear_with("mkl-packed", x, w, None, entry)
+    want = torch.nn.functional.linear(x, w)
+    assert torch.equal(first, want) and torch.equal(second, want)
+    assert K._MKL_CHECKED == {(48, 32, 4): False}
+
+
+def test_a_table_measured_before_a_candidate_existed_keeps_its_choices_and_is_measured_again(fresh_tables):
+    """A cell without a timing of a candidate this machine can run (a table from before mkl-packed) is missing for
+    the next measurement; until then its old choice holds."""
+    model = small_model()
+    lin, att = ks.search(model, None, timer=fake_timer({"linear": "mm", "attention": "matmul"}), config=FAST,
+                         progress=False)
+    n, k = next(iter(ks.projection_weights(model)))
+    old = {key: kt.Timing({c: s for c, s in t.seconds.items() if c != "mkl-packed"},
+                          {c: s for c, s in t.spread.items() if c != "mkl-packed"}) for key, t in lin.items()}
+    table = kt.KernelTable(this_machine(), old, att)
+    assert table.linear_kernel(n, k, 16, True) == "mm"
+    missing = ks.missing_cells(table, model)
+    if K.mkl_packing_available() and torch.backends.mkldnn.is_available():
+        assert missing["linear"] and all(b == list(range(kt.MAX_ROW_BAND + 1)) for b in missing["linear"].values())
+    else:
+        assert missing["linear"] == {}
+    assert missing["attention"] == {} and ks.missing_cells(kt.KernelTable(this_machine(), lin, att), model) == {
+        "linear": {}, "attention": {}}
 
 
 # --------------------------------------------------------------------------------------------- the cache file

@@ -18,12 +18,14 @@ from tltlib.rollout.engine import RolloutConfig, RolloutEngine
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
 
 
-@pytest.fixture(autouse=True)
-def packed_wherever_it_can_run():
-    """The packed kernel wherever a packed copy is at hand (PyTorch's default elsewhere), whatever this CPU's table
-    would pick."""
-    with kt.using(kt.Forced(linear="packed")):
-        yield
+@pytest.fixture(autouse=True, params=["packed", "mkl-packed"])
+def packed_wherever_it_can_run(request):
+    """A packed kernel (oneDNN's, MKL's) wherever a packed copy is at hand (PyTorch's default elsewhere), whatever
+    this CPU's table would pick."""
+    if request.param == "mkl-packed" and not K.mkl_packing_available():
+        pytest.skip("no MKL in this torch build")
+    with kt.using(kt.Forced(linear=request.param)):
+        yield request.param
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
@@ -44,7 +46,8 @@ def _engine(model, packed: bool, **kw):
 
 
 @pytest.mark.parametrize("rows", [3, 17, 300])
-def test_a_packed_projection_equals_f_linear_and_is_used_where_the_table_picks_it(rows, monkeypatch):
+def test_a_packed_projection_equals_f_linear_and_is_used_where_the_table_picks_it(rows, monkeypatch,
+                                                                                 packed_wherever_it_can_run):
     g = torch.Generator().manual_seed(0)
     lin = torch.nn.Linear(40, 24)
     x = torch.randn(rows, 40, generator=g)
@@ -55,6 +58,9 @@ def test_a_packed_projection_equals_f_linear_and_is_used_where_the_table_picks_i
         got = K.linear(x.view(1, rows, 40), lin.weight, lin.bias)
     torch.testing.assert_close(got.view(rows, 24), torch.nn.functional.linear(x, lin.weight, lin.bias),
                                atol=1e-5, rtol=1e-5)
+    entry = packs[id(lin.weight)]                               # the copy of the kernel picked, and only that one
+    assert (entry._onednn is not None, entry._mkl is not None) == (
+        (True, False) if packed_wherever_it_can_run == "packed" else (False, True))
 
 
 def test_a_packed_rollout_gives_the_unpacked_tokens(target):

@@ -9,8 +9,11 @@ order), run by name through :func:`linear_with` and :func:`attention_with`:
 * **projections**: ``linear`` (``F.linear``); ``mm`` (``weight @ x.T``: PyTorch's CPU ``x @ weight.T`` re-lays out
   the weight for a few rows on some CPUs, ``weight @ x.T`` streams it once); ``mm-pad`` (one row run as two, which
   beat the matrix-vector product on the development VM); ``packed`` (oneDNN on a copy of the weight laid out for it
-  once per rollout, :func:`pack_weights`, what vLLM's CPU backend does; only inside :func:`packed_weights`).
-  Autograd (training), CUDA and other dtypes use ``F.linear``.
+  once per rollout, :func:`pack_weights`, what vLLM's CPU backend does; only inside :func:`packed_weights`);
+  ``mkl-packed`` (MKL's packed SGEMM, ``cblas_sgemm_pack``/``cblas_sgemm_compute`` as PyTorch exposes them, on a copy
+  laid out for MKL, likewise; SmolLM2's layer projections on an Intel Xeon, two threads, 16 / 64 rows: 14% / 28%
+  less time than oneDNN's, one row 1.6x more than ``F.linear``: the table decides). Autograd (training), CUDA and
+  other dtypes use ``F.linear``.
 * **cached attention**: ``sdpa`` (PyTorch's ``scaled_dot_product_attention``, its bool mask turned into a float one
   once per forward); ``matmul`` (two batched matmuls, :func:`gqa_attention`); ``ragged`` (one new query per row over
   each row's own cached length, the C++ kernel of :mod:`tltlib.kernels.ragged_attention`, so rows that SD steps left
@@ -21,6 +24,7 @@ Departures: none (kernel selection only; every path computes the same function).
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -41,16 +45,59 @@ added as a bias inside the first matmul; beyond, it is applied in place (see :fu
 _PACKED: ContextVar[dict | None] = ContextVar("tltlib_packed_weights", default=None)
 
 
-def pack_weights(module: torch.nn.Module) -> dict[int, tuple[torch.Tensor, int, torch.Tensor]]:
-    """oneDNN-packed copies of ``module``'s 2-D float32 CPU parameters (every projection and the LM head; an input
-    embedding only when it is also the head), for :func:`packed_weights`: ``{id(weight): (weight, weight._version,
-    packed)}``; empty when oneDNN is missing or the weights live elsewhere. Costs a second copy of those weights
-    (SmolLM2-135M: 0.2 s, 540 MB)."""
+MKL_PACK_ROWS = 64
+"""The rows (``m``) MKL's copy of a weight is packed for. One copy serves every row count: PyTorch's ``_mkl_linear``
+runs ``cblas_sgemm_compute`` on it with the call's own ``m``. MKL's documentation neither promises nor excludes that
+a B matrix packed for one ``m`` serves another; measured with MKL as torch 2.13 ships it, the products equal those
+of a copy packed for the call's own rows from 5 rows up, and equal ``F.linear``'s within float rounding below. The
+first call of each shape and row count checks its product against ``F.linear`` (:func:`_mkl_packed`), so an MKL
+that differs is caught, not trusted."""
+
+
+def mkl_packing_available() -> bool:
+    """Whether this torch has MKL's packed SGEMM (x86 builds; not ARM or macOS)."""
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+class PackedWeight:
+    """A weight's packed copies for the rollouts that use them, each made on its kernel's first call (only the
+    layouts the kernel table picks cost memory: a copy is the size of the weight): :meth:`onednn` for ``packed``,
+    :meth:`mkl` for ``mkl-packed``. ``version`` is the weight's autograd version when the entry was made: a weight
+    updated in place since is refused by the kernels (its copies would be stale)."""
+
+    __slots__ = ("weight", "version", "_onednn", "_mkl")
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight, self.version = weight, weight._version
+        self._onednn: torch.Tensor | None = None
+        self._mkl: torch.Tensor | None = None
+
+    def onednn(self) -> torch.Tensor:
+        """The weight in oneDNN's layout for a linear of up to 64 rows (``torch.ops.mkldnn._reorder_linear_weight``)."""
+        if self._onednn is None:
+            with torch.no_grad():
+                self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
+        return self._onednn
+
+    def mkl(self) -> torch.Tensor:
+        """The weight in MKL's packed-SGEMM layout, packed for :data:`MKL_PACK_ROWS` rows."""
+        if self._mkl is None:
+            with torch.no_grad():
+                self._mkl = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), MKL_PACK_ROWS)
+        return self._mkl
+
+    def stale(self) -> bool:
+        return self.weight._version != self.version
+
+
+def pack_weights(module: torch.nn.Module) -> dict[int, PackedWeight]:
+    """Entries for packed copies of ``module``'s 2-D float32 CPU parameters (every projection and the LM head; an
+    input embedding only when it is also the head), for :func:`packed_weights`: ``{id(weight): PackedWeight}``; empty
+    when oneDNN is missing. A copy is made when a kernel first reads it (SmolLM2-135M: 0.2 s and 540 MB per layout
+    used)."""
     if not torch.backends.mkldnn.is_available():
         return {}
-    with torch.no_grad():
-        return {id(p): (p, p._version, torch.ops.mkldnn._reorder_linear_weight(p.detach(), 64))
-                for p in _packable(module)}
+    return {id(p): PackedWeight(p) for p in _packable(module)}
 
 
 def _packable(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -231,20 +278,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     packs = _PACKED.get()
     entry = packs.get(id(weight)) if packs is not None else None
-    if entry is not None and entry[0] is not weight:
+    if entry is not None and entry.weight is not weight:
         entry = None
     kind = kernel_table.current().linear_kernel(weight.shape[0], weight.shape[1], rows, entry is not None)
     return _LINEAR[kind or "linear"](x, weight, bias, entry, rows)
 
 
 def linear_with(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                packed: tuple | None = None) -> torch.Tensor:
-    """:func:`linear` by the named candidate (``linear``, ``mm``, ``mm-pad``, ``packed``; ``packed`` needs the
-    weight's entry of :func:`pack_weights`)."""
+                packed: PackedWeight | None = None) -> torch.Tensor:
+    """:func:`linear` by the named candidate (``linear``, ``mm``, ``mm-pad``, ``packed``, ``mkl-packed``; the packed
+    ones need the weight's entry of :func:`pack_weights`)."""
     if kind not in _LINEAR:
         raise BadInput(f"unknown projection kernel {kind!r}; choose one of {kernel_table.LINEAR_KERNELS}")
-    if kind == "packed" and (packed is None or packed[0] is not weight):
-        raise BadInput("the packed kernel needs this weight's packed copy (pack_weights(module)[id(weight)])")
+    if kind in PACKED_KERNELS and (packed is None or packed.weight is not weight):
+        raise BadInput(f"the {kind} kernel needs this weight's packed copy (pack_weights(module)[id(weight)])")
+    if kind == "mkl-packed" and not mkl_packing_available():
+        raise BadInput("the mkl-packed kernel needs a torch built with MKL (x86); choose packed, mm or linear")
     return _LINEAR[kind](x, weight, bias, packed, x.numel() // x.shape[-1])
 
 
@@ -271,12 +320,49 @@ def _mm_pad(x, weight, bias, entry, rows):
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def _packed(x, weight, bias, entry, rows):
-    """oneDNN on the packed copy; refused when the weight changed in place after it was packed."""
-    if weight._version != entry[1]:
+def _refuse_stale(entry: PackedWeight, weight: torch.Tensor) -> None:
+    if entry.stale():
         raise Refused(f"a {tuple(weight.shape)} weight changed in place after it was packed for this rollout: "
                       "update weights between rollouts, not during one (its packed copy would be stale)")
-    return torch.ops.mkldnn._linear_pointwise(x, entry[2], bias, "none", [], "")
 
 
-_LINEAR = {"linear": _f_linear, "mm": _mm, "mm-pad": _mm_pad, "packed": _packed}
+def _packed(x, weight, bias, entry, rows):
+    """oneDNN on the packed copy; refused when the weight changed in place after it was packed."""
+    _refuse_stale(entry, weight)
+    return torch.ops.mkldnn._linear_pointwise(x, entry.onednn(), bias, "none", [], "")
+
+
+_MKL_CHECKED: dict[tuple, bool] = {}
+"""``(N, K, rows) -> whether MKL's packed product matched F.linear`` on the first such call of this process."""
+MKL_CHECK_TOLERANCE = 1e-4
+"""The first call per shape and row count: MKL's packed product must be within this share of the output's largest
+magnitude of ``F.linear``'s (float rounding is ~1e-6 there; a copy MKL cannot use at these rows is off by ~1)."""
+
+
+def _mkl_packed(x, weight, bias, entry, rows):
+    """MKL's packed SGEMM on the copy packed for :data:`MKL_PACK_ROWS` rows, run at the call's own rows (``_mkl_linear``
+    takes the packing's row count as an argument and falls back to a plain linear when it differs from the input's:
+    the call's rows are passed, so the packed product runs). The first call per shape and row count is checked
+    against ``F.linear``; where it differs (an MKL whose packing depends on the rows), that shape and row count run
+    ``F.linear`` from then on, with one warning."""
+    _refuse_stale(entry, weight)
+    key = (weight.shape[0], weight.shape[1], rows)
+    ok = _MKL_CHECKED.get(key)
+    if ok is False:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    out = torch.ops.mkl._mkl_linear(flat, entry.mkl(), weight, bias, rows)
+    if ok is None:
+        want = F.linear(flat, weight, bias)
+        ok = _MKL_CHECKED[key] = bool((out - want).abs().max() <= MKL_CHECK_TOLERANCE * want.abs().max())
+        if not ok:
+            warnings.warn(f"tltlib: MKL's packed product for a {tuple(weight.shape)} weight at {rows} rows differs "
+                          "from F.linear's (this MKL's packing depends on the rows it was packed for): F.linear runs "
+                          "there instead (the same function, without the packed copy's speed)", stacklevel=4)
+            out = want
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+_LINEAR = {"linear": _f_linear, "mm": _mm, "mm-pad": _mm_pad, "packed": _packed, "mkl-packed": _mkl_packed}
+PACKED_KERNELS = ("packed", "mkl-packed")
+"""The candidates that read a packed copy (only inside :func:`packed_weights`)."""

@@ -39,7 +39,7 @@ import torch
 from ..errors import BadInput
 from ..machine import llc_bytes
 from . import table as kt
-from .dispatch import attention_with, linear_with, pack_weights
+from .dispatch import PackedWeight, attention_with, linear_with, mkl_packing_available
 from .ragged_attention import kernel as ragged_kernel
 
 Timer = Callable[[str, Callable[[], object]], float]
@@ -152,16 +152,22 @@ def _pool(weights: list[torch.Tensor], cold_bytes: int) -> list[torch.Tensor]:
 def linear_candidates(pool: list[torch.Tensor], packs: list, rows: int, generator: torch.Generator) -> dict:
     """The projection candidates for ``rows`` rows over ``pool`` (cycled: each call the next weight)."""
     x = torch.randn(rows, pool[0].shape[1], generator=generator)
-    names = ["linear", "mm", *(["mm-pad"] if rows == 1 else []), *(["packed"] if packs else [])]
 
     def call(kind):
         turn = itertools.cycle(range(len(pool)))
 
         def run():
             i = next(turn)
-            return linear_with(kind, x, pool[i], None, packs[i] if kind == "packed" else None)
+            return linear_with(kind, x, pool[i], None, packs[i] if kind in kt.PACKED else None)
         return run
-    return {name: call(name) for name in names}
+    return {name: call(name) for name in linear_names(kt.band(rows), bool(packs))}
+
+
+def linear_names(band: int, packs: bool) -> list[str]:
+    """The projection candidates measured for a band of rows here (``packs``: packed copies can be made: oneDNN's,
+    and MKL's where this torch has it)."""
+    return ["linear", "mm", *(["mm-pad"] if band == 0 else []), *(["packed"] if packs else []),
+            *(["mkl-packed"] if packs and mkl_packing_available() else [])]
 
 
 # ------------------------------------------------------------------------------------------------ attention
@@ -220,7 +226,10 @@ def _model_bytes(weights: dict) -> int:
 def missing_cells(table: kt.KernelTable, model, drafter=None, config: SearchConfig = SearchConfig()) -> dict:
     """The cells of ``model``'s (and ``drafter``'s) shapes that ``table`` has not measured: ``{"linear": {(N, K):
     [bands]}, "attention": {(heads, kv, dim): [(q, r, ragged)]}}``."""
-    lin = {shape: [b for b in range(kt.MAX_ROW_BAND + 1) if not table.measured(kt.linear_key(*shape, b))]
+    packs = torch.backends.mkldnn.is_available()
+    lin = {shape: [b for b in range(kt.MAX_ROW_BAND + 1)
+                   if not table.measured(kt.linear_key(*shape, b))
+                   or not set(linear_names(b, packs)) <= set(table.linear[kt.linear_key(*shape, b)].seconds)]
            for shape in projection_weights(model, drafter)}
     att = {}
     for m in (model, drafter):
@@ -281,13 +290,16 @@ def search(model, drafter=None, cells: dict | None = None, timer: Timer | None =
 
 
 def pack_weights_of(weights: list[torch.Tensor]) -> list:
-    """:func:`tltlib.kernels.dispatch.pack_weights`' entries for a list of weights (empty without oneDNN)."""
-    holder = torch.nn.Module()
-    holder.w = torch.nn.ParameterList([torch.nn.Parameter(w, requires_grad=False) for w in weights])
-    packs = pack_weights(holder)
-    if not packs:
+    """:func:`tltlib.kernels.dispatch.pack_weights`' entries for a list of weights, every layout packed now (a
+    kernel's first call must not pay for it while it is timed); empty without oneDNN."""
+    if not torch.backends.mkldnn.is_available():
         return []
-    return [(w, w._version, packs[id(p)][2]) for w, p in zip(weights, holder.w, strict=True)]
+    entries = [PackedWeight(w) for w in weights]
+    for e in entries:
+        e.onednn()
+        if mkl_packing_available():
+            e.mkl()
+    return entries
 
 
 _attempted: set[tuple] = set()     # (machine, cell key) measured in this process (a table that could not be saved)

@@ -14,7 +14,10 @@ What the table holds (one :class:`Timing` per cell: every candidate's median sec
   K)`` and the band of rows ``m`` (:func:`band`: 1, 2, 3-4, 5-8, ..., 257-512; more rows use the last band's choice).
   Candidates (:data:`LINEAR_KERNELS`): ``linear`` (``F.linear``, PyTorch's default), ``mm`` (``weight @ x.T``),
   ``mm-pad`` (one row run as two, ``weight @ x.T``; band 1 only), ``packed`` (oneDNN on a copy of the weight packed
-  for it, inside a rollout that has one: :func:`tltlib.kernels.dispatch.packed_weights`).
+  for it, inside a rollout that has one: :func:`tltlib.kernels.dispatch.packed_weights`), ``mkl-packed`` (MKL's
+  packed SGEMM on a copy packed for it, likewise; where this torch has MKL). A cell measured before a candidate
+  existed lacks it and is measured again by the next measurement (:func:`tltlib.kernels.search.missing_cells`);
+  until then its old choice holds.
 * **cached attention** (:func:`tltlib.kernels.dispatch.cached_attention` on a CPU in float32), keyed by (heads, KV
   heads, head dim), the band of new queries per row (1, 2, 3-4, ..., 17-32; more: PyTorch's SDPA), the band of rows (1
   ... 65-128; more rows use the last band's choice) and whether the rows differ in length (a mask) or not. Candidates
@@ -61,7 +64,9 @@ when a rollout engine is made."""
 MODES = {"0": "off", "off": "off", "false": "off", "no": "off", "1": "on", "on": "on", "true": "on", "yes": "on",
          "": "on", "measure": "measure"}
 
-LINEAR_KERNELS = ("linear", "mm", "mm-pad", "packed")
+LINEAR_KERNELS = ("linear", "mm", "mm-pad", "packed", "mkl-packed")
+PACKED = ("packed", "mkl-packed")
+"""The projection candidates that need a packed copy of the weight at hand."""
 ATTENTION_KERNELS = ("sdpa", "matmul", "ragged")
 MAX_ROW_BAND = 9
 """Projections: the last band of rows (257-512); more rows use its choice."""
@@ -182,7 +187,7 @@ class KernelTable:
             shape, b = key.split("/r")
             n, k = map(int, shape.split("x"))
             for packed in (False, True):
-                names = set(LINEAR_KERNELS) - ({"mm-pad"} if int(b) else set()) - (set() if packed else {"packed"})
+                names = set(LINEAR_KERNELS) - ({"mm-pad"} if int(b) else set()) - (set() if packed else set(PACKED))
                 self._decide(self._lin, (n, k, int(b), packed), key, t, names,
                              linear_start(band_size(int(b)), packed))
         for key, t in self.attention.items():
@@ -268,7 +273,7 @@ class Forced(KernelTable):
         self.forced_linear, self.forced_attention = linear, attention
 
     def linear_kernel(self, n: int, k: int, rows: int, packed: bool) -> str | None:
-        if self.forced_linear == "packed" and not packed:
+        if self.forced_linear in PACKED and not packed:
             return None
         return self.forced_linear
 
