@@ -89,12 +89,16 @@ def test_the_compiled_stack_computes_the_eager_forward_within_rounding(fresh_sta
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_the_refactored_eager_layer_is_the_modules_maths_bit_for_bit():
+def test_the_refactored_eager_layer_is_the_modules_maths_bit_for_bit(monkeypatch):
     """The layer's eager path (the segments with the dispatch's projections) against the maths written out with
-    F.linear: bit-identical (the same ops in the same order; PyTorch's default kernels)."""
+    F.linear: bit-identical with PyTorch's small ops (the same ops in the same order; PyTorch's default kernels),
+    equal up to float rounding with the CPU's one-pass small ops (tltlib.kernels.layer_ops)."""
     import torch.nn.functional as F
 
+    from tltlib.kernels import layer_ops
     from tltlib.model.decoder import apply_rope, rms_norm
+    with_ops = layer_ops.usable(torch.zeros(1))
+    monkeypatch.setattr(layer_ops, "usable", lambda *t: False)
     cfg = ModelConfig(vocab_size=50, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2)
     torch.manual_seed(1)
     layer = Transformer(cfg).layers[0]
@@ -113,6 +117,10 @@ def test_the_refactored_eager_layer_is_the_modules_maths_bit_for_bit():
         gate, up = F.linear(rms_norm(h, layer.post_norm.weight, layer.eps), m.gate_up.weight).split(96, -1)
         want = h + F.linear(F.silu(gate) * up, m.down.weight)
     assert torch.equal(got, want)
+    if with_ops:
+        monkeypatch.undo()
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x, cos, sin), want, atol=1e-5, rtol=1e-5)
 
 
 def test_training_forwards_never_use_the_compiled_stack(reasoner, fresh_state, monkeypatch):

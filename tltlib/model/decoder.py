@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import BadInput
+from ..kernels import layer_ops
 from ..kernels.dispatch import linear
 from ..kv.dense import KVCache
 from ..kv.paged import KVConfig, make_cache
@@ -259,7 +260,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, as transformers does, cast back to the input dtype before the gain.
 
-    For float32 input PyTorch's fused kernel computes exactly this (bit-identical) in one call instead of six."""
+    For float32 input PyTorch's fused kernel computes exactly this (bit-identical) in one call instead of six; on a CPU
+    without autograd, :mod:`tltlib.kernels.layer_ops`' one pass (the same up to float rounding)."""
+    if layer_ops.usable(x, weight):
+        return layer_ops.rms_norm(x, weight, eps)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)   # 4 kernels instead of 8
@@ -294,9 +298,22 @@ def post_attention(x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, o_b: 
     if attn.dim() == 4:
         b, _, t, _ = attn.shape
         attn = attn.transpose(1, 2).reshape(b, t, -1)
-    x = x + lin(attn, o_w, o_b)
-    gate, up = lin(rms_norm(x, norm_w, eps), gate_up_w, gate_up_b).split(gate_up_w.shape[0] // 2, dim=-1)
-    return x + lin(F.silu(gate) * up, down_w, down_b)
+    out = lin(attn, o_w, o_b)
+    if layer_ops.usable(x, out, norm_w):                     # a CPU's one-pass small ops (no autograd, not compiling)
+        h, x = layer_ops.add_rms_norm(x, out, norm_w, eps)
+    else:
+        x = x + out
+        h = rms_norm(x, norm_w, eps)
+    return x + lin(silu_and_mul(lin(h, gate_up_w, gate_up_b)), down_w, down_b)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: ``silu(gate) * up`` of the fused projection's output ``[..., 2M]`` (gate its first M, up
+    its last M) -> ``[..., M]``; one pass on a CPU without autograd (:mod:`tltlib.kernels.layer_ops`)."""
+    if layer_ops.usable(gate_up):
+        return layer_ops.silu_mul(gate_up)
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return F.silu(gate) * up
 
 
 _STACK: ContextVar[object | None] = ContextVar("tltlib_layer_stack", default=None)
