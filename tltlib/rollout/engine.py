@@ -48,8 +48,14 @@ from .config import RolloutConfig  # noqa: F401  (the engine's config, importabl
 from .result import RolloutResult
 from .workspace import Kept, kv_share
 
+PREFILL_WASTE = 0.05
+"""A prefill chunk ends where padding its rows to the longest would add more than this share of its real tokens.
+Each chunk is one forward, but at prefill sizes a forward's cost is its tokens: SmolLM2's words prompts on an Intel
+Xeon (2 threads), 64 / 16 prompts, prefill alone: 9.71 / 2.34 s at 0.25 (2 chunks each, 22% / 22% padded tokens),
+7.29 / 1.76 s at 0.1, 7.09 / 1.68 s at 0.05 (7 / 5 chunks), 7.32 / 1.81 s at 0.03 (13 / 7 chunks)."""
 
-def prefill_chunks(lengths: Sequence[int], max_rows: int, waste: float = 0.25) -> list[tuple[int, int]]:
+
+def prefill_chunks(lengths: Sequence[int], max_rows: int, waste: float = PREFILL_WASTE) -> list[tuple[int, int]]:
     """Row ranges ``[(c0, c1)]`` to prefill prompts of ascending ``lengths`` in: at most ``max_rows`` rows each, and a
     new chunk where padding every row to the longest would exceed ``waste`` of the chunk's real tokens."""
     chunks, c0, real = [], 0, 0
