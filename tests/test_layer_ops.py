@@ -37,6 +37,18 @@ def test_silu_and_mul_equals_pytorch_up_to_rounding(shape):
     assert torch.equal(D.silu_and_mul(gu), got)                         # the decoder's activation takes it
 
 
+def test_inputs_the_ops_cannot_take_are_one_clear_error_not_a_wrong_read():
+    x = torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match="the gain has 7 values for rows of 8"):
+        L.rms_norm(x, torch.ones(7), 1e-5)
+    with pytest.raises(RuntimeError, match="x, delta and the gain do not match"):
+        L.add_rms_norm(x, torch.randn(3, 7), torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="must hold gate and up, an even size"):
+        L.silu_mul(torch.randn(3, 7))
+    with pytest.raises(RuntimeError, match="contiguous float32 CPU tensors"):
+        L.rms_norm(x.double(), torch.ones(8, dtype=torch.float64), 1e-5)
+
+
 def test_pytorch_keeps_autograd_compile_other_dtypes_and_strided_inputs(monkeypatch):
     x = torch.randn(4, 32)
     assert L.usable(x, x)

@@ -4,9 +4,9 @@ and SwiGLU's SiLU-and-multiply (C++, built with the CPU kernels of :mod:`tltlib.
 Why: at decode sizes each of these is a few thousand floats, and PyTorch runs them as several dispatched ops that
 each wake torch's threads: ``F.rms_norm`` in float32 is five ops (pow, mean, add, rsqrt, mul) at ~100 us per call on
 16 rows of SmolLM2 (Intel Xeon, 2 threads: 2 calls per layer, 6.5 ms of an 87 ms step), SiLU-and-multiply two more at
-~95 us. Here each is one pass over its rows, on one thread below :data:`SERIAL_FLOATS` (threads cost more than they
-save there) and over torch's threads above. The same functions as PyTorch's up to float rounding (the sum of
-squares in another order); greedy rollouts give identical tokens (tested).
+~95 us. Here each is one pass over its rows, on one thread below 64 Ki floats (the source's ``SERIAL_FLOATS``:
+threads cost more than they save there) and over torch's threads above. The same functions as PyTorch's up to
+float rounding (the sum of squares in another order); greedy rollouts give identical tokens (tested).
 
 Used by :mod:`tltlib.model.decoder` wherever :func:`usable` says so: float32 CPU tensors, no autograd recording, not
 inside ``torch.compile`` (Inductor fuses these ops itself there), and the CPU kernels built
@@ -20,6 +20,7 @@ import torch
 
 SOURCE = r"""
 // ---- a decoder layer's small ops (tltlib/kernels/layer_ops.py)
+#include <initializer_list>
 static const int64_t SERIAL_FLOATS = 1 << 16;       // below this many floats one thread runs the op
 
 static inline int64_t grain_rows(int64_t width) {
@@ -39,9 +40,18 @@ static inline void rms_row(const float* x, const float* w, float eps, float* out
   for (int64_t j = 0; j < n; ++j) out[j] = x[j] * r * w[j];
 }
 
+// The checks every op makes of its inputs: contiguous float32 on the CPU.
+static void check_inputs(std::initializer_list<torch::Tensor> ts) {
+  for (const auto& t : ts)
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.is_contiguous(),
+                "tltlib layer ops take contiguous float32 CPU tensors");
+}
+
 // RMSNorm of x [rows, n] (contiguous) by the gain w [n].
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_inputs({x, w});
   const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
+  TORCH_CHECK(w.numel() == n, "rms_norm: the gain has ", w.numel(), " values for rows of ", n);
   auto out = torch::empty_like(x);
   const float* xp = x.data_ptr<float>(); const float* wp = w.data_ptr<float>(); float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, grain_rows(n), [&](int64_t b, int64_t e) {
@@ -53,7 +63,9 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 // (RMSNorm(x + delta) by w, x + delta): the residual add and the norm after it in one pass.
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w,
                                                       double eps) {
+  check_inputs({x, delta, w});
   const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
+  TORCH_CHECK(delta.sizes() == x.sizes() && w.numel() == n, "add_rms_norm: x, delta and the gain do not match");
   auto sum = torch::empty_like(x);
   auto out = torch::empty_like(x);
   const float* xp = x.data_ptr<float>(); const float* dp = delta.data_ptr<float>();
@@ -71,7 +83,9 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
 
 // silu(gate) * up of gu [rows, 2m] (gate the first m of a row, up the last m) -> [rows, m].
 torch::Tensor silu_mul(torch::Tensor gu) {
+  check_inputs({gu});
   const int64_t two = gu.size(-1), m = two / 2, rows = gu.numel() / std::max<int64_t>(two, 1);
+  TORCH_CHECK(two % 2 == 0, "silu_mul: the last dimension (", two, ") must hold gate and up, an even size");
   auto sizes = gu.sizes().vec();
   sizes.back() = m;
   auto out = torch::empty(sizes, gu.options());
@@ -88,13 +102,19 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 
 FUNCTIONS = ("rms_norm", "add_rms_norm", "silu_mul")
 """The source's functions bound for Python."""
-SERIAL_FLOATS = 1 << 16
-"""Below this many floats an op runs on one thread (the source's ``SERIAL_FLOATS``)."""
+
+_built: list = []                                   # the built module, once known (the hot path's lookup)
 
 
 def _module():
+    """The CPU kernels' module (None where they cannot be built); once built, read from ``_built``."""
+    if _built:
+        return _built[0]
     from .ragged_attention import kernel
-    return kernel()
+    module = kernel()
+    if module is not None:
+        _built.append(module)
+    return module
 
 
 def usable(*tensors: torch.Tensor) -> bool:
