@@ -112,10 +112,11 @@ def test_a_budget_that_cannot_hold_the_longest_row_or_the_prefill_is_refused_bef
         _engine(target, _tight(12), max_new=8).generate(many)
     out = _engine(target, _tight(13), max_new=8).generate(many)        # 12 prompt pages + 1: the samples take turns
     assert out.stats["rollout/preempted"] > 0 and (out.lengths >= 1).all()
-    padded = [[1, 3, 4, 5]] * 3 + [[1, 3, 4, 5, 6]]                     # one prefill chunk, padded to 2 pages a row
-    with pytest.raises(ValueError, match=r"the prefill of 4 prompts needs 9 pages"):
-        _engine(target, _tight(8), max_new=4).generate(padded)
-    assert _engine(target, _tight(9), max_new=4).generate(padded).num_sequences == 12
+    # one prefill chunk (padding within PREFILL_WASTE), each row padded from 5 pages to 6
+    padded = [[1, 3, 4, 5] * 5] * 3 + [[1, 3, 4, 5] * 5 + [6]]
+    with pytest.raises(ValueError, match=r"the prefill of 4 prompts needs 25 pages"):
+        _engine(target, _tight(24), max_new=4).generate(padded)
+    assert _engine(target, _tight(25), max_new=4).generate(padded).num_sequences == 12
 
 
 def test_with_a_drafter_the_refusal_names_the_whole_budget_it_is_a_share_of(target, drafter):

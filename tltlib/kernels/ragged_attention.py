@@ -34,7 +34,7 @@ import warnings
 import torch
 
 from ..errors import TimedOut, TLTError
-from . import build, layer_ops
+from . import build, layer_ops_cpp
 
 ENV = "TLTLIB_RAGGED_ATTENTION"
 """Environment variable: ``0`` keeps the kernel off (the matmul path), anything else or unset: on where built."""
@@ -390,13 +390,13 @@ torch::Tensor paged_rope_attention(torch::Tensor qkv, torch::Tensor cos, torch::
 """
 
 EXTENSION = build.Extension(
-    "tltlib_ragged_attention", _SOURCE + layer_ops.SOURCE,
-    ("ragged_decode_attention", "paged_attention", "paged_rope_attention", *layer_ops.FUNCTIONS),
+    "tltlib_ragged_attention", _SOURCE + layer_ops_cpp.SOURCE,
+    ("ragged_decode_attention", "paged_attention", "paged_rope_attention", *layer_ops_cpp.FUNCTIONS),
     cflags=("-O3", "-march=native", "-fopenmp", "-ffast-math"), ldflags=("-fopenmp",),
     what="the CPU attention and layer kernels")
 """The CPU kernels' build (:mod:`tltlib.kernels.build`: one folder per source, flags, compiler, CPU, torch and venv):
-the attention kernels here and a decoder layer's small ops (:mod:`tltlib.kernels.layer_ops`, whose source uses
-this one's includes)."""
+the attention kernels here and a decoder layer's small ops (:mod:`tltlib.kernels.layer_ops_cpp`, whose source
+uses this one's includes)."""
 
 _lock = threading.Lock()
 _state: dict = {}                                   # "module" (built) or "error" (why not), once per process
