@@ -290,7 +290,7 @@ def linear_with(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     ones need the weight's entry of :func:`pack_weights`)."""
     if kind not in _LINEAR:
         raise BadInput(f"unknown projection kernel {kind!r}; choose one of {kernel_table.LINEAR_KERNELS}")
-    if kind in PACKED_KERNELS and (packed is None or packed.weight is not weight):
+    if kind in kernel_table.PACKED and (packed is None or packed.weight is not weight):
         raise BadInput(f"the {kind} kernel needs this weight's packed copy (pack_weights(module)[id(weight)])")
     if kind == "mkl-packed" and not mkl_packing_available():
         raise BadInput("the mkl-packed kernel needs a torch built with MKL (x86); choose packed, mm or linear")
@@ -364,5 +364,3 @@ def _mkl_packed(x, weight, bias, entry, rows):
 
 
 _LINEAR = {"linear": _f_linear, "mm": _mm, "mm-pad": _mm_pad, "packed": _packed, "mkl-packed": _mkl_packed}
-PACKED_KERNELS = ("packed", "mkl-packed")
-"""The candidates that read a packed copy (only inside :func:`packed_weights`)."""
