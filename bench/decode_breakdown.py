@@ -1,5 +1,6 @@
-"""Where a plain decode step's time goes on this machine, beside its memory floor, for tltlib eager (and its compiled
-layers' step time beside it).
+"""Where a plain decode step's time goes on this machine, beside its memory floor, for tltlib's Python layers; the
+step of its layers in one C++ call (:mod:`tltlib.model.native`, the default) beside it, and with ``--compile`` the
+compiled layers' step.
 
 Greedy decoding of ``--rows`` prompts (EOS ignored, every row decodes ``--new-tokens``), timed by wall clocks wrapped
 around what a step calls: the cached **attention** (the paged cache's ``attend``: K/V written into the pages and the
@@ -9,7 +10,9 @@ attention kernel; or its ``attend_qkv``, the same and the rotary of q and k in o
 Python that calls them) and everything **outside the layers** (embedding, rotary tables, the cache's
 bookkeeping, sampling, the engine). The timers themselves cost ~1 us per call (about 0.2 ms of a SmolLM2 step: in the
 small-ops share). A step is the difference between a rollout of ``--new-tokens`` and one of a single token (the
-prefill), divided by the steps between; median over ``--repeats`` interleaved rounds.
+prefill), divided by the steps between; median over ``--repeats`` interleaved rounds. The parts are timed on the
+Python layers (``RolloutConfig(native_layers=False)``: the timers cannot see inside the C++ stack); the **native
+step** is the same rollout's step with the C++ stack, untimed inside, in the same rounds.
 
 The **memory floor** is what one step must read divided by this machine's bandwidth: every weight the step uses
 once (the layers, the final norm and the LM head; the embedding only where it is the head) plus each row's cached
@@ -124,19 +127,22 @@ def _timed_rollout(engine, prompts, timers: Timers | None = None) -> tuple[float
 
 
 def measure_rows(rows: int, args, tok, engines: dict, bw: float) -> dict:
-    """One row count: the decode step's parts (eager), its memory floor and, with compiled engines, the compiled
-    step. A step is the difference of a rollout of ``--new-tokens`` and one of a single token (the prefill and its
-    first token), divided by the steps between: the prefill's own attention and projections drop out."""
+    """One row count: the decode step's parts (the Python layers), its memory floor, the native step and, with
+    compiled engines, the compiled step. A step is the difference of a rollout of ``--new-tokens`` and one of a
+    single token (the prefill and its first token), divided by the steps between: the prefill's own attention and
+    projections drop out."""
     prompts = task_prompts(args.task, tok, rows, seed=rows)
     steps = args.new_tokens - 1
     for engine in engines.values():                              # warm-up (and the compile, for compiled)
         engine.generate(prompts)
-    eager, parts, compiled = [], [], []
+    eager, parts, compiled, native = [], [], [], []
     for _ in range(args.repeats):                                  # interleaved rounds
         wall_n, spent_n = _timed_rollout(engines["eager"], prompts, Timers())
         wall_1, spent_1 = _timed_rollout(engines["eager-1"], prompts, Timers())
         eager.append((wall_n - wall_1) / steps)
         parts.append({k: (spent_n[k] - spent_1[k]) / steps for k in spent_n})
+        native.append((_timed_rollout(engines["native"], prompts)[0]
+                       - _timed_rollout(engines["native-1"], prompts)[0]) / steps)
         if "compiled" in engines:
             wall_c = _timed_rollout(engines["compiled"], prompts)[0]
             wall_c1 = _timed_rollout(engines["compiled-1"], prompts)[0]
@@ -149,7 +155,9 @@ def measure_rows(rows: int, args, tok, engines: dict, bw: float) -> dict:
     rec = {"rows": rows, "step_ms": step * 1e3, "attention_ms": part["attention"] * 1e3,
            "projections_ms": part["projections"] * 1e3, "small_ops_ms": part["layer"] * 1e3,
            "outside_ms": outside * 1e3, "floor_ms": floor * 1e3, "step_over_floor": step / floor,
-           "eager_steps_ms": [s * 1e3 for s in eager]}
+           "eager_steps_ms": [s * 1e3 for s in eager], "native_step_ms": statistics.median(native) * 1e3,
+           "native_steps_ms": [s * 1e3 for s in native], "native_over_floor": statistics.median(native) / floor,
+           "native_speedup": step / statistics.median(native)}
     if compiled:
         rec.update(compiled_step_ms=statistics.median(compiled) * 1e3, compiled_steps_ms=[s * 1e3 for s in compiled],
                    compiled_speedup=step / statistics.median(compiled))
@@ -163,20 +171,24 @@ def main() -> None:
     model, tok, _ = load_models(args)
     config = RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=args.new_tokens), ignore_eos=True)
     one = replace(config, sampling=replace(config.sampling, max_new_tokens=1))
-    engines = {"eager": RolloutEngine(model, config), "eager-1": RolloutEngine(model, one)}
+    python = lambda c: replace(c, native_layers=False)
+    engines = {"eager": RolloutEngine(model, python(config)), "eager-1": RolloutEngine(model, python(one)),
+               "native": RolloutEngine(model, config), "native-1": RolloutEngine(model, one)}
     if args.compile:
         engines.update(compiled=RolloutEngine(model, replace(config, compile_layers=True)),
                        **{"compiled-1": RolloutEngine(model, replace(one, compile_layers=True))})
     bw = read_bandwidth()[0]
     results = [measure_rows(r, args, tok, engines, bw) for r in args.rows.items]
-    header = ["rows", "step ms", *(f"{p} ms (share)" for p in PARTS), "memory floor ms", "step / floor"]
+    header = ["rows", "Python layers' step ms", *(f"{p} ms (share)" for p in PARTS), "memory floor ms",
+              "step / floor", "native step ms", "native / floor", "native speedup"]
     if args.compile:
         header += ["compiled step ms", "compiled speedup"]
     rows = []
     for r in results:
         share = lambda ms: f"{ms:.2f} ({ms / r['step_ms']:.0%})"
         row = [r["rows"], r["step_ms"], share(r["attention_ms"]), share(r["projections_ms"]),
-               share(r["small_ops_ms"]), share(r["outside_ms"]), r["floor_ms"], f"{r['step_over_floor']:.2f}x"]
+               share(r["small_ops_ms"]), share(r["outside_ms"]), r["floor_ms"], f"{r['step_over_floor']:.2f}x",
+               r["native_step_ms"], f"{r['native_over_floor']:.2f}x", f"{r['native_speedup']:.2f}x"]
         if args.compile:
             row += [r["compiled_step_ms"], f"{r['compiled_speedup']:.2f}x"]
         rows.append(row)

@@ -484,7 +484,8 @@ def test_kv_cache_attention_grid_checks_the_paged_kernels_against_the_gathered_p
 def test_decode_breakdown_adds_up_and_names_its_floor(tmp_path):
     """``bench decode_breakdown`` on the tiny reasoner: each part of a step is non-negative, the parts add up to the
     step (outside the layers is the rest), the memory floor is the weights plus the K/V read at the bandwidth
-    measured in the same run; with ``--compile`` the compiled step is reported beside the eager one."""
+    measured in the same run; the native step (the C++ stack) beside the Python layers' and with ``--compile`` the
+    compiled step."""
     out = bench(tmp_path, "decode_breakdown", "--model", "data/tiny-reasoner", "--task", "chain", "--rows", "1,3",
                 "--new-tokens", "16", "--repeats", "1", "--compile")
     assert out.returncode == 0, out.stderr
@@ -496,6 +497,7 @@ def test_decode_breakdown_adds_up_and_names_its_floor(tmp_path):
         assert sum(parts) == pytest.approx(r["step_ms"], rel=1e-6) or r["outside_ms"] == 0   # the rest, if any
         assert r["step_over_floor"] == pytest.approx(r["step_ms"] / r["floor_ms"])
         assert r["compiled_speedup"] == pytest.approx(r["step_ms"] / r["compiled_step_ms"])
+        assert r["native_step_ms"] > 0 and r["native_over_floor"] == pytest.approx(r["native_step_ms"] / r["floor_ms"])
     assert "memory floor at" in (tmp_path / "decode_breakdown-cpu-float32.md").read_text()
 
 

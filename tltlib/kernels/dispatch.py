@@ -284,6 +284,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _LINEAR[kind or "linear"](x, weight, bias, entry, rows)
 
 
+def packed_entry(weight: torch.Tensor) -> PackedWeight | None:
+    """``weight``'s entry in the packs of the enclosing :func:`packed_weights` block (None: none there), as
+    :func:`linear` finds it."""
+    packs = _PACKED.get()
+    entry = packs.get(id(weight)) if packs is not None else None
+    return entry if entry is not None and entry.weight is weight else None
+
+
+def mkl_checked(n: int, k: int, rows: int) -> bool | None:
+    """Whether MKL's packed product of an ``[n, k]`` weight at ``rows`` rows matched ``F.linear``'s on its first call
+    in this process (:func:`_mkl_packed`); None: not called yet."""
+    return _MKL_CHECKED.get((n, k, rows))
+
+
+def refuse_stale(entry: PackedWeight, weight: torch.Tensor) -> None:
+    """Raise :class:`tltlib.errors.Refused` when ``weight`` changed in place after ``entry`` was packed."""
+    if entry.stale():
+        raise Refused(f"a {tuple(weight.shape)} weight changed in place after it was packed for this rollout: "
+                      "update weights between rollouts, not during one (its packed copy would be stale)")
+
+
 def linear_with(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 packed: PackedWeight | None = None) -> torch.Tensor:
     """:func:`linear` by the named candidate (``linear``, ``mm``, ``mm-pad``, ``packed``, ``mkl-packed``; the packed
@@ -320,15 +341,9 @@ def _mm_pad(x, weight, bias, entry, rows):
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def _refuse_stale(entry: PackedWeight, weight: torch.Tensor) -> None:
-    if entry.stale():
-        raise Refused(f"a {tuple(weight.shape)} weight changed in place after it was packed for this rollout: "
-                      "update weights between rollouts, not during one (its packed copy would be stale)")
-
-
 def _packed(x, weight, bias, entry, rows):
     """oneDNN on the packed copy; refused when the weight changed in place after it was packed."""
-    _refuse_stale(entry, weight)
+    refuse_stale(entry, weight)
     return torch.ops.mkldnn._linear_pointwise(x, entry.onednn(), bias, "none", [], "")
 
 
@@ -345,7 +360,7 @@ def _mkl_packed(x, weight, bias, entry, rows):
     the call's rows are passed, so the packed product runs). The first call per shape and row count is checked
     against ``F.linear``; where it differs (an MKL whose packing depends on the rows), that shape and row count run
     ``F.linear`` from then on, with one warning."""
-    _refuse_stale(entry, weight)
+    refuse_stale(entry, weight)
     key = (weight.shape[0], weight.shape[1], rows)
     ok = _MKL_CHECKED.get(key)
     if ok is False:

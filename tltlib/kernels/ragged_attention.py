@@ -34,7 +34,7 @@ import warnings
 import torch
 
 from ..errors import TimedOut, TLTError
-from . import build, layer_ops_cpp
+from . import build, decode_stack_cpp, layer_ops_cpp
 
 ENV = "TLTLIB_RAGGED_ATTENTION"
 """Environment variable: ``0`` keeps the kernel off (the matmul path), anything else or unset: on where built."""
@@ -390,8 +390,9 @@ torch::Tensor paged_rope_attention(torch::Tensor qkv, torch::Tensor cos, torch::
 """
 
 EXTENSION = build.Extension(
-    "tltlib_ragged_attention", _SOURCE + layer_ops_cpp.SOURCE,
-    ("ragged_decode_attention", "paged_attention", "paged_rope_attention", *layer_ops_cpp.FUNCTIONS),
+    "tltlib_ragged_attention", _SOURCE + layer_ops_cpp.SOURCE + decode_stack_cpp.SOURCE,
+    ("ragged_decode_attention", "paged_attention", "paged_rope_attention", *layer_ops_cpp.FUNCTIONS,
+     *decode_stack_cpp.FUNCTIONS),
     cflags=("-O3", "-march=native", "-fopenmp", "-ffast-math"), ldflags=("-fopenmp",),
     what="the CPU attention and layer kernels")
 """The CPU kernels' build (:mod:`tltlib.kernels.build`: one folder per source, flags, compiler, CPU, torch and venv):

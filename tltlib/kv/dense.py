@@ -178,6 +178,11 @@ class KVCache:
         :meth:`attend`): the dense cache never has (:meth:`tltlib.kv.paged.PagedKVCache.attend_qkv`)."""
         return None
 
+    def rope_kernel_args(self, where: CacheWrite, q: torch.Tensor) -> tuple | None:
+        """The arguments of the one-call attention step for this forward
+        (:meth:`tltlib.kv.paged.PagedKVCache.rope_kernel_args`); the dense cache has none: None."""
+        return None
+
     @property
     def capacity(self) -> int:
         """Rows the cache was allocated for (the most :attr:`rows` can be)."""

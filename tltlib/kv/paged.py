@@ -349,16 +349,24 @@ class PagedKVCache:
         if torch.is_grad_enabled() and qkv.requires_grad:   # the C++ call would drop the gradient
             return None
         b, t, n = qkv.shape                            # q's shape for the first layer's choice: a view
-        kind = where.memo.get("paged") or self._chosen(qkv.view(b, t, n // self.k.shape[-1], -1).transpose(1, 2),
-                                                       where)
-        if kind not in ("ragged", "masked") or not (qkv.is_contiguous() and cos.is_contiguous()
-                                                    and sin.is_contiguous()):
+        args = self.rope_kernel_args(where, qkv.view(b, t, n // self.k.shape[-1], -1).transpose(1, 2))
+        if args is None or not (qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
             return None
+        limit, mask, mask_from = args
+        return paged_rope_attention(qkv, cos, sin, self.k[layer], self.v[layer], where.index, where.table, limit,
+                                    heads, mask, mask_from)
+
+    def rope_kernel_args(self, where: CacheWrite, q: torch.Tensor) -> tuple | None:
+        """``(limit, mask, mask_from)`` for :func:`tltlib.kernels.ragged_attention.paged_rope_attention` where this
+        forward (``where``; ``q``, any ``[B, heads, T, ...]`` tensor of its queries' dtype and device, for the
+        first layer's choice) runs the CPU's paged kernels: ``ragged`` (the rows' limits, no mask) or ``masked``
+        (their ends and the mask); None elsewhere."""
+        kind = where.memo.get("paged") or self._chosen(q, where)
         if kind == "ragged":
-            return paged_rope_attention(qkv, cos, sin, self.k[layer], self.v[layer], where.index, where.table,
-                                        where.limits, heads)
-        return paged_rope_attention(qkv, cos, sin, self.k[layer], self.v[layer], where.index, where.table,
-                                    where.ends, heads, self._kernel_mask(where), where.mask_from)
+            return where.limits, None, 0
+        if kind == "masked":
+            return where.ends, self._kernel_mask(where), where.mask_from
+        return None
 
     def _chosen(self, q: torch.Tensor, where: CacheWrite) -> str:
         """The forward's attention kernel (:meth:`_kernel`), chosen on its first layer for its every layer."""

@@ -33,6 +33,7 @@ from ..kernels import layer_ops
 from ..kernels.dispatch import linear
 from ..kv.dense import KVCache
 from ..kv.paged import KVConfig, make_cache
+from . import native
 
 SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _HF_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -477,12 +478,14 @@ class Transformer(nn.Module):
         write = cache.prepare(t, tree_mask, offset)
         x = self.embed(tokens)
         stack = _STACK.get()
-        if stack is not None:
-            x = stack(self, x, cos, sin, cache, write)
-        else:
-            for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, cache, i, write)
-        hidden = rms_norm(x, self.norm.weight, self.config.rms_norm_eps)
+        hidden = native.run_layers(self, x, cos, sin, cache, write) if stack is None else None
+        if hidden is None:
+            if stack is not None:
+                x = stack(self, x, cos, sin, cache, write)
+            else:
+                for i, layer in enumerate(self.layers):
+                    x = layer(x, cos, sin, cache, i, write)
+            hidden = rms_norm(x, self.norm.weight, self.config.rms_norm_eps)
         if logits_at is not None:
             return self.logits(hidden[torch.arange(b, device=hidden.device), logits_at]), hidden
         return self.logits(hidden), hidden

@@ -37,6 +37,7 @@ from ..kernels.dispatch import packed_weights
 from ..kv.paged import kv_stats
 from ..model.fused import compiled_layers
 from ..model.logprobs import pad_right
+from ..model.native import NativePlans, native_layers
 from ..model.sampling import sample_from_logits
 from ..spec.ngram import NgramConfig, NgramDrafter
 from ..spec.records import Emitted
@@ -220,6 +221,8 @@ class Rollout:
         self.t0 = time.perf_counter()
         self.packs = engine.kept.weight_packs()
         self.compile_layers = engine.config.compile_layers and engine.model.device.type == "cpu"
+        self.native = (NativePlans() if engine.config.native_layers and engine.model.device.type == "cpu"
+                       else None)
         with packed_weights(self.packs):
             first = self._prefill(plen, order, chunks)
         self.prefill_s = time.perf_counter() - self.t0
@@ -306,7 +309,7 @@ class Rollout:
         self._admit_s = admit_s + time.perf_counter() - t_fit
         # rows that finished but are not compacted away yet are computed and commit nothing
         commit = 1 if self.active == int(self.seq.numel()) else self.alive.long()
-        with packed_weights(self.packs), compiled_layers(self.compile_layers):
+        with packed_weights(self.packs), native_layers(self.native), compiled_layers(self.compile_layers):
             out = self._decode(commit) if not st.enabled else self._speculate(st, commit)
             if st.enabled:
                 self.uniform_broken()
@@ -450,6 +453,8 @@ class Rollout:
         while self.iterate():
             pass
         self.done, self.packs = True, None
+        if self.native is not None:                   # the C++ plans hold the weights' packed copies: free them now
+            self.native.close()
         self.bar.close()
         total = time.perf_counter() - self.t0
         N, dev = self.num_sequences, self.device

@@ -29,6 +29,7 @@ from ..kernels.dispatch import pack_weights, packed_weights
 from ..kernels.search import ensure as ensure_kernels
 from ..machine import call_times, device_sync
 from ..model.cudagraph import GraphConfig, GraphPool, Replay, span_bucket
+from ..model.native import NativePlans, native_layers
 from ..spec.strategy import SpecStrategy
 from .costs import MeasuredCosts, iteration_time
 from .physical import at_least, check_drift, check_quiet, monotone, nondecreasing_fit, pass_noise, tolerance
@@ -114,7 +115,9 @@ def _cost_pass(model, drafter, rows, contexts, tokens, widths, catch_up_width: i
     out = {"target": np.zeros((len(rows), len(contexts), len(tokens))),
            "draft": np.zeros((len(rows), len(contexts), len(widths))),
            "catch_up": np.zeros(len(rows)), "ragged": np.zeros(len(rows))}
-    with packed_weights(pack_weights(model)):         # what a CPU rollout runs with (RolloutConfig.packed_weights)
+    # what a CPU rollout runs with (RolloutConfig.packed_weights, .native_layers); the plans freed at the end
+    native = NativePlans() if dev.type == "cpu" else None
+    with packed_weights(pack_weights(model)), native_layers(native):
         for i, b in list(enumerate(rows))[::order]:
             for j, ctx in enumerate(contexts):
                 cache = model.new_cache(b, cache_length(ctx + max(tokens) + 1, graphs))
@@ -135,6 +138,8 @@ def _cost_pass(model, drafter, rows, contexts, tokens, widths, catch_up_width: i
                         out["catch_up"][i] = wide
                 if bar is not None:
                     bar.update()
+    if native is not None:
+        native.close()
     return out
 
 

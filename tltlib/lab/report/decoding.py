@@ -186,21 +186,25 @@ def block_verify(stem: str) -> Callable:
 
 
 def decode_breakdown(stem: str) -> Callable:
-    """Where a plain decode step goes (``bench decode_breakdown``): each part's ms and share, the memory floor, and
-    the compiled layers' step beside it."""
+    """Where a plain decode step goes (``bench decode_breakdown``): each part's ms and share on the Python layers,
+    the memory floor, the native step (the layers in one C++ call, the default) and the compiled layers' step
+    beside it. A result from before the native stack has no native column (—)."""
     def render(r) -> str:
         d = r.json(stem)
         share = lambda v, k: f"{v[k]:.2f} ({v[k] / v['step_ms']:.0%})"
         rows = [[v["rows"], f"{v['step_ms']:.2f}", share(v, "attention_ms"), share(v, "projections_ms"),
                  share(v, "small_ops_ms"), share(v, "outside_ms"), f"{v['floor_ms']:.2f}", x(v["step_over_floor"]),
+                 f"{v['native_step_ms']:.2f} ({x(v['native_over_floor'])})" if "native_step_ms" in v else "—",
                  f"{v['compiled_step_ms']:.2f} ({x(v['compiled_speedup'])})" if "compiled_step_ms" in v else "—"]
                 for v in d["results"]]
         s, m = d["settings"], d["machine"]
-        return (md_table(["rows", "step ms", "attention", "projections", "small ops and dispatch",
-                          "outside the layers", "memory floor ms", "step / floor", "compiled layers: step ms"], rows)
+        return (md_table(["rows", "Python layers: step ms", "attention", "projections", "small ops and dispatch",
+                          "outside the layers", "memory floor ms", "step / floor",
+                          "native layers: step ms (/ floor)", "compiled layers: step ms (speedup)"], rows)
                 + f"\n\n{s['task']} prompts, {s['new_tokens']} new tokens per row, median of {s['repeats']} "
                 f"interleaved rounds; memory floor at {d['bandwidth_gb_s']:.1f} GB/s measured in the same run; "
-                f"{m['cpu']} ({m['threads']} threads) ({r.link(stem, 'results')}).")
+                f"the parts timed on the Python layers, the native step (the default: every layer in one C++ "
+                f"call) in the same rounds; {m['cpu']} ({m['threads']} threads) ({r.link(stem, 'results')}).")
     return render
 
 
