@@ -284,6 +284,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _LINEAR[kind or "linear"](x, weight, bias, entry, rows)
 
 
+def current_packs() -> dict | None:
+    """The packs of the enclosing :func:`packed_weights` block (None outside one)."""
+    return _PACKED.get()
+
+
 def packed_entry(weight: torch.Tensor) -> PackedWeight | None:
     """``weight``'s entry in the packs of the enclosing :func:`packed_weights` block (None: none there), as
     :func:`linear` finds it."""

@@ -450,10 +450,11 @@ def paged_ragged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torc
     ``j % page_size`` of page ``table[b, j // page_size]``; limit ``[B]`` int64 (``1 <= limit <= W * page_size``).
     Returns ``[B, H, 1, d]``, equal to :func:`ragged_attention` over each row's positions gathered into a dense
     cache, up to float rounding."""
-    return _state["module"].paged_attention(q, k_pages, v_pages, table, limit, _NO_MASK, 0, q.shape[-1] ** -0.5)
+    return _state["module"].paged_attention(q, k_pages, v_pages, table, limit, NO_MASK, 0, q.shape[-1] ** -0.5)
 
 
-_NO_MASK = torch.empty(0, dtype=torch.bool)
+NO_MASK = torch.empty(0, dtype=torch.bool)
+"""The C++ kernels' "no mask" (an empty bool tensor): one new token per row, each row read to its limit."""
 
 
 def paged_masked_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table: torch.Tensor,
@@ -480,5 +481,5 @@ def paged_rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     one new token per row) or :func:`paged_masked_attention`. Returns ``[B, T, heads * d]`` (the output projection's
     input), equal to the PyTorch path's up to float rounding."""
     return _state["module"].paged_rope_attention(qkv, cos, sin, k_pages, v_pages, index, table, limit,
-                                                 _NO_MASK if mask is None else mask, mask_from, heads,
+                                                 NO_MASK if mask is None else mask, mask_from, heads,
                                                  k_pages.shape[-1] ** -0.5)

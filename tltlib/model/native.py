@@ -36,7 +36,7 @@ from ..errors import Refused
 from ..kernels import dispatch, layer_ops
 from ..kernels import table as kernel_table
 from ..kernels.decode_stack_cpp import KINDS, TENSORS_PER_LAYER
-from ..kernels.ragged_attention import _NO_MASK
+from ..kernels.ragged_attention import NO_MASK
 
 ENV = "TLTLIB_NATIVE_LAYERS"
 """``0``/``off``/``false``/``no``: the Python layers always; anything else or unset: the C++ stack where it applies."""
@@ -89,7 +89,7 @@ class NativePlans:
         """The plan for ``model``'s forwards of ``rows`` rows x tokens (made on first use), or None where the C++
         stack does not apply (layers unlike each other, a MKL product not yet checked at these rows)."""
         table = kernel_table.current()
-        key = (id(model), id(table), id(dispatch._PACKED.get()), rows)
+        key = (id(model), id(table), id(dispatch.current_packs()), rows)
         plan = self._plans.get(key, False)
         if plan is False or (plan is not None and not plan.current(model)):
             if plan:                                   # a parameter was replaced: this plan's tensors are old
@@ -197,7 +197,7 @@ def run_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cac
         return None
     limit, mask, mask_from = args
     out = plans.module.decode_stack(plan.handle, x, cos, sin, cache.k, cache.v, write.index, write.table, limit,
-                                    _NO_MASK if mask is None else mask, mask_from)
+                                    NO_MASK if mask is None else mask, mask_from)
     if out is None:                                  # a packed copy went stale: nothing was computed
         raise Refused("a weight changed in place after it was packed for this rollout: update weights between "
                       "rollouts, not during one (its packed copy would be stale)")
