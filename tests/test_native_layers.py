@@ -155,7 +155,8 @@ def test_a_stale_packed_copy_is_refused_and_a_replaced_parameter_is_noticed():
 
 
 def test_closing_the_plans_frees_them():
-    """After close, the C++ side holds no plan of them (a call on a dropped handle is an error naming it)."""
+    """After close, the C++ side holds no plan of them (a call on a dropped handle is an error naming it); a later
+    forward makes its plans again."""
     model = _model()
     plans = native.NativePlans()
     _run(model, torch.randint(0, 60, (1, 4)), plans, steps=1)
@@ -164,3 +165,6 @@ def test_closing_the_plans_frees_them():
     plans.close()
     with pytest.raises(RuntimeError, match="no plan"):
         plans.module.decode_stack(handles[0], *[torch.empty(0)] * 9, 0)
+    want = _run(model, torch.randint(0, 60, (1, 4), generator=torch.Generator().manual_seed(1)), None, steps=1)[0]
+    got = _run(model, torch.randint(0, 60, (1, 4), generator=torch.Generator().manual_seed(1)), plans, steps=1)[0]
+    assert plans._handles and all(torch.equal(a, b) for a, b in zip(got, want))     # usable again after close

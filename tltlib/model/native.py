@@ -104,10 +104,10 @@ class NativePlans:
         return plan
 
     def close(self) -> None:
-        """Drop every plan now."""
+        """Drop every plan now (the object stays usable: a later forward makes its plans again)."""
         self._plans.clear()
-        if self._finalizer is not None:
-            self._finalizer()
+        if self._module is not None:
+            _drop(self._module, self._handles)
 
 
 @contextmanager
