@@ -33,6 +33,11 @@ def _model(architecture: str = "qwen2", seed: int = 0) -> Transformer:
     return Transformer(cfg).eval()
 
 
+def _target(model, *args):
+    """:func:`native.run_layers` over the target's layers and final norm."""
+    return native.run_layers(model, model.layers, model.norm, model.config, *args)
+
+
 def _run(model, prompts: torch.Tensor, plans, steps: int = 3, verify: int = 3):
     """A prefill of ``prompts``, ``steps`` one-token forwards (feeding back the argmax) and one forward of ``verify``
     tokens, each inside :func:`native.native_layers` (``plans`` None: the Python layers). Returns the hidden states
@@ -87,9 +92,9 @@ def test_rollouts_give_the_same_tokens_plain_and_speculative():
     calls = []
     real = native.run_layers
 
-    def counted(model, x, *args):
-        out = real(model, x, *args)
-        calls.append((x.shape[1], out is not None))
+    def counted(model, layers, final_norm, cfg, x, *args):
+        out = real(model, layers, final_norm, cfg, x, *args)
+        calls.append((type(model).__name__, x.shape[1], out is not None))
         return out
 
     for strategy in (None, "chain-4"):
@@ -102,8 +107,32 @@ def test_rollouts_give_the_same_tokens_plain_and_speculative():
             native.run_layers = real
         assert torch.equal(on.tokens, off.tokens), strategy
         assert torch.equal(on.logprobs, off.logprobs), strategy
-        ran = {t for t, native_ran in calls if native_ran}       # the decode (and the verify) forwards ran in C++
-        assert ran == ({1} if strategy is None else {5}), (strategy, calls)
+        ran = {(who, t) for who, t, native_ran in calls if native_ran}   # decodes, verifies and drafts ran in C++
+        want = {("Transformer", 1)} if strategy is None else {("Transformer", 5), ("Drafter", 1), ("Drafter", 5)}
+        assert ran == want, ran
+
+
+def test_the_drafters_layer_in_cpp_equals_its_python_layer_bit_for_bit():
+    """EAGLE's drafter (one layer, no input norm, no final norm) over its own paged cache: a catch-up forward of four
+    pairs, then one-pair forwards, each drafted hidden state and logit equal to the Python layer's exactly."""
+    model, _, drafter = load("data/tiny-reasoner", "data/tiny-reasoner-drafter")
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(3, 6, model.config.hidden_size, generator=g)
+    tokens = torch.randint(0, model.config.vocab_size, (3, 6), generator=g)
+
+    def drafts(plans):
+        cache, out = drafter.new_cache(3, 16), []
+        with torch.no_grad(), native.native_layers(plans):
+            for lo, hi in ((0, 4), (4, 5), (5, 6)):
+                logits, h = drafter.forward_cached(hidden[:, lo:hi], tokens[:, lo:hi], cache)
+                cache.advance(hi - lo)
+                out += [logits, h]
+        return out
+
+    plans = native.NativePlans()
+    got, want = drafts(plans), drafts(None)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert {key[-1] for key, plan in plans._plans.items() if plan is not None} == {3, 12}
 
 
 def test_where_it_does_not_apply_the_python_layers_run():
@@ -113,22 +142,22 @@ def test_where_it_does_not_apply_the_python_layers_run():
     cache = model.new_cache(2, 64)
     x, cos = torch.zeros(2, 1, 72), torch.zeros(2, 1, 1, 8)
     write = cache.prepare(1)
-    assert native.run_layers(model, x, cos, cos, cache, write) is None                   # no block
+    assert _target(model, x, cos, cos, cache, write) is None                   # no block
     plans = native.NativePlans()
     with native.native_layers(plans), torch.no_grad():
         dense = model.new_cache(2, 16, kv=KVConfig(kind="dense"))
-        assert native.run_layers(model, x, cos, cos, dense, dense.prepare(1)) is None
+        assert _target(model, x, cos, cos, dense, dense.prepare(1)) is None
         t = MASKED_KERNEL_MAX_NEW + 1
-        assert native.run_layers(model, torch.zeros(2, t, 72), torch.zeros(2, t, 1, 8), torch.zeros(2, t, 1, 8),
+        assert _target(model, torch.zeros(2, t, 72), torch.zeros(2, t, 1, 8), torch.zeros(2, t, 1, 8),
                                  cache, cache.prepare(t)) is None
     with native.native_layers(plans), torch.enable_grad():
-        assert native.run_layers(model, x, cos, cos, cache, write) is None                # autograd records
+        assert _target(model, x, cos, cos, cache, write) is None                # autograd records
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(native.ENV, "0")
         with native.native_layers(plans), torch.no_grad():
-            assert native.run_layers(model, x, cos, cos, cache, write) is None
+            assert _target(model, x, cos, cos, cache, write) is None
     with native.native_layers(plans), torch.no_grad():                                   # the control: it runs
-        assert native.run_layers(model, x, cos, cos, cache, write) is not None
+        assert _target(model, x, cos, cos, cache, write) is not None
 
 
 def test_a_stale_packed_copy_is_refused_and_a_replaced_parameter_is_noticed():

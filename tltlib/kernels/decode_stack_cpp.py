@@ -20,8 +20,8 @@ KINDS = ("linear", "mm", "mm-pad", "packed", "mkl-packed")
 
 TENSORS_PER_LAYER = 14
 """A plan's tensors per layer, in this order: input norm, q/k/v (weight, bias, packed copy), output (weight, bias,
-copy), post-attention norm, gate/up (weight, bias, copy), down (weight, bias, copy); an absent bias or copy is an
-empty tensor. The final norm's gain follows the last layer."""
+copy), post-attention norm, gate/up (weight, bias, copy), down (weight, bias, copy); an absent bias, copy or input
+norm (EAGLE's drafter layer) is an empty tensor. The final norm's gain (empty: none) follows the last layer."""
 
 SOURCE = r"""
 // ---- a cached forward's stack of decoder layers in one call (tltlib/kernels/decode_stack_cpp.py)
@@ -150,7 +150,8 @@ void drop_plan(int64_t handle) {
 
 // Every layer of one cached forward on plan `handle`: x [B, T, hidden] (the embedded tokens), cos and sin, the
 // paged cache's k and v storage ([layers, KVH, pages, page_size, d]), index, table, limit, mask and mask_from as
-// paged_rope_attention takes them for every layer. Returns the final RMSNorm's output [B, T, hidden]; an empty
+// paged_rope_attention takes them for every layer. Returns the final RMSNorm's output [B, T, hidden] (without a
+// final norm: the last layer's output; a layer without an input norm reads its input as it is); an empty
 // tensor, before anything is computed or written, when a packed projection's weight changed in place since its plan
 // was made (its copy is stale: the caller refuses).
 torch::Tensor decode_stack(int64_t handle, torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor k,
@@ -173,7 +174,7 @@ torch::Tensor decode_stack(int64_t handle, torch::Tensor x, torch::Tensor cos, t
     for (const Projection* p : {&l.qkv, &l.o, &l.gate_up, &l.down})
       if (p->version >= 0 && static_cast<int64_t>(p->w._version()) != p->version) return torch::Tensor();
   const double eps = plan->eps;
-  auto h = rms_norm(x, layers[0].in_norm, eps);
+  auto h = layers[0].in_norm.numel() ? rms_norm(x, layers[0].in_norm, eps) : x;
   for (int64_t i = 0; i < L; ++i) {
     const auto& l = layers[i];
     auto qkv = project(h, l.qkv, plan->kinds[0]);
@@ -183,10 +184,16 @@ torch::Tensor decode_stack(int64_t handle, torch::Tensor x, torch::Tensor cos, t
     auto normed = add_rms_norm(x, o, l.post_norm, eps);
     auto act = silu_mul(project(std::get<0>(normed), l.gate_up, plan->kinds[2]));
     auto down = project(act, l.down, plan->kinds[3]);
-    // the residual add fused with the next layer's input norm (after the last: the final norm)
-    auto next = add_rms_norm(std::get<1>(normed), down, i + 1 < L ? layers[i + 1].in_norm : plan->final_norm, eps);
-    h = std::get<0>(next);
-    x = std::get<1>(next);
+    // the residual add fused with the next layer's input norm (after the last: the final norm); none: the sum
+    const auto& norm = i + 1 < L ? layers[i + 1].in_norm : plan->final_norm;
+    if (norm.numel()) {
+      auto next = add_rms_norm(std::get<1>(normed), down, norm, eps);
+      h = std::get<0>(next);
+      x = std::get<1>(next);
+    } else {
+      x = std::get<1>(normed) + down;
+      h = x;
+    }
   }
   return h;
 }

@@ -478,7 +478,8 @@ class Transformer(nn.Module):
         write = cache.prepare(t, tree_mask, offset)
         x = self.embed(tokens)
         stack = _STACK.get()
-        hidden = native.run_layers(self, x, cos, sin, cache, write) if stack is None else None
+        hidden = (native.run_layers(self, self.layers, self.norm, self.config, x, cos, sin, cache, write)
+                  if stack is None else None)
         if hidden is None:
             if stack is not None:
                 x = stack(self, x, cos, sin, cache, write)

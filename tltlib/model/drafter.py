@@ -36,6 +36,7 @@ from ..fileio import atomic_folder, read_json, resolve
 from ..kernels.dispatch import linear
 from ..kv.dense import KVCache
 from ..kv.paged import KVConfig, make_cache
+from . import native
 from .decoder import DecoderLayer, ModelConfig, Transformer, rope_cos_sin, rope_inv_freq
 from .weights import check_finite, check_tensors, hf_layer_names, read_safetensors, split_fused
 
@@ -210,7 +211,10 @@ class Drafter(nn.Module):
                 positions = cache.lengths[:b, None] + (offset + torch.arange(t, device=tokens.device))
             cos, sin = rope_cos_sin(self.inv_freq, positions, self.fc.weight.dtype)
         write = cache.prepare(t, tree_mask, offset)
-        out = self.layer(self._input(hidden, tokens), cos, sin, cache, 0, write)
+        x = self._input(hidden, tokens)
+        out = native.run_layers(self, (self.layer,), None, self.config.target, x, cos, sin, cache, write)
+        if out is None:                                # not in one C++ call here (model.native): the Python layer
+            out = self.layer(x, cos, sin, cache, 0, write)
         if logits_at is not None:
             out_at = out[torch.arange(b, device=out.device), logits_at]
             return self.logits(out_at), out_at

@@ -85,9 +85,10 @@ class NativePlans:
         """The CPU kernels' module (None where they cannot be built: then nothing runs here)."""
         return self._module
 
-    def plan(self, model, rows: int) -> _Plan | None:
-        """The plan for ``model``'s forwards of ``rows`` rows x tokens (made on first use), or None where the C++
-        stack does not apply (layers unlike each other, a MKL product not yet checked at these rows)."""
+    def plan(self, model, stack: tuple, rows: int) -> _Plan | None:
+        """The plan for ``model``'s forwards of ``rows`` rows x tokens over ``stack`` (:func:`run_layers`' layers,
+        final norm and config; made on first use), or None where the C++ stack does not apply (layers unlike each
+        other, a MKL product not yet checked at these rows)."""
         table = kernel_table.current()
         key = (id(model), id(table), id(dispatch.current_packs()), rows)
         plan = self._plans.get(key, False)
@@ -95,7 +96,7 @@ class NativePlans:
             if plan:                                   # a parameter was replaced: this plan's tensors are old
                 self._module.drop_plan(plan.handle)
                 self._handles.remove(plan.handle)
-            made = _make_plan(self._module, model, table, rows)
+            made = _make_plan(self._module, model, *stack, table, rows)
             if made is None or isinstance(made, _Plan):
                 self._plans[key] = made
                 if made is not None:
@@ -126,11 +127,10 @@ def _projections(layer) -> tuple:
     return a.qkv, a.o, m.gate_up, m.down
 
 
-def _make_plan(module, model, table, rows: int):
-    """A plan for ``rows`` rows (a :class:`_Plan`); None where the stack does not apply to this model; ``"later"``
-    where it may on a later forward (an MKL product at these rows not yet checked against ``F.linear``: the Python
-    path checks it first)."""
-    layers = list(model.layers)
+def _make_plan(module, model, layers, final_norm, cfg, table, rows: int):
+    """A plan for ``rows`` rows (a :class:`_Plan`) over ``model``'s ``layers`` and ``final_norm`` (a module or None);
+    None where the stack does not apply to them; ``"later"`` where it may on a later forward (an MKL product at these
+    rows not yet checked against ``F.linear``: the Python path checks it first)."""
     first = _projections(layers[0])
     kinds = []
     for lin in first:
@@ -151,9 +151,7 @@ def _make_plan(module, model, table, rows: int):
         return _EMPTY if t is None else t
 
     for layer in layers:
-        if layer.input_norm is None:
-            return None
-        tensors.append(hold(layer.input_norm, "weight"))
+        tensors.append(_EMPTY if layer.input_norm is None else hold(layer.input_norm, "weight"))
         for i, (lin, ref, kind) in enumerate(zip(_projections(layer), first, kinds)):
             w = lin.weight
             if w.shape != ref.weight.shape or (lin.bias is None) != (ref.bias is None):
@@ -169,30 +167,32 @@ def _make_plan(module, model, table, rows: int):
             tensors += [hold(lin, "weight"), hold(lin, "bias"), pack]
             if i == 1:
                 tensors.append(hold(layer.post_norm, "weight"))
-    tensors.append(hold(model.norm, "weight"))
+    tensors.append(_EMPTY if final_norm is None else hold(final_norm, "weight"))
     assert len(tensors) == TENSORS_PER_LAYER * len(layers) + 1
-    cfg = model.config
     handle = module.stack_plan(tensors, [KINDS.index(k) for k in kinds], cfg.rms_norm_eps, cfg.dim_head ** -0.5,
                                cfg.num_heads)
     return _Plan(handle, model, refs)
 
 
-def run_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, write) -> torch.Tensor | None:
-    """Every layer of ``model``'s cached forward and its final RMSNorm in one C++ call, where it applies (see the
-    module's text): x ``[B, T, H]`` the embedded tokens, cos and sin the forward's rotary tables, ``cache`` and
-    ``write`` its cache and :class:`tltlib.kv.dense.CacheWrite`. Returns the final hidden states ``[B, T, H]`` (after
-    the final norm), or None: the caller runs the Python layers."""
+def run_layers(model, layers, final_norm, cfg, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
+               write) -> torch.Tensor | None:
+    """``layers`` (decoder layers of ``model``, whose config is ``cfg``) and ``final_norm`` (an RMSNorm module or
+    None) of a cached forward in one C++ call, where it applies (see the module's text): x ``[B, T, H]`` the first
+    layer's input, cos and sin the forward's rotary tables, ``cache`` and ``write`` its cache and
+    :class:`tltlib.kv.dense.CacheWrite`. Returns the final hidden states ``[B, T, H]`` (after the final norm; without
+    one, the last layer's output), or None: the caller runs the Python layers. The target's forward passes its
+    layers and final norm; EAGLE's drafter its one layer (no input norm) and None."""
     plans = _ACTIVE.get()
     if plans is None or x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
         return None
-    if torch.is_grad_enabled() and (x.requires_grad or model.norm.weight.requires_grad):
+    if torch.is_grad_enabled() and (x.requires_grad or layers[0].attn.qkv.weight.requires_grad):
         return None
     if torch.compiler.is_compiling() or not (cos.is_contiguous() and sin.is_contiguous()):
         return None
     args = cache.rope_kernel_args(write, x.unsqueeze(1))
     if args is None:
         return None
-    plan = plans.plan(model, x.shape[0] * x.shape[1])
+    plan = plans.plan(model, (layers, final_norm, cfg), x.shape[0] * x.shape[1])
     if plan is None:
         return None
     limit, mask, mask_from = args
