@@ -5,6 +5,8 @@ the token streams must be identical and the comparison is pure engine speed. War
 rounds per batch size in which every engine runs once (interleaved, so machine noise hits all alike); medians and
 the tltlib/transformers and tltlib/vLLM ratios. vLLM runs in-process when importable (a GPU node), else from
 ``.venv-vllm`` (``python -m tltlib setup-vllm``) in its own process, set up as its CPU guide says (bench/_vllm.py).
+tltlib runs its fastest plain decoding: the decoder layers in one C++ call on a CPU (``RolloutConfig(native_layers=
+True)``, :mod:`tltlib.model.native`; off by default for rollouts with SD, see its docstring; no effect on CUDA).
 
     python -m tltlib bench decode                       # CPU, fp32, the tiny reasoner
     python -m tltlib bench decode --device cuda --dtype bfloat16 --model /path/to/Qwen2.5-7B
@@ -67,7 +69,7 @@ def main() -> None:
     device, dtype, path = str(ours.device), ours.embed.weight.dtype, resolve(args.model)
     hf = _hf_model(path, dtype, device, tok)
     n = args.new_tokens
-    config = RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=n), ignore_eos=True)
+    config = RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=n), ignore_eos=True, native_layers=True)
     engine = RolloutEngine(ours, config)
     compiled = RolloutEngine(ours, replace(config, compile_layers=True)) if args.compile else None
     vllm, note = vllm_peer(args.vllm, path, args.dtype, n,     # the model's context, at most 2,048 (vLLM refuses more)

@@ -1,6 +1,6 @@
-"""Where a plain decode step's time goes on this machine, beside its memory floor, for tltlib's Python layers; the
-step of its layers in one C++ call (:mod:`tltlib.model.native`, the default) beside it, and with ``--compile`` the
-compiled layers' step.
+"""Where a plain decode step's time goes on this machine, beside its memory floor, for tltlib's Python layers; the step
+of its layers in one C++ call (:mod:`tltlib.model.native`, ``RolloutConfig(native_layers=True)``) beside it, and with
+``--compile`` the compiled layers' step.
 
 Greedy decoding of ``--rows`` prompts (EOS ignored, every row decodes ``--new-tokens``), timed by wall clocks wrapped
 around what a step calls: the cached **attention** (the paged cache's ``attend``: K/V written into the pages and the
@@ -171,9 +171,9 @@ def main() -> None:
     model, tok, _ = load_models(args)
     config = RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=args.new_tokens), ignore_eos=True)
     one = replace(config, sampling=replace(config.sampling, max_new_tokens=1))
-    python = lambda c: replace(c, native_layers=False)
+    python, native = (lambda c: replace(c, native_layers=False)), (lambda c: replace(c, native_layers=True))
     engines = {"eager": RolloutEngine(model, python(config)), "eager-1": RolloutEngine(model, python(one)),
-               "native": RolloutEngine(model, config), "native-1": RolloutEngine(model, one)}
+               "native": RolloutEngine(model, native(config)), "native-1": RolloutEngine(model, native(one))}
     if args.compile:
         engines.update(compiled=RolloutEngine(model, replace(config, compile_layers=True)),
                        **{"compiled-1": RolloutEngine(model, replace(one, compile_layers=True))})

@@ -102,7 +102,8 @@ def test_rollouts_give_the_same_tokens_plain_and_speculative():
             prompts, strategy=strategy)
         native.run_layers, calls[:] = counted, []
         try:
-            on = RolloutEngine(model, config, drafter=drafter).generate(prompts, strategy=strategy)
+            on = RolloutEngine(model, replace(config, native_layers=True), drafter=drafter).generate(
+                prompts, strategy=strategy)
         finally:
             native.run_layers = real
         assert torch.equal(on.tokens, off.tokens), strategy

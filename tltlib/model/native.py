@@ -11,13 +11,15 @@ bit (tested for every projection kernel) and the residual add at a layer's end r
 RMSNorm in one pass. ``torch.compile`` of the same stack (:mod:`tltlib.model.fused`) keeps the Python's dispatch
 of the opaque projections and attention and measured slower than the eager layers at one and 16 rows.
 
-Where: the target's decode and verify forwards of a rollout (:class:`tltlib.rollout.config.RolloutConfig`'s
-``native_layers``, on by default), inside :func:`native_layers`, when everything the C++ loop does is what the Python
-path would do: a CPU, float32, no autograd recording, not compiling, the CPU kernels built, a paged cache whose
-forward runs the CPU's one-call attention (:meth:`tltlib.kv.paged.PagedKVCache.rope_kernel_args`: one new token per
-row, or up to :data:`tltlib.kv.paged.MASKED_KERNEL_MAX_NEW` under a mask: verifies, short prefills) and every layer
-alike. Elsewhere the Python layers run, as before. A plan holds the weights by reference: in-place updates (GRPO's
-optimizer steps) are read by the next forward; a packed copy made stale by one is refused as
+Where: the target's and the drafter's decode and verify forwards of a rollout
+(:class:`tltlib.rollout.config.RolloutConfig`'s ``native_layers``, off by default until SD's own per-step Python is
+cheaper: see its docstring; the decode benchmarks turn it on), inside :func:`native_layers`, when everything the C++
+loop does is what the Python path would do: a CPU, float32, no autograd recording, not compiling, the CPU kernels
+built, a paged cache whose forward runs the CPU's one-call attention
+(:meth:`tltlib.kv.paged.PagedKVCache.rope_kernel_args`: one new token per row, or up to
+:data:`tltlib.kv.paged.MASKED_KERNEL_MAX_NEW` under a mask: verifies, short prefills) and every layer alike.
+Elsewhere the Python layers run, as before. A plan holds the weights by reference: in-place updates (GRPO's optimizer
+steps) are read by the next forward; a packed copy made stale by one is refused as
 :func:`tltlib.kernels.dispatch.linear` refuses it; a parameter replaced by another tensor is noticed on the next
 forward (the plan is re-made). ``TLTLIB_NATIVE_LAYERS=0`` keeps it off.
 

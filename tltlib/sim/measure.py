@@ -28,8 +28,8 @@ from ..errors import BadInput
 from ..kernels.dispatch import pack_weights, packed_weights
 from ..kernels.search import ensure as ensure_kernels
 from ..machine import call_times, device_sync
+from ..model import native
 from ..model.cudagraph import GraphConfig, GraphPool, Replay, span_bucket
-from ..model.native import NativePlans, native_layers
 from ..spec.strategy import SpecStrategy
 from .costs import MeasuredCosts, iteration_time
 from .physical import at_least, check_drift, check_quiet, monotone, nondecreasing_fit, pass_noise, tolerance
@@ -41,7 +41,8 @@ CATCH_UP_WIDTH = 64
 @torch.no_grad()
 def measure_costs(model, drafter=None, rows=None, contexts=(64, 512), tokens=(1, 9, 25), widths=(1, 4),
                   catch_up_width: int = CATCH_UP_WIDTH, repeats: int = 3, passes: int = 1,
-                  max_batch: int = 64, graphs: GraphConfig | None = None, progress: bool = False) -> MeasuredCosts:
+                  max_batch: int = 64, graphs: GraphConfig | None = None, progress: bool = False,
+                  native_layers: bool = False) -> MeasuredCosts:
     """The cost model of ``model`` (and ``drafter``) on this machine, as the rollout runs them (this machine's
     kernels, the packed weights; on CUDA its graphs, ``graphs``: the rollout's :class:`GraphConfig`, default
     ``RolloutConfig``'s): seconds of target forwards (``rows`` x ``tokens`` new tokens after each of
@@ -63,7 +64,9 @@ def measure_costs(model, drafter=None, rows=None, contexts=(64, 512), tokens=(1,
     levels are timed as it runs them: through a :class:`~tltlib.model.cudagraph.GraphPool` of ``graphs`` over the
     measurement's caches (captured at the warm-up call, then replayed at the row bucket and the span bucket the
     rollout would use: the caches are as long as that bucket); the catch-up stays eager, as in the rollout. On a CPU
-    every forward is a plain call. ``progress``: a bar over the (rows, context) cells of each pass."""
+    every forward is a plain call, with the layers in one C++ call where ``native_layers`` (the rollout's
+    ``RolloutConfig.native_layers``; :mod:`tltlib.model.native`). ``progress``: a bar over the (rows, context) cells
+    of each pass."""
     if passes not in (1, 2):
         raise BadInput(f"passes must be 1 (the tuner's measurement) or 2 (a calibration: the noise), got {passes}")
     ensure_kernels(model, drafter, measure=None)      # the kernels a rollout runs with (as it reads them)
@@ -78,7 +81,7 @@ def measure_costs(model, drafter=None, rows=None, contexts=(64, 512), tokens=(1,
     with tqdm(total=passes * len(rows) * len(contexts), desc="cost model: timing forwards", unit="cell",
               disable=not progress) as bar:
         runs = [_cost_pass(model, drafter, rows, contexts, tokens, widths, catch_up_width, repeats, order, g,
-                           graphs=graphs, bar=bar)
+                           graphs=graphs, bar=bar, native_layers=native_layers)
                 for order in (1, -1)[:passes]]
     mean = {k: np.mean([r[k] for r in runs], axis=0) for k in runs[0]}
     cells = lambda r: np.concatenate([r["target"].ravel(), r["draft"].ravel() if drafter is not None else []])  # noqa: E731
@@ -107,7 +110,7 @@ def _powers_of_four(max_batch: int) -> tuple:
 
 
 def _cost_pass(model, drafter, rows, contexts, tokens, widths, catch_up_width: int, repeats: int, order: int,
-               g, graphs: GraphConfig | None = None, bar=None) -> dict:
+               g, graphs: GraphConfig | None = None, bar=None, native_layers: bool = False) -> dict:
     """One pass of :func:`measure_costs` over the rows in ``order`` (1 or -1): median seconds of ``target`` ``[rows,
     contexts, tokens]``, ``draft`` ``[rows, contexts, widths]`` (zeros without a drafter), ``catch_up`` and
     ``ragged`` ``[rows]``; with ``graphs``, the forwards replayed as the rollout's (:func:`replay_over`)."""
@@ -116,8 +119,8 @@ def _cost_pass(model, drafter, rows, contexts, tokens, widths, catch_up_width: i
            "draft": np.zeros((len(rows), len(contexts), len(widths))),
            "catch_up": np.zeros(len(rows)), "ragged": np.zeros(len(rows))}
     # what a CPU rollout runs with (RolloutConfig.packed_weights, .native_layers); the plans freed at the end
-    native = NativePlans() if dev.type == "cpu" else None
-    with packed_weights(pack_weights(model)), native_layers(native):
+    plans = native.NativePlans() if native_layers and dev.type == "cpu" else None
+    with packed_weights(pack_weights(model)), native.native_layers(plans):
         for i, b in list(enumerate(rows))[::order]:
             for j, ctx in enumerate(contexts):
                 cache = model.new_cache(b, cache_length(ctx + max(tokens) + 1, graphs))
@@ -138,8 +141,8 @@ def _cost_pass(model, drafter, rows, contexts, tokens, widths, catch_up_width: i
                         out["catch_up"][i] = wide
                 if bar is not None:
                     bar.update()
-    if native is not None:
-        native.close()
+    if plans is not None:
+        plans.close()
     return out
 
 

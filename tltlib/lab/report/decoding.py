@@ -187,7 +187,7 @@ def block_verify(stem: str) -> Callable:
 
 def decode_breakdown(stem: str) -> Callable:
     """Where a plain decode step goes (``bench decode_breakdown``): each part's ms and share on the Python layers,
-    the memory floor, the native step (the layers in one C++ call, the default) and the compiled layers' step
+    the memory floor, the native step (the layers in one C++ call, ``native_layers=True``) and the compiled layers' step
     beside it. A result from before the native stack has no native column (—)."""
     def render(r) -> str:
         d = r.json(stem)
@@ -203,8 +203,8 @@ def decode_breakdown(stem: str) -> Callable:
                           "native layers: step ms (/ floor)", "compiled layers: step ms (speedup)"], rows)
                 + f"\n\n{s['task']} prompts, {s['new_tokens']} new tokens per row, median of {s['repeats']} "
                 f"interleaved rounds; memory floor at {d['bandwidth_gb_s']:.1f} GB/s measured in the same run; "
-                f"the parts timed on the Python layers, the native step (the default: every layer in one C++ "
-                f"call) in the same rounds; {m['cpu']} ({m['threads']} threads) ({r.link(stem, 'results')}).")
+                f"the parts timed on the Python layers, the native step (`native_layers=True`: every layer in one "
+                f"C++ call) in the same rounds; {m['cpu']} ({m['threads']} threads) ({r.link(stem, 'results')}).")
     return render
 
 

@@ -139,7 +139,7 @@ def smollm2_floor(r):
     one = next(v for v in d["results"] if v["rows"] == 1)
     if "native_step_ms" in one:                       # the default path: the layers in one C++ call
         return (f"{x(one['native_over_floor'])}: {one['native_step_ms']:.1f} ms against {one['floor_ms']:.1f} ms "
-                f"(the Python layers: {x(one['step_over_floor'])}; {d['machine']['cpu']})"
+                f"with `native_layers=True` (the Python layers: {x(one['step_over_floor'])}; {d['machine']['cpu']})"
                 ), _yes(one["native_over_floor"] <= 1.3)
     return (f"{x(one['step_over_floor'])}: {one['step_ms']:.1f} ms against {one['floor_ms']:.1f} ms "
             f"({d['machine']['cpu']})"), _yes(one["step_over_floor"] <= 1.3)
