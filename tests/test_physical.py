@@ -135,7 +135,7 @@ def test_a_busy_machine_during_the_cost_measurement_is_refused(monkeypatch):
     calls = []
 
     def fake_pass(model, drafter, rows, contexts, tokens, widths, catch_up_width, repeats, order, g, graphs=None,
-                  bar=None):
+                  bar=None, native_layers=False):
         calls.append(order)
         base = np.add.outer(np.add.outer(np.log2(rows), np.log(contexts)), np.asarray(tokens) / 10.0) + 10.0
         return {"target": base * 1e-4 * (1.0 if order == 1 else 2.5),
