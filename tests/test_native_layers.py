@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tltlib.errors import Refused
+from tltlib.errors import BadInput, Refused
 from tltlib.kernels import dispatch
 from tltlib.kernels import table as kernel_table
 from tltlib.kernels.ragged_attention import kernel
@@ -157,6 +157,10 @@ def test_where_it_does_not_apply_the_python_layers_run():
         mp.setenv(native.ENV, "0")
         with native.native_layers(plans), torch.no_grad():
             assert _target(model, x, cos, cos, cache, write) is None
+        mp.setenv(native.ENV, "maybe")                          # not a setting read as one: one error naming it
+        with pytest.raises(BadInput, match="TLTLIB_NATIVE_LAYERS='maybe'"):
+            with native.native_layers(plans):
+                pass
     with native.native_layers(plans), torch.no_grad():                                   # the control: it runs
         assert _target(model, x, cos, cos, cache, write) is not None
 

@@ -24,6 +24,18 @@ from .errors import BadInput
 _CPUINFO = Path("/proc/cpuinfo")
 
 
+def env_switch(name: str, off: str, on: str) -> bool:
+    """The on/off environment switch ``name`` (unset: on): ``0``/``off``/``false``/``no`` off, ``1``/``on``/``true``/
+    ``yes`` on; any other value is one :class:`tltlib.errors.BadInput` saying what each setting does (``off``,
+    ``on``), never a value silently read as one of them."""
+    value = os.environ.get(name, "1").strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return False
+    if value in ("1", "on", "true", "yes"):
+        return True
+    raise BadInput(f"{name}={os.environ[name]!r}: set it to 0 ({off}) or 1 ({on})")
+
+
 def _cpuinfo_field(*names: str) -> str:
     """The first ``/proc/cpuinfo`` line starting with one of ``names``, its value; "" where there is none."""
     try:

@@ -41,9 +41,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import BadInput, TLTError
+from ..errors import TLTError
 from ..fileio import atomic_write_text, cache_root
 from ..kernels.dispatch import linear
+from ..machine import env_switch
 from .decoder import reset_stack, use_stack
 
 ENV = "TLTLIB_COMPILE"
@@ -72,12 +73,7 @@ the layers it attended so far, each of which wrote its keys and values into the 
 
 def enabled() -> bool:
     """Whether ``TLTLIB_COMPILE`` allows compiling (unset: yes); a value it cannot read is one error."""
-    value = os.environ.get(ENV, "1").strip().lower()
-    if value in ("0", "off", "false", "no"):
-        return False
-    if value in ("1", "on", "true", "yes"):
-        return True
-    raise BadInput(f"{ENV}={os.environ[ENV]!r}: set it to 0 (never compile decoder layers) or 1 (compile when asked)")
+    return env_switch(ENV, "never compile decoder layers", "compile when asked")
 
 
 # ------------------------------------------------------------------------------------------------ the cache folder

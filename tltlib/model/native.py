@@ -27,7 +27,6 @@ Departures: none (the Python path's calls, made from C++).
 """
 from __future__ import annotations
 
-import os
 import weakref
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -39,9 +38,11 @@ from ..kernels import dispatch, layer_ops
 from ..kernels import table as kernel_table
 from ..kernels.decode_stack_cpp import KINDS, TENSORS_PER_LAYER
 from ..kernels.ragged_attention import NO_MASK
+from ..machine import env_switch
 
 ENV = "TLTLIB_NATIVE_LAYERS"
-"""``0``/``off``/``false``/``no``: the Python layers always; anything else or unset: the C++ stack where it applies."""
+"""``0``/``off``/``false``/``no``: the Python layers always; ``1``/``on``/``true``/``yes`` or unset: the C++ stack where
+it is asked for and applies; another value: one error (:func:`tltlib.machine.env_switch`)."""
 
 _EMPTY = torch.empty(0)
 _ACTIVE: ContextVar["NativePlans | None"] = ContextVar("tltlib_native_plans", default=None)
@@ -49,17 +50,18 @@ _ACTIVE: ContextVar["NativePlans | None"] = ContextVar("tltlib_native_plans", de
 
 def enabled() -> bool:
     """Whether :data:`ENV` allows the C++ stack."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    return env_switch(ENV, "the Python layers always", "the layers in one C++ call where asked for")
 
 
 class _Plan:
     """One C++ plan: its handle and the parameters it holds, as ``(owner's parameter dict, name, tensor)`` (checked
     by identity on every forward: a parameter replaced since makes the plan stale)."""
 
-    __slots__ = ("handle", "model", "refs")
+    __slots__ = ("handle", "model", "refs", "packed")
 
-    def __init__(self, handle: int, model, refs: list):
+    def __init__(self, handle: int, model, refs: list, packed: list):
         self.handle, self.model, self.refs = handle, weakref.ref(model), refs
+        self.packed = packed                           # (entry, weight) of the packed projections: the stale check
 
     def current(self, model) -> bool:
         return self.model() is model and all(params.get(name) is t for params, name, t in self.refs)
@@ -145,7 +147,7 @@ def _make_plan(module, model, layers, final_norm, cfg, table, rows: int):
                 return "later"
             kind = kind if ok else "linear"
         kinds.append(kind)
-    tensors, refs = [], []
+    tensors, refs, packed = [], [], []
 
     def hold(owner, name):
         t = owner._parameters[name]
@@ -164,6 +166,7 @@ def _make_plan(module, model, layers, final_norm, cfg, table, rows: int):
                     return None
                 dispatch.refuse_stale(entry, w)
                 pack = entry.onednn() if kind == "packed" else entry.mkl()
+                packed.append((entry, w))
             else:
                 pack = _EMPTY
             tensors += [hold(lin, "weight"), hold(lin, "bias"), pack]
@@ -173,7 +176,7 @@ def _make_plan(module, model, layers, final_norm, cfg, table, rows: int):
     assert len(tensors) == TENSORS_PER_LAYER * len(layers) + 1
     handle = module.stack_plan(tensors, [KINDS.index(k) for k in kinds], cfg.rms_norm_eps, cfg.dim_head ** -0.5,
                                cfg.num_heads)
-    return _Plan(handle, model, refs)
+    return _Plan(handle, model, refs, packed)
 
 
 def run_layers(model, layers, final_norm, cfg, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
@@ -200,7 +203,8 @@ def run_layers(model, layers, final_norm, cfg, x: torch.Tensor, cos: torch.Tenso
     limit, mask, mask_from = args
     out = plans.module.decode_stack(plan.handle, x, cos, sin, cache.k, cache.v, write.index, write.table, limit,
                                     NO_MASK if mask is None else mask, mask_from)
-    if out is None:                                  # a packed copy went stale: nothing was computed
-        raise Refused("a weight changed in place after it was packed for this rollout: update weights between "
-                      "rollouts, not during one (its packed copy would be stale)")
+    if out is None:                                  # a packed copy went stale: nothing was computed; say which
+        for entry, weight in plan.packed:
+            dispatch.refuse_stale(entry, weight)
+        raise Refused("a packed weight changed in place during this rollout (its copy would be stale)")
     return out
