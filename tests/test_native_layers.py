@@ -111,6 +111,10 @@ def test_rollouts_give_the_same_tokens_plain_and_speculative():
         ran = {(who, t) for who, t, native_ran in calls if native_ran}   # decodes, verifies and drafts ran in C++
         want = {("Transformer", 1)} if strategy is None else {("Transformer", 5), ("Drafter", 1), ("Drafter", 5)}
         assert ran == want, ran
+        # every one-token forward ran in C++: the chain's drafting steps too, whose rotary tables are slices of the
+        # step's (not contiguous with several rows: they once fell back to the Python layer after the first draft)
+        python = [(who, t) for who, t, native_ran in calls if t == 1 and not native_ran]
+        assert python == [], python
 
 
 def test_the_drafters_layer_in_cpp_equals_its_python_layer_bit_for_bit():
