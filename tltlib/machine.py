@@ -57,6 +57,18 @@ def cpu_flags() -> str:
     return _cpuinfo_field("flags", "Features")
 
 
+def vector_isa(flags: str | None = None) -> str:
+    """The widest vector instructions in ``flags`` (default: this CPU's, :func:`cpu_flags`): ``avx512-amx`` (AVX-512
+    with AMX tiles), ``avx512``, ``avx2``, ``sve``, ``neon``, or ``""``. A results file names it beside the CPU: VMs
+    of one model name (``AMD EPYC``) differ in it, and with it in their kernels' speed."""
+    have = set((cpu_flags() if flags is None else flags).split())
+    for isa, needs in (("avx512-amx", {"avx512f", "amx_tile"}), ("avx512", {"avx512f"}), ("avx2", {"avx2"}),
+                       ("sve", {"sve"}), ("neon", {"asimd"})):
+        if needs <= have:
+            return isa
+    return ""
+
+
 def llc_bytes(default: int = 32 << 20) -> int:
     """Bytes of the largest CPU cache (the last level), from sysfs; ``default`` where sysfs does not say."""
     sizes = []
@@ -179,7 +191,7 @@ def machine_info(device: str = "cpu") -> dict:
 
     info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "platform": platform.platform(), "device": device, "threads": torch.get_num_threads(),
-            "cpu_count": os.cpu_count(), "cpu": cpu_name()}
+            "cpu_count": os.cpu_count(), "cpu": cpu_name(), "isa": vector_isa()}
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name()
     return info

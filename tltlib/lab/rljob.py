@@ -418,6 +418,10 @@ def read_metrics_log(output_dir: str | os.PathLike) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------ launching
+STOP_WAIT_S = 30.0
+"""How long :func:`launch` waits for an interrupted or failed job's processes to stop after SIGTERM before SIGKILL."""
+
+
 def launch(params: str | os.PathLike, workers: int, output_dir: str | os.PathLike, max_restarts: int = 0,
            extra: tuple = (), progress: bool = True, timeout_s: float | None = None) -> Path:
     """Run ``train-grpo --params PARAMS`` on ``workers`` torchrun processes and wait for it (a notebook's way to
@@ -445,8 +449,13 @@ def launch(params: str | os.PathLike, workers: int, output_dir: str | os.PathLik
             rc = proc.wait()
         except BaseException:
             os.killpg(proc.pid, signal.SIGTERM)
+            try:                                   # torchrun stops its workers on SIGTERM; a bound on that wait
+                proc.wait(timeout=STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
             raise
         finally:
+            proc.stdout.close()
             if timer is not None:
                 timer.cancel()
         bar.close()
