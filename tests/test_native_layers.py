@@ -206,3 +206,13 @@ def test_closing_the_plans_frees_them():
     want = _run(model, torch.randint(0, 60, (1, 4), generator=torch.Generator().manual_seed(1)), None, steps=1)[0]
     got = _run(model, torch.randint(0, 60, (1, 4), generator=torch.Generator().manual_seed(1)), plans, steps=1)[0]
     assert plans._handles and all(torch.equal(a, b) for a, b in zip(got, want))     # usable again after close
+
+
+def test_rollouts_and_the_cost_model_run_the_layers_in_cpp_by_default():
+    """On by default (since a chain's drafting steps run in C++ too, SD pays as much as with the Python layers), and
+    the cost model the tuner reads is measured the same way unless told otherwise."""
+    import inspect
+
+    from tltlib.sim.measure import measure_costs
+    assert RolloutConfig().native_layers is True
+    assert inspect.signature(measure_costs).parameters["native_layers"].default is RolloutConfig().native_layers

@@ -41,15 +41,15 @@ class RolloutConfig:
     """On a CPU in float32: projections of 3+ rows through oneDNN on a packed copy of the target's weights, kept
     between rollouts and re-made when a weight changed (1.2-2x faster projections for a second copy of the weights;
     :class:`tltlib.kernels.dispatch.WeightPacks`). No effect elsewhere."""
-    native_layers: bool = False
+    native_layers: bool = True
     """On a CPU in float32: the target's decode and verify forwards, and the drafter's, run their whole stack of decoder
     layers in one C++ call (:mod:`tltlib.model.native`: the same ATen calls and small ops as the Python layers, the
     same hidden states bit for bit, without the Python between them). Plain decoding of SmolLM2-135M: 1.24x / 1.14x
-    / 1.18x faster steps at 1 / 16 / 64 rows (Intel Xeon, 2 threads). Off by default for now: with it on, TLT's SD
-    no longer pays on the tiny reasoner (notebook 04's adaptive rollout 0.93x no SD against 1.25x; notebook 05's
-    GRPO step 0.89x with TLT, its rollout 1.00x), because the SD step's own Python (drafting loop, sampling,
-    acceptance) then outweighs the forwards it saves; that Python moves out first (docs/results.md, SmolLM2 plain
-    decoding). No effect elsewhere, or where ``compile_layers`` runs the compiled stack."""
+    / 1.18x faster steps at 1 / 16 / 64 rows (Intel Xeon, 2 threads); notebook 04's rollouts of the tiny reasoner
+    1.32x faster without SD and 1.34x with chain-8 SD, which keeps its 1.7x over no SD (AMD EPYC, 2 threads;
+    docs/results.md). False: the Python layers (as does ``TLTLIB_NATIVE_LAYERS=0``). No effect elsewhere, or where
+    ``compile_layers`` runs the compiled stack. Measure the cost model with the same setting
+    (``measure_costs(native_layers=...)``)."""
     compile_layers: bool = False
     """On a CPU: the target's decode and verify forwards run its whole stack of decoder layers compiled by
     ``torch.compile`` into one graph (:mod:`tltlib.model.fused`: the small ops fused by Inductor, the projections and

@@ -42,7 +42,7 @@ CATCH_UP_WIDTH = 64
 def measure_costs(model, drafter=None, rows=None, contexts=(64, 512), tokens=(1, 9, 25), widths=(1, 4),
                   catch_up_width: int = CATCH_UP_WIDTH, repeats: int = 3, passes: int = 1,
                   max_batch: int = 64, graphs: GraphConfig | None = None, progress: bool = False,
-                  native_layers: bool = False) -> MeasuredCosts:
+                  native_layers: bool = True) -> MeasuredCosts:
     """The cost model of ``model`` (and ``drafter``) on this machine, as the rollout runs them (this machine's
     kernels, the packed weights; on CUDA its graphs, ``graphs``: the rollout's :class:`GraphConfig`, default
     ``RolloutConfig``'s): seconds of target forwards (``rows`` x ``tokens`` new tokens after each of
@@ -65,7 +65,7 @@ def measure_costs(model, drafter=None, rows=None, contexts=(64, 512), tokens=(1,
     measurement's caches (captured at the warm-up call, then replayed at the row bucket and the span bucket the
     rollout would use: the caches are as long as that bucket); the catch-up stays eager, as in the rollout. On a CPU
     every forward is a plain call, with the layers in one C++ call where ``native_layers`` (the rollout's
-    ``RolloutConfig.native_layers``; :mod:`tltlib.model.native`). ``progress``: a bar over the (rows, context) cells
+    ``RolloutConfig.native_layers``, on by default in both; :mod:`tltlib.model.native`). ``progress``: a bar over the (rows, context) cells
     of each pass."""
     if passes not in (1, 2):
         raise BadInput(f"passes must be 1 (the tuner's measurement) or 2 (a calibration: the noise), got {passes}")
