@@ -450,6 +450,23 @@ def test_two_worker_comparison_evaluates_the_policies_after_the_workers(tmp_path
         (tmp_path / "e2e_grpo-cpu-float32-w2.md").read_text()
 
 
+def test_native_rollout_bench_compares_both_layer_paths_on_the_same_tokens(tmp_path):
+    """Both layer paths, without SD and with it, interleaved: the same tokens (the C++ layers compute the Python
+    layers' hidden states bit for bit), a paired speedup with its interval, SD against no SD per path."""
+    out = bench(tmp_path, "native_rollout", "--prompts", "2", "--num-generations", "2", "--max-new", "24",
+                "--repeats", "1", "--strategies", "chain-4")
+    assert out.returncode == 0, out.stderr
+    d = json.loads((tmp_path / "native_rollout-cpu-float32.json").read_text())
+    res = {r["strategy"]: r for r in d["results"]}
+    assert set(res) == {"no SD", "chain-4"}
+    assert all(r["identical_tokens"] and r["native_speedup"] > 0 for r in res.values())
+    lo, hi = res["chain-4"]["native_speedup_ci95"]
+    assert lo <= res["chain-4"]["native_speedup"] <= hi and res["chain-4"]["native_vs_no_sd"] > 0
+    assert "python_vs_no_sd" not in res["no SD"]
+    bad = bench(tmp_path, "native_rollout", "--strategies", "chain-x", "--repeats", "1")
+    assert bad.returncode != 0 and "--strategies" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_kv_cache_bench_runs_both_caches_on_one_workload_and_names_the_cpu(tmp_path):
     """Paged and dense on the same prompts and seed give the same tokens; the paged pool's peak is within a page per
     row of the tokens held, the dense allocation far above it, the memory check's estimate from the rollout's lengths

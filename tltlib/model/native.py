@@ -12,8 +12,8 @@ RMSNorm in one pass. ``torch.compile`` of the same stack (:mod:`tltlib.model.fus
 of the opaque projections and attention and measured slower than the eager layers at one and 16 rows.
 
 Where: the target's and the drafter's decode and verify forwards of a rollout
-(:class:`tltlib.rollout.config.RolloutConfig`'s ``native_layers``, off by default until SD's own per-step Python is
-cheaper: see its docstring; the decode benchmarks turn it on), inside :func:`native_layers`, when everything the C++
+(:class:`tltlib.rollout.config.RolloutConfig`'s ``native_layers``, on by default), inside :func:`native_layers`,
+when everything the C++
 loop does is what the Python path would do: a CPU, float32, no autograd recording, not compiling, the CPU kernels
 built, a paged cache whose forward runs the CPU's one-call attention
 (:meth:`tltlib.kv.paged.PagedKVCache.rope_kernel_args`: one new token per row, or up to

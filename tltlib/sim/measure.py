@@ -65,8 +65,8 @@ def measure_costs(model, drafter=None, rows=None, contexts=(64, 512), tokens=(1,
     measurement's caches (captured at the warm-up call, then replayed at the row bucket and the span bucket the
     rollout would use: the caches are as long as that bucket); the catch-up stays eager, as in the rollout. On a CPU
     every forward is a plain call, with the layers in one C++ call where ``native_layers`` (the rollout's
-    ``RolloutConfig.native_layers``, on by default in both; :mod:`tltlib.model.native`). ``progress``: a bar over the (rows, context) cells
-    of each pass."""
+    ``RolloutConfig.native_layers``, on by default in both; :mod:`tltlib.model.native`). ``progress``: a bar over the
+    (rows, context) cells of each pass."""
     if passes not in (1, 2):
         raise BadInput(f"passes must be 1 (the tuner's measurement) or 2 (a calibration: the noise), got {passes}")
     ensure_kernels(model, drafter, measure=None)      # the kernels a rollout runs with (as it reads them)

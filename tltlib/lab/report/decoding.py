@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .format import bold, md_table, n, x
+from .format import bold, cpu, md_table, n, x
 
 
 def _sd_rows(d: dict, temperature: float) -> dict[int, dict]:
@@ -204,7 +204,31 @@ def decode_breakdown(stem: str) -> Callable:
                 + f"\n\n{s['task']} prompts, {s['new_tokens']} new tokens per row, median of {s['repeats']} "
                 f"interleaved rounds; memory floor at {d['bandwidth_gb_s']:.1f} GB/s measured in the same run; "
                 f"the parts timed on the Python layers, the native step (`native_layers=True`: every layer in one "
-                f"C++ call) in the same rounds; {m['cpu']} ({m['threads']} threads) ({r.link(stem, 'results')}).")
+                f"C++ call) in the same rounds; {cpu(m)} ({r.link(stem, 'results')}).")
+    return render
+
+
+SMOLLM2_BREAKDOWNS = (("Intel Xeon", "decode_breakdown-cpu-float32-smollm2-135m"),
+                      ("AMD EPYC", "decode_breakdown-cpu-float32-smollm2-135m-amd-epyc"))
+"""Where SmolLM2's decode step goes, per machine (``bench decode_breakdown``)."""
+
+
+def native_rollout(stem: str) -> Callable:
+    """Rollouts with the layers in one C++ call against the Python layers (``bench native_rollout``): seconds, the
+    paired speedup with its interval, and SD's speedup over no SD on each path."""
+    def render(r) -> str:
+        d = r.json(stem)
+        rows = [[v["strategy"], f"{v['python_s']:.2f}", f"{v['native_s']:.2f}",
+                 f"{x(v['native_speedup'])} [{v['native_speedup_ci95'][0]:.2f}, {v['native_speedup_ci95'][1]:.2f}]",
+                 x(v["python_vs_no_sd"]) if "python_vs_no_sd" in v else "—",
+                 x(v["native_vs_no_sd"]) if "native_vs_no_sd" in v else "—",
+                 "yes" if v["identical_tokens"] else "**no**"] for v in d["results"]]
+        s = d["settings"]
+        return (md_table(["strategy", "Python layers: s", "native layers: s", "native speedup [95%]",
+                          "SD / no SD, Python", "SD / no SD, native", "same tokens"], rows)
+                + f"\n\n{s['prompts']} chain prompts x {s['num_generations']}, T={s['temperature']}, up to "
+                f"{s['max_new']} new tokens, each strategy on every iteration; median of {s['repeats']} interleaved "
+                f"rounds, ratios paired within rounds; {cpu(d['machine'])} ({r.link(stem, 'results')}).")
     return render
 
 
@@ -241,6 +265,8 @@ RENDERERS: dict[str, Callable] = {
     "h100_sd": sd_grid("speculative-cuda-bfloat16", 0.9),
     "sampling": sampling("sampling-cpu"),
     "smollm2_block_verify": block_verify("block_verify-cpu-float32"),
-    "smollm2_decode_breakdown": decode_breakdown("decode_breakdown-cpu-float32-smollm2-135m"),
+    "smollm2_decode_breakdown": decode_breakdown(SMOLLM2_BREAKDOWNS[0][1]),
+    "smollm2_decode_breakdown_epyc": decode_breakdown(SMOLLM2_BREAKDOWNS[1][1]),
+    "native_rollout": native_rollout("native_rollout-cpu-float32"),
 }
 """The decoding renderers a doc can name (``<!-- report: NAME -->``)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 
 from .check import CHECK, TIME_GOAL_S, caught
-from .decoding import SMOLLM2_DECODE, SMOLLM2_SD_RUNS, smollm2_decode_ratios
+from .decoding import SMOLLM2_BREAKDOWNS, SMOLLM2_DECODE, SMOLLM2_SD_RUNS, smollm2_decode_ratios
 from .format import md_table, minutes, pct, x, x_vs
 from .rollout import SMOLLM2_ROLLOUT
 from .simulator import LATEST_VALIDATION, XEON_VALIDATE_RUNS
@@ -135,14 +135,18 @@ def block_verification(r):
 
 
 def smollm2_floor(r):
-    d = r.json("decode_breakdown-cpu-float32-smollm2-135m")
-    one = next(v for v in d["results"] if v["rows"] == 1)
-    if "native_step_ms" in one:                       # the default path: the layers in one C++ call
-        return (f"{x(one['native_over_floor'])}: {one['native_step_ms']:.1f} ms against {one['floor_ms']:.1f} ms "
-                f"with `native_layers=True` (the Python layers: {x(one['step_over_floor'])}; {d['machine']['cpu']})"
-                ), _yes(one["native_over_floor"] <= 1.3)
-    return (f"{x(one['step_over_floor'])}: {one['step_ms']:.1f} ms against {one['floor_ms']:.1f} ms "
-            f"({d['machine']['cpu']})"), _yes(one["step_over_floor"] <= 1.3)
+    parts, met = [], []
+    for machine, stem in SMOLLM2_BREAKDOWNS:
+        d = r.json(stem)
+        one = next(v for v in d["results"] if v["rows"] == 1)
+        native = "native_step_ms" in one                  # the default path: the layers in one C++ call
+        over = one["native_over_floor"] if native else one["step_over_floor"]
+        step = one["native_step_ms"] if native else one["step_ms"]
+        parts.append(f"{machine} {x(over)}: {step:.1f} ms against {one['floor_ms']:.1f} ms at "
+                     f"{d['bandwidth_gb_s']:.1f} GB/s" + (f" (the Python layers: {x(one['step_over_floor'])})"
+                                                         if native else ""))
+        met.append(f"{machine}: {_yes(over <= 1.3)}")
+    return "; ".join(parts) + " (the layers in one C++ call)", "; ".join(met)
 
 
 def smollm2_rollout(r):
