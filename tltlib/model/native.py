@@ -13,9 +13,8 @@ of the opaque projections and attention and measured slower than the eager layer
 
 Where: the target's and the drafter's decode and verify forwards of a rollout
 (:class:`tltlib.rollout.config.RolloutConfig`'s ``native_layers``, on by default), inside :func:`native_layers`,
-when everything the C++
-loop does is what the Python path would do: a CPU, float32, no autograd recording, not compiling, the CPU kernels
-built, a paged cache whose forward runs the CPU's one-call attention
+when everything the C++ loop does is what the Python path would do: a CPU, float32, no autograd recording, not
+compiling, the CPU kernels built, a paged cache whose forward runs the CPU's one-call attention
 (:meth:`tltlib.kv.paged.PagedKVCache.rope_kernel_args`: one new token per row, or up to
 :data:`tltlib.kv.paged.MASKED_KERNEL_MAX_NEW` under a mask: verifies, short prefills) and every layer alike.
 Elsewhere the Python layers run, as before. A plan holds the weights by reference: in-place updates (GRPO's optimizer

@@ -47,9 +47,9 @@ class RolloutConfig:
     same hidden states bit for bit, without the Python between them). Plain decoding of SmolLM2-135M: 1.24x / 1.14x
     / 1.18x faster steps at 1 / 16 / 64 rows (Intel Xeon, 2 threads); notebook 04's rollouts of the tiny reasoner
     1.32x faster without SD and 1.09x with chain-8 SD, which then gains 1.57x over no SD against 1.87x on the Python
-    layers (``bench native_rollout``, AMD EPYC, 2 threads; docs/results.md). False: the Python layers (as does ``TLTLIB_NATIVE_LAYERS=0``). No effect elsewhere, or where
-    ``compile_layers`` runs the compiled stack. Measure the cost model with the same setting
-    (``measure_costs(native_layers=...)``)."""
+    layers (``bench native_rollout``, AMD EPYC, 2 threads; docs/results.md). False: the Python layers (as does
+    ``TLTLIB_NATIVE_LAYERS=0``). No effect elsewhere, or where ``compile_layers`` runs the compiled stack. Measure
+    the cost model with the same setting (``measure_costs(native_layers=...)``)."""
     compile_layers: bool = False
     """On a CPU: the target's decode and verify forwards run its whole stack of decoder layers compiled by
     ``torch.compile`` into one graph (:mod:`tltlib.model.fused`: the small ops fused by Inductor, the projections and
