@@ -209,8 +209,9 @@ def test_closing_the_plans_frees_them():
 
 
 def test_rollouts_and_the_cost_model_run_the_layers_in_cpp_by_default():
-    """On by default (since a chain's drafting steps run in C++ too, SD pays as much as with the Python layers), and
-    the cost model the tuner reads is measured the same way unless told otherwise."""
+    """On by default (since a chain's drafting steps run in C++ too, rollouts are faster with and without SD, and SD
+    still pays: ``bench native_rollout``), and the cost model the tuner reads is measured the same way unless told
+    otherwise."""
     import inspect
 
     from tltlib.sim.measure import measure_costs
