@@ -330,8 +330,8 @@ def write_results(name: str, payload: dict, table: str, out_dir: Path | None = N
     out_dir = Path(out_dir or RESULTS)
     out_dir.mkdir(parents=True, exist_ok=True)
     m = payload["machine"]
-    isa = f"{m['isa'].upper()}, " if m.get("isa") and not m.get("gpu") else ""
-    md = (f"{table}\n\nMachine: {m.get('gpu') or m['cpu']} ({isa}{m['threads']} threads), torch {m['torch']}, "
+    from tltlib.machine import described
+    md = (f"{table}\n\nMachine: {described(m)}, torch {m['torch']}, "
           f"transformers {m['transformers']}, Python {m['python']}.\n")
     for suffix, text in ((".json", json.dumps(payload, indent=1) + "\n"), (".md", md)):
         tmp = out_dir / f".{name}{suffix}.tmp"

@@ -5,8 +5,8 @@ the token streams must be identical and the comparison is pure engine speed. War
 rounds per batch size in which every engine runs once (interleaved, so machine noise hits all alike); medians and
 the tltlib/transformers and tltlib/vLLM ratios. vLLM runs in-process when importable (a GPU node), else from
 ``.venv-vllm`` (``python -m tltlib setup-vllm``) in its own process, set up as its CPU guide says (bench/_vllm.py).
-tltlib runs its fastest plain decoding: the decoder layers in one C++ call on a CPU (``RolloutConfig(native_layers=
-True)``, :mod:`tltlib.model.native`; off by default for rollouts with SD, see its docstring; no effect on CUDA).
+tltlib runs as its rollouts do: the decoder layers in one C++ call on a CPU (``RolloutConfig.native_layers``, the
+default, set here explicitly; :mod:`tltlib.model.native`; no effect on CUDA).
 
     python -m tltlib bench decode                       # CPU, fp32, the tiny reasoner
     python -m tltlib bench decode --device cuda --dtype bfloat16 --model /path/to/Qwen2.5-7B

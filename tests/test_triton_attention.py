@@ -353,3 +353,14 @@ def test_the_compiled_kernel_on_cuda_equals_the_gathered_path_and_replays_in_a_g
         q.copy_(torch.randn_like(q))
         graph.replay()
         torch.testing.assert_close(out, ta.paged_attention(q, k_pages, v_pages, table, *bounds), rtol=0, atol=0)
+
+
+def test_the_switch_reads_the_words_people_write(monkeypatch):
+    # it read only "0" as off: TLTLIB_TRITON_ATTENTION=off ran the kernel anyway
+    from tltlib.errors import BadInput
+    from tltlib.kernels import triton_attention as ta
+    monkeypatch.setenv(ta.ENV, "off")
+    assert ta.unavailable_reason() == f"{ta.ENV}=0"
+    monkeypatch.setenv(ta.ENV, "maybe")
+    with pytest.raises(BadInput, match="TLTLIB_TRITON_ATTENTION='maybe': set it to 0"):
+        ta.unavailable_reason()

@@ -69,6 +69,13 @@ def vector_isa(flags: str | None = None) -> str:
     return ""
 
 
+def described(info: dict) -> str:
+    """A :func:`machine_info` record in words: the GPU, or the CPU with its widest vector instructions where
+    recorded, and the threads (``AMD EPYC (AVX2, 2 threads)``)."""
+    isa = f"{info['isa'].upper()}, " if info.get("isa") and not info.get("gpu") else ""
+    return f"{info.get('gpu') or info['cpu']} ({isa}{info['threads']} threads)"
+
+
 def llc_bytes(default: int = 32 << 20) -> int:
     """Bytes of the largest CPU cache (the last level), from sysfs; ``default`` where sysfs does not say."""
     sizes = []

@@ -26,7 +26,6 @@ Departures: none (the same function as the masked matmul path, up to float round
 """
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import warnings
@@ -34,6 +33,7 @@ import warnings
 import torch
 
 from ..errors import TimedOut, TLTError
+from ..machine import env_switch
 from . import build, decode_stack_cpp, layer_ops_cpp
 
 ENV = "TLTLIB_RAGGED_ATTENTION"
@@ -410,7 +410,7 @@ def kernel():
     with _lock:
         if "module" in _state or "error" in _state:
             return _state.get("module")
-        if os.environ.get(ENV, "1") == "0":
+        if not env_switch(ENV, "the matmul path", "the C++ kernels where they build"):
             _state["error"] = f"{ENV}=0"
             return None
         try:

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from ..errors import BadInput, MissingDependency
+from ..machine import env_switch
 
 ENV = "TLTLIB_TRITON_ATTENTION"
 """Environment variable: ``0`` keeps the Triton kernel off (the gathered path), anything else or unset: on where
@@ -107,7 +108,7 @@ def _imported() -> str | None:
 def unavailable_reason() -> str | None:
     """Why the kernel cannot run here (``TLTLIB_TRITON_ATTENTION=0``, triton missing or too old, or it failed to
     compile once), or None when it can. Imports triton on the first call (not when switched off)."""
-    if os.environ.get(ENV, "1") == "0":
+    if not env_switch(ENV, "gather the pages", "the Triton kernel where it fits"):
         return f"{ENV}=0"
     return _imported() or _state.get("failed")
 

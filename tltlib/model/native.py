@@ -191,11 +191,8 @@ def run_layers(model, layers, final_norm, cfg, x: torch.Tensor, cos: torch.Tenso
         return None
     if torch.is_grad_enabled() and (x.requires_grad or layers[0].attn.qkv.weight.requires_grad):
         return None
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not (cos.is_contiguous() and sin.is_contiguous()):
         return None
-    # a chain's drafting step passes its depth's slice of the step's rotary tables ([B, 1, D] of [B, depth, D]):
-    # not contiguous for B > 1, and the C++ loop reads them flat (a copy of a few hundred floats)
-    cos, sin = cos.contiguous(), sin.contiguous()
     args = cache.rope_kernel_args(write, x.unsqueeze(1))
     if args is None:
         return None

@@ -110,7 +110,7 @@ def _powers_of_four(max_batch: int) -> tuple:
 
 
 def _cost_pass(model, drafter, rows, contexts, tokens, widths, catch_up_width: int, repeats: int, order: int,
-               g, graphs: GraphConfig | None = None, bar=None, native_layers: bool = False) -> dict:
+               g, graphs: GraphConfig | None = None, bar=None, native_layers: bool = True) -> dict:
     """One pass of :func:`measure_costs` over the rows in ``order`` (1 or -1): median seconds of ``target`` ``[rows,
     contexts, tokens]``, ``draft`` ``[rows, contexts, widths]`` (zeros without a drafter), ``catch_up`` and
     ``ragged`` ``[rows]``; with ``graphs``, the forwards replayed as the rollout's (:func:`replay_over`)."""

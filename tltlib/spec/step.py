@@ -332,7 +332,9 @@ class SpecDecoder:
         b, dev = feat.shape[0], feat.device
         greedy = u is None
         pos = self.cache.lengths[:b, None] + torch.arange(depth, device=dev)
-        cos, sin = rope_cos_sin(self.drafter.inv_freq, pos, self.drafter.fc.weight.dtype)
+        # per depth [B, 1, D] contiguous (the C++ layers read the tables flat): depth-major, made once per step
+        cos, sin = (t.transpose(0, 1).contiguous()[:, :, None]
+                    for t in rope_cos_sin(self.drafter.inv_freq, pos, self.drafter.fc.weight.dtype))
         drafts, qs = [], []
         for i in range(depth):
             if greedy:                                    # greedy verification never reads q (traces show it)
@@ -346,7 +348,7 @@ class SpecDecoder:
             drafts.append(d)
             if i + 1 < depth:
                 q_logits, out = self.drafter.forward_cached(feat[:, None], d[:, None], self.cache, offset=i,
-                                                            rope=(cos[:, i:i + 1], sin[:, i:i + 1]))
+                                                            rope=(cos[i], sin[i]))
                 q_logits, feat = q_logits[:, 0], out[:, 0]
         return (torch.stack(drafts, 1), torch.stack(qs, 1)) if qs else (torch.stack(drafts, 1), None)
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .format import bold, cpu, md_table, n, x
+from ...machine import described
+from .format import bold, md_table, n, x
 
 
 def _sd_rows(d: dict, temperature: float) -> dict[int, dict]:
@@ -204,7 +205,7 @@ def decode_breakdown(stem: str) -> Callable:
                 + f"\n\n{s['task']} prompts, {s['new_tokens']} new tokens per row, median of {s['repeats']} "
                 f"interleaved rounds; memory floor at {d['bandwidth_gb_s']:.1f} GB/s measured in the same run; "
                 f"the parts timed on the Python layers, the native step (`native_layers=True`: every layer in one "
-                f"C++ call) in the same rounds; {cpu(m)} ({r.link(stem, 'results')}).")
+                f"C++ call) in the same rounds; {described(m)} ({r.link(stem, 'results')}).")
     return render
 
 
@@ -228,7 +229,7 @@ def native_rollout(stem: str) -> Callable:
                           "SD / no SD, Python", "SD / no SD, native", "same tokens"], rows)
                 + f"\n\n{s['prompts']} chain prompts x {s['num_generations']}, T={s['temperature']}, up to "
                 f"{s['max_new']} new tokens, each strategy on every iteration; median of {s['repeats']} interleaved "
-                f"rounds, ratios paired within rounds; {cpu(d['machine'])} ({r.link(stem, 'results')}).")
+                f"rounds, ratios paired within rounds; {described(d['machine'])} ({r.link(stem, 'results')}).")
     return render
 
 

@@ -51,9 +51,3 @@ def minutes(seconds: float) -> str:
 def median(values) -> float:
     return float(statistics.median(values))
 
-
-def cpu(machine: dict) -> str:
-    """A results file's CPU in words: its model name, its widest vector instructions where recorded, its threads
-    (``AMD EPYC (AVX2, 2 threads)``)."""
-    isa = f"{machine['isa'].upper()}, " if machine.get("isa") else ""
-    return f"{machine['cpu']} ({isa}{machine['threads']} threads)"
