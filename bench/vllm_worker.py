@@ -5,7 +5,8 @@
 
 Started by ``bench/_vllm.py`` (the tltlib side). Prints ``{"ready": true, "startup_s": ...}`` once the engine is
 built, then answers every request line ``{"prompts": [[ids]], "max_tokens": N, "temperature": T, "seed": S,
-"ignore_eos": true, "stop_token_ids": [ids] or null}`` with
+"ignore_eos": true, "stop_token_ids": [ids] or null, "fresh": bool}`` (``fresh``: empty the prefix cache first,
+untimed) with
 ``{"tokens": [[ids]], "seconds": ..., "drafts": ..., "draft_tokens": ..., "accepted": ...}`` (vLLM's own
 spec-decode counters, cumulative, when a drafter is set) and stops at end of input. Errors go back as
 ``{"error": "..."}``. Imports nothing from tltlib: this venv holds vLLM's own transformers.
@@ -60,6 +61,8 @@ def serve(llm, spec: dict, inp, out) -> None:
                                     ignore_eos=bool(req.get("ignore_eos", True)), seed=req.get("seed"),
                                     stop_token_ids=req.get("stop_token_ids"))
             prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
+            if req.get("fresh"):                    # forget earlier calls' prompts: none of them is cached
+                llm.reset_prefix_cache()
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - t0
@@ -75,6 +78,7 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     out = os.fdopen(os.dup(1), "w")                 # the protocol stream: a private copy of stdout, and then
     os.dup2(2, 1)                                   # fd 1 is stderr, for vLLM's prints and its engine process
+    sys.stdout.reconfigure(line_buffering=True)     # its prints reach the log as made (a failure's tail names them)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")      # GiB: batch 64 of SmolLM2 needs ~1
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")     # else it decodes on one of 2 cores
     t0 = time.perf_counter()

@@ -2,7 +2,8 @@
 
 Default tier: the pipe between the bench and the worker, with a stand-in ``vllm`` package (a few lines that echo the
 prompt) put on the worker's path: requests and replies, a worker whose prints and child processes write to stdout
-(they must not reach the protocol stream), an error inside vLLM and a worker that dies come back as one clear error,
+(they must not reach the protocol stream), the bench's column emptying vLLM's prefix cache before every call (and a
+plain request not), an error inside vLLM and a worker that dies come back as one clear error,
 ``--vllm compiled`` without vLLM stops the bench. The ``vllm`` tier runs the real vLLM (``.venv-vllm``): greedy
 tokens equal tltlib's.
 """
@@ -44,6 +45,9 @@ class LLM:
             os._exit(3)
         self.calls += 1
         return [_Req([(t + 1) % 50 for t in p["prompt_token_ids"]][: params.max_tokens]) for p in prompts]
+    def reset_prefix_cache(self):
+        print("prefix cache reset")                         # to the worker's log
+        return True
     def get_metrics(self):
         return [_Metric("vllm:spec_decode_num_drafts", 10 * self.calls),
                 _Metric("vllm:spec_decode_num_accepted_tokens", 25 * self.calls)]
@@ -70,6 +74,19 @@ def test_the_worker_answers_requests_over_the_pipe_and_keeps_vllms_prints_out_of
     assert a["tokens"] == [[2, 3], [0]] and b["tokens"] == [[8, 9]]
     assert a["seconds"] >= 0 and (a["drafts"], a["accepted"], b["drafts"]) == (10, 25, 20)
     assert "vLLM banner on stdout" in log and "engine process says hi" in log
+
+
+def test_the_column_empties_vllms_prefix_cache_before_every_call_and_a_plain_request_does_not(fake_vllm):
+    """A bench times the same prompts round after round; vLLM's prefix cache would serve them from the round before,
+    which no rollout sees: the column asks for an empty cache each time (outside vLLM's timed call)."""
+    with _vllm.VLLMPeer(fake_vllm, "model-dir", startup_timeout=60) as peer:
+        peer.generate([[1, 2]], max_tokens=1)
+        plain = peer.log_path.read_text().count("prefix cache reset")
+        column = _vllm.VLLMColumn(peer, new_tokens=2)
+        assert column([[1, 2], [3]]) == [[2, 3], [4]] and column([[5]]) == [[6]]
+        log = peer.log_path.read_text()
+    assert plain == 0 and log.count("prefix cache reset") == 2
+    assert "prefix cache emptied before each call" in _vllm.setup_note(fake_vllm, eager=False)
 
 
 @pytest.mark.parametrize("model, temperature, expected", [

@@ -193,7 +193,8 @@ def test_the_model_decodes_the_same_tokens_whatever_the_table_picked(fresh_table
     prompts = encode_prompts(generate_problems(ChainTaskConfig(), 3, seed=5), tok)
     config = RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=48), num_generations=2)
     tokens = []
-    kinds = (("linear", "sdpa"), ("mm", "matmul"), ("mm-pad", "ragged"), ("packed", "ragged"), ("mkl-packed", "sdpa"))
+    kinds = (("linear", "sdpa"), ("mm", "matmul"), ("mm-pad", "ragged"), ("packed", "ragged"), ("mkl-packed", "sdpa"),
+             ("stream", "ragged"))
     for lin, att in kinds:
         if lin == "mkl-packed" and not K.mkl_packing_available():
             continue
@@ -204,6 +205,29 @@ def test_the_model_decodes_the_same_tokens_whatever_the_table_picked(fresh_table
         tokens.append(out.tokens)
     assert all(torch.equal(tokens[0], t) for t in tokens[1:])
     assert not (fresh_tables / "kernels").exists()              # a forced table is neither measured nor written
+
+
+def test_the_stream_kernel_is_measured_and_chosen_up_to_its_band_only(fresh_tables):
+    """``stream`` (a weight read once for a few rows) is a candidate of the bands up to STREAM_MAX_BAND (1-8 rows),
+    where the CPU kernels are built: a timer that makes it fastest makes it the choice there, and beyond it the
+    choice is another kernel's (a table cannot pick it for 64 rows even if a cell said it was fastest)."""
+    if ks.ragged_kernel() is None:
+        pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
+    assert kt.band_size(kt.STREAM_MAX_BAND) == 8
+    assert ["stream" in ks.linear_names(b, True) for b in range(kt.MAX_ROW_BAND + 1)] == [
+        b <= kt.STREAM_MAX_BAND for b in range(kt.MAX_ROW_BAND + 1)]
+    model = small_model()
+    lin, att = ks.search(model, None, timer=fake_timer({"linear": "stream", "attention": "ragged"}), config=FAST,
+                         progress=False)
+    table = kt.KernelTable(this_machine(), lin, att)
+    n, k = next(iter(ks.projection_weights(model)))
+    for rows in (1, 2, 3, 5, 8):
+        assert table.linear_kernel(n, k, rows, packed=True) == "stream"
+        assert table.linear_kernel(n, k, rows, packed=False) == "stream"
+    for rows in (9, 64, 300):
+        assert table.linear_kernel(n, k, rows, packed=True) not in ("stream", None)
+    forged = {key: kt.Timing({**t.seconds, "stream": 1e-9}, {**t.spread, "stream": 0.0}) for key, t in lin.items()}
+    assert kt.KernelTable(this_machine(), forged, att).linear_kernel(n, k, 64, packed=True) != "stream"
 
 
 @pytest.mark.skipif(not K.mkl_packing_available(), reason="no MKL in this torch build")

@@ -8,14 +8,15 @@ every layer of one forward on it: per layer the input RMSNorm (fused with the pr
 q/k/v projection, ``paged_rope_attention``, the output projection, the residual add with the post-attention RMSNorm,
 the gate/up projection, SiLU-and-multiply and the down projection; after the last, the residual add with the final
 RMSNorm. Each projection runs the same ATen call as :func:`tltlib.kernels.dispatch.linear_with`'s kernel of that
-name (``F.linear``, ``weight @ x.T``, oneDNN's and MKL's packed products through PyTorch's dispatcher), each small op
+name (``F.linear``, ``weight @ x.T``, oneDNN's and MKL's packed products through PyTorch's dispatcher, the ``stream``
+kernel of :mod:`tltlib.kernels.stream_linear_cpp`), each small op
 the same function as the Python path's: the hidden states equal the Python layers' bit for bit.
 
 Departures: none (the Python path's calls, made from C++).
 """
 from __future__ import annotations
 
-KINDS = ("linear", "mm", "mm-pad", "packed", "mkl-packed")
+KINDS = ("linear", "mm", "mm-pad", "packed", "mkl-packed", "stream")
 """The projection kernels a plan runs, by their index in the source (the kernel table's names)."""
 
 TENSORS_PER_LAYER = 14
@@ -31,7 +32,7 @@ SOURCE = r"""
 #include <memory>
 #include <mutex>
 
-enum ProjectionKind { K_LINEAR = 0, K_MM = 1, K_MM_PAD = 2, K_PACKED = 3, K_MKL = 4 };
+enum ProjectionKind { K_LINEAR = 0, K_MM = 1, K_MM_PAD = 2, K_PACKED = 3, K_MKL = 4, K_STREAM = 5 };
 
 struct Projection {
   torch::Tensor w, b, pack;                         // b, pack: empty when absent
@@ -97,6 +98,8 @@ static torch::Tensor project(const torch::Tensor& x, const Projection& p, int64_
       mkl_linear().callBoxed(&s);
       return s[0].toTensor().view({x.size(0), x.size(1), N});
     }
+    case K_STREAM:
+      return stream_linear(x.reshape({rows, K}).contiguous(), p.w, p.b).view({x.size(0), x.size(1), N});
   }
   TORCH_CHECK(false, "decode_stack: unknown projection kind ", kind);
 }
@@ -110,7 +113,7 @@ int64_t stack_plan(std::vector<torch::Tensor> tensors, std::vector<int64_t> kind
               "stack_plan: ", per, " tensors per layer and the final norm's gain, and 4 kinds");
   auto plan = std::make_shared<StackPlan>();
   for (int i = 0; i < 4; ++i) {
-    TORCH_CHECK(kinds[i] >= K_LINEAR && kinds[i] <= K_MKL, "stack_plan: unknown projection kind ", kinds[i]);
+    TORCH_CHECK(kinds[i] >= K_LINEAR && kinds[i] <= K_STREAM, "stack_plan: unknown projection kind ", kinds[i]);
     plan->kinds[i] = kinds[i];
   }
   auto proj = [&](size_t at, int64_t kind) {
@@ -121,6 +124,7 @@ int64_t stack_plan(std::vector<torch::Tensor> tensors, std::vector<int64_t> kind
       TORCH_CHECK(p.pack.numel() > 0, "stack_plan: a packed kind without its packed copy");
       p.version = static_cast<int64_t>(p.w._version());
     }
+    TORCH_CHECK(kind != K_STREAM || p.w.is_contiguous(), "stack_plan: the stream kind needs a contiguous weight");
     return p;
   };
   for (size_t at = 0; at + 1 < tensors.size(); at += per) {

@@ -12,8 +12,10 @@ order), run by name through :func:`linear_with` and :func:`attention_with`:
   once per rollout, :func:`pack_weights`, what vLLM's CPU backend does; only inside :func:`packed_weights`);
   ``mkl-packed`` (MKL's packed SGEMM, ``cblas_sgemm_pack``/``cblas_sgemm_compute`` as PyTorch exposes them, on a copy
   laid out for MKL, likewise; SmolLM2's layer projections on an Intel Xeon, two threads, 16 / 64 rows: 14% / 28%
-  less time than oneDNN's, one row 1.6x more than ``F.linear``: the table decides). Autograd (training), CUDA and
-  other dtypes use ``F.linear``.
+  less time than oneDNN's, one row 1.6x more than ``F.linear``: the table decides); ``stream`` (a C++ kernel that
+  reads the weight once at memory speed for a few rows, :mod:`tltlib.kernels.stream_linear_cpp`; measured for up to
+  8 rows: on an AMD EPYC with AVX2 the BLAS kernels read a one-row step's weights at half the memory's bandwidth).
+  Autograd (training), CUDA and other dtypes use ``F.linear``.
 * **cached attention**: ``sdpa`` (PyTorch's ``scaled_dot_product_attention``, its bool mask turned into a float one
   once per forward); ``matmul`` (two batched matmuls, :func:`gqa_attention`); ``ragged`` (one new query per row over
   each row's own cached length, the C++ kernel of :mod:`tltlib.kernels.ragged_attention`, so rows that SD steps left
@@ -312,8 +314,8 @@ def refuse_stale(entry: PackedWeight, weight: torch.Tensor) -> None:
 
 def linear_with(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 packed: PackedWeight | None = None) -> torch.Tensor:
-    """:func:`linear` by the named candidate (``linear``, ``mm``, ``mm-pad``, ``packed``, ``mkl-packed``; the packed
-    ones need the weight's entry of :func:`pack_weights`)."""
+    """:func:`linear` by the named candidate (``linear``, ``mm``, ``mm-pad``, ``packed``, ``mkl-packed``, ``stream``;
+    the packed ones need the weight's entry of :func:`pack_weights`)."""
     if kind not in _LINEAR:
         raise BadInput(f"unknown projection kernel {kind!r}; choose one of {kernel_table.LINEAR_KERNELS}")
     if kind in kernel_table.PACKED and (packed is None or packed.weight is not weight):
@@ -383,4 +385,19 @@ def _mkl_packed(x, weight, bias, entry, rows):
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-_LINEAR = {"linear": _f_linear, "mm": _mm, "mm-pad": _mm_pad, "packed": _packed, "mkl-packed": _mkl_packed}
+def _stream(x, weight, bias, entry, rows):
+    """The C++ ``stream`` kernel (:mod:`tltlib.kernels.stream_linear_cpp`); ``F.linear`` in a process where the CPU
+    kernels are switched off or could not be built (the same function)."""
+    module = ragged_kernel()
+    if module is None or not weight.is_contiguous():
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1]).contiguous()
+    out = module.stream_linear(flat, weight, _NO_BIAS if bias is None else bias.contiguous())
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+_NO_BIAS = torch.empty(0)
+"""The C++ kernels' "no bias" (an empty tensor)."""
+
+_LINEAR = {"linear": _f_linear, "mm": _mm, "mm-pad": _mm_pad, "packed": _packed, "mkl-packed": _mkl_packed,
+           "stream": _stream}

@@ -34,7 +34,7 @@ import torch
 
 from ..errors import TimedOut, TLTError
 from ..machine import env_switch
-from . import build, decode_stack_cpp, layer_ops_cpp
+from . import build, decode_stack_cpp, layer_ops_cpp, stream_linear_cpp
 
 ENV = "TLTLIB_RAGGED_ATTENTION"
 """Environment variable: ``0`` keeps the kernel off (the matmul path), anything else or unset: on where built."""
@@ -390,14 +390,15 @@ torch::Tensor paged_rope_attention(torch::Tensor qkv, torch::Tensor cos, torch::
 """
 
 EXTENSION = build.Extension(
-    "tltlib_ragged_attention", _SOURCE + layer_ops_cpp.SOURCE + decode_stack_cpp.SOURCE,
+    "tltlib_ragged_attention", _SOURCE + layer_ops_cpp.SOURCE + stream_linear_cpp.SOURCE + decode_stack_cpp.SOURCE,
     ("ragged_decode_attention", "paged_attention", "paged_rope_attention", *layer_ops_cpp.FUNCTIONS,
-     *decode_stack_cpp.FUNCTIONS),
+     *stream_linear_cpp.FUNCTIONS, *decode_stack_cpp.FUNCTIONS),
     cflags=("-O3", "-march=native", "-fopenmp", "-ffast-math"), ldflags=("-fopenmp",),
     what="the CPU attention and layer kernels")
 """The CPU kernels' build (:mod:`tltlib.kernels.build`: one folder per source, flags, compiler, CPU, torch and venv):
-the attention kernels here and a decoder layer's small ops (:mod:`tltlib.kernels.layer_ops_cpp`, whose source
-uses this one's includes)."""
+the attention kernels here, a decoder layer's small ops (:mod:`tltlib.kernels.layer_ops_cpp`, whose source uses this
+one's includes), the ``stream`` projection (:mod:`tltlib.kernels.stream_linear_cpp`, which uses its vector type) and
+the stack of layers in one call (:mod:`tltlib.kernels.decode_stack_cpp`)."""
 
 _lock = threading.Lock()
 _state: dict = {}                                   # "module" (built) or "error" (why not), once per process

@@ -165,9 +165,11 @@ def linear_candidates(pool: list[torch.Tensor], packs: list, rows: int, generato
 
 def linear_names(band: int, packs: bool) -> list[str]:
     """The projection candidates measured for a band of rows here (``packs``: packed copies can be made: oneDNN's,
-    and MKL's where this torch has it)."""
+    and MKL's where this torch has it; ``stream`` up to :data:`tltlib.kernels.table.STREAM_MAX_BAND` where the CPU
+    kernels are built)."""
     return ["linear", "mm", *(["mm-pad"] if band == 0 else []), *(["packed"] if packs else []),
-            *(["mkl-packed"] if packs and mkl_packing_available() else [])]
+            *(["mkl-packed"] if packs and mkl_packing_available() else []),
+            *(["stream"] if band <= kt.STREAM_MAX_BAND and ragged_kernel() is not None else [])]
 
 
 # ------------------------------------------------------------------------------------------------ attention

@@ -64,10 +64,13 @@ when a rollout engine is made."""
 MODES = {"0": "off", "off": "off", "false": "off", "no": "off", "1": "on", "on": "on", "true": "on", "yes": "on",
          "": "on", "measure": "measure"}
 
-LINEAR_KERNELS = ("linear", "mm", "mm-pad", "packed", "mkl-packed")
+LINEAR_KERNELS = ("linear", "mm", "mm-pad", "packed", "mkl-packed", "stream")
 PACKED = ("packed", "mkl-packed")
 """The projection candidates that need a packed copy of the weight at hand."""
 ATTENTION_KERNELS = ("sdpa", "matmul", "ragged")
+STREAM_MAX_BAND = 3
+"""Projections: the ``stream`` kernel is a candidate up to this band of rows (5-8: a one-row verify of a chain of up
+to 7 drafts); beyond, the GEMMs' reuse of each weight across rows wins."""
 MAX_ROW_BAND = 9
 """Projections: the last band of rows (257-512); more rows use its choice."""
 MAX_ATTENTION_ROW_BAND = 7
@@ -187,7 +190,8 @@ class KernelTable:
             shape, b = key.split("/r")
             n, k = map(int, shape.split("x"))
             for packed in (False, True):
-                names = set(LINEAR_KERNELS) - ({"mm-pad"} if int(b) else set()) - (set() if packed else set(PACKED))
+                names = (set(LINEAR_KERNELS) - ({"mm-pad"} if int(b) else set()) - (set() if packed else set(PACKED))
+                         - ({"stream"} if int(b) > STREAM_MAX_BAND else set()))
                 self._decide(self._lin, (n, k, int(b), packed), key, t, names,
                              linear_start(band_size(int(b)), packed))
         for key, t in self.attention.items():

@@ -142,9 +142,10 @@ def smollm2_floor(r):
         native = "native_step_ms" in one                  # the default path: the layers in one C++ call
         over = one["native_over_floor"] if native else one["step_over_floor"]
         step = one["native_step_ms"] if native else one["step_ms"]
-        parts.append(f"{machine} {x(over)}: {step:.1f} ms against {one['floor_ms']:.1f} ms at "
-                     f"{d['bandwidth_gb_s']:.1f} GB/s" + (f" (the Python layers: {x(one['step_over_floor'])})"
-                                                         if native else ""))
+        at = (f"the bandwidth of each round (median {d['bandwidth_gb_s']:.1f} GB/s)" if "bandwidth_range_gb_s" in d
+              else f"{d['bandwidth_gb_s']:.1f} GB/s")
+        parts.append(f"{machine} {x(over)}: {step:.1f} ms against {one['floor_ms']:.1f} ms at {at}"
+                     + (f" (the Python layers: {x(one['step_over_floor'])})" if native else ""))
         met.append(f"{machine}: {_yes(over <= 1.3)}")
     return "; ".join(parts) + " (the layers in one C++ call)", "; ".join(met)
 
