@@ -124,7 +124,6 @@ int64_t stack_plan(std::vector<torch::Tensor> tensors, std::vector<int64_t> kind
       TORCH_CHECK(p.pack.numel() > 0, "stack_plan: a packed kind without its packed copy");
       p.version = static_cast<int64_t>(p.w._version());
     }
-    TORCH_CHECK(kind != K_STREAM || p.w.is_contiguous(), "stack_plan: the stream kind needs a contiguous weight");
     return p;
   };
   for (size_t at = 0; at + 1 < tensors.size(); at += per) {

@@ -203,20 +203,22 @@ def decode_breakdown(stem: str) -> Callable:
                           "outside the layers", "memory floor ms", "step / floor",
                           "native layers: step ms (/ floor)", "compiled layers: step ms (speedup)"], rows)
                 + f"\n\n{s['task']} prompts, {s['new_tokens']} new tokens per row, median of {s['repeats']} "
-                f"interleaved rounds; memory floor at {_floor_bandwidth(d)}; "
+                f"interleaved rounds; memory floor at {floor_bandwidth(d)}; "
                 f"the parts timed on the Python layers, the native step (`native_layers=True`: every layer in one "
                 f"C++ call) in the same rounds; {described(m)} ({r.link(stem, 'results')}).")
     return render
 
 
-def _floor_bandwidth(d: dict) -> str:
+def floor_bandwidth(d: dict, short: bool = False) -> str:
     """The read bandwidth a breakdown's floor is at: measured in each round (each step over its own round's floor) or,
-    in a result from before, once in the run."""
-    if "bandwidth_range_gb_s" in d:
-        low, high = d["bandwidth_range_gb_s"]
-        return (f"the read bandwidth measured in each round (median {d['bandwidth_gb_s']:.1f} GB/s, {low:.1f}-"
-                f"{high:.1f}), each step over its own round's floor")
-    return f"{d['bandwidth_gb_s']:.1f} GB/s measured in the same run"
+    in a result from before, once in the run. ``short``: without the range and how it was measured."""
+    if "bandwidth_range_gb_s" not in d:
+        return f"{d['bandwidth_gb_s']:.1f} GB/s" + ("" if short else " measured in the same run")
+    if short:
+        return f"the bandwidth of each round (median {d['bandwidth_gb_s']:.1f} GB/s)"
+    low, high = d["bandwidth_range_gb_s"]
+    return (f"the read bandwidth measured in each round (median {d['bandwidth_gb_s']:.1f} GB/s, {low:.1f}-"
+            f"{high:.1f}), each step over its own round's floor")
 
 
 SMOLLM2_BREAKDOWNS = (("Intel Xeon", "decode_breakdown-cpu-float32-smollm2-135m"),

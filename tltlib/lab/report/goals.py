@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 
 from .check import CHECK, TIME_GOAL_S, caught
-from .decoding import SMOLLM2_BREAKDOWNS, SMOLLM2_DECODE, SMOLLM2_SD_RUNS, smollm2_decode_ratios
+from .decoding import SMOLLM2_BREAKDOWNS, SMOLLM2_DECODE, SMOLLM2_SD_RUNS, floor_bandwidth, smollm2_decode_ratios
 from .format import md_table, minutes, pct, x, x_vs
 from .rollout import SMOLLM2_ROLLOUT
 from .simulator import LATEST_VALIDATION, XEON_VALIDATE_RUNS
@@ -142,9 +142,8 @@ def smollm2_floor(r):
         native = "native_step_ms" in one                  # the default path: the layers in one C++ call
         over = one["native_over_floor"] if native else one["step_over_floor"]
         step = one["native_step_ms"] if native else one["step_ms"]
-        at = (f"the bandwidth of each round (median {d['bandwidth_gb_s']:.1f} GB/s)" if "bandwidth_range_gb_s" in d
-              else f"{d['bandwidth_gb_s']:.1f} GB/s")
-        parts.append(f"{machine} {x(over)}: {step:.1f} ms against {one['floor_ms']:.1f} ms at {at}"
+        parts.append(f"{machine} {x(over)}: {step:.1f} ms against {one['floor_ms']:.1f} ms at "
+                     f"{floor_bandwidth(d, short=True)}"
                      + (f" (the Python layers: {x(one['step_over_floor'])})" if native else ""))
         met.append(f"{machine}: {_yes(over <= 1.3)}")
     return "; ".join(parts) + " (the layers in one C++ call)", "; ".join(met)
