@@ -52,19 +52,21 @@ BUSY_LIMIT = 2.0
 
 
 def run_suite(markers: str) -> dict:
-    """Run pytest with ``markers`` and ``--durations=20``; its counts, wall time, exit status and slowest tests."""
+    """Run pytest with ``markers`` and ``--durations=20`` in the workers ``python -m tltlib test`` starts; its counts,
+    workers, wall time, exit status and slowest tests."""
     from tltlib.cli.bootstrap import notebook_env
     notebook_env()                                  # as python -m tltlib test runs it (Jupyter state in the venv)
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "pytest", "-m", markers, "-q", "-p", "no:randomly", "--durations=20",
-                          "-rfE"],
-                         cwd=ROOT, capture_output=True, text=True)
+    from tltlib.cli.commands import pytest_args, test_workers
+    workers = test_workers()
+    args = pytest_args(["-q", "-p", "no:randomly", "--durations=20", "-rfE"], workers, markers)
+    out = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=ROOT, capture_output=True, text=True)
     seconds = time.perf_counter() - t0
     last = next((line for line in reversed(out.stdout.splitlines()) if " in " in line and "passed" in line), "")
     counts = {kind.rstrip("s") if kind.startswith("error") else kind: int(k) for k, kind in SUMMARY.findall(last)}
     slowest = [{"seconds": float(s), "when": w, "test": t} for s, w, t in SLOW.findall(out.stdout)][:20]
     failures = [{"test": t, "message": m} for t, m in FAILED.findall(out.stdout)]
-    return {"markers": markers, "returncode": out.returncode, "seconds": seconds, "counts": counts,
+    return {"markers": markers, "workers": workers, "returncode": out.returncode, "seconds": seconds, "counts": counts,
             "slowest": slowest, "failures": failures, "summary": last.strip("= ")}
 
 
@@ -77,8 +79,8 @@ def main() -> None:
     result = run_suite(args.markers)
     c = result["counts"]
     text = (f"The test suite (`pytest -m {args.markers!r}`): {c.get('passed', 0)} passed, {c.get('failed', 0)} "
-            f"failed, {c.get('skipped', 0)} skipped in {result['seconds'] / 60:.1f} min (exit status "
-            f"{result['returncode']}); the slowest:\n\n"
+            f"failed, {c.get('skipped', 0)} skipped in {result['seconds'] / 60:.1f} min in {result['workers']} "
+            f"worker(s) (exit status {result['returncode']}); the slowest:\n\n"
             + markdown_table(["seconds", "test"], [[f"{s['seconds']:.1f}", f"`{s['test']}`"]
                                                    for s in result["slowest"]])
             + "".join(f"\n\nFailed: `{f['test']}` ({f['message']})" for f in result["failures"]))

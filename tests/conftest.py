@@ -12,7 +12,11 @@ Threads: one torch thread per test process (``OMP_NUM_THREADS=1`` unless set, in
 On the 2-core development VM (Intel Xeon) tests/test_specdecode.py took 30 s on one thread against 41 s on two, and
 beside two busy loops (bench/busy.py) 45 s against 112 s: OpenMP's threads wait on each other at every barrier when
 another process shares their cores. The kernels' multi-threaded loops are tested on two threads explicitly
-(test_ragged_attention)."""
+(test_ragged_attention).
+
+Workers: ``python -m tltlib test`` runs the suite in pytest-xdist workers, one per core
+(:func:`tltlib.cli.commands.test_workers`), handing out one test at a time, those marked ``long`` first: a test must
+not depend on another having run before it in its process."""
 from __future__ import annotations
 
 import os
@@ -30,7 +34,15 @@ CAPTURE_FALLBACK_FAILS = "error:CUDA graph capture:RuntimeWarning"
 eagerly) is an error in any gpu test, so a fallback can never pass as a graphed run."""
 
 
+def long_first(items: list) -> None:
+    """Put the tests marked ``long`` first, in place, each group in its order (a stable sort: every xdist worker
+    collects the same order, as xdist requires), so that a parallel run (``python -m tltlib test``) hands them out
+    first and the short ones fill the workers' ends instead of one worker ending alone on a long test."""
+    items.sort(key=lambda item: "long" not in item.keywords)
+
+
 def pytest_collection_modifyitems(config, items):
+    long_first(items)
     gpu = [item for item in items if "gpu" in item.keywords]
     for item in gpu:
         item.add_marker(pytest.mark.filterwarnings(CAPTURE_FALLBACK_FAILS))

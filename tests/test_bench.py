@@ -82,6 +82,7 @@ def test_the_kernels_bench_calls_a_machine_busy_only_when_many_cells_are_noisy()
         kernels_bench.check_quiet([("a", 0.9)] + [("b", 0.5)] * 5, 100)
 
 
+@pytest.mark.long
 def test_the_kernels_bench_writes_the_table_and_its_results_from_the_timings(tmp_path, monkeypatch, capsys):
     """bench kernels in this process on a fake timer (a busy machine cannot change what it decides): every cell of
     the tiny reasoner's shapes chosen as the timer says, the table saved for this machine, the results named after
@@ -174,6 +175,7 @@ def test_a_library_error_after_the_malloc_reexec_is_still_one_line(tmp_path):
     assert len(out.stderr.strip().splitlines()) == 2               # the error and the --debug hint
 
 
+@pytest.mark.long
 def test_an_error_in_the_update_memory_child_is_the_parents_one_line(tmp_path):
     """The update runs in a child process: its error (a completion longer than the context leaves after the prompt)
     is printed by the parent as one line naming the configuration, not under the child's traceback."""
@@ -330,6 +332,7 @@ def test_trl_tables_show_every_run_and_read_older_results():
     assert trl_peer._trl_tables({}, None, s, args) == ""
 
 
+@pytest.mark.long
 def test_drafters_bench_reports_depth_accuracy_and_accept_lengths_per_drafter(tmp_path):
     from tltlib import load
     from tltlib.drafting.responses import sample_responses
@@ -351,6 +354,7 @@ def test_drafters_bench_reports_depth_accuracy_and_accept_lengths_per_drafter(tm
     assert res[0]["top1_by_depth"][0] > res[1]["top1_by_depth"][0]
 
 
+@pytest.mark.long
 def test_long_tail_bench_with_same_lengths_runs_every_policy_on_one_schedule(tmp_path):
     """``--same-lengths``: each policy is given the lengths of its round's no-SD rollout, so every policy emits the
     same number of tokens although SD at T=0.9 samples other responses; the guarantee line is reported, over the
@@ -416,6 +420,7 @@ def test_a_recipes_absent_model_is_replaced_by_model_before_it_is_checked(tmp_pa
         e2e_grpo._with_recipe(ns, pytest.fail)
 
 
+@pytest.mark.long
 def test_drift_bench_writes_accuracy_and_every_drafters_curve(tmp_path):
     """A 2-step drift run of a tiny recipe: held-out accuracy at 0 and 2, probes of the online, the warm and the
     snapshot drafters for both strategies with the per-depth table, the figure; a snapshot at or after the last step
@@ -438,6 +443,7 @@ def test_drift_bench_writes_accuracy_and_every_drafters_curve(tmp_path):
     assert not (tmp_path / "late").exists()
 
 
+@pytest.mark.long
 def test_two_worker_comparison_evaluates_the_policies_after_the_workers(tmp_path):
     """``e2e_grpo --workers 2``: the three runs' held-out accuracy is measured by the launcher from the policies the
     workers wrote (inside the workers it ran out of memory on SmolLM2)."""
@@ -451,6 +457,7 @@ def test_two_worker_comparison_evaluates_the_policies_after_the_workers(tmp_path
         (tmp_path / "e2e_grpo-cpu-float32-w2.md").read_text()
 
 
+@pytest.mark.long
 def test_native_rollout_bench_compares_both_layer_paths_on_the_same_tokens(tmp_path):
     """Both layer paths, without SD and with it, interleaved: the same tokens (the C++ layers compute the Python
     layers' hidden states bit for bit), a paired speedup with its interval, SD against no SD per path."""
@@ -468,6 +475,7 @@ def test_native_rollout_bench_compares_both_layer_paths_on_the_same_tokens(tmp_p
     assert bad.returncode != 0 and "--strategies" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.long
 def test_kv_cache_bench_runs_both_caches_on_one_workload_and_names_the_cpu(tmp_path):
     """Paged and dense on the same prompts and seed give the same tokens; the paged pool's peak is within a page per
     row of the tokens held, the dense allocation far above it, the memory check's estimate from the rollout's lengths
@@ -484,6 +492,7 @@ def test_kv_cache_bench_runs_both_caches_on_one_workload_and_names_the_cpu(tmp_p
     assert d["paged_over_dense_speed"] > 0
 
 
+@pytest.mark.long
 def test_kv_cache_attention_grid_checks_the_paged_kernels_against_the_gathered_path(tmp_path):
     """``--attention``: every cell of rows x new tokens first checks the paged kernel's output against gather + the
     dense path (a mismatch fails the run), then times both; the file names this machine's CPU."""
@@ -499,6 +508,7 @@ def test_kv_cache_attention_grid_checks_the_paged_kernels_against_the_gathered_p
     assert all(r["paged_us"] > 0 and r["gathered_us"] > 0 for r in d["results"])
 
 
+@pytest.mark.long
 def test_decode_breakdown_adds_up_and_names_its_floor(tmp_path):
     """``bench decode_breakdown`` on the tiny reasoner: each part of a step is non-negative, the parts add up to the
     step (outside the layers is the rest), the memory floor is the weights plus the K/V read at the bandwidth
@@ -560,6 +570,7 @@ def test_step_bytes_counts_the_weights_once_and_the_cached_kv_per_row():
         assert bd.step_bytes(model, rows=3, mean_len=10) == weights + 3 * 10 * kv_per_token
 
 
+@pytest.mark.long
 def test_decode_with_compile_runs_the_compiled_layers_side_by_side(tmp_path):
     """``bench decode --compile``: a fourth column, the compiled layers' speed and its ratio to tltlib eager, with
     tokens identical to transformers'; its own results file, the compile seconds recorded."""

@@ -111,6 +111,7 @@ def test_vllm_peer_off_or_absent_gives_no_column_and_a_named_mode_without_vllm_s
 
 @pytest.mark.vllm
 @pytest.mark.skipif(_vllm.vllm_python() is None, reason="no .venv-vllm: python -m tltlib setup-vllm")
+@pytest.mark.long
 def test_the_real_vllm_column_decodes_what_tltlib_decodes():
     from tltlib.model.loading import load
     from tltlib.model.sampling import SamplingConfig

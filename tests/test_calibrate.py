@@ -66,6 +66,7 @@ def test_a_missing_or_foreign_workers_file_is_named(tmp_path):
                                     micro_step_s_by_step=[0.1]))
 
 
+@pytest.mark.long
 def test_measured_costs_grow_with_rows_and_tokens(monkeypatch):
     """What the simulator reads back; two repeats of forwards this small disagree by tens of percent between
     passes on any machine, so the noise limit is off here (its refusal is tested in test_physical)."""
@@ -82,6 +83,7 @@ def test_measured_costs_grow_with_rows_and_tokens(monkeypatch):
     assert (t > 0).all() and t[1, 0, 1] > t[0, 0, 0] and c.forward(8, 100, 9) > 0 and c.draft_level(8, 100, 2) > 0
 
 
+@pytest.mark.long
 def test_a_small_validation_measures_simulates_and_names_every_check(monkeypatch):
     """Small inputs, end to end: the costs, update rate and micro-step are measured, every run is measured and
     simulated, every check is there with positive finite numbers. (How close the simulation comes is a measurement,

@@ -101,6 +101,7 @@ def _status(summary) -> dict:
     return {r["step"]: r["status"] for r in summary["steps"]}
 
 
+@pytest.mark.long
 def test_the_calls_run_at_tiny_sizes_as_the_gpu_machine_runs_them(tmp_path):
     """a stashes GGUF part 0 (its GPU steps fail on a CPU, recorded, and the call goes on to its tarball); b installs
     the carried gguf wheel (the venv's own hidden), joins the stashed and the carried part, checks both hashes,

@@ -394,6 +394,7 @@ def test_bf16_rollouts_complete_and_greedy_sd_keeps_plain_bf16_decodings_tokens(
 
 
 # -------------------------------------------------------------------------------- 4. a bfloat16 GRPO smoke
+@pytest.mark.long
 def test_bf16_e2e_grpo_runs_on_the_cpu_and_writes_its_results(tmp_path):
     """``bench e2e_grpo --dtype bfloat16`` at the tiniest sizes (one step of the baseline and of TLT with its online
     drafter) exits 0 and writes its JSON, with finite losses. Nothing about the weights moving: that is the fp32

@@ -37,6 +37,7 @@ def reasoner():
     return model, drafter, prompts
 
 
+@pytest.mark.long
 def test_compiled_layers_decode_the_same_tokens_plain_and_speculative(reasoner, fresh_state):
     """Greedy rollouts of the tiny reasoner, plain and chain-4 SD with its drafter (decode and verify forwards through
     the compiled stack, the drafter's eager): the same tokens as the eager layers; the first calls compiled."""

@@ -73,6 +73,7 @@ def _sub(text: str, subs: dict[str, str]) -> str:
 
 
 @pytest.mark.notebooks
+@pytest.mark.long
 def test_the_readme_gpu_sequence_runs_as_written_on_the_cpu(tmp_path):
     commands = gpu_commands()
     assert [c.split()[0] for c in commands] == [".venv/bin/python"] * 5 + [".venv/bin/torchrun", ".venv/bin/python"]

@@ -38,6 +38,7 @@ def _flat_change(after, before) -> torch.Tensor:
     return torch.cat([(a.detach().float() - b.float()).flatten() for a, b in zip(after, before)])
 
 
+@pytest.mark.long
 def test_a_bf16_grpo_run_at_lr_1e6_moves_the_weights_as_the_float32_run_does(shipped):
     """Five updates on one batch: the bf16 run's (master) weights change in the same elements as the float32 run's
     (>= 99.9% agree), by an update within 25% of the float32 one (bf16 forwards round the gradients: cosine >= 0.95);

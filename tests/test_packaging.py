@@ -59,3 +59,28 @@ def test_the_command_line_parser_builds_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "sample-responses" in out.stdout and "warm-start" in out.stdout and "setup" in out.stdout
+
+
+def test_the_test_command_runs_a_worker_per_core_long_tests_first_and_keeps_a_users_own_workers(monkeypatch):
+    import importlib.util
+    from types import SimpleNamespace
+
+    from conftest import long_first
+    from tltlib.cli import commands
+    tiers = ["-m", commands.TEST_MARKERS]
+    assert commands.pytest_args(["-q"], 2) == [*tiers, "-n", "2", "--maxschedchunk", "1", "-q"]
+    assert commands.pytest_args(["-q"], 1) == [*tiers, "-q"]                    # one core: no workers
+    for own in (["-n", "0"], ["-n0"], ["--numprocesses=3"], ["-p", "no:xdist"], ["--dist", "loadfile", "-n", "2"]):
+        assert commands.pytest_args(own, 4) == [*tiers, *own]
+    assert commands.pytest_args([], 2, "vllm")[:2] == ["-m", "vllm"]
+    monkeypatch.setattr(commands.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert commands.test_workers() == 2
+    monkeypatch.setattr(commands.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert commands.test_workers() == commands.TEST_WORKERS_MAX
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "xdist" else real(name, *a))
+    assert commands.test_workers() == 1                                         # without pytest-xdist: one process
+    items = [SimpleNamespace(name=n, keywords={"long"} if n.startswith("L") else set())
+             for n in ("a", "L1", "b", "L2", "c")]
+    long_first(items)
+    assert [i.name for i in items] == ["L1", "L2", "a", "b", "c"]

@@ -175,8 +175,10 @@ def test_a_missing_file_names_the_command_that_writes_it(tmp_path):
 def test_a_failing_test_suite_is_not_quoted(tmp_path):
     green = {"machine": {"cpu": "X", "threads": 2, "torch": "t"}, "markers": "not gpu", "returncode": 0,
              "seconds": 60.0, "counts": {"passed": 3}, "summary": "3 passed"}
-    r = _results(tmp_path, **{"tests-x": green})
-    assert "| 3 | 0 | 0 | 1 min 0 s |" in report.all_renderers()["test_suite"](r)
+    r = _results(tmp_path, **{"tests-x": green, "tests-y": {**green, "workers": 2}})
+    table = report.all_renderers()["test_suite"](r)
+    assert "| one process | 3 | 0 | 0 | 1 min 0 s |" in table      # a file from before the workers: one process
+    assert "| 2 workers | 3 | 0 | 0 | 1 min 0 s |" in table
     r = _results(tmp_path / "red", **{"tests-x": {**green, "returncode": 1, "counts": {"passed": 2, "failed": 1}}})
     with pytest.raises(ReportError, match="records a failing suite"):
         report.all_renderers()["test_suite"](r)

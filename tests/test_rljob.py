@@ -195,6 +195,7 @@ def test_flags_replace_a_recipes_folders_before_they_are_checked(tmp_path):
         read_job(f, {"model": "no/such/model", "drafter": "data/tiny-reasoner-drafter"})
 
 
+@pytest.mark.long
 def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(tmp_path):
     straight = _cli("--params", str(SMOKE), "--output-dir", str(tmp_path / "a"))
     assert straight.returncode == 0, straight.stderr

@@ -58,6 +58,7 @@ def _hidden(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
 
 
+@pytest.mark.long
 def test_failed_run_keeps_the_previous_outputs_and_the_partial_notebook(tmp_path):
     figures = tmp_path / "figures"
     (done,) = _run(tmp_path, LABEL=1, FIGURES_DIR=figures)
@@ -83,6 +84,7 @@ def test_failed_run_keeps_the_previous_outputs_and_the_partial_notebook(tmp_path
     assert json.loads((figures / "01_demo.json").read_text())["metrics"] == {"label": 3}
 
 
+@pytest.mark.long
 def test_sigterm_leaves_no_temporary_folder_and_keeps_the_partial_notebook(tmp_path):
     nbs = _suite(tmp_path / "nbs")
     env = {**os.environ, "TLTLIB_NO_VENV": "1"}
@@ -114,6 +116,7 @@ def test_library_errors_are_one_line_and_debug_shows_the_traceback(tmp_path):
     assert out.returncode == 1 and "Traceback" in out.stderr
 
 
+@pytest.mark.long
 def test_the_main_job_prints_one_line_per_notebook_and_logs_the_rest(tmp_path):
     """``run``: a header naming the log, one line per notebook (its time, its output folder, its headline), a
     footer; what the cells and the kernel print goes to runs/<params>/run.log, nothing to stderr."""

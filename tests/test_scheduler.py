@@ -194,6 +194,7 @@ def _torchrun(args, workers=2, max_restarts=0, env=None, timeout=240):
 
 
 @pytest.mark.parametrize("pairs", ["own", "all"])
+@pytest.mark.long
 def test_two_workers_end_each_step_with_identical_weights(tmp_path, pairs):
     # drafter_steps 0: with the spot trainer on 2 workers the idle windows are the whole budget
     params = _params(tmp_path, scheduler={"train_on": pairs}, tlt={"speculative": "chain-4", "drafter_steps": 0,
@@ -216,6 +217,7 @@ def test_two_workers_end_each_step_with_identical_weights(tmp_path, pairs):
         assert r0["buffer_sequences"] == r1["buffer_sequences"] == 16
 
 
+@pytest.mark.long
 def test_killed_rank_restarts_and_resumes_exactly(tmp_path):
     """A rank SIGKILLed in step 3 (after the step-2 checkpoint): torchrun restarts the group, the job resumes from
     the checkpoint and ends with the same weights as an uninterrupted run (the rollout does not use the drafter,
@@ -237,6 +239,7 @@ def test_killed_rank_restarts_and_resumes_exactly(tmp_path):
     ({"DIST_HANG_STEP": "2"}, "reached the all-gather of rewards and statistics"),     # hung in its reward function
     ({"DIST_HANG_ROLLOUT_STEP": "2"}, "finished their rollout"),                       # named by the idle rank
 ])
+@pytest.mark.long
 def test_hung_rank_is_named_within_the_timeout(tmp_path, env, what):
     params = _params(tmp_path, scheduler={"hang_timeout_s": 3})
     proc, _ = _torchrun([WORKER, "job", params, tmp_path / "hang"], env=env)      # bounded by _torchrun's timeout
@@ -244,12 +247,14 @@ def test_hung_rank_is_named_within_the_timeout(tmp_path, env, what):
     assert f"rank(s) [1] have not {what} 3 s after this one" in proc.stderr + proc.stdout   # our wait named it
 
 
+@pytest.mark.long
 def test_mismatched_configs_across_ranks_are_refused(tmp_path):
     proc, _ = _torchrun([WORKER, "mismatch", ROOT / "params/train/smoke.yaml", tmp_path])
     assert proc.returncode != 0
     assert "rank(s) [1] were started with another configuration than rank 0" in proc.stderr + proc.stdout
 
 
+@pytest.mark.long
 def test_a_world_that_does_not_divide_the_groups_is_refused(tmp_path):
     proc, _ = _torchrun(["-m", "tltlib", "train-grpo", "--params", ROOT / "params/train/smoke.yaml",
                          "--output-dir", tmp_path / "out", "--quiet"], workers=3)

@@ -242,6 +242,7 @@ def test_sd_chi_square_detects_a_missing_residual(monkeypatch):
     assert _sd_joint_pvalue(SpecStrategy("chain", 2), 1.0, 0, 1.0) < 1e-6
 
 
+@pytest.mark.long
 def test_sd_block_chi_square_detects_a_stop_probability_without_the_residuals_mass(monkeypatch):
     """The controls for block verification: judging each prefix by its weight alone (h_i = w_i, a subtle bias the
     exact enumeration of tests/test_block_verify.py also shows) and sampling p instead of the residual are both

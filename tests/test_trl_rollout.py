@@ -88,6 +88,7 @@ def test_two_trl_steps_return_tltlib_samples_with_exact_logprobs_and_train_the_d
     assert (saved / "drafter" / "drafter.safetensors").is_file() and (saved / "state.pt").is_file()
 
 
+@pytest.mark.long
 def test_resume_restores_the_drafter_from_trls_checkpoint_and_refuses_one_without_it(tmp_path):
     first = tlt_rollout_func(TINY, DRAFTER, tlt=TLTConfig(drafter_steps=2))
     trainer_with(first, tmp_path, max_steps=1).train()
@@ -261,6 +262,7 @@ def test_trl_outside_the_tested_range_is_refused_naming_both_versions():
         check_trl_version("1.15.0")
 
 
+@pytest.mark.long
 def test_the_example_runs_as_two_processes_with_the_spot_trainer(tmp_path):
     """examples/trl_grpo_tlt.py under accelerate's launcher with 2 processes (gloo on a CPU): each samples its own
     groups, the process done first trains the drafter until the other's rollout ends (sched/harvested)."""

@@ -72,6 +72,7 @@ def _qwen2_case(tmp: Path):
     return target, d.eval(), tmp / "qwen2"
 
 
+@pytest.mark.long
 def test_exported_drafters_run_in_vllm_as_eagle_with_tltlibs_outputs_and_acceptance(tmp_path):
     reasoner, tok, shipped = load(ROOT / "data" / "tiny-reasoner", ROOT / "data" / "tiny-reasoner-drafter")
     from tltlib.tasks.chain import ChainTaskConfig, generate_problems

@@ -65,11 +65,40 @@ TEST_MARKERS = "not gpu and not slow and not browser and not timing"
 """The tiers ``python -m tltlib test`` runs (the README's test command; ``bench tests`` times the same)."""
 
 
+TEST_WORKERS_MAX = 4
+"""At most this many pytest-xdist workers for ``python -m tltlib test`` (each holds its own models and venv imports,
+~1-2 GiB; a GPU node's many cores would otherwise start dozens)."""
+
+
+def test_workers() -> int:
+    """How many pytest-xdist workers ``python -m tltlib test`` starts: one per core this process may run on, at most
+    :data:`TEST_WORKERS_MAX`; 1 (no workers) without pytest-xdist. Each test process runs one torch thread
+    (tests/conftest.py), so one process per core keeps every core busy: on a 2-core AMD EPYC the default tier took
+    20 min 20 s in one process, its cores 37% idle."""
+    import importlib.util
+    if importlib.util.find_spec("xdist") is None:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, TEST_WORKERS_MAX))
+
+
+def pytest_args(extra: list[str], workers: int | None = None, markers: str = TEST_MARKERS) -> list[str]:
+    """The arguments ``python -m tltlib test`` (and ``bench tests``) gives pytest: ``markers`` (the README's tiers),
+    ``workers`` xdist workers (default :func:`test_workers`) handed one test at a time (``--maxschedchunk 1``: the
+    long tests, which tests/conftest.py puts first, spread over the workers), then ``extra``; ``extra`` naming its own
+    workers (``-n``, ``--numprocesses``, ``-p no:xdist``) keeps them."""
+    workers = test_workers() if workers is None else workers
+    own = any(a in ("-n", "--numprocesses", "no:xdist") or a.startswith(("-n", "--numprocesses=", "--dist"))
+              for a in extra)
+    parallel = ["-n", str(workers), "--maxschedchunk", "1"] if workers > 1 and not own else []
+    return ["-m", markers, *parallel, *extra]
+
+
 def cmd_test(args) -> int:
     import pytest
     notebook_env()
     os.chdir(ROOT)
-    return pytest.main(["-m", TEST_MARKERS, *args.pytest_args])
+    return pytest.main(pytest_args(args.pytest_args))
 
 
 def cmd_train_reasoner(args) -> int:

@@ -42,9 +42,16 @@ def test_suite(r) -> str:
     for stem, d in test_suites(r):
         m, c = d["machine"], d["counts"]
         rows.append([f"{m['cpu']} ({m['threads']} threads), torch {m['torch']}", f"`-m {d['markers']!r}`",
-                     c.get("passed", 0), c.get("skipped", 0), c.get("failed", 0), minutes(d["seconds"]),
-                     r.link(stem, "slowest tests")])
-    return md_table(["machine", "tiers", "passed", "skipped", "failed", "wall time", ""], rows)
+                     suite_processes(d), c.get("passed", 0), c.get("skipped", 0), c.get("failed", 0),
+                     minutes(d["seconds"]), r.link(stem, "slowest tests")])
+    return md_table(["machine", "tiers", "processes", "passed", "skipped", "failed", "wall time", ""], rows)
+
+
+def suite_processes(d: dict) -> str:
+    """How a ``bench tests`` file's suite ran: in N pytest-xdist workers, or in one process (files written before
+    ``python -m tltlib test`` started workers have no ``workers``)."""
+    workers = d.get("workers", 1)
+    return f"{workers} workers" if workers > 1 else "one process"
 
 
 def busy_suite(r) -> str:

@@ -14,7 +14,7 @@ from .decoding import SMOLLM2_SD_RUNS, smollm2_decode_ratios
 from .format import md_table, minutes, pct, x, x_vs
 from .goals import _best_at
 from .rollout import SMOLLM2_ROLLOUT
-from .runs import test_suites
+from .runs import suite_processes, test_suites
 from .simulator import LATEST_VALIDATION, XEON_VALIDATE_RUNS
 
 RESULTS, MODELS, TRL_DOC, TRUST = "docs/results.md", "docs/real-models.md", "docs/trl.md", "docs/trust.md"
@@ -260,7 +260,7 @@ def readme_test_time(r) -> str:
         c = d["counts"]
         lines.append(f"{c.get('passed', 0)} tests passed ({c.get('skipped', 0)} skipped) in "
                      f"**{minutes(d['seconds'])}** on {d['machine']['cpu']} ({d['machine']['threads']} threads), "
-                     "set-up done "
+                     f"{suite_processes(d)}, set-up done "
                      f"([{stem}.md](bench/results/{stem}.md))")
     return "; ".join(lines) + ". CI sets up both venvs first (a few minutes)."
 
