@@ -151,6 +151,29 @@ def test_every_projection_kernel_computes_f_linear(rows, bias):
         linear_with("packed", x, w)
 
 
+def test_the_stream_kernel_on_two_threads_computes_f_linear_and_the_same_bits_as_on_one():
+    """Big enough to be split over the threads (more weights than STREAM_SERIAL; the tests' one thread never splits
+    it): 200 weight rows are 3 full blocks of 64 and a short one, 203 columns end in a scalar tail; 1-9 input rows
+    take every tile and a second pass. Whichever thread takes a block, its rows' sums are the same bits."""
+    module = ks.ragged_kernel()
+    if module is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(200, 203, generator=g), torch.randn(200, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        for rows in range(1, 10):
+            x = torch.randn(rows, 203, generator=g)
+            torch.set_num_threads(1)
+            one = module.stream_linear(x, w, b)
+            torch.set_num_threads(2)
+            two = [module.stream_linear(x, w, b) for _ in range(3)]
+            torch.testing.assert_close(two[0], torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-5)
+            assert all(torch.equal(t, one) for t in two), rows
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("queries,ragged", [(1, False), (1, True), (4, True)])
 def test_every_attention_kernel_computes_the_masked_softmax(queries, ragged):
     g = torch.Generator().manual_seed(queries)
