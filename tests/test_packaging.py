@@ -72,6 +72,8 @@ def test_the_test_command_runs_a_worker_per_core_long_tests_first_and_keeps_a_us
     assert commands.pytest_args(["-q"], 1) == [*tiers, "-q"]                    # one core: no workers
     for own in (["-n", "0"], ["-n0"], ["--numprocesses=3"], ["-p", "no:xdist"], ["--dist", "loadfile", "-n", "2"]):
         assert commands.pytest_args(own, 4) == [*tiers, *own]
+    assert commands.pytest_args(["--dist", "loadfile"], 2) == [*tiers, "-n", "2", "--maxschedchunk", "1", "--dist",
+                                                                "loadfile"]           # another schedule, our workers
     assert commands.pytest_args([], 2, "vllm")[:2] == ["-m", "vllm"]
     monkeypatch.setattr(commands.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert commands.test_workers() == 2
