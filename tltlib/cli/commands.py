@@ -88,7 +88,7 @@ def pytest_args(extra: list[str], workers: int | None = None, markers: str = TES
     long tests, which tests/conftest.py puts first, spread over the workers), then ``extra``; ``extra`` naming its own
     workers (``-n``, ``--numprocesses``, ``-p no:xdist``) keeps them."""
     workers = test_workers() if workers is None else workers
-    own = any(a in ("-n", "--numprocesses", "no:xdist") or a.startswith(("-n", "--numprocesses=")) for a in extra)
+    own = any(a == "no:xdist" or a.startswith(("-n", "--numprocesses")) for a in extra)
     parallel = ["-n", str(workers), "--maxschedchunk", "1"] if workers > 1 and not own else []
     return ["-m", markers, *parallel, *extra]
 

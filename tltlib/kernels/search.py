@@ -164,12 +164,11 @@ def linear_candidates(pool: list[torch.Tensor], packs: list, rows: int, generato
 
 
 def linear_names(band: int, packs: bool) -> list[str]:
-    """The projection candidates measured for a band of rows here (``packs``: packed copies can be made: oneDNN's,
-    and MKL's where this torch has it; ``stream`` up to :data:`tltlib.kernels.table.STREAM_MAX_BAND` where the CPU
-    kernels are built)."""
-    return ["linear", "mm", *(["mm-pad"] if band == 0 else []), *(["packed"] if packs else []),
-            *(["mkl-packed"] if packs and mkl_packing_available() else []),
-            *(["stream"] if band <= kt.STREAM_MAX_BAND and ragged_kernel() is not None else [])]
+    """The projection candidates measured for a band of rows here: what the band may pick
+    (:func:`tltlib.kernels.table.band_kernels`; ``packs``: packed copies can be made) that this process has (MKL's
+    packing where this torch has it, ``stream`` where the CPU kernels are built)."""
+    built = {"mkl-packed": mkl_packing_available, "stream": lambda: ragged_kernel() is not None}
+    return [k for k in kt.band_kernels(band, packs) if k not in built or built[k]()]
 
 
 # ------------------------------------------------------------------------------------------------ attention

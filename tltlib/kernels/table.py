@@ -71,6 +71,13 @@ ATTENTION_KERNELS = ("sdpa", "matmul", "ragged")
 STREAM_MAX_BAND = 3
 """Projections: the ``stream`` kernel is a candidate up to this band of rows (5-8: a one-row verify of a chain of up
 to 7 drafts); beyond, the GEMMs' reuse of each weight across rows wins."""
+
+
+def band_kernels(band: int, packed: bool) -> tuple[str, ...]:
+    """The projection kernels a band of rows may pick, in :data:`LINEAR_KERNELS`' order: ``mm-pad`` at one row only,
+    the :data:`PACKED` ones where packed copies can be made, ``stream`` up to :data:`STREAM_MAX_BAND`."""
+    return tuple(k for k in LINEAR_KERNELS if not (k == "mm-pad" and band) and (packed or k not in PACKED)
+                 and not (k == "stream" and band > STREAM_MAX_BAND))
 MAX_ROW_BAND = 9
 """Projections: the last band of rows (257-512); more rows use its choice."""
 MAX_ATTENTION_ROW_BAND = 7
@@ -190,8 +197,7 @@ class KernelTable:
             shape, b = key.split("/r")
             n, k = map(int, shape.split("x"))
             for packed in (False, True):
-                names = (set(LINEAR_KERNELS) - ({"mm-pad"} if int(b) else set()) - (set() if packed else set(PACKED))
-                         - ({"stream"} if int(b) > STREAM_MAX_BAND else set()))
+                names = set(band_kernels(int(b), packed))
                 self._decide(self._lin, (n, k, int(b), packed), key, t, names,
                              linear_start(band_size(int(b)), packed))
         for key, t in self.attention.items():
