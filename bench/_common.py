@@ -286,11 +286,14 @@ def weight_bytes(model) -> int:
 
 def read_bandwidth(repeats: int = 5) -> tuple[float, int]:
     """Bytes per second this CPU's memory is read at, and the buffer's bytes: the median of ``repeats`` sums over a
-    float32 buffer of 4x the last-level cache (at least 1 GiB)."""
+    float32 buffer of 4x the last-level cache (at least 1 GiB), on huge pages where the loader puts a model's
+    weights on them (:mod:`tltlib.kernels.huge_pages`: a sum reads ~1.1x faster from them on an AMD EPYC), so a
+    step's floor is set at the rate its weights can be read."""
     import torch
 
+    from tltlib.kernels import huge_pages
     from tltlib.machine import llc_bytes
-    buffer = torch.ones(max(1 << 30, 4 * llc_bytes()) // 4)
+    buffer = huge_pages.empty((max(1 << 30, 4 * llc_bytes()) // 4,), torch.float32).fill_(1.0)
     buffer.sum()
     times = []
     for _ in range(repeats):

@@ -20,13 +20,16 @@ K/V at the step's mean length, at the read bandwidth measured here (``_common.re
 measures its one-row floor) in every round beside the rollouts it is set against: on a shared VM the bandwidth moves
 with the neighbours' load (20-29 GB/s within a minute on an AMD EPYC), so a step over the floor is taken round by
 round, each step against its own round's floor, and the median of those ratios reported. A one-row step cannot beat
-it.
+it. Where the loader put the weights on huge pages (:mod:`tltlib.kernels.huge_pages`), the bandwidth is measured on
+huge pages too, and the native step is also timed on a copy of the model on the allocator's pages (**native step
+on 4 KiB pages**, in the same rounds): what the huge pages are worth.
 
     python -m tltlib bench decode_breakdown                         # SmolLM2-135M, 1 / 16 / 64 rows
     python -m tltlib bench decode_breakdown --model data/tiny-reasoner --task chain
 """
 from __future__ import annotations
 
+import copy
 import statistics
 import sys
 import time
@@ -139,7 +142,7 @@ def measure_rows(rows: int, args, tok, engines: dict, bandwidth=read_bandwidth) 
     steps = args.new_tokens - 1
     for engine in engines.values():                              # warm-up (and the compile, for compiled)
         engine.generate(prompts)
-    eager, parts, compiled, native, rates = [], [], [], [], []
+    eager, parts, compiled, native, small, rates = [], [], [], [], [], []
     for _ in range(args.repeats):                                  # interleaved rounds
         wall_n, spent_n = _timed_rollout(engines["eager"], prompts, Timers())
         wall_1, spent_1 = _timed_rollout(engines["eager-1"], prompts, Timers())
@@ -147,6 +150,9 @@ def measure_rows(rows: int, args, tok, engines: dict, bandwidth=read_bandwidth) 
         parts.append({k: (spent_n[k] - spent_1[k]) / steps for k in spent_n})
         native.append((_timed_rollout(engines["native"], prompts)[0]
                        - _timed_rollout(engines["native-1"], prompts)[0]) / steps)
+        if "native-small-pages" in engines:
+            small.append((_timed_rollout(engines["native-small-pages"], prompts)[0]
+                          - _timed_rollout(engines["native-small-pages-1"], prompts)[0]) / steps)
         rates.append(bandwidth()[0])
         if "compiled" in engines:
             wall_c = _timed_rollout(engines["compiled"], prompts)[0]
@@ -165,6 +171,9 @@ def measure_rows(rows: int, args, tok, engines: dict, bandwidth=read_bandwidth) 
            "eager_steps_ms": [s * 1e3 for s in eager], "native_step_ms": statistics.median(native) * 1e3,
            "native_steps_ms": [s * 1e3 for s in native], "native_over_floor": over(native),
            "native_speedup": step / statistics.median(native)}
+    if small:                                   # the same step, the weights on the allocator's 4 KiB pages
+        rec.update(small_pages_step_ms=statistics.median(small) * 1e3, small_pages_steps_ms=[s * 1e3 for s in small],
+                   huge_pages_speedup=statistics.median(a / b for a, b in zip(small, native)))
     if compiled:
         rec.update(compiled_step_ms=statistics.median(compiled) * 1e3, compiled_steps_ms=[s * 1e3 for s in compiled],
                    compiled_speedup=step / statistics.median(compiled))
@@ -173,6 +182,7 @@ def measure_rows(rows: int, args, tok, engines: dict, bandwidth=read_bandwidth) 
 
 def main() -> None:
     args = parse_args()
+    from tltlib.kernels import huge_pages
     from tltlib.model.sampling import SamplingConfig
     from tltlib.rollout.engine import RolloutConfig, RolloutEngine
     model, tok, _ = load_models(args)
@@ -181,6 +191,12 @@ def main() -> None:
     python, native = (lambda c: replace(c, native_layers=False)), (lambda c: replace(c, native_layers=True))
     engines = {"eager": RolloutEngine(model, python(config)), "eager-1": RolloutEngine(model, python(one)),
                "native": RolloutEngine(model, native(config)), "native-1": RolloutEngine(model, native(one))}
+    placed, weights = huge_pages.huge_bytes(list(model.parameters()))
+    if placed:                                  # a copy on the allocator's pages: what the huge pages are worth
+        plain = copy.deepcopy(model)                    # the allocator's memory (huge only under THP "always")
+        plain_huge = huge_pages.huge_bytes(list(plain.parameters()))[0]
+        engines.update({"native-small-pages": RolloutEngine(plain, native(config)),
+                        "native-small-pages-1": RolloutEngine(plain, native(one))})
     if args.compile:
         engines.update(compiled=RolloutEngine(model, replace(config, compile_layers=True)),
                        **{"compiled-1": RolloutEngine(model, replace(one, compile_layers=True))})
@@ -189,6 +205,8 @@ def main() -> None:
     bw = statistics.median(rates)
     header = ["rows", "Python layers' step ms", *(f"{p} ms (share)" for p in PARTS), "memory floor ms",
               "step / floor", "native step ms", "native / floor", "native speedup"]
+    if placed:
+        header += ["native step on 4 KiB pages ms", "huge pages' speedup"]
     if args.compile:
         header += ["compiled step ms", "compiled speedup"]
     rows = []
@@ -197,17 +215,24 @@ def main() -> None:
         row = [r["rows"], r["step_ms"], share(r["attention_ms"]), share(r["projections_ms"]),
                share(r["small_ops_ms"]), share(r["outside_ms"]), r["floor_ms"], f"{r['step_over_floor']:.2f}x",
                r["native_step_ms"], f"{r['native_over_floor']:.2f}x", f"{r['native_speedup']:.2f}x"]
+        if placed:
+            row += [r["small_pages_step_ms"], f"{r['huge_pages_speedup']:.2f}x"]
         if args.compile:
             row += [r["compiled_step_ms"], f"{r['compiled_speedup']:.2f}x"]
         rows.append(row)
     payload = {"bench": "decode_breakdown", "machine": machine_info("cpu"), "model": str(args.model),
                "settings": vars(args), "bandwidth_gb_s": bw, "bandwidth_range_gb_s": [min(rates), max(rates)],
+               "huge_pages": {"thp": huge_pages.thp_mode(), "on": huge_pages.enabled(), "weight_bytes": weights,
+                              "weight_bytes_on_huge_pages": placed,
+                              "copy_bytes_on_huge_pages": plain_huge if placed else None},
                "results": results}
+    where = (f"; the weights {placed / weights:.0%} on huge pages (the native step on a copy on 4 KiB pages beside "
+             f"it), the floor's buffer too" if placed else "; the weights and the floor's buffer on 4 KiB pages")
     write_results(result_name("decode_breakdown", "cpu", "float32", model_suffix(args.model)), payload,
                   f"Where a plain decode step goes, model {args.model}, {args.task} prompts, {args.new_tokens} new "
                   f"tokens per row, float32 on this CPU (median of {args.repeats} rollouts after a warm-up); memory "
                   f"floor at the read bandwidth measured in each round (median {bw:.1f} GB/s, {min(rates):.1f}-"
-                  f"{max(rates):.1f}), each step over its own round's floor\n\n" + markdown_table(header, rows),
+                  f"{max(rates):.1f}), each step over its own round's floor{where}\n\n" + markdown_table(header, rows),
                   args.out)
 
 

@@ -539,6 +539,33 @@ def test_decode_breakdown_adds_up_and_names_its_floor(tmp_path):
         tmp_path / "decode_breakdown-cpu-float32.md").read_text()
 
 
+def test_the_breakdown_sets_the_step_on_4_kib_pages_beside_the_step_on_huge_ones():
+    """Given a copy of the model on the allocator's pages (the bench makes one where the loader placed the weights
+    on huge pages), each round also times the native step on it: huge pages' speedup is the median of the rounds'
+    paired ratios, and without the copy there is no such column."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import decode_breakdown as bd
+    from tltlib.model.loading import load
+    from tltlib.model.sampling import SamplingConfig
+    from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+    loaded = load("data/tiny-reasoner", device="cpu")
+    config = RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=4), ignore_eos=True)
+    one = replace(config, sampling=replace(config.sampling, max_new_tokens=1))
+    python, native = (lambda c: replace(c, native_layers=False)), (lambda c: replace(c, native_layers=True))
+    engines = {"eager": python(config), "eager-1": python(one), "native": native(config), "native-1": native(one)}
+    engines = {k: RolloutEngine(loaded.model, c) for k, c in engines.items()}
+    args = SimpleNamespace(task="chain", new_tokens=4, repeats=3)
+    rec = bd.measure_rows(1, args, loaded.tokenizer, engines, bandwidth=lambda: (1e10, 1 << 30))
+    assert "huge_pages_speedup" not in rec
+    engines.update({"native-small-pages": engines["native"], "native-small-pages-1": engines["native-1"]})
+    rec = bd.measure_rows(1, args, loaded.tokenizer, engines, bandwidth=lambda: (1e10, 1 << 30))
+    small, huge = rec["small_pages_steps_ms"], rec["native_steps_ms"]
+    assert len(small) == len(huge) == 3 and rec["small_pages_step_ms"] == pytest.approx(statistics.median(small))
+    assert rec["huge_pages_speedup"] == pytest.approx(statistics.median(a / b for a, b in zip(small, huge)))
+
+
 def test_the_breakdown_times_every_projection_attention_and_layer_of_a_step():
     """One cached forward of the tiny reasoner under the breakdown's timers: each layer's four projections and the
     LM head charged as projections, each layer's attention and the layer itself counted once (a timer the model

@@ -174,6 +174,26 @@ def test_the_stream_kernel_on_two_threads_computes_f_linear_and_the_same_bits_as
         torch.set_num_threads(threads)
 
 
+def test_the_stream_kernel_gives_two_threads_shares_within_8_weight_rows():
+    """The split the kernel runs: one contiguous range per thread, together every row once, the shares within one
+    unit of 8 rows (SmolLM2's 576 rows split in whole 64-row blocks went 320:256); one thread below STREAM_SERIAL
+    weights."""
+    module = ks.ragged_kernel()
+    if module is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for n, k in [(576, 576), (960, 576), (3072, 576), (576, 1536), (200, 203), (49152, 576), (13, 4096)]:
+            shares = module.stream_shares(n, k).tolist()
+            assert shares[0][0] == 0 and shares[-1][1] == n and all(a[1] == b[0] for a, b in zip(shares, shares[1:]))
+            sizes = [end - first for first, end in shares]
+            assert len(sizes) == 2 and max(sizes) - min(sizes) <= 8, (n, k, sizes)
+        assert module.stream_shares(64, 64).tolist() == [[0, 64]]          # 4,096 weights: one thread
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("queries,ragged", [(1, False), (1, True), (4, True)])
 def test_every_attention_kernel_computes_the_masked_softmax(queries, ragged):
     g = torch.Generator().manual_seed(queries)

@@ -11,21 +11,28 @@ this kernel took 16.7 ms (25.5 GB/s), and the 49,152 x 576 LM head 3.4 ms agains
 table measures it beside the others for up to :data:`tltlib.kernels.table.STREAM_MAX_BAND`'s rows and picks it where
 it wins.
 
-How: each thread takes whole blocks of 64 consecutive weight rows (one stream through memory per thread); within a
-block, R weight rows at a time are multiplied by up to 4 input rows at a time, the R x M sums held in vector
-registers over K (each weight vector loaded once per 4 input rows, each input vector once per R weight rows), then
-reduced. Rows beyond 4 run in further passes over the block, which is still in cache.
+How: the weight rows go to the threads in units of 8 (the one-row tile's height), evenly: a thread's share is
+one contiguous range (one stream through memory per thread) within 8 rows of any other's. Whole blocks of 64 rows
+split SmolLM2's 576-row projections 5:4 and its 960-row q/k/v 8:7, and the thread with the shorter share waited
+for the other (a trace of a one-row rollout on an AMD EPYC, 2 threads: ~1.4 ms per token in all, of a ~23 ms
+step). Within its range a thread goes 64 rows at a time; within those, R weight rows at a time are multiplied by up
+to 4 input rows at a time, the R x M sums held in vector registers over K (each weight vector loaded once per 4
+input rows, each input vector once per R weight rows), then reduced. Rows beyond 4 run in further passes over the
+64 rows, still in cache.
 
 Departures: none (``F.linear``'s function, up to float rounding: another summation order).
 """
 from __future__ import annotations
 
-FUNCTIONS = ("stream_linear",)
+FUNCTIONS = ("stream_linear", "stream_shares")
 """The source's functions bound for Python."""
 
 SOURCE = r"""
 // ---- the stream projection kernel (tltlib/kernels/stream_linear_cpp.py)
-static const int64_t STREAM_BLOCK = 64;             // weight rows a thread takes at a time
+#include <algorithm>
+#include <mutex>
+static const int64_t STREAM_UNIT = 8;               // the threads' shares are whole units of this many weight rows
+static const int64_t STREAM_BLOCK = 64;             // weight rows a thread multiplies at a time, within its share
 static const int64_t STREAM_SERIAL = 1 << 15;       // below this many weights one thread runs the product
 
 // out[m][n] = x[m] . w[n] for M input rows and R weight rows n0 .. n0 + R - 1 (K floats each; a scalar tail when K is
@@ -61,6 +68,36 @@ static void stream_rows(const float* x, const float* w, float* out, int64_t n0, 
   for (; n < n1; ++n) stream_tile<M, 1>(x, w, out, n, K, N);
 }
 
+// Weight rows [0, N) of K columns handed to the threads: body(n0, n1) once per thread, on one contiguous range of
+// whole units (at::parallel_for splits its range evenly), on one thread below STREAM_SERIAL weights.
+template <typename F>
+static void stream_split(int64_t N, int64_t K, const F& body) {
+  const int64_t units = (N + STREAM_UNIT - 1) / STREAM_UNIT;
+  const int64_t grain = std::max<int64_t>(1, STREAM_SERIAL / std::max<int64_t>(STREAM_UNIT * K, 1));
+  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
+    body(u0 * STREAM_UNIT, std::min(N, u1 * STREAM_UNIT));
+  });
+}
+
+// The weight rows each thread takes for an [N, K] weight, [threads, 2] (first, end), in range order: the split the
+// kernel runs, for tests.
+torch::Tensor stream_shares(int64_t N, int64_t K) {
+  TORCH_CHECK(N >= 0 && K >= 0, "stream_shares: N and K at least 0");
+  std::vector<std::pair<int64_t, int64_t>> shares;
+  std::mutex lock;
+  stream_split(N, K, [&](int64_t n0, int64_t n1) {
+    std::lock_guard<std::mutex> hold(lock);
+    shares.emplace_back(n0, n1);
+  });
+  std::sort(shares.begin(), shares.end());
+  auto out = torch::empty({(int64_t)shares.size(), 2}, torch::kLong);
+  for (size_t i = 0; i < shares.size(); ++i) {
+    out[i][0] = shares[i].first;
+    out[i][1] = shares[i].second;
+  }
+  return out;
+}
+
 // x [rows, K], w [N, K], bias [N] or empty: contiguous float32 CPU tensors. Returns x w^T + bias, [rows, N].
 torch::Tensor stream_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "stream_linear: x [rows, K], w [N, K]");
@@ -74,10 +111,7 @@ torch::Tensor stream_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t blocks = (N + STREAM_BLOCK - 1) / STREAM_BLOCK;
-  const int64_t grain = std::max<int64_t>(1, STREAM_SERIAL / std::max<int64_t>(STREAM_BLOCK * K, 1));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    const int64_t n0 = b0 * STREAM_BLOCK, n1 = std::min(N, b1 * STREAM_BLOCK);
+  stream_split(N, K, [&](int64_t n0, int64_t n1) {
     for (int64_t s = n0; s < n1; s += STREAM_BLOCK) {    // a block at a time: its weights stay in cache over the rows
       const int64_t e = std::min(n1, s + STREAM_BLOCK);
       for (int64_t m = 0; m < rows; m += 4) {

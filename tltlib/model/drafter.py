@@ -34,6 +34,7 @@ from torch import nn
 from ..errors import BadInput, NotFound, Refused
 from ..fileio import atomic_folder, read_json, resolve
 from ..kernels.dispatch import linear
+from ..kernels.huge_pages import place_parameters
 from ..kv.dense import KVCache
 from ..kv.paged import KVConfig, make_cache
 from . import native
@@ -311,7 +312,9 @@ def load_drafter(path: str | os.PathLike, target: Transformer) -> Drafter:
             raise BadInput(f"{w_file}: {e}; re-save or retrain the drafter") from None
     drafter.source = str(path)
     w = target.embed.weight
-    return drafter.to(device=w.device, dtype=w.dtype).attach(target)
+    drafter = drafter.to(device=w.device, dtype=w.dtype)
+    place_parameters(drafter)                          # on a CPU, its big weights on huge pages (kernels.huge_pages)
+    return drafter.attach(target)
 
 
 # -------------------------------------------------------------------------------------------- vLLM export
@@ -368,4 +371,6 @@ def load_vllm_eagle(path: str | os.PathLike, target: Transformer) -> Drafter:
             state[f"layer.{name}"] = torch.cat([tensors[p.removeprefix("model.")] for p in parts], dim=0)
     drafter.load_state_dict(state, strict=True)
     w = target.embed.weight
-    return drafter.to(device=w.device, dtype=w.dtype).attach(target)
+    drafter = drafter.to(device=w.device, dtype=w.dtype)
+    place_parameters(drafter)                          # on a CPU, its big weights on huge pages (kernels.huge_pages)
+    return drafter.attach(target)

@@ -26,6 +26,7 @@ import torch
 
 from ..errors import BadInput, NotFound
 from ..fileio import atomic_folder, read_json
+from ..kernels.huge_pages import place_parameters
 from .decoder import ModelConfig, Transformer, rope_inv_freq
 
 IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -245,6 +246,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         model = Transformer(cfg, init_std=0.0)
     state = {ours: torch.cat([tensors[n] for n in theirs], dim=0) for ours, theirs in hf_name_map(cfg).items()}
     model.load_state_dict(state, assign=True, strict=True)
+    place_parameters(model)                            # on a CPU, its big weights on huge pages (kernels.huge_pages)
     model.inv_freq = rope_inv_freq(cfg).to(device)
     return model.eval()
 
