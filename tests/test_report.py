@@ -186,3 +186,19 @@ def test_a_failing_test_suite_is_not_quoted(tmp_path):
 
 def test_a_ratio_beside_its_goal_keeps_its_side():
     assert fmt.x_vs(1.0999, 1.1) == "1.0999x" and fmt.x_vs(1.2, 1.1) == "1.20x"
+
+
+def test_block_verification_counts_the_drafts_accepted_without_the_token_every_step_emits():
+    """Tokens per forward are 1 + the drafts kept: the drafts' ratio drops the 1 (2.6 vs 2.5 tokens: 1.6 / 1.5
+    drafts), and the goal's line gives both, each with its own verdict."""
+    from tltlib.lab.report.decoding import drafts_accepted_ratio
+    from tltlib.lab.report.goals import block_verification
+    row = {"depth": 4, "tokens_per_forward": {"token": 2.5, "block": 2.6}, "block_over_token": 2.6 / 2.5}
+    assert drafts_accepted_ratio(row) == pytest.approx(1.6 / 1.5)
+
+    class Results:
+        def json(self, stem):
+            return {"results": [row]}
+    shown, met = block_verification(Results())
+    assert "1.067x drafts accepted" in shown and "1.040x tokens" in shown
+    assert met == "drafts accepted yes; tokens no"

@@ -170,17 +170,27 @@ def sampling(stem: str) -> Callable:
 
 
 
+def drafts_accepted_ratio(v: dict) -> float:
+    """A ``bench block_verify`` row's block / token-wise ratio of the drafts kept per target forward: its tokens per
+    forward less the one token every step emits after the kept drafts (whichever rule)."""
+    tokens = v["tokens_per_forward"]
+    return (tokens["block"] - 1) / (tokens["token"] - 1)
+
+
 def block_verify(stem: str) -> Callable:
-    """Block vs token-wise verification on the same drafts (``bench block_verify``): tokens per target forward."""
+    """Block vs token-wise verification on the same drafts (``bench block_verify``): tokens per target forward, and
+    the drafts kept per forward (the tokens less the one every step emits after them)."""
     def render(r) -> str:
         d = r.json(stem)
         rows = [[f"chain-{v['depth']}", n(v["row_steps"]), f"{v['tokens_per_forward']['token']:.3f}",
                  f"{v['tokens_per_forward']['block']:.3f}", x(v["block_over_token"], 3),
+                 x(drafts_accepted_ratio(v), 3),
                  f"{v['measured_accept_len']['token']:.2f}", f"{v['measured_accept_len']['block']:.2f}"]
                 for v in d["results"]]
         s = d["settings"]
         return (md_table(["strategy", "row-steps", "token-wise tokens / forward", "block tokens / forward",
-                          "block / token-wise", "accept length measured, token-wise", "block"], rows)
+                          "block / token-wise", "drafts accepted: block / token-wise",
+                          "accept length measured, token-wise", "block"], rows)
                 + f"\n\n{s['prompts']} {s['task']} prompts x {s['num_generations']}, T={s['temperature']}, up to "
                 f"{s['max_new']} new tokens, {d['machine']['cpu']} ({r.link(stem, 'results')}).")
     return render
