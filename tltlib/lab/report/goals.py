@@ -10,8 +10,14 @@ from __future__ import annotations
 import statistics
 
 from .check import CHECK, TIME_GOAL_S, caught
-from .decoding import (SMOLLM2_BREAKDOWNS, SMOLLM2_DECODE, SMOLLM2_SD_RUNS, drafts_accepted_ratio, floor_bandwidth,
-                       smollm2_decode_ratios)
+from .decoding import (
+    SMOLLM2_BREAKDOWNS,
+    SMOLLM2_DECODE,
+    SMOLLM2_SD_RUNS,
+    drafts_accepted_ratio,
+    floor_bandwidth,
+    smollm2_decode_ratios,
+)
 from .format import md_table, minutes, pct, x, x_vs
 from .rollout import SMOLLM2_ROLLOUT
 from .simulator import LATEST_VALIDATION, XEON_VALIDATE_RUNS
