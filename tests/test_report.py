@@ -202,3 +202,23 @@ def test_block_verification_counts_the_drafts_accepted_without_the_token_every_s
     shown, met = block_verification(Results())
     assert "1.067x drafts accepted" in shown and "1.040x tokens" in shown
     assert met == "drafts accepted yes; tokens no"
+
+
+def test_a_breakdown_on_huge_pages_shows_the_step_on_4_kib_pages_and_where_the_weights_lay(tmp_path):
+    """A breakdown whose loader placed the weights on huge pages: a column with the native step on the 4 KiB-page
+    copy and huge pages' speedup, and the share of the weights on them in the caption; a result from before has
+    neither."""
+    row = {"rows": 1, "step_ms": 20.0, "attention_ms": 1.0, "projections_ms": 15.0, "small_ops_ms": 2.0,
+           "outside_ms": 2.0, "floor_ms": 16.0, "step_over_floor": 1.25, "native_step_ms": 19.0,
+           "native_over_floor": 1.19}
+    before = {"machine": {"cpu": "X", "threads": 2, "torch": "t", "isa": "avx2"}, "bandwidth_gb_s": 30.0,
+              "bandwidth_range_gb_s": [28.0, 33.0], "results": [row],
+              "settings": {"task": "words", "new_tokens": 64, "repeats": 5}}
+    after = {**before, "huge_pages": {"thp": "madvise", "on": True, "weight_bytes": 100,
+                                      "weight_bytes_on_huge_pages": 80, "copy_bytes_on_huge_pages": 0},
+             "results": [{**row, "small_pages_step_ms": 20.5, "huge_pages_speedup": 1.07}]}
+    render_one = report.decoding.decode_breakdown("decode_breakdown-x")
+    old = render_one(_results(tmp_path / "before", **{"decode_breakdown-x": before}))
+    assert "4 KiB" not in old and "huge pages" not in old
+    new = render_one(_results(tmp_path / "after", **{"decode_breakdown-x": after}))
+    assert "| 19.00 (1.19x) | 20.50 (1.07x) |" in new and "80% of the weights on huge pages" in new

@@ -203,20 +203,36 @@ def decode_breakdown(stem: str) -> Callable:
     def render(r) -> str:
         d = r.json(stem)
         share = lambda v, k: f"{v[k]:.2f} ({v[k] / v['step_ms']:.0%})"
+        small = any("small_pages_step_ms" in v for v in d["results"])
         rows = [[v["rows"], f"{v['step_ms']:.2f}", share(v, "attention_ms"), share(v, "projections_ms"),
                  share(v, "small_ops_ms"), share(v, "outside_ms"), f"{v['floor_ms']:.2f}", x(v["step_over_floor"]),
                  f"{v['native_step_ms']:.2f} ({x(v['native_over_floor'])})" if "native_step_ms" in v else "—",
+                 *([f"{v['small_pages_step_ms']:.2f} ({x(v['huge_pages_speedup'])})"] if small else []),
                  f"{v['compiled_step_ms']:.2f} ({x(v['compiled_speedup'])})" if "compiled_step_ms" in v else "—"]
                 for v in d["results"]]
         s, m = d["settings"], d["machine"]
         return (md_table(["rows", "Python layers: step ms", "attention", "projections", "small ops and dispatch",
                           "outside the layers", "memory floor ms", "step / floor",
-                          "native layers: step ms (/ floor)", "compiled layers: step ms (speedup)"], rows)
+                          "native layers: step ms (/ floor)",
+                          *(["native on 4 KiB pages: step ms (huge pages' speedup)"] if small else []),
+                          "compiled layers: step ms (speedup)"], rows)
                 + f"\n\n{s['task']} prompts, {s['new_tokens']} new tokens per row, median of {s['repeats']} "
-                f"interleaved rounds; memory floor at {floor_bandwidth(d)}; "
+                f"interleaved rounds; memory floor at {floor_bandwidth(d)}{huge_pages_note(d)}; "
                 f"the parts timed on the Python layers, the native step (`native_layers=True`: every layer in one "
                 f"C++ call) in the same rounds; {described(m)} ({r.link(stem, 'results')}).")
     return render
+
+
+def huge_pages_note(d: dict) -> str:
+    """Where a breakdown's weights lay (``kernels.huge_pages``): a clause for its caption; "" in a result from
+    before the loader placed them."""
+    h = d.get("huge_pages")
+    if not h:
+        return ""
+    if not h["weight_bytes_on_huge_pages"]:
+        return f"; the weights and the floor's buffer on 4 KiB pages (transparent huge pages: {h['thp']})"
+    return (f"; {h['weight_bytes_on_huge_pages'] / h['weight_bytes']:.0%} of the weights on huge pages, the "
+            f"floor's buffer too, the native step also on a copy on 4 KiB pages in the same rounds")
 
 
 def floor_bandwidth(d: dict, short: bool = False) -> str:
