@@ -69,8 +69,9 @@ def test_placed_keeps_the_values_in_a_storage_of_its_bytes_that_lives_as_long_as
     gc.collect()
     assert torch.equal(view[1], view[0])                      # the mapping is held by the storage, not by `t`
     view[1].add_(1.0)                                         # and writable
-    small = torch.randn(4, generator=g)
+    small, strided = torch.randn(4, generator=g), src.t()
     assert hp.placed(small, on=True) is small and hp.placed(src, on=False) is src
+    assert hp.placed(strided, on=True) is strided                 # a copy would change its strides
 
 
 @needs_advice

@@ -64,15 +64,20 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, on: bool | No
         return torch.empty(tuple(shape), dtype=dtype)
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     start = -torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE   # a multiple of 4 KiB
-    region.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    except OSError:                                    # advice refused (a kernel without THP for this mapping):
+        pass                                           # the same memory on 4 KiB pages
     # a storage of the tensor's bytes only (torch.save writes a whole storage), holding the mapping for its life
     return torch.frombuffer(region, dtype=dtype, count=numel, offset=start).view(tuple(shape))
 
 
 def placed(t: torch.Tensor, on: bool | None = None) -> torch.Tensor:
     """``t``'s values in a tensor from :func:`empty` (``t`` itself where that would be ``torch.empty``'s: a CUDA
-    tensor, one under 2 MiB, huge pages off or unavailable)."""
-    if t.device.type != "cpu" or t.numel() * t.element_size() < HUGE_PAGE or not (enabled() if on is None else on):
+    tensor, one under 2 MiB, huge pages off or unavailable; and a non-contiguous one, whose strides a copy would
+    change)."""
+    if (t.device.type != "cpu" or not t.is_contiguous() or t.numel() * t.element_size() < HUGE_PAGE
+            or not (enabled() if on is None else on)):
         return t
     return empty(t.shape, t.dtype, on=True).copy_(t)
 
@@ -127,7 +132,7 @@ def place_parameters(module: torch.nn.Module, on: bool | None = None) -> int:
     """Every CPU parameter of ``module`` of 2 MiB or more moved onto huge pages (:func:`placed`; the parameter
     objects stay, their ``data`` is the copy), where ``on`` (default :func:`enabled`); returns the bytes moved. The
     loaders call it: the model's values are unchanged, only where they lie."""
-    moved = 0
+    moved, on = 0, enabled() if on is None else on
     for p in module.parameters():
         data = p.data                                  # a new tensor object on every access
         q = placed(data, on)
