@@ -20,6 +20,7 @@ tensors under 2 MiB) :func:`empty` is ``torch.empty``. The values are the same e
 from __future__ import annotations
 
 import bisect
+import math
 import mmap
 from pathlib import Path
 
@@ -56,10 +57,8 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, on: bool | No
     """An uninitialised contiguous CPU tensor of ``shape`` and ``dtype``, on huge pages where ``on`` (default:
     :func:`enabled`) and it takes at least :data:`HUGE_PAGE` bytes; else ``torch.empty``'s. Its memory is freed
     with the last tensor that views it."""
-    numel = 1
-    for n in shape:
-        numel *= int(n)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
     if nbytes < HUGE_PAGE or not (enabled() if on is None else on):
         return torch.empty(tuple(shape), dtype=dtype)
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -105,10 +104,12 @@ def mappings(smaps: Path = Path("/proc/self/smaps")) -> list[dict]:
     return sorted(found, key=lambda m: m["start"])
 
 
-def mapping(t: torch.Tensor, maps: list[dict] | None = None) -> dict | None:
-    """The mapping of :func:`mappings` (default: read now) holding ``t``'s first byte; None where none does."""
+def mapping(t: torch.Tensor, maps: list[dict] | None = None, starts: list[int] | None = None) -> dict | None:
+    """The mapping of :func:`mappings` (default: read now; ``starts``, their start addresses, where the caller
+    looks up many tensors) holding ``t``'s first byte; None where none does."""
     maps = mappings() if maps is None else maps
-    i = bisect.bisect_right([m["start"] for m in maps], t.data_ptr()) - 1
+    starts = [m["start"] for m in maps] if starts is None else starts
+    i = bisect.bisect_right(starts, t.data_ptr()) - 1
     return maps[i] if i >= 0 and t.data_ptr() < maps[i]["end"] else None
 
 
@@ -117,12 +118,13 @@ def huge_bytes(tensors) -> tuple[int, int]:
     their bytes in all: what the benches report beside a step on huge-page weights. ``(0, total)`` where smaps
     cannot be read."""
     maps = mappings()
+    starts = [m["start"] for m in maps]
     mine: dict[int, list[int]] = {}
     total = 0
     for t in tensors:
         size = t.numel() * t.element_size()
         total += size
-        m = mapping(t, maps)
+        m = mapping(t, maps, starts)
         if m is not None:
             mine.setdefault(m["start"], [m["huge_bytes"], 0])[1] += size
     return sum(min(h, size) for h, size in mine.values()), total

@@ -71,13 +71,6 @@ ATTENTION_KERNELS = ("sdpa", "matmul", "ragged")
 STREAM_MAX_BAND = 3
 """Projections: the ``stream`` kernel is a candidate up to this band of rows (5-8: a one-row verify of a chain of up
 to 7 drafts); beyond, the GEMMs' reuse of each weight across rows wins."""
-
-
-def band_kernels(band: int, packed: bool) -> tuple[str, ...]:
-    """The projection kernels a band of rows may pick, in :data:`LINEAR_KERNELS`' order: ``mm-pad`` at one row only,
-    the :data:`PACKED` ones where packed copies can be made, ``stream`` up to :data:`STREAM_MAX_BAND`."""
-    return tuple(k for k in LINEAR_KERNELS if not (k == "mm-pad" and band) and (packed or k not in PACKED)
-                 and not (k == "stream" and band > STREAM_MAX_BAND))
 MAX_ROW_BAND = 9
 """Projections: the last band of rows (257-512); more rows use its choice."""
 MAX_ATTENTION_ROW_BAND = 7
@@ -107,6 +100,13 @@ CPU_RAGGED_UNIFORM_MAX_ROWS = 32
 """One query per row: the ragged C++ kernel whenever the rows differ in length, and up to this many rows of one
 length (tiny reasoner at 1 / 8 / 32 / 64 / 128 rows of 300 positions 1.03 / 1.04 / 0.99 / 0.95 / 0.92x the matmuls;
 spread over 150-450: 1.05 / 1.17 / 1.13 / 1.12 / 1.12x)."""
+
+
+def band_kernels(band: int, packed: bool) -> tuple[str, ...]:
+    """The projection kernels a band of rows may pick, in :data:`LINEAR_KERNELS`' order: ``mm-pad`` at one row only,
+    the :data:`PACKED` ones where packed copies can be made, ``stream`` up to :data:`STREAM_MAX_BAND`."""
+    return tuple(k for k in LINEAR_KERNELS if not (k == "mm-pad" and band) and (packed or k not in PACKED)
+                 and not (k == "stream" and band > STREAM_MAX_BAND))
 
 
 def band(n: int, last: int = MAX_ROW_BAND) -> int:

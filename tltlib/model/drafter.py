@@ -282,6 +282,15 @@ def is_drafter_folder(path: str | os.PathLike) -> bool:
     return (Path(path) / CONFIG_FILE).is_file()
 
 
+def _onto(drafter: Drafter, target: Transformer) -> Drafter:
+    """A loaded drafter on ``target``'s device and dtype, its big CPU weights on huge pages (kernels.huge_pages),
+    attached to ``target``."""
+    w = target.embed.weight
+    drafter = drafter.to(device=w.device, dtype=w.dtype)
+    place_parameters(drafter)
+    return drafter.attach(target)
+
+
 def load_drafter(path: str | os.PathLike, target: Transformer) -> Drafter:
     """Load a drafter saved by :func:`save_drafter` and attach it to ``target`` (its device and dtype); a relative
     ``path`` that does not exist as given is read under the project root (as :func:`tltlib.model.load` does).
@@ -311,10 +320,7 @@ def load_drafter(path: str | os.PathLike, target: Transformer) -> Drafter:
         except ValueError as e:
             raise BadInput(f"{w_file}: {e}; re-save or retrain the drafter") from None
     drafter.source = str(path)
-    w = target.embed.weight
-    drafter = drafter.to(device=w.device, dtype=w.dtype)
-    place_parameters(drafter)                          # on a CPU, its big weights on huge pages (kernels.huge_pages)
-    return drafter.attach(target)
+    return _onto(drafter, target)
 
 
 # -------------------------------------------------------------------------------------------- vLLM export
@@ -370,7 +376,4 @@ def load_vllm_eagle(path: str | os.PathLike, target: Transformer) -> Drafter:
         if not name.startswith("input_norm"):
             state[f"layer.{name}"] = torch.cat([tensors[p.removeprefix("model.")] for p in parts], dim=0)
     drafter.load_state_dict(state, strict=True)
-    w = target.embed.weight
-    drafter = drafter.to(device=w.device, dtype=w.dtype)
-    place_parameters(drafter)                          # on a CPU, its big weights on huge pages (kernels.huge_pages)
-    return drafter.attach(target)
+    return _onto(drafter, target)
