@@ -21,7 +21,7 @@ bench records the refusal.
 row: the CPU's paged C++ kernels reading the pages in place against gathering the rows' pages and the dense path
 (:func:`tltlib.kernels.dispatch.cached_attention`), pages scattered as a long rollout leaves them; it is the measurement
 behind
-``PagedKVCache``'s kernel choice (``paged_cache.MASKED_KERNEL_MAX_NEW``) on this CPU.
+``PagedKVCache``'s kernel choice (``tltlib.kv.paged_attention.MASKED_KERNEL_MAX_NEW``) on this CPU.
 """
 from __future__ import annotations
 

@@ -114,7 +114,7 @@ class CudaEmulation:
 
         monkeypatch.setattr(PagedKVCache, "__init__", mirrored_init)
         monkeypatch.setattr(PagedKVCache, "_sync_table", counted_sync)
-        monkeypatch.setattr(PagedKVCache, "_kernel", staticmethod(lambda q, where: "default"))
+        monkeypatch.setattr(paged_module, "choose_kernel", lambda q, where: "default")
         monkeypatch.setattr(paged_module, "cached_attention", gathered_sdpa)
 
     def mismatches(self) -> int:

@@ -314,6 +314,23 @@ def test_casting_keeps_the_rotary_frequencies_float32():
         assert m.fc.weight.dtype == torch.bfloat16 if isinstance(m, Drafter) else m.embed.weight.dtype == torch.bfloat16
 
 
+def test_a_cached_forwards_rotary_table_holds_rope_cos_sin_exactly():
+    """The CPU's cached forwards read cos and sin from a table: the values rope_cos_sin computes, at positions past
+    the table's first end (it grows) and after a cast (a new table in the weights' dtype)."""
+    from tltlib.model.decoder import rope_cos_sin
+    m = Transformer(preset("tiny-cpu"))
+    for dtype, top in ((torch.float32, 9), (torch.float32, 700), (torch.bfloat16, 700), (torch.float32, 3000)):
+        m = m.to(dtype)
+        pos = torch.randint(0, top, (3, 5), generator=torch.Generator().manual_seed(top))
+        got = m._rope_cached(pos, top)
+        want = rope_cos_sin(m.inv_freq, pos, dtype)
+        assert all(g.dtype == dtype and g.shape == (3, 5, 1, 32) and torch.equal(g, w) for g, w in zip(got, want))
+        assert m._rope_table[2].shape[0] >= top
+    tokens, cache = torch.tensor([[5, 6, 7], [8, 9, 10]]), m.new_cache(2, 64)
+    with torch.no_grad():                                  # a cached forward reads it: the training forward's logits
+        torch.testing.assert_close(m.forward_cached(tokens, cache)[0], m(tokens), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("t", [1, 5])
 def test_gqa_sdpa_equals_repeated_kv_attention(t):
     from tltlib.kernels.dispatch import gqa_sdpa

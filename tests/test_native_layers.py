@@ -13,7 +13,8 @@ from tltlib.errors import BadInput, Refused
 from tltlib.kernels import dispatch
 from tltlib.kernels import table as kernel_table
 from tltlib.kernels.ragged_attention import kernel
-from tltlib.kv.paged import MASKED_KERNEL_MAX_NEW, KVConfig
+from tltlib.kv.paged import KVConfig
+from tltlib.kv.paged_attention import MASKED_KERNEL_MAX_NEW
 from tltlib.model import native
 from tltlib.model.decoder import ModelConfig, Transformer
 from tltlib.model.loading import load

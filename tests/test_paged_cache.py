@@ -158,3 +158,30 @@ def test_a_prompt_the_budget_can_never_hold_is_refused_before_the_rollout(target
         eng.generate([[1] * 9])
     out = eng.generate([[1] * 3])                                         # 3 + 4 + 1 tokens fit two pages of 4
     assert out.stats["rollout/kv_pool_bytes"] == 2 * per_page
+
+
+def test_a_cpu_forwards_write_slots_from_the_host_lists_equal_the_block_tables(monkeypatch):
+    """A few new entries' slots come from the host's page lists (one tensor, no small ops), more from the tensor ops
+    over the block table: the same slots through rows of unequal lengths, pages shared by copies (and copied on
+    write), an offset, several new tokens and a chunk's view; a wrong page or a missing head's offset fails."""
+    import tltlib.kv.paged as P
+    cache = _cache(pages=40, size=4, rows=4, max_len=48)
+    cache.rows = 2
+    w = cache.prepare(5)
+    cache.advance(torch.tensor([5, 3]))
+    cache.select_rows(torch.tensor([0, 1, 0, 1]))          # rows 2, 3 share rows 0's, 1's pages
+    steps = [(1, 0), (1, 2), (3, 0), (2, 1), (7, 0), (1, 0)]
+    for num_new, offset in steps:
+        cache.make_room(offset + num_new)
+        host = cache._host_slots(offset, num_new)
+        tensor = cache._slots(offset + torch.arange(num_new)[None, :])
+        assert host.shape == tensor.shape == (4, num_new, 2) and torch.equal(host, tensor), (num_new, offset)
+        w = cache.prepare(num_new, offset=offset)          # prepare takes the host's (4 x 7 <= HOST_SLOTS_MAX)
+        monkeypatch.setattr(P, "HOST_SLOTS_MAX", 0)
+        assert torch.equal(cache.prepare(num_new, offset=offset).index, w.index)
+        monkeypatch.setattr(P, "HOST_SLOTS_MAX", 256)
+        cache.advance(torch.tensor([1, 0, 1, 1]) if num_new == 1 else 1)
+    sub = cache.view(1, 3)                                 # a view's rows start at its row0
+    sub.make_room(2)
+    assert torch.equal(sub._host_slots(0, 2), sub._slots(torch.arange(2)[None, :]))
+    assert torch.equal(sub._host_slots(0, 2), cache._slots(torch.arange(2)[None, :])[1:3])

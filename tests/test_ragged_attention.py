@@ -137,6 +137,7 @@ def test_one_token_forwards_use_the_kernel_and_give_the_matmul_paths_logits(monk
     would gather the pages first)."""
     from tltlib.kernels import table as kt
     from tltlib.kv import paged as paged_cache
+    from tltlib.kv import paged_attention as paged_kernels
     from tltlib.model.decoder import ModelConfig, Transformer
     assert ra.kernel() is not None
     torch.manual_seed(0)
@@ -146,6 +147,7 @@ def test_one_token_forwards_use_the_kernel_and_give_the_matmul_paths_logits(monk
     kv = paged_cache.KVConfig(kind=kind, memory=1 << 26, page_size=4)
     calls = []
     module, name = (kernels, "ragged_attention") if kind == "dense" else (paged_cache, "paged_rope_attention")
+    chooser = kernels if kind == "dense" else paged_kernels                # where the kernel is looked up
     real = getattr(module, name)
     new_tokens = 2 if kind == "dense" else 1                     # q [B, H, T, d] (dense), qkv [B, T, n] (paged)
     monkeypatch.setattr(module, name, lambda *a: calls.append(a[0].shape[new_tokens]) or real(*a))
@@ -154,7 +156,7 @@ def test_one_token_forwards_use_the_kernel_and_give_the_matmul_paths_logits(monk
     step = torch.randint(0, 61, (10, 1), generator=torch.Generator().manual_seed(2))
     out = {}
     for on in (True, False):
-        monkeypatch.setattr(module, "ragged_kernel", ra.kernel if on else lambda: None)
+        monkeypatch.setattr(chooser, "ragged_kernel", ra.kernel if on else lambda: None)
         cache = model.new_cache(10, 32, kv)
         with torch.no_grad(), kt.using(kt.Forced(attention="ragged")):
             model.forward_cached(prompt, cache, logits_at=lens - 1)
@@ -163,7 +165,7 @@ def test_one_token_forwards_use_the_kernel_and_give_the_matmul_paths_logits(monk
     assert calls == [1] * cfg.num_layers                          # the decode step's layers (the prefill: too long)
     torch.testing.assert_close(out[True], out[False], atol=1e-4, rtol=1e-5)
     calls.clear()
-    monkeypatch.setattr(module, "ragged_kernel", ra.kernel)
+    monkeypatch.setattr(chooser, "ragged_kernel", ra.kernel)
     cache = model.new_cache(40, 32, kv)
     with torch.no_grad(), kt.using(kt.Forced(attention="matmul")):
         model.forward_cached(torch.randint(0, 61, (40, 5)), cache, logits_at=torch.full((40,), 4))

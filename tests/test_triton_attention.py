@@ -30,6 +30,7 @@ from tltlib.kernels import triton_attention as ta
 from tltlib.kernels.dispatch import gqa_sdpa
 from tltlib.kv.dense import attention_mask
 from tltlib.kv.paged import PagedKVCache
+from tltlib.kv.paged_attention import choose_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_TRITON = "triton is not installed: .venv/bin/pip install triton==3.6.0 (the GPU machine's version) runs this tier"
@@ -53,15 +54,15 @@ def _force(monkeypatch, devices=("cuda", "cpu"), available=True):
 def test_the_cache_picks_the_kernel_only_where_it_can_run(monkeypatch):
     cache, where, q = _cache_write(new=3)
     _force(monkeypatch)
-    assert cache._kernel(q, where) == "triton"                       # the wiring, with the kernel made runnable
+    assert choose_kernel(q, where) == "triton"                       # the wiring, with the kernel made runnable
     _force(monkeypatch, available=False)                               # triton missing: the gathered path
-    assert cache._kernel(q, where) == "default"
+    assert choose_kernel(q, where) == "default"
     _force(monkeypatch, devices=("cuda",))                             # a CPU tensor on the default devices
-    assert cache._kernel(q, where) == "default"
+    assert choose_kernel(q, where) == "default"
     _force(monkeypatch)
-    assert cache._kernel(q.double(), where) == "default"               # a dtype it does not take
+    assert choose_kernel(q.double(), where) == "default"               # a dtype it does not take
     _, long_where, long_q = _cache_write(new=ta.MAX_NEW + 1)
-    assert cache._kernel(long_q, long_where) == "default"              # a prefill longer than MAX_NEW
+    assert choose_kernel(long_q, long_where) == "default"              # a prefill longer than MAX_NEW
 
 
 def test_the_switch_turns_the_kernel_off_without_importing_triton(monkeypatch):
@@ -70,7 +71,7 @@ def test_the_switch_turns_the_kernel_off_without_importing_triton(monkeypatch):
     monkeypatch.setattr(ta, "_state", {})
     cache, where, q = _cache_write(new=2)
     assert ta.unavailable_reason() == f"{ta.ENV}=0" and not ta.available()
-    assert cache._kernel(q, where) == "default" and "import" not in ta._state
+    assert choose_kernel(q, where) == "default" and "import" not in ta._state
 
 
 def test_a_missing_triton_is_reported_and_the_cache_gathers(monkeypatch):
@@ -80,7 +81,7 @@ def test_a_missing_triton_is_reported_and_the_cache_gathers(monkeypatch):
     monkeypatch.setattr(ta, "DEVICES", ("cuda", "cpu"))
     assert not ta.available() and "triton does not import" in ta.unavailable_reason()
     cache, where, q = _cache_write(new=1)
-    assert cache._kernel(q, where) == "default"
+    assert choose_kernel(q, where) == "default"
 
 
 def test_a_kernel_that_fails_to_build_falls_back_to_the_gathered_pages(monkeypatch):

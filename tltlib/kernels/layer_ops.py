@@ -1,6 +1,6 @@
 """A decoder layer's small ops in one pass each on a CPU: RMSNorm, the residual add fused with the RMSNorm after it,
-and SwiGLU's SiLU-and-multiply (C++ in :mod:`tltlib.kernels.layer_ops_cpp`, built with the CPU kernels of
-:mod:`tltlib.kernels.ragged_attention`).
+SwiGLU's SiLU-and-multiply, and greedy decoding's argmax with its log-probability (C++ in
+:mod:`tltlib.kernels.layer_ops_cpp`, built with the CPU kernels of :mod:`tltlib.kernels.ragged_attention`).
 
 Why: at decode sizes each of these is a few thousand floats, and PyTorch runs them as several dispatched ops that
 each wake torch's threads: ``F.rms_norm`` in float32 is five ops (pow, mean, add, rsqrt, mul) at ~100 us per call on
@@ -62,3 +62,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up`` of gate_up ``[..., 2M]`` (gate its first M, up its last M) -> ``[..., M]``. Call where
     :func:`usable` (gate_up)."""
     return _module().silu_mul(gate_up)
+
+
+def argmax_logprob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy decoding's pick of ``logits [B, V]``: ``(logits.argmax(-1), log_softmax(logits)`` at it) ``[B]`` each,
+    in two passes over each row instead of torch's two reductions (SmolLM2's 49,152 logits: ~40 us against ~110 us
+    per row, AMD EPYC). Tokens equal torch's (the first largest); log-probabilities equal up to float rounding (the
+    sum of exponentials in another order). A row holding a NaN or an infinity: torch's ops for the whole call. Call
+    where :func:`usable` (logits)."""
+    return _module().argmax_logprob(logits)

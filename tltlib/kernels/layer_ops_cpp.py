@@ -8,7 +8,10 @@ from __future__ import annotations
 
 SOURCE = r"""
 // ---- a decoder layer's small ops (tltlib/kernels/layer_ops.py)
+#include <atomic>
+#include <cstring>
 #include <initializer_list>
+#include <math.h>
 static const int64_t SERIAL_FLOATS = 1 << 16;       // below this many floats one thread runs the op
 
 static inline int64_t grain_rows(int64_t width) {
@@ -86,7 +89,56 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   });
   return out;
 }
+
+// Whether a float is neither infinite nor NaN, read from its bits (-ffast-math folds std::isfinite to true).
+static inline bool finite_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return (u & 0x7f800000u) != 0x7f800000u;
+}
+
+// Greedy decoding's pick of logits x [rows, V]: per row the first index of the largest logit and its log-probability
+// under softmax(x), -log(sum_j exp(x_j - max)) (log_softmax at the argmax: its x - max is exactly 0). Two passes over
+// a row (the max, then the sum of exponentials, vectorised by the C library's vector expf), one thread per row. A
+// row that holds a NaN or an infinity gives torch.argmax's and torch.log_softmax's answer for every row instead.
+std::tuple<torch::Tensor, torch::Tensor> argmax_logprob(torch::Tensor x) {
+  check_inputs({x});
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "argmax_logprob: logits [rows, V] with V > 0");
+  const int64_t B = x.size(0), V = x.size(1);
+  auto tok = torch::empty({B}, x.options().dtype(torch::kLong));
+  auto lp = torch::empty({B}, x.options());
+  const float* xp = x.data_ptr<float>();
+  int64_t* tp = tok.data_ptr<int64_t>();
+  float* lpp = lp.data_ptr<float>();
+  std::atomic<bool> odd{false};
+  at::parallel_for(0, B, grain_rows(V), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* row = xp + r * V;
+      float m[16];
+      for (int j = 0; j < 16; ++j) m[j] = row[0];
+      int64_t i = 0;
+      for (; i + 16 <= V; i += 16)
+        for (int j = 0; j < 16; ++j) m[j] = row[i + j] > m[j] ? row[i + j] : m[j];
+      float mx = m[0];
+      for (int j = 1; j < 16; ++j) mx = m[j] > mx ? m[j] : mx;
+      for (; i < V; ++i) mx = row[i] > mx ? row[i] : mx;
+      int64_t arg = 0;
+      while (arg + 1 < V && row[arg] != mx) ++arg;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t q = 0; q < V; ++q) s += expf(row[q] - mx);
+      if (!finite_bits(mx) || !finite_bits(s)) odd = true;
+      tp[r] = arg;
+      lpp[r] = -logf(s);
+    }
+  });
+  if (odd) {                                        // NaN or infinity: torch's own ops decide what it means
+    auto t = at::argmax(x, -1);
+    return std::make_tuple(t, at::log_softmax(x, -1).gather(-1, t.unsqueeze(-1)).squeeze(-1));
+  }
+  return std::make_tuple(tok, lp);
+}
 """
 
-FUNCTIONS = ("rms_norm", "add_rms_norm", "silu_mul")
+FUNCTIONS = ("rms_norm", "add_rms_norm", "silu_mul", "argmax_logprob")
 """The source's functions bound for Python."""

@@ -19,8 +19,9 @@ not for the longest it could grow to:
   :data:`tltlib.kernels.triton_attention.MAX_NEW` new tokens per row (verifies, drafter levels) by a Triton kernel
   (:func:`tltlib.kernels.triton_attention.paged_attention`: the pages read in place, each row up to its own length
   on the device, split over the positions for few rows; capture-safe, so it also runs inside CUDA graphs at a
-  fixed span); on a CPU, a decode step and a verify of up to :data:`MASKED_KERNEL_MAX_NEW` tokens by the C++
-  kernels (:func:`tltlib.kernels.ragged_attention.paged_ragged_attention`,
+  fixed span); on a CPU, a decode step and a verify of up to
+  :data:`tltlib.kv.paged_attention.MASKED_KERNEL_MAX_NEW` tokens by the C++ kernels
+  (:func:`tltlib.kernels.ragged_attention.paged_ragged_attention`,
   :func:`~tltlib.kernels.ragged_attention.paged_masked_attention`, no copy; a row's pages are kept in runs,
   :class:`tltlib.kv.pages.PagePool`, which they read as one stretch); everything else (prefills, longer trees, CUDA
   without triton or with ``TLTLIB_TRITON_ATTENTION=0``) over the rows' pages gathered into a ``[rows, kv_heads,
@@ -49,21 +50,18 @@ import torch
 from ..errors import BadInput, Refused
 from ..kernels import triton_attention
 from ..kernels.dispatch import cached_attention
-from ..kernels.ragged_attention import kernel as ragged_kernel
 from ..kernels.ragged_attention import paged_masked_attention, paged_ragged_attention, paged_rope_attention
 from ..machine import available_bytes
 from .dense import CacheWrite, KVCache, attention_mask, check_fixed_span
+from .paged_attention import choose_kernel, kernel_mask, table_slots
 from .pages import BlockTables, PagePool, check_page_size, kv_bytes_per_token, pages_for, pages_in_budget
 
 KINDS = ("paged", "dense")
 
-MASKED_KERNEL_MAX_NEW = 12
-"""Most new tokens per row the CPU's masked paged kernel takes; longer forwards (prefills, big trees) gather the
-pages and use BLAS. Between the crossover's sides measured on an AMD EPYC (2 threads, ``bench kv_cache
---attention``, bench/results/kv_attention-cpu-float32-amd-epyc-2t.md): the kernel 1.3-4.6x faster than gather +
-the dense path at 2-9 tokens over 2-128 rows, 0.84-1.15x at 17, 0.66-0.74x at 33. A fact about that CPU: another
-may cross elsewhere (rerun the bench there)."""
-
+HOST_SLOTS_MAX = 256
+"""Most new entries (rows x new tokens) a CPU forward's write slots are computed for on the host, from the block
+tables' lists (:meth:`PagedKVCache._host_slots`; ~10 us for one row against ~95 us for the tensor ops, AMD EPYC);
+more (prefills), or under a fixed span (a CUDA graph's padded rows): the tensor ops over the block table."""
 
 @dataclass(frozen=True)
 class KVConfig:
@@ -287,7 +285,9 @@ class PagedKVCache:
             self.make_room(offset + num_new)
         lengths = self.lengths[: self.rows]
         span = self.fixed_span if fixed else self.max_used + offset + num_new
-        index = self._slots(offset + torch.arange(num_new, device=lengths.device)[None, :])
+        host = not fixed and lengths.device.type == "cpu" and self.rows * num_new <= HOST_SLOTS_MAX
+        index = (self._host_slots(offset, num_new) if host     # (a fixed span's padded rows hold no pages)
+                 else self._slots(offset + torch.arange(num_new, device=lengths.device)[None, :]))
         write = attention_mask(index, lengths, span, num_new, tree_mask, offset, self.min_used, self.max_used, fixed)
         write.table = self.table[: self.rows, : pages_for(span, self.page_size)].contiguous()
         if not fixed and lengths.device.type == "cpu":
@@ -319,9 +319,9 @@ class PagedKVCache:
         """As :meth:`tltlib.kv.dense.KVCache.attend`. The paged kernels read the pages in place: on CUDA the Triton
         kernel for up to :data:`tltlib.kernels.triton_attention.MAX_NEW` new tokens per row (decode, verifies,
         drafter levels); on a CPU in float32 with the C++ kernel built, one new token per row (decode, chain
-        drafting), or up to :data:`MASKED_KERNEL_MAX_NEW` under the forward's mask (chain and tree verifies, drafter
-        tree levels); other forwards (prefills) attend over the rows' gathered pages by
-        :func:`tltlib.kernels.dispatch.cached_attention`."""
+        drafting), or up to :data:`tltlib.kv.paged_attention.MASKED_KERNEL_MAX_NEW` under the forward's mask (chain
+        and tree verifies, drafter tree levels), as :func:`tltlib.kv.paged_attention.choose_kernel` picks; other
+        forwards (prefills) attend over the rows' gathered pages by :func:`tltlib.kernels.dispatch.cached_attention`."""
         self._store(layer, where, k_new, v_new)
         kind = self._chosen(q, where)
         if kind == "triton":
@@ -335,7 +335,7 @@ class PagedKVCache:
             return paged_ragged_attention(q, self.k[layer], self.v[layer], where.table, where.limits)
         if kind == "masked":
             return paged_masked_attention(q, self.k[layer], self.v[layer], where.table, where.ends,
-                                          self._kernel_mask(where), where.mask_from)
+                                          kernel_mask(where), where.mask_from)
         k, v = self._gather(self.k[layer], where), self._gather(self.v[layer], where)
         return cached_attention(q, k, v, where.mask, where.mask_from, where.memo, where.limits)
 
@@ -365,45 +365,15 @@ class PagedKVCache:
         if kind == "ragged":
             return where.limits, None, 0
         if kind == "masked":
-            return where.ends, self._kernel_mask(where), where.mask_from
+            return where.ends, kernel_mask(where), where.mask_from
         return None
 
     def _chosen(self, q: torch.Tensor, where: CacheWrite) -> str:
         """The forward's attention kernel (:meth:`_kernel`), chosen on its first layer for its every layer."""
         kind = where.memo.get("paged")
         if kind is None:
-            kind = where.memo["paged"] = self._kernel(q, where)
+            kind = where.memo["paged"] = choose_kernel(q, where)
         return kind
-
-    @staticmethod
-    def _kernel_mask(where: CacheWrite) -> torch.Tensor:
-        """The forward's mask in the masked paged kernel's layout (``[rows, T, span]`` contiguous), made once."""
-        mask = where.memo.get("paged_mask")
-        if mask is None:
-            mask = where.memo["paged_mask"] = where.mask[:, 0].contiguous()
-        return mask
-
-    @staticmethod
-    def _kernel(q: torch.Tensor, where: CacheWrite) -> str:
-        """``triton`` on CUDA where the Triton kernel runs (triton imports, ``TLTLIB_TRITON_ATTENTION`` not ``0``)
-        and the forward fits it (bfloat16, float16 or float32, up to
-        :data:`tltlib.kernels.triton_attention.MAX_NEW` new tokens: :func:`tltlib.kernels.triton_attention.wanted`);
-        on a CPU ``ragged`` (one new token per row) or ``masked`` (2 .. :data:`MASKED_KERNEL_MAX_NEW` under a mask)
-        where the paged kernels can run (float32, the kernel built), whatever the kernel table says: its cells are
-        measured on dense views, and here every other kernel pays a gather of the rows' pages first (AMD EPYC, 2
-        threads, ``bench kv_cache --attention``: the paged kernel 3.0-5.0x faster than gather + the dense path for
-        one token at 2-128 rows, 1.3-4.6x for 2-9 tokens); else ``default``
-        (:func:`tltlib.kernels.dispatch.cached_attention` decides over the gathered pages)."""
-        if triton_attention.wanted(q, where.mask):
-            return "triton"
-        if q.dtype != torch.float32 or q.is_cuda or where.ends is None or ragged_kernel() is None:
-            return "default"
-        t = q.shape[2]
-        if t == 1 and where.limits is not None:
-            return "ragged"
-        if 1 < t <= MASKED_KERNEL_MAX_NEW and where.mask is not None:
-            return "masked"
-        return "default"
 
     # ------------------------------------------------------------------------------------------- bookkeeping
     def _refresh(self) -> None:
@@ -439,12 +409,17 @@ class PagedKVCache:
 
     def _slots(self, rel: torch.Tensor) -> torch.Tensor:
         """``[rows, m, kv_heads]`` flat storage index of entries ``lengths + rel`` (``rel [rows, m]`` or ``[1, m]``)
-        per head, through the block tables."""
-        size, kvh, slots = self.page_size, self.k.shape[1], self.k.shape[2] * self.page_size
-        pos = self.lengths[: self.rows, None] + rel
-        page = self.table[: self.rows].gather(1, torch.div(pos, size, rounding_mode="floor"))
-        base = page * size + pos % size
-        return base[:, :, None] + (torch.arange(kvh, device=rel.device) * slots)[None, None, :]
+        per head, through the block tables (:func:`tltlib.kv.paged_attention.table_slots`)."""
+        return table_slots(self.table[: self.rows], self.lengths[: self.rows], rel, self.page_size, self.k.shape[1],
+                           self.k.shape[2] * self.page_size)
+
+    def _host_slots(self, offset: int, num_new: int) -> torch.Tensor:
+        """:meth:`_slots` of entries ``lengths + offset + arange(num_new)`` from the host's block tables and lengths
+        (:meth:`tltlib.kv.pages.BlockTables.write_slots`: one tensor from a list instead of six small ops)."""
+        kvh = self.k.shape[1]
+        out = self.blocks.write_slots(range(self.row0, self.row0 + self.rows), offset, num_new, kvh,
+                                      self.k.shape[2] * self.page_size)
+        return torch.tensor(out, dtype=torch.long).view(self.rows, num_new, kvh)
 
     def gather_uncommitted(self, src: torch.Tensor) -> None:
         """As :meth:`tltlib.kv.dense.KVCache.gather_uncommitted` (entries found through the block tables)."""

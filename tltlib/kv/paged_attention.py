@@ -13,6 +13,10 @@ query heads over ``Hkv`` key/value heads (grouped-query attention when ``Hkv < H
 
 Paper: none (vLLM's PagedAttention, Kwon et al., SOSP 2023, reads keys and values through block tables).
 
+Also here, for :class:`tltlib.kv.paged.PagedKVCache`: which kernel a forward's attention over the pages runs
+(:func:`choose_kernel`, with the masked kernel's mask layout, :func:`kernel_mask`) and where its new entries go
+(:func:`table_slots`).
+
 Departures: none.
 """
 from __future__ import annotations
@@ -21,6 +25,57 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import BadInput
+from ..kernels import triton_attention
+from ..kernels.ragged_attention import kernel as ragged_kernel
+from .dense import CacheWrite
+
+MASKED_KERNEL_MAX_NEW = 12
+"""Most new tokens per row the CPU's masked paged kernel takes; longer forwards (prefills, big trees) gather the
+pages and use BLAS. Between the crossover's sides measured on an AMD EPYC (2 threads, ``bench kv_cache
+--attention``, bench/results/kv_attention-cpu-float32-amd-epyc-2t.md): the kernel 1.3-4.6x faster than gather +
+the dense path at 2-9 tokens over 2-128 rows, 0.84-1.15x at 17, 0.66-0.74x at 33. A fact about that CPU: another
+may cross elsewhere (rerun the bench there)."""
+
+
+def choose_kernel(q: torch.Tensor, where: CacheWrite) -> str:
+    """The kernel of a paged cache's forward (``q [B, heads, T, d]``, its :class:`~tltlib.kv.dense.CacheWrite`):
+    ``triton`` on CUDA where the Triton kernel runs (triton imports, ``TLTLIB_TRITON_ATTENTION`` not ``0``) and the
+    forward fits it (bfloat16, float16 or float32, up to :data:`tltlib.kernels.triton_attention.MAX_NEW` new tokens:
+    :func:`tltlib.kernels.triton_attention.wanted`); on a CPU ``ragged`` (one new token per row) or ``masked`` (2 ..
+    :data:`MASKED_KERNEL_MAX_NEW` under a mask) where the paged kernels can run (float32, the kernel built),
+    whatever the kernel table says: its cells are measured on dense views, and here every other kernel pays a gather
+    of the rows' pages first (AMD EPYC, 2 threads, ``bench kv_cache --attention``: the paged kernel 3.0-5.0x faster
+    than gather + the dense path for one token at 2-128 rows, 1.3-4.6x for 2-9 tokens); else ``default``
+    (:func:`tltlib.kernels.dispatch.cached_attention` decides over the gathered pages)."""
+    if triton_attention.wanted(q, where.mask):
+        return "triton"
+    if q.dtype != torch.float32 or q.is_cuda or where.ends is None or ragged_kernel() is None:
+        return "default"
+    t = q.shape[2]
+    if t == 1 and where.limits is not None:
+        return "ragged"
+    if 1 < t <= MASKED_KERNEL_MAX_NEW and where.mask is not None:
+        return "masked"
+    return "default"
+
+
+def kernel_mask(where: CacheWrite) -> torch.Tensor:
+    """The forward's mask in the masked paged kernel's layout (``[rows, T, span]`` contiguous), made once."""
+    mask = where.memo.get("paged_mask")
+    if mask is None:
+        mask = where.memo["paged_mask"] = where.mask[:, 0].contiguous()
+    return mask
+
+
+def table_slots(table: torch.Tensor, lengths: torch.Tensor, rel: torch.Tensor, page_size: int, kv_heads: int,
+                head_stride: int) -> torch.Tensor:
+    """``[rows, m, kv_heads]`` flat storage index of each row's entries ``lengths + rel`` (``rel [rows, m]`` or
+    ``[1, m]``), per KV head, through the block tables ``table [rows, width]`` (``lengths [rows]``): slot
+    ``page * page_size + position % page_size`` of head 0, plus ``head_stride`` per head."""
+    pos = lengths[:, None] + rel
+    page = table.gather(1, torch.div(pos, page_size, rounding_mode="floor"))
+    base = page * page_size + pos % page_size
+    return base[:, :, None] + (torch.arange(kv_heads, device=rel.device) * head_stride)[None, None, :]
 
 
 def slot_index(table: torch.Tensor, page_size: int, span: int) -> torch.Tensor:

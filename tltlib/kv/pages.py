@@ -174,6 +174,19 @@ class BlockTables:
         self.pages[row].extend(got)
         return True
 
+    def write_slots(self, rows: range, offset: int, num_new: int, kv_heads: int, head_stride: int) -> list[int]:
+        """The flat storage slots of entries ``lengths[r] + offset .. + num_new - 1`` of each row ``r`` in ``rows``
+        (pages held for them), per KV head: ``[len(rows) * num_new * kv_heads]``, row-major, slot ``page * page_size
+        + position % page_size`` of head 0 plus ``head_stride`` per head."""
+        size, heads = self.pool.page_size, range(0, kv_heads * head_stride, head_stride)
+        out = []
+        for r in rows:
+            held, start = self.pages[r], self.lengths[r] + offset
+            for pos in range(start, start + num_new):
+                base = held[pos // size] * size + pos % size
+                out.extend([base + h for h in heads])
+        return out
+
     def commit(self, row: int, length: int) -> None:
         """Row ``row`` now holds ``length`` committed tokens (within its reserved slots)."""
         if length > len(self.pages[row]) * self.pool.page_size:

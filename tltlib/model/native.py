@@ -16,7 +16,7 @@ Where: the target's and the drafter's decode and verify forwards of a rollout
 when everything the C++ loop does is what the Python path would do: a CPU, float32, no autograd recording, not
 compiling, the CPU kernels built, a paged cache whose forward runs the CPU's one-call attention
 (:meth:`tltlib.kv.paged.PagedKVCache.rope_kernel_args`: one new token per row, or up to
-:data:`tltlib.kv.paged.MASKED_KERNEL_MAX_NEW` under a mask: verifies, short prefills) and every layer alike.
+:data:`tltlib.kv.paged_attention.MASKED_KERNEL_MAX_NEW` under a mask: verifies, short prefills) and every layer alike.
 Elsewhere the Python layers run, as before. A plan holds the weights by reference: in-place updates (GRPO's optimizer
 steps) are read by the next forward; a packed copy made stale by one is refused as
 :func:`tltlib.kernels.dispatch.linear` refuses it; a parameter replaced by another tensor is noticed on the next

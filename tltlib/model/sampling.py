@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import BadInput
+from ..kernels import layer_ops
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,8 @@ def sample_from_logits(logits: torch.Tensor, cfg: SamplingConfig,
     Log-probabilities are under the distribution actually sampled from (after temperature, top-k, top-p); with
     ``temperature=0`` the token is the argmax and the log-probability is that of the unscaled softmax."""
     if cfg.greedy:
+        if logits.dim() == 2 and layer_ops.usable(logits):
+            return layer_ops.argmax_logprob(logits)          # the same, in one C++ call on a CPU
         tokens = logits.argmax(-1)
         return tokens, token_logprobs(logits, tokens, cfg)
     probs = probs_from_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)

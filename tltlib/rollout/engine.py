@@ -390,24 +390,30 @@ class Rollout:
         """Write what an iteration emitted (cut at the first EOS and at each row's budget), retire finished rows,
         stream the pairs, extend the timeline and report to the strategy source."""
         seq, alive = self.seq, self.alive
-        m = out.tokens.shape[1]
+        rows, m = out.tokens.shape
         j = self._j[:m]
-        valid = (j[None, :] < out.count[:, None]) & alive[:, None]
         keep = torch.minimum(out.count, self.budget[seq] - self.n_gen) * alive
         if not self.ignore_eos:
+            valid = (j[None, :] < out.count[:, None]) & alive[:, None]
             is_eos = torch.isin(out.tokens, self.eos) & valid
             first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, m)
             keep = torch.minimum(keep, first_eos)
             hit_eos = is_eos.any(1) & (first_eos <= keep)
         else:
             hit_eos = torch.zeros_like(alive)
-        write = j[None, :] < keep[:, None]
-        r_idx = seq[:, None].expand(-1, m)[write]
-        c_idx = (self.n_gen[:, None] + j[None, :])[write]
-        self.out_tokens[r_idx, c_idx] = out.tokens[write]
-        self.out_logp[r_idx, c_idx] = out.logprobs[write].float()
+        kept = int(keep.sum())
+        if m == 1 and kept == rows:                # a plain step that every row keeps: no masks to select by
+            r_idx, c_idx, tokens = seq, self.n_gen.clone(), out.tokens[:, 0]
+            logp, hidden = out.logprobs[:, 0], out.hidden[:, 0]
+        else:
+            write = j[None, :] < keep[:, None]
+            r_idx = seq[:, None].expand(-1, m)[write]
+            c_idx = (self.n_gen[:, None] + j[None, :])[write]
+            tokens, logp, hidden = out.tokens[write], out.logprobs[write], out.hidden[write]
+        self.out_tokens[r_idx, c_idx] = tokens
+        self.out_logp[r_idx, c_idx] = logp.float()
         if self.pairs is not None:                 # response token j's pair: (the hidden that produced it, it)
-            self.pairs.add(self._pair_owner[r_idx], c_idx, out.hidden[write], out.tokens[write])
+            self.pairs.add(self._pair_owner[r_idx], c_idx, hidden, tokens)
         self.n_gen += keep
         self.n_out[seq] = self.n_gen
         done = alive & (hit_eos | (self.n_gen >= self.budget[seq]))
@@ -420,10 +426,10 @@ class Rollout:
             self.finish_time[done_ids] = time.perf_counter() - self.t0
             alive &= ~done
             self.bar.update(n_done)
-        self.last = out.tokens.gather(1, (keep - 1).clamp_min(0)[:, None])[:, 0]
+        self.last = out.tokens[:, 0] if m == 1 else out.tokens.gather(1, (keep - 1).clamp_min(0)[:, None])[:, 0]
         t_now = time.perf_counter()
         if self.iteration > 0:
-            hist = self._extend_timeline(out, keep, n_alive_before, t_now)
+            hist = self._extend_timeline(out, keep, kept, n_alive_before, t_now)
             context = (float(((self.n_gen + self.plen_rows[seq]) * alive).sum()) / max(self.active - n_done, 1)
                        if getattr(self.source, "wants_context", False) else None)
             self.source.observe(self.strategy, n_alive_before, int((out.count * alive).sum()),  # alive: rows kept
@@ -433,15 +439,19 @@ class Rollout:
         self.t_prev = t_now
         self.active = n_alive_before - n_done
 
-    def _extend_timeline(self, out: Emitted, keep: torch.Tensor, active: int, t_now: float) -> np.ndarray:
-        """Append the iteration to the timeline; returns its histogram of rows by accepted drafts."""
+    def _extend_timeline(self, out: Emitted, keep: torch.Tensor, kept: int, active: int,
+                         t_now: float) -> np.ndarray:
+        """Append the iteration to the timeline (``kept``: the sum of ``keep``, the tokens written); returns its
+        histogram of rows by accepted drafts."""
         st = self.strategy
-        counted = out.accepted[keep > 0]
-        acc = int(counted.sum()) if st.enabled else 0
-        hist = (torch.bincount(counted, minlength=out.drafted + 1).cpu().numpy() if st.enabled
-                else np.zeros(1, dtype=np.int64))
+        if st.enabled:
+            counted = out.accepted[keep > 0]
+            acc = int(counted.sum())
+            hist = torch.bincount(counted, minlength=out.drafted + 1).cpu().numpy()
+        else:
+            acc, hist = 0, np.zeros(1, dtype=np.int64)
         for key, val in (("time", t_now - self.t0), ("iter_time", t_now - self.t_prev), ("active", active),
-                         ("rows", int(self.seq.numel())), ("strategy", st.name), ("tokens", int(keep.sum())),
+                         ("rows", int(self.seq.numel())), ("strategy", st.name), ("tokens", kept),
                          ("accepted", acc), ("drafted", out.drafted * active), ("draft_s", out.draft_s),
                          ("verify_s", out.verify_s), ("accept_hist", hist)):
             self.tl[key].append(val)
