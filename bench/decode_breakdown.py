@@ -17,9 +17,10 @@ step** is the same rollout's step with the C++ stack, untimed inside, in the sam
 The **memory floor** is what one step must read divided by this machine's bandwidth: every weight the step uses
 once (the layers, the final norm and the LM head; the embedding only where it is the head) plus each row's cached
 K/V at the step's mean length, at the read bandwidth measured here (``_common.read_bandwidth``, as ``bench kernels``
-measures its one-row floor) in every round beside the rollouts it is set against: on a shared VM the bandwidth moves
-with the neighbours' load (20-29 GB/s within a minute on an AMD EPYC), so a step over the floor is taken round by
-round, each step against its own round's floor, and the median of those ratios reported. A one-row step cannot beat
+measures its one-row floor) just before and just after the rollouts it is set against: on a shared VM the bandwidth
+moves with the neighbours' load (20-29 GB/s within a minute, 22.8-44.9 within one run on an AMD EPYC), so a step
+over the floor is taken round by round, each step against the mean of the floors at the two reads around it, and
+the median of those ratios reported. A one-row step cannot beat
 it. Where the loader put the weights on huge pages (:mod:`tltlib.kernels.huge_pages`), the bandwidth is measured on
 huge pages too, and the native step is also timed on a copy of the model on the allocator's pages (**native step
 on 4 KiB pages**, in the same rounds): what the huge pages are worth.
@@ -136,40 +137,44 @@ def measure_rows(rows: int, args, tok, engines: dict, bandwidth=read_bandwidth) 
     """One row count: the decode step's parts (the Python layers), its memory floor, the native step and, with
     compiled engines, the compiled step. A step is the difference of a rollout of ``--new-tokens`` and one of a
     single token (the prefill and its first token), divided by the steps between: the prefill's own attention and
-    projections drop out. ``bandwidth()`` (bytes per second first) is measured in every round: each round's steps are
-    set against that round's floor."""
+    projections drop out. ``bandwidth()`` (bytes per second first) is read before, between and after the engines
+    timed in a round: each engine's step is set against the mean of the floors at the two reads around it."""
     prompts = task_prompts(args.task, tok, rows, seed=rows)
     steps = args.new_tokens - 1
     for engine in engines.values():                              # warm-up (and the compile, for compiled)
         engine.generate(prompts)
-    eager, parts, compiled, native, small, rates = [], [], [], [], [], []
+    names = [n for n in names_all() if n in engines]
+    times = {n: [] for n in names}
+    parts, probes = [], []
     for _ in range(args.repeats):                                  # interleaved rounds
-        wall_n, spent_n = _timed_rollout(engines["eager"], prompts, Timers())
-        wall_1, spent_1 = _timed_rollout(engines["eager-1"], prompts, Timers())
-        eager.append((wall_n - wall_1) / steps)
-        parts.append({k: (spent_n[k] - spent_1[k]) / steps for k in spent_n})
-        native.append((_timed_rollout(engines["native"], prompts)[0]
-                       - _timed_rollout(engines["native-1"], prompts)[0]) / steps)
-        if "native-small-pages" in engines:
-            small.append((_timed_rollout(engines["native-small-pages"], prompts)[0]
-                          - _timed_rollout(engines["native-small-pages-1"], prompts)[0]) / steps)
-        rates.append(bandwidth()[0])
-        if "compiled" in engines:
-            wall_c = _timed_rollout(engines["compiled"], prompts)[0]
-            wall_c1 = _timed_rollout(engines["compiled-1"], prompts)[0]
-            compiled.append((wall_c - wall_c1) / steps)
+        probe = [bandwidth()[0]]
+        for name in names:
+            if name == "eager":
+                wall_n, spent_n = _timed_rollout(engines["eager"], prompts, Timers())
+                wall_1, spent_1 = _timed_rollout(engines["eager-1"], prompts, Timers())
+                parts.append({k: (spent_n[k] - spent_1[k]) / steps for k in spent_n})
+            else:
+                wall_n = _timed_rollout(engines[name], prompts)[0]
+                wall_1 = _timed_rollout(engines[f"{name}-1"], prompts)[0]
+            times[name].append((wall_n - wall_1) / steps)
+            probe.append(bandwidth()[0])
+        probes.append(probe)
+    eager, native, small, compiled = (times.get(n, []) for n in names_all())
     step = statistics.median(eager)
     part = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
     outside = max(step - part["attention"] - part["projections"] - part["layer"], 0.0)
     mean_len = statistics.mean(map(len, prompts)) + args.new_tokens / 2
-    floors = [step_bytes(engines["eager"].model, rows, mean_len) / rate for rate in rates]
-    over = lambda times: statistics.median(t / f for t, f in zip(times, floors))    # each against its round's
+    weight = step_bytes(engines["eager"].model, rows, mean_len)
+    floors = {n: [bracketed_floor(weight, p[i], p[i + 1]) for p in probes] for i, n in enumerate(names)}
+    over = lambda n: statistics.median(t / f for t, f in zip(times[n], floors[n]))    # each against its own floor
     rec = {"rows": rows, "step_ms": step * 1e3, "attention_ms": part["attention"] * 1e3,
            "projections_ms": part["projections"] * 1e3, "small_ops_ms": part["layer"] * 1e3,
-           "outside_ms": outside * 1e3, "floor_ms": statistics.median(floors) * 1e3, "step_over_floor": over(eager),
-           "floors_ms": [f * 1e3 for f in floors], "bandwidths_gb_s": [rate / 1e9 for rate in rates],
+           "outside_ms": outside * 1e3, "floor_ms": statistics.median(floors["native"]) * 1e3,
+           "step_over_floor": over("eager"), "floors_ms": [f * 1e3 for f in floors["native"]],
+           "eager_floors_ms": [f * 1e3 for f in floors["eager"]],
+           "probes_gb_s": [[rate / 1e9 for rate in p] for p in probes],
            "eager_steps_ms": [s * 1e3 for s in eager], "native_step_ms": statistics.median(native) * 1e3,
-           "native_steps_ms": [s * 1e3 for s in native], "native_over_floor": over(native),
+           "native_steps_ms": [s * 1e3 for s in native], "native_over_floor": over("native"),
            "native_speedup": step / statistics.median(native)}
     if small:                                   # the same step, the weights on the allocator's 4 KiB pages
         rec.update(small_pages_step_ms=statistics.median(small) * 1e3, small_pages_steps_ms=[s * 1e3 for s in small],
@@ -178,6 +183,19 @@ def measure_rows(rows: int, args, tok, engines: dict, bandwidth=read_bandwidth) 
         rec.update(compiled_step_ms=statistics.median(compiled) * 1e3, compiled_steps_ms=[s * 1e3 for s in compiled],
                    compiled_speedup=step / statistics.median(compiled))
     return rec
+
+
+def names_all() -> tuple[str, ...]:
+    """The engines a round may time, in their order: the Python layers, the native step, it on 4 KiB pages, the
+    compiled layers."""
+    return ("eager", "native", "native-small-pages", "compiled")
+
+
+def bracketed_floor(step_bytes: float, before: float, after: float) -> float:
+    """Seconds a step reading ``step_bytes`` takes at the read bandwidths (bytes per second) measured just before and
+    just after it: the mean of the two floors. On a shared VM the rate moves within seconds (22.8-44.9 GB/s in one
+    AMD EPYC run), so a floor read several engines away from the step it is set against misjudges it."""
+    return (step_bytes / before + step_bytes / after) / 2
 
 
 def main() -> None:
@@ -201,7 +219,7 @@ def main() -> None:
         engines.update(compiled=RolloutEngine(model, replace(config, compile_layers=True)),
                        **{"compiled-1": RolloutEngine(model, replace(one, compile_layers=True))})
     results = [measure_rows(r, args, tok, engines) for r in args.rows.items]
-    rates = [rate for r in results for rate in r["bandwidths_gb_s"]]
+    rates = [rate for r in results for probe in r["probes_gb_s"] for rate in probe]
     bw = statistics.median(rates)
     header = ["rows", "Python layers' step ms", *(f"{p} ms (share)" for p in PARTS), "memory floor ms",
               "step / floor", "native step ms", "native / floor", "native speedup"]
@@ -222,6 +240,7 @@ def main() -> None:
         rows.append(row)
     payload = {"bench": "decode_breakdown", "machine": machine_info("cpu"), "model": str(args.model),
                "settings": vars(args), "bandwidth_gb_s": bw, "bandwidth_range_gb_s": [min(rates), max(rates)],
+               "floor_bracketed": True,
                "huge_pages": {"thp": huge_pages.thp_mode(), "on": huge_pages.enabled(), "weight_bytes": weights,
                               "weight_bytes_on_huge_pages": placed,
                               "copy_bytes_on_huge_pages": plain_huge if placed else None},
@@ -231,8 +250,9 @@ def main() -> None:
     write_results(result_name("decode_breakdown", "cpu", "float32", model_suffix(args.model)), payload,
                   f"Where a plain decode step goes, model {args.model}, {args.task} prompts, {args.new_tokens} new "
                   f"tokens per row, float32 on this CPU (median of {args.repeats} rollouts after a warm-up); memory "
-                  f"floor at the read bandwidth measured in each round (median {bw:.1f} GB/s, {min(rates):.1f}-"
-                  f"{max(rates):.1f}), each step over its own round's floor{where}\n\n" + markdown_table(header, rows),
+                  f"floor at the read bandwidth measured just before and just after each step's rollouts (median "
+                  f"{bw:.1f} GB/s, {min(rates):.1f}-{max(rates):.1f}), each step over the mean of its two floors"
+                  f"{where}\n\n" + markdown_table(header, rows),
                   args.out)
 
 

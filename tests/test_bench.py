@@ -512,8 +512,8 @@ def test_kv_cache_attention_grid_checks_the_paged_kernels_against_the_gathered_p
 def test_decode_breakdown_adds_up_and_names_its_floor(tmp_path):
     """``bench decode_breakdown`` on the tiny reasoner: each part of a step is non-negative, the parts add up to the
     step (outside the layers is the rest), the memory floor is the weights plus the K/V read at the bandwidth
-    measured in each round, each step over its own round's floor; the native step (the C++ stack) beside the
-    Python layers' and with ``--compile`` the compiled step."""
+    measured around each step, each step over its own floor; the native step (the C++ stack) beside the Python
+    layers' and with ``--compile`` the compiled step."""
     out = bench(tmp_path, "decode_breakdown", "--model", "data/tiny-reasoner", "--task", "chain", "--rows", "1,3",
                 "--new-tokens", "16", "--repeats", "2", "--compile")
     assert out.returncode == 0, out.stderr
@@ -523,20 +523,21 @@ def test_decode_breakdown_adds_up_and_names_its_floor(tmp_path):
         parts = [r[k] for k in ("attention_ms", "projections_ms", "small_ops_ms", "outside_ms")]
         assert r["step_ms"] > 0 and r["projections_ms"] > 0 and r["outside_ms"] >= 0
         assert sum(parts) == pytest.approx(r["step_ms"], rel=1e-6) or r["outside_ms"] == 0   # the rest, if any
-        # each round's step over that round's floor (the bandwidth measured beside it), the median of those
+        # each step over its own floor (the bandwidth read around it), the median of those
         floors = r["floors_ms"]
-        assert len(floors) == len(r["bandwidths_gb_s"]) == len(r["native_steps_ms"]) == 2
-        assert r["floor_ms"] == pytest.approx(statistics.median(floors)) and min(r["bandwidths_gb_s"]) > 0
+        assert len(floors) == len(r["probes_gb_s"]) == len(r["native_steps_ms"]) == 2
+        assert all(len(p) == 4 and min(p) > 0 for p in r["probes_gb_s"])      # around eager, native, compiled
+        assert r["floor_ms"] == pytest.approx(statistics.median(floors))
         assert r["step_over_floor"] == pytest.approx(statistics.median(
-            s / f for s, f in zip(r["eager_steps_ms"], floors)))
+            s / f for s, f in zip(r["eager_steps_ms"], r["eager_floors_ms"])))
         assert r["native_over_floor"] == pytest.approx(statistics.median(
             s / f for s, f in zip(r["native_steps_ms"], floors)))
         assert r["compiled_speedup"] == pytest.approx(r["step_ms"] / r["compiled_step_ms"])
         assert r["native_step_ms"] > 0
     low, high = d["bandwidth_range_gb_s"]
     assert low <= d["bandwidth_gb_s"] <= high
-    assert "memory floor at the read bandwidth measured in each round" in (
-        tmp_path / "decode_breakdown-cpu-float32.md").read_text()
+    assert d["floor_bracketed"] and "memory floor at the read bandwidth measured just before and just after each " \
+        "step's rollouts" in (tmp_path / "decode_breakdown-cpu-float32.md").read_text()
 
 
 def test_the_breakdown_sets_the_step_on_4_kib_pages_beside_the_step_on_huge_ones():
@@ -564,6 +565,35 @@ def test_the_breakdown_sets_the_step_on_4_kib_pages_beside_the_step_on_huge_ones
     small, huge = rec["small_pages_steps_ms"], rec["native_steps_ms"]
     assert len(small) == len(huge) == 3 and rec["small_pages_step_ms"] == pytest.approx(statistics.median(small))
     assert rec["huge_pages_speedup"] == pytest.approx(statistics.median(a / b for a, b in zip(small, huge)))
+
+
+def test_each_step_is_set_against_the_bandwidth_read_just_before_and_just_after_it():
+    """Reads of 10, 20, 40, 80 GB/s around the Python layers', the native and the 4 KiB-pages steps of a round (then
+    the same again): the native step's floor is the mean of its floors at 20 and 40 GB/s, the Python layers' at 10
+    and 20; a floor from one read per round (80 GB/s, after all) would be a third of the native's."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import decode_breakdown as bd
+    from tltlib.model.loading import load
+    from tltlib.model.sampling import SamplingConfig
+    from tltlib.rollout.engine import RolloutConfig, RolloutEngine
+    loaded = load("data/tiny-reasoner", device="cpu")
+    config = RolloutConfig(SamplingConfig(temperature=0, max_new_tokens=4), ignore_eos=True)
+    one = replace(config, sampling=replace(config.sampling, max_new_tokens=1))
+    engines = {"eager": replace(config, native_layers=False), "eager-1": replace(one, native_layers=False),
+               "native": config, "native-1": one, "native-small-pages": config, "native-small-pages-1": one}
+    engines = {k: RolloutEngine(loaded.model, c) for k, c in engines.items()}
+    reads = iter([10e9, 20e9, 40e9, 80e9] * 2)
+    rec = bd.measure_rows(1, SimpleNamespace(task="chain", new_tokens=4, repeats=2), loaded.tokenizer, engines,
+                          bandwidth=lambda: (next(reads), 1 << 30))
+    assert rec["probes_gb_s"] == [[10.0, 20.0, 40.0, 80.0]] * 2
+    prompts = bd.task_prompts("chain", loaded.tokenizer, 1, seed=1)
+    size = bd.step_bytes(loaded.model, 1, statistics.mean(map(len, prompts)) + 2)
+    assert rec["floors_ms"] == pytest.approx([(size / 20e9 + size / 40e9) / 2 * 1e3] * 2)
+    assert rec["eager_floors_ms"] == pytest.approx([(size / 10e9 + size / 20e9) / 2 * 1e3] * 2)
+    assert rec["native_over_floor"] == pytest.approx(statistics.median(
+        s / f for s, f in zip(rec["native_steps_ms"], rec["floors_ms"])))
 
 
 def test_the_breakdown_times_every_projection_attention_and_layer_of_a_step():

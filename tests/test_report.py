@@ -222,3 +222,8 @@ def test_a_breakdown_on_huge_pages_shows_the_step_on_4_kib_pages_and_where_the_w
     assert "4 KiB" not in old and "huge pages" not in old
     new = render_one(_results(tmp_path / "after", **{"decode_breakdown-x": after}))
     assert "| 19.00 (1.19x) | 20.50 (1.07x) |" in new and "80% of the weights on huge pages" in new
+    assert "measured in each round (median 30.0 GB/s, 28.0-33.0), each step over its own round's floor" in new
+    bracketed = {**after, "floor_bracketed": True}                       # the bandwidth read around each step
+    bracketed = render_one(_results(tmp_path / "bracketed", **{"decode_breakdown-x": bracketed}))
+    assert ("measured just before and just after each step's rollouts (median 30.0 GB/s, 28.0-33.0), each step over "
+            "the mean of its two floors") in bracketed and "each round" not in bracketed

@@ -236,13 +236,19 @@ def huge_pages_note(d: dict) -> str:
 
 
 def floor_bandwidth(d: dict, short: bool = False) -> str:
-    """The read bandwidth a breakdown's floor is at: measured in each round (each step over its own round's floor) or,
-    in a result from before, once in the run. ``short``: without the range and how it was measured."""
+    """The read bandwidth a breakdown's floor is at: measured just before and after each step (each step over the mean
+    of its two floors), or in a result from before once per round or once in the run. ``short``: without the range
+    and how it was measured."""
     if "bandwidth_range_gb_s" not in d:
         return f"{d['bandwidth_gb_s']:.1f} GB/s" + ("" if short else " measured in the same run")
+    bracketed = d.get("floor_bracketed", False)       # read before and after each step (else once per round)
     if short:
-        return f"the bandwidth of each round (median {d['bandwidth_gb_s']:.1f} GB/s)"
+        return (f"the bandwidth read around each step (median {d['bandwidth_gb_s']:.1f} GB/s)" if bracketed else
+                f"the bandwidth of each round (median {d['bandwidth_gb_s']:.1f} GB/s)")
     low, high = d["bandwidth_range_gb_s"]
+    if bracketed:
+        return (f"the read bandwidth measured just before and just after each step's rollouts (median "
+                f"{d['bandwidth_gb_s']:.1f} GB/s, {low:.1f}-{high:.1f}), each step over the mean of its two floors")
     return (f"the read bandwidth measured in each round (median {d['bandwidth_gb_s']:.1f} GB/s, {low:.1f}-"
             f"{high:.1f}), each step over its own round's floor")
 
