@@ -15,6 +15,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -289,11 +290,30 @@ def read_bandwidth(repeats: int = 5) -> tuple[float, int]:
     float32 buffer of 4x the last-level cache (at least 1 GiB), on huge pages where the loader puts a model's
     weights on them (:mod:`tltlib.kernels.huge_pages`: a sum reads ~1.1x faster from them on an AMD EPYC), so a
     step's floor is set at the rate its weights can be read."""
+    return _read_rate(_bandwidth_buffer(), repeats)
+
+
+def bandwidth_reader(repeats: int = 5) -> Callable[[], tuple[float, int]]:
+    """:func:`read_bandwidth` as a callable that keeps its buffer from its first read on: for a bench that reads the
+    bandwidth around every step it times (one 1 GiB allocation, not one per read)."""
+    held = []
+
+    def read() -> tuple[float, int]:
+        if not held:
+            held.append(_bandwidth_buffer())
+        return _read_rate(held[0], repeats)
+    return read
+
+
+def _bandwidth_buffer():
     import torch
 
     from tltlib.kernels import huge_pages
     from tltlib.machine import llc_bytes
-    buffer = huge_pages.empty((max(1 << 30, 4 * llc_bytes()) // 4,), torch.float32).fill_(1.0)
+    return huge_pages.empty((max(1 << 30, 4 * llc_bytes()) // 4,), torch.float32).fill_(1.0)
+
+
+def _read_rate(buffer, repeats: int) -> tuple[float, int]:
     buffer.sum()
     times = []
     for _ in range(repeats):

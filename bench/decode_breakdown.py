@@ -44,6 +44,7 @@ from _common import (  # noqa: E402
     TASK_HELP,
     add_model_flags,
     add_output_flags,
+    bandwidth_reader,
     bench_parser,
     listed,
     load_models,
@@ -218,7 +219,8 @@ def main() -> None:
     if args.compile:
         engines.update(compiled=RolloutEngine(model, replace(config, compile_layers=True)),
                        **{"compiled-1": RolloutEngine(model, replace(one, compile_layers=True))})
-    results = [measure_rows(r, args, tok, engines) for r in args.rows.items]
+    bandwidth = bandwidth_reader()                      # read around every step: one buffer for the run
+    results = [measure_rows(r, args, tok, engines, bandwidth) for r in args.rows.items]
     rates = [rate for r in results for probe in r["probes_gb_s"] for rate in probe]
     bw = statistics.median(rates)
     header = ["rows", "Python layers' step ms", *(f"{p} ms (share)" for p in PARTS), "memory floor ms",

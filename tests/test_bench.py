@@ -596,6 +596,17 @@ def test_each_step_is_set_against_the_bandwidth_read_just_before_and_just_after_
         s / f for s, f in zip(rec["native_steps_ms"], rec["floors_ms"])))
 
 
+def test_a_bandwidth_reader_allocates_its_buffer_once_for_all_its_reads(monkeypatch):
+    """``bench decode_breakdown`` reads the bandwidth around every step: one buffer for the run, not one per read."""
+    import torch
+    made = []
+    monkeypatch.setattr(_common, "_bandwidth_buffer", lambda: made.append(1) or torch.ones(1 << 16))
+    read = _common.bandwidth_reader(repeats=2)
+    assert made == []                                                    # nothing until the first read
+    reads = [read() for _ in range(3)]
+    assert made == [1] and all(rate > 0 and size == 4 << 16 for rate, size in reads)
+
+
 def test_the_breakdown_times_every_projection_attention_and_layer_of_a_step():
     """One cached forward of the tiny reasoner under the breakdown's timers: each layer's four projections and the
     LM head charged as projections, each layer's attention and the layer itself counted once (a timer the model
