@@ -62,6 +62,10 @@ from _common import (  # noqa: E402
 
 PARTS = ("attention", "projections", "small ops and dispatch", "outside the layers")
 
+TIMED = ("eager", "native", "native-small-pages", "compiled")
+"""The engines a round may time, in their order (the bandwidth read before, between and after them): the Python
+layers, the native step, it on 4 KiB pages, the compiled layers."""
+
 
 def parse_args(argv: list[str] | None = None):
     ap = bench_parser(__doc__)
@@ -144,7 +148,7 @@ def measure_rows(rows: int, args, tok, engines: dict, bandwidth=read_bandwidth) 
     steps = args.new_tokens - 1
     for engine in engines.values():                              # warm-up (and the compile, for compiled)
         engine.generate(prompts)
-    names = [n for n in names_all() if n in engines]
+    names = [n for n in TIMED if n in engines]
     times = {n: [] for n in names}
     parts, probes = [], []
     for _ in range(args.repeats):                                  # interleaved rounds
@@ -160,7 +164,7 @@ def measure_rows(rows: int, args, tok, engines: dict, bandwidth=read_bandwidth) 
             times[name].append((wall_n - wall_1) / steps)
             probe.append(bandwidth()[0])
         probes.append(probe)
-    eager, native, small, compiled = (times.get(n, []) for n in names_all())
+    eager, native, small, compiled = (times.get(n, []) for n in TIMED)
     step = statistics.median(eager)
     part = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
     outside = max(step - part["attention"] - part["projections"] - part["layer"], 0.0)
@@ -184,12 +188,6 @@ def measure_rows(rows: int, args, tok, engines: dict, bandwidth=read_bandwidth) 
         rec.update(compiled_step_ms=statistics.median(compiled) * 1e3, compiled_steps_ms=[s * 1e3 for s in compiled],
                    compiled_speedup=step / statistics.median(compiled))
     return rec
-
-
-def names_all() -> tuple[str, ...]:
-    """The engines a round may time, in their order: the Python layers, the native step, it on 4 KiB pages, the
-    compiled layers."""
-    return ("eager", "native", "native-small-pages", "compiled")
 
 
 def bracketed_floor(step_bytes: float, before: float, after: float) -> float:
