@@ -18,13 +18,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tltlib.fileio import cache_root
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
 MODEL = "data/tiny-reasoner"
 DRAFTER = "data/tiny-reasoner-drafter"
-SMOLLM2 = str(Path.home() / ".cache" / "tltlib" / "models" / "smollm2-135m")
-"""Where ``python -m tltlib get-model smollm2-135m`` puts SmolLM2-135M (the default model of the SmolLM2 benches)."""
+SMOLLM2 = str(cache_root() / "models" / "smollm2-135m")
+"""Where ``python -m tltlib get-model smollm2-135m`` puts SmolLM2-135M (the default model of the SmolLM2 benches):
+under ``$TLTLIB_CACHE`` where it is set (:func:`tltlib.model.importers.cache_dir`), else ``~/.cache/tltlib``."""
 
 
 def ensure_malloc_env() -> None:

@@ -26,6 +26,21 @@ def bench(out: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=1200)
 
 
+def test_the_smollm2_benches_look_for_the_model_where_get_model_puts_it(tmp_path):
+    """``python -m tltlib get-model`` imports into ``$TLTLIB_CACHE/models`` where the variable is set: the SmolLM2
+    benches' default model is there too (it was ~/.cache/tltlib whatever the variable said), else under ~/.cache."""
+    code = "import sys; sys.path.insert(0, 'bench'); import _common; print(_common.SMOLLM2)"
+    for env, want in (({"TLTLIB_CACHE": str(tmp_path)}, tmp_path / "models" / "smollm2-135m"),
+                      ({}, Path.home() / ".cache" / "tltlib" / "models" / "smollm2-135m")):
+        base = {k: v for k, v in os.environ.items() if k != "TLTLIB_CACHE"}
+        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**base, **env}, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == str(want)
+    from tltlib.model.importers import cache_dir
+    assert Path(_common.SMOLLM2).parent == cache_dir()
+
+
 def assert_one_line_error(out: subprocess.CompletedProcess, *expected: str) -> None:
     assert out.returncode == 1, out.stderr
     assert "Traceback" not in out.stderr
