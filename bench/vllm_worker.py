@@ -19,6 +19,12 @@ import sys
 import time
 import traceback
 
+# This script's folder comes first on the path, and its benches (kernels.py, sampling.py, ...) would shadow the vLLM
+# venv's modules of those names: transformers imports a module "kernels" where one is importable (the HF kernels
+# package), found bench/kernels.py, and that imported tltlib, which this venv does not hold.
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
+
 COUNTERS = (("drafts", "vllm:spec_decode_num_drafts"), ("draft_tokens", "vllm:spec_decode_num_draft_tokens"),
             ("accepted", "vllm:spec_decode_num_accepted_tokens"))
 

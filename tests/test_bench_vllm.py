@@ -33,6 +33,10 @@ class _Metric:
     def __init__(self, name, value): self.name, self.value = name, value
 class LLM:
     def __init__(self, model, **kw):
+        import importlib.util                                # as transformers probes for the HF kernels package:
+        spec = importlib.util.find_spec("kernels")           # the bench's kernels.py must not be found (it imports
+        if spec is not None and "bench" in (spec.origin or ""):   # tltlib, absent from vLLM's venv)
+            raise ImportError(f"the worker's path finds {spec.origin} as the module kernels")
         if model == "broken":
             raise ValueError("no such model: broken")
         print("vLLM banner on stdout")                       # must not reach the protocol stream
