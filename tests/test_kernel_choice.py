@@ -153,13 +153,14 @@ def test_every_projection_kernel_computes_f_linear(rows, bias):
 
 def test_the_stream_kernel_on_two_threads_computes_f_linear_and_the_same_bits_as_on_one():
     """Big enough to be split over the threads (more weights than STREAM_SERIAL; the tests' one thread never splits
-    it): 200 weight rows are 3 full blocks of 64 and a short one, 203 columns end in a scalar tail; 1-9 input rows
-    take every tile and a second pass. Whichever thread takes a block, its rows' sums are the same bits."""
+    it): 203 weight rows are shares of 104 and 99 rows on two threads, 203 on one, each read as 4 streams with 0, 3 or
+    3 rows left over, 203 columns end in a scalar tail; 1-9 input rows take every tile and a second pass. Whichever
+    thread and stream read a row, its sums are the same bits."""
     module = ks.ragged_kernel()
     if module is None:
         pytest.skip("the CPU kernels cannot be built here")
     g = torch.Generator().manual_seed(3)
-    w, b = torch.randn(200, 203, generator=g), torch.randn(200, generator=g)
+    w, b = torch.randn(203, 203, generator=g), torch.randn(203, generator=g)
     threads = torch.get_num_threads()
     try:
         for rows in range(1, 10):
@@ -251,12 +252,12 @@ def test_the_model_decodes_the_same_tokens_whatever_the_table_picked(fresh_table
 
 
 def test_the_stream_kernel_is_measured_and_chosen_up_to_its_band_only(fresh_tables):
-    """``stream`` (a weight read once for a few rows) is a candidate of the bands up to STREAM_MAX_BAND (1-8 rows),
+    """``stream`` (a weight read once for a few rows) is a candidate of the bands up to STREAM_MAX_BAND (1-16 rows),
     where the CPU kernels are built: a timer that makes it fastest makes it the choice there, and beyond it the
     choice is another kernel's (a table cannot pick it for 64 rows even if a cell said it was fastest)."""
     if ks.ragged_kernel() is None:
         pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
-    assert kt.band_size(kt.STREAM_MAX_BAND) == 8
+    assert kt.band_size(kt.STREAM_MAX_BAND) == 16
     assert ["stream" in ks.linear_names(b, True) for b in range(kt.MAX_ROW_BAND + 1)] == [
         b <= kt.STREAM_MAX_BAND for b in range(kt.MAX_ROW_BAND + 1)]
     model = small_model()
@@ -264,10 +265,10 @@ def test_the_stream_kernel_is_measured_and_chosen_up_to_its_band_only(fresh_tabl
                          progress=False)
     table = kt.KernelTable(this_machine(), lin, att)
     n, k = next(iter(ks.projection_weights(model)))
-    for rows in (1, 2, 3, 5, 8):
+    for rows in (1, 2, 3, 5, 8, 9, 16):
         assert table.linear_kernel(n, k, rows, packed=True) == "stream"
         assert table.linear_kernel(n, k, rows, packed=False) == "stream"
-    for rows in (9, 64, 300):
+    for rows in (17, 64, 300):
         assert table.linear_kernel(n, k, rows, packed=True) not in ("stream", None)
     forged = {key: kt.Timing({**t.seconds, "stream": 1e-9}, {**t.spread, "stream": 0.0}) for key, t in lin.items()}
     assert kt.KernelTable(this_machine(), forged, att).linear_kernel(n, k, 64, packed=True) != "stream"

@@ -11,14 +11,24 @@ this kernel took 16.7 ms (25.5 GB/s), and the 49,152 x 576 LM head 3.4 ms agains
 table measures it beside the others for up to :data:`tltlib.kernels.table.STREAM_MAX_BAND`'s rows and picks it where
 it wins.
 
-How: the weight rows go to the threads in units of 8 (the one-row tile's height), evenly: a thread's share is
-one contiguous range (one stream through memory per thread) within 8 rows of any other's. Whole blocks of 64 rows
-split SmolLM2's 576-row projections 5:4 and its 960-row q/k/v 8:7, and the thread with the shorter share waited
-for the other (a trace of a one-row rollout on an AMD EPYC, 2 threads: ~1.4 ms per token in all, of a ~23 ms
-step). Within its range a thread goes 64 rows at a time; within those, R weight rows at a time are multiplied by up
-to 4 input rows at a time, the R x M sums held in vector registers over K (each weight vector loaded once per 4
-input rows, each input vector once per R weight rows), then reduced. Rows beyond 4 run in further passes over the
-64 rows, still in cache.
+How: the weight rows go to the threads in units of 8, evenly: a thread's share is one contiguous range within 8
+rows of any other's (whole blocks of 64 rows split SmolLM2's 576-row projections 5:4 and its 960-row q/k/v 8:7, and
+the thread with the shorter share waited for the other: ~1.4 ms per token of a ~23 ms one-row step on an AMD EPYC).
+A thread reads its share as ``STREAM_STREAMS`` (4) streams through memory: the share cut into that many contiguous
+parts, the next row of every part taken together (a group), each group's rows multiplied by up to 4 input rows at a
+time, the R x M sums held in vector registers over K (each weight vector loaded once per 4 input rows, each input
+vector once per R weight rows), then reduced; input rows beyond 4 run in further passes over the group's rows, still
+in cache. Each output is one row's sum in one order, whichever thread or stream reads it.
+
+Why several long streams: a core keeps more reads in flight over several streams than over one, and each row a tile
+reads must continue its own stream: the kernel before read 8 adjacent rows side by side, 8 streams of one row each
+(2,304 bytes at SmolLM2's 576 columns), which the prefetcher barely picks up before they end. SmolLM2's 121 one-row
+projections read from memory, interleaved over 31 rounds in one process (AMD EPYC, AVX2, 2 threads; a C++ probe
+of the two loops): q/k/v, output, gate/up, down and the LM head at 29.9 / 29.1 / 30.9 / 39.8 / 31.1 GB/s that way
+(the long rows of down fared best), at 42.2 / 39.9 / 43.1 / 43.5 / 45.4 GB/s as four streams (1.35x, paired median);
+eight streams as four; two adjacent rows of each of four streams 1.17x. In a one-row SmolLM2 rollout, timed inside
+the stack: the projections read at 30.7 -> 39.1 GB/s and the LM head at 32.0 -> 41.4, where a torch sum (one stream
+per thread) read 38.5 and 37.6 GB/s in the same runs.
 
 Departures: none (``F.linear``'s function, up to float rounding: another summation order).
 """
@@ -32,13 +42,16 @@ SOURCE = r"""
 #include <algorithm>
 #include <mutex>
 static const int64_t STREAM_UNIT = 8;               // the threads' shares are whole units of this many weight rows
-static const int64_t STREAM_BLOCK = 64;             // weight rows a thread multiplies at a time, within its share
+static const int64_t STREAM_STREAMS = 4;            // a thread reads its share as this many streams
 static const int64_t STREAM_SERIAL = 1 << 15;       // below this many weights one thread runs the product
 
-// out[m][n] = x[m] . w[n] for M input rows and R weight rows n0 .. n0 + R - 1 (K floats each; a scalar tail when K is
-// not a multiple of the vector width). x rows are K apart, out rows N apart.
+// out[m][n] = x[m] . w[n] for M input rows and the R weight rows rows[0 .. R - 1] (any rows; K floats each; a scalar
+// tail when K is not a multiple of the vector width). x rows are K apart, out rows N apart.
 template <int M, int R>
-static inline void stream_tile(const float* x, const float* w, float* out, int64_t n0, int64_t K, int64_t N) {
+static inline void stream_tile(const float* x, const float* w, float* out, const int64_t* rows, int64_t K,
+                               int64_t N) {
+  const float* wr[R];
+  for (int r = 0; r < R; ++r) wr[r] = w + rows[r] * K;
   vec_t acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = vec_t{};
@@ -47,25 +60,27 @@ static inline void stream_tile(const float* x, const float* w, float* out, int64
     vec_t xv[M];
     for (int m = 0; m < M; ++m) xv[m] = load(x + m * K + k);
     for (int r = 0; r < R; ++r) {
-      const vec_t wv = load(w + (n0 + r) * K + k);
+      const vec_t wv = load(wr[r] + k);
       for (int m = 0; m < M; ++m) acc[m][r] += wv * xv[m];
     }
   }
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) {
       float s = hsum(acc[m][r]);
-      for (int64_t kk = k; kk < K; ++kk) s += w[(n0 + r) * K + kk] * x[m * K + kk];
-      out[m * N + n0 + r] = s;
+      for (int64_t kk = k; kk < K; ++kk) s += wr[r][kk] * x[m * K + kk];
+      out[m * N + rows[r]] = s;
     }
 }
 
-// Weight rows n0 .. n1 - 1 for M input rows: R at a time (R x M sums: 8 for one row, 8 for two, 9 for three, 8 for
-// four, with the M input vectors and one weight vector: at most 14 of AVX2's 16 registers), the rest one at a time.
+// The cnt weight rows g[0 .. cnt - 1] (a group: one row of each stream) for M input rows: R at a time (R x M sums:
+// 4 for one row, 8 for two, 6 for three, 8 for four, with the M input vectors and one weight vector: at most 13 of
+// AVX2's 16 registers), the rest one at a time.
 template <int M, int R>
-static void stream_rows(const float* x, const float* w, float* out, int64_t n0, int64_t n1, int64_t K, int64_t N) {
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) stream_tile<M, R>(x, w, out, n, K, N);
-  for (; n < n1; ++n) stream_tile<M, 1>(x, w, out, n, K, N);
+static void stream_group(const float* x, const float* w, float* out, const int64_t* g, int64_t cnt, int64_t K,
+                         int64_t N) {
+  int64_t r = 0;
+  for (; r + R <= cnt; r += R) stream_tile<M, R>(x, w, out, g + r, K, N);
+  for (; r < cnt; ++r) stream_tile<M, 1>(x, w, out, g + r, K, N);
 }
 
 // Weight rows [0, N) of K columns handed to the threads: body(n0, n1) once per thread, on one contiguous range of
@@ -112,18 +127,29 @@ torch::Tensor stream_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   stream_split(N, K, [&](int64_t n0, int64_t n1) {
-    for (int64_t s = n0; s < n1; s += STREAM_BLOCK) {    // a block at a time: its weights stay in cache over the rows
-      const int64_t e = std::min(n1, s + STREAM_BLOCK);
+    // the share read as STREAM_STREAMS streams of S rows each: a group is the next row of every stream (its weights
+    // stay in cache over the input rows); the rest of the share one row at a time
+    const int64_t S = (n1 - n0) / STREAM_STREAMS;
+    int64_t g[STREAM_STREAMS];
+    auto run = [&](int64_t cnt) {
       for (int64_t m = 0; m < rows; m += 4) {
         const float* xm = xp + m * K;
         float* om = op + m * N;
         switch (std::min<int64_t>(4, rows - m)) {
-          case 1: stream_rows<1, 8>(xm, wp, om, s, e, K, N); break;
-          case 2: stream_rows<2, 4>(xm, wp, om, s, e, K, N); break;
-          case 3: stream_rows<3, 3>(xm, wp, om, s, e, K, N); break;
-          default: stream_rows<4, 2>(xm, wp, om, s, e, K, N); break;
+          case 1: stream_group<1, 4>(xm, wp, om, g, cnt, K, N); break;
+          case 2: stream_group<2, 4>(xm, wp, om, g, cnt, K, N); break;
+          case 3: stream_group<3, 2>(xm, wp, om, g, cnt, K, N); break;
+          default: stream_group<4, 2>(xm, wp, om, g, cnt, K, N); break;
         }
       }
+    };
+    for (int64_t i = 0; i < S; ++i) {
+      for (int64_t j = 0; j < STREAM_STREAMS; ++j) g[j] = n0 + j * S + i;
+      run(STREAM_STREAMS);
+    }
+    for (int64_t n = n0 + STREAM_STREAMS * S; n < n1; ++n) {
+      g[0] = n;
+      run(1);
     }
   });
   if (bias.numel()) out.add_(bias);

@@ -68,9 +68,11 @@ LINEAR_KERNELS = ("linear", "mm", "mm-pad", "packed", "mkl-packed", "stream")
 PACKED = ("packed", "mkl-packed")
 """The projection candidates that need a packed copy of the weight at hand."""
 ATTENTION_KERNELS = ("sdpa", "matmul", "ragged")
-STREAM_MAX_BAND = 3
-"""Projections: the ``stream`` kernel is a candidate up to this band of rows (5-8: a one-row verify of a chain of up
-to 7 drafts); beyond, the GEMMs' reuse of each weight across rows wins."""
+STREAM_MAX_BAND = 4
+"""Projections: the ``stream`` kernel is a candidate up to this band of rows (9-16: a decode of 16 rows, a verify of
+two rows' chains of 7 drafts); beyond, the GEMMs' reuse of each weight across rows wins. SmolLM2's five shapes on an
+AMD EPYC (AVX2, 2 threads) once the kernel read several streams per thread: ``stream`` the fastest at 9-16 rows by
+1.05-1.27x, at 17-32 rows oneDNN's packed GEMM or ``mm`` by 1.06-1.33x (it was a candidate up to 8 rows before)."""
 MAX_ROW_BAND = 9
 """Projections: the last band of rows (257-512); more rows use its choice."""
 MAX_ATTENTION_ROW_BAND = 7
