@@ -289,11 +289,20 @@ def weight_bytes(model) -> int:
 
 
 def read_bandwidth(repeats: int = 5) -> tuple[float, int]:
-    """Bytes per second this CPU's memory is read at, and the buffer's bytes: the median of ``repeats`` sums over a
-    float32 buffer of 4x the last-level cache (at least 1 GiB), on huge pages where the loader puts a model's
-    weights on them (:mod:`tltlib.kernels.huge_pages`: a sum reads ~1.1x faster from them on an AMD EPYC), so a
-    step's floor is set at the rate its weights can be read."""
+    """Bytes per second this CPU's memory is read at, and the buffer's bytes: over a float32 buffer of 4x the
+    last-level cache (at least 1 GiB), on huge pages where the loader puts a model's weights on them
+    (:mod:`tltlib.kernels.huge_pages`: a sum reads ~1.1x faster from them on an AMD EPYC), the faster of two reads
+    (:data:`BANDWIDTH_READS`), each the median of ``repeats``: so a step's floor is set at the fastest rate this
+    machine has been seen to read its weights at."""
     return _read_rate(_bandwidth_buffer(), repeats)
+
+
+BANDWIDTH_READS = "the faster of a sum and the stream kernel's read"
+"""How :func:`read_bandwidth` reads (results record it): torch's sum (one stream through memory per thread) and, where
+the CPU kernels are built, a product of one row by the buffer as a [N, 1024] weight through the ``stream`` kernel
+(several streams per thread: :mod:`tltlib.kernels.stream_linear_cpp`). On an AMD EPYC VM (AVX2, 2 threads) the
+kernel read faster than the sum once it read several streams per thread (41 against 38 GB/s over SmolLM2's LM
+head): a floor at the sum's rate alone would be below what the machine reads."""
 
 
 def bandwidth_reader(repeats: int = 5) -> Callable[[], tuple[float, int]]:
@@ -316,14 +325,33 @@ def _bandwidth_buffer():
     return huge_pages.empty((max(1 << 30, 4 * llc_bytes()) // 4,), torch.float32).fill_(1.0)
 
 
+def bandwidth_reads(buffer) -> list:
+    """The reads :func:`read_bandwidth` times over ``buffer`` (float32, contiguous), each a call that reads all of it:
+    torch's sum and, where the CPU kernels are built, one row of ones by the buffer as a ``[N, 1024]`` weight through
+    the ``stream`` kernel (its N outputs are the weight rows' sums; a tail of under 1,024 floats is left out)."""
+    import torch
+
+    from tltlib.kernels.ragged_attention import kernel
+    reads = [buffer.sum]
+    module = kernel()
+    if module is not None:
+        weight = buffer[: buffer.numel() // 1024 * 1024].view(-1, 1024)
+        row, none = torch.ones(1, 1024), torch.empty(0)
+        reads.append(lambda: module.stream_linear(row, weight, none))
+    return reads
+
+
 def _read_rate(buffer, repeats: int) -> tuple[float, int]:
-    buffer.sum()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        buffer.sum()
-        times.append(time.perf_counter() - t0)
-    return buffer.numel() * 4 / statistics.median(times), buffer.numel() * 4
+    rates = []
+    for read in bandwidth_reads(buffer):
+        read()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            read()
+            times.append(time.perf_counter() - t0)
+        rates.append(buffer.numel() * 4 / statistics.median(times))
+    return max(rates), buffer.numel() * 4
 
 
 def settle_down(seconds: float, limit: float = 3.0, window: float = 0.05, busy: float = 0.1,

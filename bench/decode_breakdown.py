@@ -16,7 +16,8 @@ step** is the same rollout's step with the C++ stack, untimed inside, in the sam
 
 The **memory floor** is what one step must read divided by this machine's bandwidth: every weight the step uses
 once (the layers, the final norm and the LM head; the embedding only where it is the head) plus each row's cached
-K/V at the step's mean length, at the read bandwidth measured here (``_common.read_bandwidth``, as ``bench kernels``
+K/V at the step's mean length, at the read bandwidth measured here (``_common.read_bandwidth``: the faster of a
+sum and the stream kernel's read; as ``bench kernels``
 measures its one-row floor) just before and just after the rollouts it is set against: on a shared VM the bandwidth
 moves with the neighbours' load (20-29 GB/s within a minute, 22.8-44.9 within one run on an AMD EPYC), so a step
 over the floor is taken round by round, each step against the mean of the floors at the two reads around it, and
@@ -40,6 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    BANDWIDTH_READS,
     SMOLLM2,
     TASK_HELP,
     add_model_flags,
@@ -240,7 +242,7 @@ def main() -> None:
         rows.append(row)
     payload = {"bench": "decode_breakdown", "machine": machine_info("cpu"), "model": str(args.model),
                "settings": vars(args), "bandwidth_gb_s": bw, "bandwidth_range_gb_s": [min(rates), max(rates)],
-               "floor_bracketed": True,
+               "floor_bracketed": True, "bandwidth_read": BANDWIDTH_READS,
                "huge_pages": {"thp": huge_pages.thp_mode(), "on": huge_pages.enabled(), "weight_bytes": weights,
                               "weight_bytes_on_huge_pages": placed,
                               "copy_bytes_on_huge_pages": plain_huge if placed else None},
@@ -250,8 +252,9 @@ def main() -> None:
     write_results(result_name("decode_breakdown", "cpu", "float32", model_suffix(args.model)), payload,
                   f"Where a plain decode step goes, model {args.model}, {args.task} prompts, {args.new_tokens} new "
                   f"tokens per row, float32 on this CPU (median of {args.repeats} rollouts after a warm-up); memory "
-                  f"floor at the read bandwidth measured just before and just after each step's rollouts (median "
-                  f"{bw:.1f} GB/s, {min(rates):.1f}-{max(rates):.1f}), each step over the mean of its two floors"
+                  f"floor at the read bandwidth ({BANDWIDTH_READS}) measured just before and just after each "
+                  f"step's rollouts (median {bw:.1f} GB/s, {min(rates):.1f}-{max(rates):.1f}), each step over the "
+                  f"mean of its two floors"
                   f"{where}\n\n" + markdown_table(header, rows),
                   args.out)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    BANDWIDTH_READS,
     DRAFTER,
     add_model_flags,
     add_output_flags,
@@ -100,9 +101,9 @@ def main() -> None:
             + "One decode forward of the model, ms (one token per row after 128-384 cached, packed weights at hand; "
               "medians of interleaved rounds):\n\n" + _forward_table(forward)
             + f"\n\nThe one-row floor: the weights a one-row forward reads ({floor['weight_bytes'] / 1e6:,.0f} MB) at "
-              f"this machine's memory read rate ({floor['read_gb_s']:.1f} GB/s, the median of 5 sums over "
-              f"{floor['buffer_bytes'] >> 20:,} MiB) take {floor['floor_ms']:.2f} ms; the table's one-row forward is "
-              f"{forward[0]['chosen_ms'] / floor['floor_ms']:.2f}x that"
+              f"this machine's memory read rate ({floor['read_gb_s']:.1f} GB/s, {BANDWIDTH_READS}, medians of 5 "
+              f"over {floor['buffer_bytes'] >> 20:,} MiB) take {floor['floor_ms']:.2f} ms; the table's one-row "
+              f"forward is {forward[0]['chosen_ms'] / floor['floor_ms']:.2f}x that"
             + (f"\n\n{len(noisy)} of {measured.size} cells spread more than {kt.MAX_SPREAD:.0%} even after "
                "retries and are left to PyTorch's default (measured again by the next process): "
                + ", ".join(f"{k} ({v:.0%})" for k, v in noisy) if noisy else "")
@@ -155,7 +156,8 @@ def weights_floor(model, repeats: int = 5) -> dict:
     ``{weight_bytes, read_gb_s, buffer_bytes, floor_ms}``."""
     weights = weight_bytes(model)
     rate, buffer = read_bandwidth(repeats)
-    return {"weight_bytes": weights, "read_gb_s": rate / 1e9, "buffer_bytes": buffer, "floor_ms": 1e3 * weights / rate}
+    return {"weight_bytes": weights, "read_gb_s": rate / 1e9, "buffer_bytes": buffer, "floor_ms": 1e3 * weights / rate,
+            "read": BANDWIDTH_READS}
 
 
 def _forward_table(forward: list[dict]) -> str:

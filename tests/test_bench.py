@@ -551,8 +551,9 @@ def test_decode_breakdown_adds_up_and_names_its_floor(tmp_path):
         assert r["native_step_ms"] > 0
     low, high = d["bandwidth_range_gb_s"]
     assert low <= d["bandwidth_gb_s"] <= high
-    assert d["floor_bracketed"] and "memory floor at the read bandwidth measured just before and just after each " \
-        "step's rollouts" in (tmp_path / "decode_breakdown-cpu-float32.md").read_text()
+    assert d["bandwidth_read"] == _common.BANDWIDTH_READS
+    assert d["floor_bracketed"] and f"memory floor at the read bandwidth ({_common.BANDWIDTH_READS}) measured just " \
+        "before and just after each step's rollouts" in (tmp_path / "decode_breakdown-cpu-float32.md").read_text()
 
 
 def test_the_breakdown_sets_the_step_on_4_kib_pages_beside_the_step_on_huge_ones():
@@ -620,6 +621,26 @@ def test_a_bandwidth_reader_allocates_its_buffer_once_for_all_its_reads(monkeypa
     assert made == []                                                    # nothing until the first read
     reads = [read() for _ in range(3)]
     assert made == [1] and all(rate > 0 and size == 4 << 16 for rate, size in reads)
+
+
+def test_the_bandwidth_is_the_faster_of_a_sum_and_the_stream_kernels_read(monkeypatch):
+    """The floor's bandwidth: both reads go over the whole buffer (the sum's value, the stream read's row sums; a tail
+    under 1,024 floats left out), and the faster one's rate is taken (a fake clock: the sum takes 2 s, the kernel 1 s;
+    then the other way round)."""
+    import torch
+    buffer = torch.arange(5000, dtype=torch.float32)
+    reads = _common.bandwidth_reads(buffer)
+    if len(reads) == 1:
+        pytest.skip("the CPU kernels cannot be built here: the sum alone")
+    assert reads[0]() == buffer.sum()
+    torch.testing.assert_close(reads[1]().view(-1), buffer[:4096].view(4, 1024).sum(1))
+    for sum_s, kernel_s in ((2.0, 1.0), (1.0, 4.0)):
+        clock = [0.0]
+        fake = [lambda: clock.__setitem__(0, clock[0] + sum_s), lambda: clock.__setitem__(0, clock[0] + kernel_s)]
+        monkeypatch.setattr(_common, "bandwidth_reads", lambda b: fake)
+        monkeypatch.setattr(_common.time, "perf_counter", lambda: clock[0])
+        rate, size = _common._read_rate(buffer, 3)
+        assert size == 20000 and rate == pytest.approx(20000 / min(sum_s, kernel_s))
 
 
 def test_the_breakdown_times_every_projection_attention_and_layer_of_a_step():

@@ -237,25 +237,33 @@ def huge_pages_note(d: dict) -> str:
 
 def floor_bandwidth(d: dict, short: bool = False) -> str:
     """The read bandwidth a breakdown's floor is at: measured just before and after each step (each step over the mean
-    of its two floors), or in a result from before once per round or once in the run. ``short``: without the range
-    and how it was measured."""
+    of its two floors), or in a result from before once per round or once in the run; how it was read where the
+    result says (the faster of a sum and the stream kernel's read; before: a sum). ``short``: without the range and
+    when it was read."""
+    how = f" ({d.get('bandwidth_read', 'a sum')})"     # results from before the stream kernel's read: a sum alone
     if "bandwidth_range_gb_s" not in d:
-        return f"{d['bandwidth_gb_s']:.1f} GB/s" + ("" if short else " measured in the same run")
+        return f"{d['bandwidth_gb_s']:.1f} GB/s{how}" + ("" if short else " measured in the same run")
     bracketed = d.get("floor_bracketed", False)       # read before and after each step (else once per round)
     if short:
-        return (f"the bandwidth read around each step (median {d['bandwidth_gb_s']:.1f} GB/s)" if bracketed else
-                f"the bandwidth of each round (median {d['bandwidth_gb_s']:.1f} GB/s)")
+        return (f"the bandwidth read around each step{how} (median {d['bandwidth_gb_s']:.1f} GB/s)" if bracketed
+                else f"the bandwidth of each round{how} (median {d['bandwidth_gb_s']:.1f} GB/s)")
     low, high = d["bandwidth_range_gb_s"]
     if bracketed:
-        return (f"the read bandwidth measured just before and just after each step's rollouts (median "
+        return (f"the read bandwidth{how} measured just before and just after each step's rollouts (median "
                 f"{d['bandwidth_gb_s']:.1f} GB/s, {low:.1f}-{high:.1f}), each step over the mean of its two floors")
-    return (f"the read bandwidth measured in each round (median {d['bandwidth_gb_s']:.1f} GB/s, {low:.1f}-"
+    return (f"the read bandwidth{how} measured in each round (median {d['bandwidth_gb_s']:.1f} GB/s, {low:.1f}-"
             f"{high:.1f}), each step over its own round's floor")
 
 
 SMOLLM2_BREAKDOWNS = (("Intel Xeon", "decode_breakdown-cpu-float32-smollm2-135m"),
                       ("AMD EPYC", "decode_breakdown-cpu-float32-smollm2-135m-amd-epyc"))
 """Where SmolLM2's decode step goes, per machine (``bench decode_breakdown``)."""
+
+SMOLLM2_ONE_ROW_FLOORS = (("Intel Xeon", "decode_breakdown-cpu-float32-smollm2-135m"),
+                          ("AMD EPYC", "decode_breakdown-cpu-float32-smollm2-135m-amd-epyc-b1-streams"))
+"""SmolLM2's one-row step against its memory floor, per machine (the goal's row): the newest run of each machine
+that measured it (on the AMD EPYC a one-row run of 25 rounds after the stream kernel read several streams per
+thread; the three-batch file there predates it)."""
 
 
 def native_rollout(stem: str) -> Callable:
