@@ -126,3 +126,28 @@ def test_engines_over_one_model_share_one_packed_copy(target):
     del other
     gc.collect()
     assert len(K.WeightPacks._shared) == n
+
+
+def test_the_fingerprints_products_are_the_weights_times_the_probe_by_the_stream_kernel_where_built(monkeypatch):
+    """WeightPacks' fingerprint reads every weight once per rollout: through the ``stream`` kernel where it is built
+    (~2x torch.mv's rate), torch.mv otherwise and for a weight that is not contiguous; either way weight @ probe, and
+    the same weights give the same bits."""
+    g = torch.Generator().manual_seed(0)
+    w, v = torch.randn(300, 203, generator=g), torch.rand(203, generator=g) + 0.5
+    want = torch.mv(w, v)
+    torch.testing.assert_close(K._weight_times(w, v), want, atol=1e-4, rtol=1e-5)
+    assert torch.equal(K._weight_times(w, v), K._weight_times(w.clone(), v))
+    torch.testing.assert_close(K._weight_times(w.T.contiguous().T, v), want, atol=1e-4, rtol=1e-5)   # a view
+    calls = []
+    module = K.ragged_kernel()
+    if module is not None:
+        class Spy:
+            def stream_linear(self, *a):
+                calls.append(a[1].shape)
+                return module.stream_linear(*a)
+        monkeypatch.setattr(K, "ragged_kernel", lambda: Spy())
+        K._weight_times(w, v)
+        K._weight_times(w.T.contiguous().T, v)                            # not contiguous: torch.mv
+        assert calls == [w.shape]
+    monkeypatch.setattr(K, "ragged_kernel", lambda: None)
+    assert torch.equal(K._weight_times(w, v), want)
