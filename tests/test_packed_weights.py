@@ -129,15 +129,16 @@ def test_engines_over_one_model_share_one_packed_copy(target):
 
 
 def test_the_fingerprints_products_are_the_weights_times_the_probe_by_the_stream_kernel_where_built(monkeypatch):
-    """WeightPacks' fingerprint reads every weight once per rollout: through the ``stream`` kernel where it is built
-    (~2x torch.mv's rate), torch.mv otherwise and for a weight that is not contiguous; either way weight @ probe, and
-    the same weights give the same bits."""
+    """WeightPacks' fingerprint reads every weight once per rollout through the ``stream`` projection (``_stream``, one
+    row: ~2x torch.mv's rate where the kernel is built), F.linear otherwise and for a weight that is not contiguous;
+    either way weight @ probe, and the same weights give the same bits."""
     g = torch.Generator().manual_seed(0)
     w, v = torch.randn(300, 203, generator=g), torch.rand(203, generator=g) + 0.5
     want = torch.mv(w, v)
-    torch.testing.assert_close(K._weight_times(w, v), want, atol=1e-4, rtol=1e-5)
-    assert torch.equal(K._weight_times(w, v), K._weight_times(w.clone(), v))
-    torch.testing.assert_close(K._weight_times(w.T.contiguous().T, v), want, atol=1e-4, rtol=1e-5)   # a view
+    times = lambda weight: K._stream(v[None], weight, None, None, 1)[0]
+    torch.testing.assert_close(times(w), want, atol=1e-4, rtol=1e-5)
+    assert torch.equal(times(w), times(w.clone()))
+    torch.testing.assert_close(times(w.T.contiguous().T), want, atol=1e-4, rtol=1e-5)   # a view
     calls = []
     module = K.ragged_kernel()
     if module is not None:
@@ -146,8 +147,10 @@ def test_the_fingerprints_products_are_the_weights_times_the_probe_by_the_stream
                 calls.append(a[1].shape)
                 return module.stream_linear(*a)
         monkeypatch.setattr(K, "ragged_kernel", lambda: Spy())
-        K._weight_times(w, v)
-        K._weight_times(w.T.contiguous().T, v)                            # not contiguous: torch.mv
-        assert calls == [w.shape]
+        times(w)
+        times(w.T.contiguous().T)                                         # not contiguous: F.linear
+        layer = torch.nn.Linear(203, 300, bias=False)
+        K.WeightPacks(layer)._fingerprint()                               # the fingerprint goes this way
+        assert calls == [w.shape, w.shape]
     monkeypatch.setattr(K, "ragged_kernel", lambda: None)
-    assert torch.equal(K._weight_times(w, v), want)
+    assert torch.equal(times(w), torch.nn.functional.linear(v[None], w)[0])

@@ -259,7 +259,7 @@ SMOLLM2_BREAKDOWNS = (("Intel Xeon", "decode_breakdown-cpu-float32-smollm2-135m"
                       ("AMD EPYC", "decode_breakdown-cpu-float32-smollm2-135m-amd-epyc"))
 """Where SmolLM2's decode step goes, per machine (``bench decode_breakdown``)."""
 
-SMOLLM2_ONE_ROW_FLOORS = (("Intel Xeon", "decode_breakdown-cpu-float32-smollm2-135m"),
+SMOLLM2_ONE_ROW_FLOORS = (SMOLLM2_BREAKDOWNS[0],
                           ("AMD EPYC", "decode_breakdown-cpu-float32-smollm2-135m-amd-epyc-b1-streams"))
 """SmolLM2's one-row step against its memory floor, per machine (the goal's row): the newest run of each machine
 that measured it (on the AMD EPYC a one-row run of 25 rounds after the stream kernel read several streams per
