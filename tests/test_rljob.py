@@ -356,3 +356,36 @@ def test_workers_that_cannot_split_the_groups_are_refused_before_torchrun(tmp_pa
                         "--output-dir", str(tmp_path / "o")], cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert r.returncode == 1 and r.stderr.count("error:") == 1
     assert "3 workers but only 2 prompts per step" in r.stderr and "torch.distributed" not in r.stderr
+
+
+def test_under_torchrun_a_world_that_cannot_split_the_groups_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """Every rank of a torchrun world of 3 refuses a step of 2 prompts after checking the file, before it touches
+    the output folder or loads a model (a real 3-rank launch: tests/test_scheduler.py)."""
+    from tltlib.errors import BadInput
+    from tltlib.lab import rljob
+
+    class ThreeRanks:
+        def __init__(self, device, timeout):
+            self.size, self.rank, self.device = 3, 1, device
+
+        def check_same(self, what, value):
+            pass
+
+        def shard(self, num_prompts):
+            from tltlib.rl.world import shard
+            return shard(num_prompts, self.size, self.rank)
+
+        def barrier(self):
+            raise AssertionError("reached the output folder's barrier")
+
+    def loaded(*a, **k):
+        raise AssertionError("loaded a model")
+
+    f = tmp_path / "two.yaml"
+    f.write_text(TINY)                                                     # 4 completions / 2 = 2 prompts per step
+    monkeypatch.setattr(rljob, "launched_by_torchrun", lambda: True)
+    monkeypatch.setattr(rljob, "DistributedWorld", ThreeRanks)
+    monkeypatch.setattr(rljob, "load", loaded)
+    with pytest.raises(BadInput, match="3 workers but only 2 prompts per step"):
+        rljob.run_job(f, output_dir=tmp_path / "o", progress=False)
+    assert not (tmp_path / "o").exists()

@@ -260,6 +260,7 @@ def run_job(params: str | os.PathLike, output_dir: str | os.PathLike | None = No
     lead = world is None or world.rank == 0
     if world is not None:                          # every rank must run the same file (else collectives mismatch)
         world.check_same("parameter file", {k: v for k, v in job.settings().items() if k != "source"})
+        world.shard(job.grpo.prompts_per_step)     # a world that cannot split the groups: refused before any load
     if lead:
         remove_stale_temporaries(output)           # puts back a checkpoint whose save was killed between renames
     if world is not None:
