@@ -363,17 +363,13 @@ def test_under_torchrun_a_world_that_cannot_split_the_groups_is_refused_before_t
     the output folder or loads a model (a real 3-rank launch: tests/test_scheduler.py)."""
     from tltlib.errors import BadInput
     from tltlib.lab import rljob
+    from tltlib.rl.world import World
 
-    class ThreeRanks:
+    class ThreeRanks(World):                                            # World's own shard, at rank 1 of 3
+        size, rank = 3, 1
+
         def __init__(self, device, timeout):
-            self.size, self.rank, self.device = 3, 1, device
-
-        def check_same(self, what, value):
-            pass
-
-        def shard(self, num_prompts):
-            from tltlib.rl.world import shard
-            return shard(num_prompts, self.size, self.rank)
+            super().__init__(device)
 
         def barrier(self):
             raise AssertionError("reached the output folder's barrier")

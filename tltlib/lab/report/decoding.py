@@ -259,12 +259,6 @@ SMOLLM2_BREAKDOWNS = (("Intel Xeon", "decode_breakdown-cpu-float32-smollm2-135m"
                       ("AMD EPYC", "decode_breakdown-cpu-float32-smollm2-135m-amd-epyc"))
 """Where SmolLM2's decode step goes, per machine (``bench decode_breakdown``)."""
 
-SMOLLM2_ONE_ROW_FLOORS = (SMOLLM2_BREAKDOWNS[0],
-                          ("AMD EPYC", "decode_breakdown-cpu-float32-smollm2-135m-amd-epyc-b1-streams"))
-"""SmolLM2's one-row step against its memory floor, per machine (the goal's row): the newest run of each machine
-that measured it (on the AMD EPYC a one-row run of 25 rounds after the stream kernel read several streams per
-thread; the three-batch file there predates it)."""
-
 
 def native_rollout(stem: str) -> Callable:
     """Rollouts with the layers in one C++ call against the Python layers (``bench native_rollout``): seconds, the

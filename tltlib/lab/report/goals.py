@@ -11,8 +11,8 @@ import statistics
 
 from .check import CHECK, TIME_GOAL_S, caught
 from .decoding import (
+    SMOLLM2_BREAKDOWNS,
     SMOLLM2_DECODE,
-    SMOLLM2_ONE_ROW_FLOORS,
     SMOLLM2_SD_RUNS,
     drafts_accepted_ratio,
     floor_bandwidth,
@@ -146,7 +146,7 @@ def block_verification(r):
 
 def smollm2_floor(r):
     parts, met = [], []
-    for machine, stem in SMOLLM2_ONE_ROW_FLOORS:
+    for machine, stem in SMOLLM2_BREAKDOWNS:
         d = r.json(stem)
         one = next(v for v in d["results"] if v["rows"] == 1)
         native = "native_step_ms" in one                  # the default path: the layers in one C++ call
