@@ -397,3 +397,20 @@ def test_on_drift_in_grpo_learns_first_then_skips_the_drafter_until_its_acceptan
     assert tr.drafter.version == 2 and tr.drift.learning
     state = tr.checkpoint_state().meta["drafter_drift"]
     assert state["learning"] and state["curve"] == [] and state["anchor"]
+
+
+def test_a_drafter_the_spot_trainer_trained_in_the_idle_window_counts_as_trained(shipped, monkeypatch):
+    """With the spot trainer, the idle window's sync moves the drafter's version before the step's drafter phase:
+    that phase measures against the version before the window (``SpotWindow.version``), so a worker that trained
+    there raises no stale alarm and says ``drafter/trained`` 1 (reading the moved version, it fired after a few such
+    steps in a row on 2 workers)."""
+    from tltlib.rl.scheduler import SpotWindow
+    tr = _trainer(shipped)
+    monkeypatch.setattr(type(tr.spot), "active", property(lambda self: True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AlarmWarning)
+        for _ in range(TLT.alarm_patience + 1):
+            window = SpotWindow(0.0, 1.0, steps=2, version=tr.drafter.version)
+            tr.drafter.version += 1                                    # what the window's sync did
+            m = tr.train_drafter(window)
+            assert m["drafter/trained"] == 1.0 and not tr.alarms.fired_at["drafter_stale"]

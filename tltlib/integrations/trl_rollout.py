@@ -189,7 +189,7 @@ class TLTRollout:
         ``drafter_train: on_drift`` finds its acceptance on ``res`` still near its best."""
         if self.drafter_trainer is None:
             return online.train_drafter(self.spot, self.tlt, window, clock)
-        train, version = self.drift.decide(res.timeline), self.drafter.version
+        train, version = self.drift.decide(res.timeline), online.version_before(self.spot, window, self.drafter)
         stats = online.train_drafter(self.spot, self.tlt, window, clock, train)
         if self.drafter.version != version:
             self.drift.trained()

@@ -99,6 +99,14 @@ def watch_drafter(alarms: Alarms | None, held, drafter, version, policy_moved: b
             alarms.check_drafter(h, drafter, workers)
 
 
+def version_before(spot: SpotTrainer, window: SpotWindow | None, drafter) -> int | None:
+    """The drafter's version before this step's training: with the spot trainer, before the idle window's sync (which
+    already moved it when any worker trained there), else its version now (:func:`train_drafter` is to come)."""
+    if spot.active and window is not None and window.version is not None:
+        return window.version
+    return getattr(drafter, "version", None)
+
+
 def train_drafter(spot: SpotTrainer, tlt: TLTConfig, window: SpotWindow | None = None, clock=None,
                   train: bool = True) -> dict:
     """The online drafter's training after a rollout: none when the spot trainer trained it in the idle window (its

@@ -97,6 +97,9 @@ class SpotWindow:
     """Seconds from the last rollout's end until this worker saw it (only when it did not train)."""
     stats: dict = field(default_factory=dict)
     """``drafter/*`` statistics of its last micro-step."""
+    version: int | None = None
+    """The drafter's version before this window's sync (None: one worker, no sync), which moves it when any worker
+    trained: what the step's drafter training is measured against (:func:`tltlib.rl.online.version_before`)."""
 
     def record(self, rank: int, spans: list) -> dict:
         """What :func:`schedule_metrics` reads of this worker."""
@@ -137,7 +140,7 @@ class SpotTrainer:
             return window
         arrival = self.world.arrive(end)
         drafter = self.drafter_trainer.drafter if self.drafter_trainer is not None else None
-        version = getattr(drafter, "version", 0)
+        version = window.version = getattr(drafter, "version", 0)
         # the last worker to finish must not start a micro-step: it knows it is last when every other worker's
         # arrival has reached it (messages posted before this worker listened take a few ms to land)
         grace = time.time() + GRACE_S

@@ -329,7 +329,7 @@ class GRPOTrainer:
         (:class:`~tltlib.rl.drift.DriftGate`). Then the stale and mismatch alarms look at the drafter."""
         trains = self.drafter_trainer is not None
         train = self.drift.decide(res.timeline) if trains and res is not None else True
-        version = getattr(self.drafter, "version", None)
+        version = online.version_before(self.spot, window, self.drafter)
         stats = online.train_drafter(self.spot, self.tlt, window, clock, train)
         if not trains:
             return stats
